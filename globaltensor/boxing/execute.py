@@ -1,0 +1,151 @@
+"""Run a boxing plan on this rank's local tensor with real collectives (``comm``)."""
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from ..layout import balanced_split
+from . import steps as S
+from .plan import Plan
+
+
+def execute(plan: Plan, local: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+    """This rank's local tensor in ``plan.dst``, from its local tensor in ``plan.src``.
+
+    The result never aliases ``local`` when it holds different data, so the source
+    tensor stays valid.
+    """
+    if rank is None:
+        rank = comm.get_rank()
+    out = local
+    for step in plan.steps:
+        out = _RUN[type(step)](step, out, rank)
+    if plan.steps and out.numel() and _shares_storage(out, local):
+        out = out.clone()
+    return out
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _all_gather(step: S.AllGather, x: torch.Tensor, rank: int) -> torch.Tensor:
+    members, d = step.members(rank), step.dim
+    sizes = [step.src.local_shape(m)[d] for m in members]
+    n, biggest = len(members), max(sizes)
+    if d == 0 and min(sizes) == biggest:
+        # Even split along dim 0: the gathered buffer already is the result.
+        out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
+        comm.all_gather_into(out, x, members)
+        return out
+    if x.shape[d] < biggest:
+        pad = list(x.shape)
+        pad[d] = biggest - x.shape[d]
+        x = torch.cat([x, x.new_zeros(pad)], dim=d)
+    x = x.movedim(d, 0).contiguous()
+    gathered = x.new_empty((n,) + tuple(x.shape))
+    comm.all_gather_into(gathered, x, members)
+    parts = [gathered[k, :sizes[k]] for k in range(n)]
+    return torch.cat(parts, dim=0).movedim(0, d).contiguous()
+
+
+def _all_reduce(step: S.AllReduce, x: torch.Tensor, rank: int) -> torch.Tensor:
+    out = x.contiguous().clone()
+    comm.all_reduce_(out, step.reduce, step.members(rank))
+    return out
+
+
+def _chunks_to_buffer(x: torch.Tensor, dim: int, parts) -> tuple[torch.Tensor, list[int]]:
+    """Lay the parts of ``x`` along ``dim`` out one after another in a flat buffer."""
+    if dim == 0:
+        x = x.contiguous()
+        row = x[0].numel() if x.shape[0] else _numel(x.shape[1:])
+        return x.view(-1), [size * row for _, size in parts]
+    buf = x.new_empty(x.numel())
+    splits, pos = [], 0
+    for offset, size in parts:
+        piece = x.narrow(dim, offset, size)
+        buf[pos:pos + piece.numel()].view(piece.shape).copy_(piece)
+        splits.append(piece.numel())
+        pos += piece.numel()
+    return buf, splits
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _reduce_scatter(step: S.ReduceScatter, x: torch.Tensor, rank: int) -> torch.Tensor:
+    # On gloo an all-to-all plus a local reduction beats reduce_scatter (DESIGN.md).
+    members, d = step.members(rank), step.dim
+    parts = step.parts(x.shape[d])
+    me = members.index(rank)
+    inp, in_splits = _chunks_to_buffer(x, d, parts)
+    mine = list(x.shape)
+    mine[d] = parts[me][1]
+    n = len(members)
+    out = x.new_empty(n * _numel(mine))
+    comm.all_to_all_single(out, inp, [_numel(mine)] * n, in_splits, members)
+    stacked = out.view([n] + mine)
+    if step.reduce == "sum":
+        return stacked.sum(0)
+    return stacked.amax(0)
+
+
+def _all_to_all(step: S.AllToAll, x: torch.Tensor, rank: int) -> torch.Tensor:
+    members, i, j = step.members(rank), step.src_dim, step.dst_dim
+    parts = step.parts(x.shape[j])
+    me = members.index(rank)
+    inp, in_splits = _chunks_to_buffer(x, j, parts)
+    # What member k sends me: its part along i, my part along j.
+    shapes = []
+    for m in members:
+        shape = list(step.src.local_shape(m))
+        shape[j] = parts[me][1]
+        shapes.append(shape)
+    out = x.new_empty(sum(_numel(s) for s in shapes))
+    comm.all_to_all_single(out, inp, [_numel(s) for s in shapes], in_splits, members)
+    if i == 0:
+        total = list(shapes[0])
+        total[0] = sum(s[0] for s in shapes)
+        return out.view(total)  # pieces stacked along dim 0 are already concatenated
+    pieces, pos = [], 0
+    for s in shapes:
+        pieces.append(out[pos:pos + _numel(s)].view(s))
+        pos += _numel(s)
+    return torch.cat(pieces, dim=i)
+
+
+def _local_slice(step: S.LocalSlice, x: torch.Tensor, rank: int) -> torch.Tensor:
+    c = step.src.placement.coord(rank)[step.axis]
+    offset, size = step.parts(x.shape[step.dim])[c]
+    return x.narrow(step.dim, offset, size)
+
+
+def _zero_non_root(step: S.ZeroNonRoot, x: torch.Tensor, rank: int) -> torch.Tensor:
+    if step.src.placement.coord(rank)[step.axis] == 0:
+        return x
+    return torch.zeros_like(x)
+
+
+def _relabel(step: S.Relabel, x: torch.Tensor, rank: int) -> torch.Tensor:
+    return x
+
+
+def _pad_to_partial(step: S.PadToPartial, x: torch.Tensor, rank: int) -> torch.Tensor:
+    shape = step.dst.local_shape(rank)
+    out = x.new_full(shape, S.identity_value(step.reduce, x.dtype))
+    c = step.src.placement.coord(rank)[step.axis]
+    offset, size = step.parts(shape[step.dim])[c]
+    out.narrow(step.dim, offset, size).copy_(x)
+    return out
+
+
+_RUN = {
+    S.AllGather: _all_gather, S.AllReduce: _all_reduce, S.ReduceScatter: _reduce_scatter,
+    S.AllToAll: _all_to_all, S.LocalSlice: _local_slice, S.ZeroNonRoot: _zero_non_root,
+    S.Relabel: _relabel, S.PadToPartial: _pad_to_partial,
+}

@@ -1,0 +1,97 @@
+"""Thin wrappers over torch.distributed collectives and batched point-to-point.
+
+Each takes the member ranks of the group (ordered) and records what it moves in
+``stats`` so ``debug.comm_stats()`` can count it. A group of one does the local
+equivalent without calling torch.distributed.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import stats
+from .groups import get_group, init
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...]) -> None:
+    """``out`` (contiguous, len(ranks) * inp.numel()) receives every member's ``inp``."""
+    if len(ranks) == 1:
+        out.view(-1).copy_(inp.reshape(-1))
+        return
+    stats.record("all_gather", _nbytes(inp) * (len(ranks) - 1))
+    dist.all_gather_into_tensor(out, inp.contiguous(), group=get_group(ranks))
+
+
+def all_reduce_(t: torch.Tensor, reduce: str, ranks: tuple[int, ...]) -> None:
+    """In-place all-reduce of a contiguous tensor with "sum" or "max"."""
+    if len(ranks) == 1:
+        return
+    stats.record("all_reduce", 2 * _nbytes(t) * (len(ranks) - 1) // len(ranks))
+    dist.all_reduce(t, op=_REDUCE_OPS[reduce], group=get_group(ranks))
+
+
+def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int],
+                      in_splits: Sequence[int], ranks: tuple[int, ...]) -> None:
+    """1-D all-to-all: chunk ``i`` of ``inp`` (``in_splits[i]`` elements) goes to
+    ``ranks[i]``; ``out`` holds what each member sent, in member order."""
+    if len(ranks) == 1:
+        out.copy_(inp)
+        return
+    me = ranks.index(dist.get_rank())
+    stats.record("all_to_all", (sum(in_splits) - in_splits[me]) * inp.element_size())
+    dist.all_to_all_single(out, inp, list(out_splits), list(in_splits),
+                           group=get_group(ranks))
+
+
+def broadcast_(t: torch.Tensor, src: int, ranks: tuple[int, ...]) -> None:
+    """In-place broadcast of ``t`` from global rank ``src`` to the members."""
+    if len(ranks) == 1:
+        return
+    if dist.get_rank() == src:
+        stats.record("broadcast", _nbytes(t) * (len(ranks) - 1))
+    dist.broadcast(t, src=src, group=get_group(ranks))
+
+
+def batched_p2p(sends: Sequence[tuple[torch.Tensor, int]],
+                recvs: Sequence[tuple[torch.Tensor, int]]) -> None:
+    """Post every send and receive (tensor, peer global rank) together, then wait."""
+    if not sends and not recvs:
+        return
+    init()
+    ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
+    for t, _ in sends:
+        stats.record("send", _nbytes(t))
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
+def all_gather_object(obj, ranks: tuple[int, ...] | None = None) -> list:
+    """Every member's picklable ``obj``, in member order (whole world by default)."""
+    init()
+    if ranks is None:
+        ranks = tuple(range(dist.get_world_size()))
+    if len(ranks) == 1:
+        return [obj]
+    out = [None] * len(ranks)
+    stats.record("all_gather_object", 0)
+    dist.all_gather_object(out, obj, group=get_group(ranks))
+    return out
+
+
+def get_rank() -> int:
+    init()
+    return dist.get_rank()
+
+
+def get_world_size() -> int:
+    init()
+    return dist.get_world_size()

@@ -1,0 +1,67 @@
+"""Process-group bootstrap and the cache of sub-groups, keyed by the ordered rank tuple.
+
+Sub-groups are created with local synchronisation: only their members take part, so
+no rank ever waits on a group it will not use, and a group is built the first time
+its members need it (they all reach that point together, SPMD). Member order is kept
+(``sort_ranks=False``) so group rank ``i`` is ``members[i]``: the order in which a
+split hands out parts.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from .. import env
+
+_groups: dict[tuple[int, ...], object] = {}
+
+
+def _backend() -> str:
+    # One default group serving both devices: gloo for cpu placements, nccl for cuda.
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        return "cpu:gloo,cuda:nccl"
+    return "gloo"
+
+
+def init() -> None:
+    """Initialise torch.distributed from the launcher's variables (idempotent).
+
+    Without RANK/WORLD_SIZE this is a world of one process, with no error.
+
+    >>> import globaltensor as gt
+    >>> gt.init(); gt.get_world_size()
+    1
+    """
+    if dist.is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=env.timeout_seconds())
+    world = env.get_world_size()
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        # A world of one needs no rendezvous: an in-memory store does.
+        dist.init_process_group(_backend(), store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+    else:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(_backend(), init_method="env://", rank=env.get_rank(),
+                                world_size=world, timeout=timeout)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.get_local_rank() % torch.cuda.device_count())
+
+
+def get_group(ranks: tuple[int, ...]):
+    """The process group whose group rank ``i`` is ``ranks[i]`` (the caller is a member)."""
+    group = _groups.get(ranks)
+    if group is None:
+        init()
+        if ranks == tuple(range(dist.get_world_size())):
+            group = dist.group.WORLD
+        else:
+            group = dist.new_group(list(ranks), use_local_synchronization=True,
+                                   sort_ranks=False,
+                                   timeout=datetime.timedelta(seconds=env.timeout_seconds()))
+        _groups[ranks] = group
+    return group

@@ -1,0 +1,75 @@
+"""Who we are in the world, read from the launcher's environment, and the seeded RNG.
+
+This module reads variables only; ``comm`` turns them into process groups. It sits
+below ``placement`` so that a placement can check its ranks against the world size
+without any communication.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+# torch's own default CPU seed: an unseeded program behaves like plain torch.
+_DEFAULT_SEED = 67280421310721
+_generator: torch.Generator | None = None
+
+
+def _int_var(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def get_rank() -> int:
+    """This process's global rank (0 in a world of one)."""
+    return _int_var("RANK", 0)
+
+
+def get_world_size() -> int:
+    """Number of processes in the job (1 without a launcher)."""
+    return _int_var("WORLD_SIZE", 1)
+
+
+def get_local_rank() -> int:
+    """This process's rank on its node (selects the cuda device)."""
+    return _int_var("LOCAL_RANK", 0)
+
+
+def timeout_seconds() -> float:
+    """Collective timeout, ``GLOBALTENSOR_TIMEOUT`` seconds (default 300)."""
+    value = os.environ.get("GLOBALTENSOR_TIMEOUT", "300")
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"GLOBALTENSOR_TIMEOUT={value!r} is not a number of seconds") from None
+    if seconds <= 0:
+        raise ValueError(f"GLOBALTENSOR_TIMEOUT must be positive, got {value!r}")
+    return seconds
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("GLOBALTENSOR_DEBUG", "") not in ("", "0")
+
+
+def manual_seed(seed: int) -> None:
+    """Seed the placement-invariant generator and torch's own, the same on every rank.
+
+    >>> import globaltensor as gt
+    >>> gt.manual_seed(0)
+    """
+    global _generator
+    _generator = torch.Generator().manual_seed(int(seed))
+    torch.manual_seed(int(seed))
+
+
+def generator() -> torch.Generator:
+    """The generator behind the random factories: it advances identically on every rank."""
+    global _generator
+    if _generator is None:
+        _generator = torch.Generator().manual_seed(_DEFAULT_SEED)
+    return _generator

@@ -1,0 +1,118 @@
+"""Pure shape math: which region of a global tensor each rank holds.
+
+The balanced split gives the first ``L % n`` parts one extra element. On an n-D
+placement, axis 0 splits first and each later axis splits the part it is given again;
+broadcast and partial axes leave the region whole (a partial rank holds a full-size
+addend of its region).
+
+>>> balanced_split(5, 2)
+((0, 3), (3, 2))
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence
+
+from .placement import Placement
+from .sbp import Broadcast, Partial, SbpParallel, Split, normalize
+
+
+@lru_cache(maxsize=4096)
+def balanced_split(length: int, parts: int) -> tuple[tuple[int, int], ...]:
+    """(offset, size) of each of ``parts`` parts of ``length`` elements."""
+    base, extra = divmod(length, parts)
+    out, offset = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        out.append((offset, size))
+        offset += size
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Region:
+    """A box of a global tensor: per dim, an offset and a size."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n
+
+    def intersect(self, other: "Region") -> "Region | None":
+        offsets, sizes = [], []
+        for o1, s1, o2, s2 in zip(self.offsets, self.sizes, other.offsets, other.sizes):
+            lo, hi = max(o1, o2), min(o1 + s1, o2 + s2)
+            if hi <= lo:
+                return None
+            offsets.append(lo)
+            sizes.append(hi - lo)
+        return Region(tuple(offsets), tuple(sizes))
+
+    def slices(self, within: "Region | None" = None) -> tuple[slice, ...]:
+        """Index of this region inside ``within`` (or inside the global tensor)."""
+        base = within.offsets if within is not None else (0,) * len(self.offsets)
+        return tuple(slice(o - b, o - b + s) for o, b, s in zip(self.offsets, base, self.sizes))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one global tensor lies on its placement: global shape, placement, nd-sbp."""
+
+    shape: tuple[int, ...]
+    placement: Placement
+    sbp: tuple[SbpParallel, ...]
+
+    @staticmethod
+    def make(shape: Sequence[int], placement: Placement, sbp) -> "Layout":
+        shape = tuple(int(s) for s in shape)
+        return Layout(shape, placement, normalize(sbp, placement.ndim, len(shape)))
+
+    def with_sbp(self, sbp) -> "Layout":
+        return Layout.make(self.shape, self.placement, sbp)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def partial_axes(self) -> tuple[int, ...]:
+        return tuple(a for a, s in enumerate(self.sbp) if isinstance(s, Partial))
+
+    def region_at(self, coord: Sequence[int], axes: int | None = None) -> Region:
+        """Region at a hierarchy coordinate, applying placement axes ``[0, axes)``."""
+        return _region(self.shape, self.placement.shape, self.sbp, tuple(coord),
+                       self.placement.ndim if axes is None else axes)
+
+    def region(self, rank: int) -> Region | None:
+        """Region that ``rank`` holds, or None when it is outside the placement."""
+        coord = self.placement.coord(rank)
+        return None if coord is None else self.region_at(coord)
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        """Shape of ``rank``'s local tensor (all zeros-size outside the placement)."""
+        region = self.region(rank)
+        return (0,) * self.ndim if region is None else region.sizes
+
+    def is_even(self) -> bool:
+        """True when every rank's local tensor has the same shape."""
+        return len({self.local_shape(r) for r in self.placement}) == 1
+
+
+@lru_cache(maxsize=65536)
+def _region(shape, pshape, sbp, coord, axes) -> Region:
+    offsets, sizes = [0] * len(shape), list(shape)
+    for axis in range(axes):
+        s = sbp[axis]
+        if isinstance(s, Split):
+            offset, size = balanced_split(sizes[s.dim], pshape[axis])[coord[axis]]
+            offsets[s.dim] += offset
+            sizes[s.dim] = size
+        elif not isinstance(s, (Broadcast, Partial)):
+            raise TypeError(f"not an sbp: {s!r}")
+    return Region(tuple(offsets), tuple(sizes))
