@@ -60,6 +60,8 @@ def split(dim: int) -> Split:
     split(dim=1)
     """
     try:
+        if isinstance(dim, bool):
+            raise TypeError
         dim = operator.index(dim)
     except TypeError:
         raise ValueError(f"split dim must be an int, got {dim!r}") from None
