@@ -1,5 +1,6 @@
-"""Redistribution: plan (plan.py), step vocabulary (steps.py), run with collectives
-(execute.py) or on per-rank tensors in one process (simulate.py)."""
+"""Redistribution: plan (plan.py, route.py), step vocabulary (steps.py), run with
+collectives (execute.py) or on per-rank tensors in one process (simulate.py)."""
 from .execute import execute
 from .plan import Plan, plan_boxing
-from .simulate import materialize, scatter, simulate
+from .route import plan_route
+from .simulate import local_part, materialize, scatter, simulate

@@ -19,7 +19,10 @@ def execute(plan: Plan, local: torch.Tensor, rank: int | None = None) -> torch.T
         rank = comm.get_rank()
     out = local
     for step in plan.steps:
-        out = _RUN[type(step)](step, out, rank)
+        if isinstance(step, S.Transfer):
+            out = _transfer(step, out, rank)
+        elif rank in step.src.placement:
+            out = _RUN[type(step)](step, out, rank)
     if plan.steps and out.numel() and _shares_storage(out, local):
         out = out.clone()
     return out
@@ -142,6 +145,38 @@ def _pad_to_partial(step: S.PadToPartial, x: torch.Tensor, rank: int) -> torch.T
     offset, size = step.parts(shape[step.dim])[c]
     out.narrow(step.dim, offset, size).copy_(x)
     return out
+
+
+def _transfer(step: S.Transfer, x: torch.Tensor, rank: int) -> torch.Tensor:
+    src_region = step.src.region(rank)
+    dst_region = step.dst.region(rank)
+    out = None
+    if dst_region is not None:
+        fill = step.fill_of(rank)
+        out = x.new_empty(dst_region.sizes, device=_device(step.dst)) if fill is None else \
+            x.new_full(dst_region.sizes, S.identity_value(fill, x.dtype), device=_device(step.dst))
+    # Across device types the pieces travel through host memory, on one backend.
+    wire = torch.device("cpu") if step.src.placement.type != step.dst.placement.type else None
+    sends, recvs, landing = [], [], []
+    for m in step.moves:
+        if m.src == rank and m.dst == rank:
+            out[m.region.slices(dst_region)] = x[m.region.slices(src_region)]
+        elif m.src == rank:
+            piece = x[m.region.slices(src_region)]
+            sends.append((piece.to(wire) if wire else piece, m.dst))
+        elif m.dst == rank:
+            buf = torch.empty(m.region.sizes, dtype=x.dtype, device=wire or out.device)
+            recvs.append((buf, m.src))
+            landing.append(m.region.slices(dst_region))
+    comm.batched_p2p(sends, recvs)
+    for (buf, _), where in zip(recvs, landing):
+        out[where] = buf
+    return out if out is not None else x
+
+
+def _device(layout) -> torch.device:
+    # Placement type only; the executor runs where the local tensors already are.
+    return torch.device("cpu") if layout.placement.type == "cpu" else torch.device("cuda")
 
 
 _RUN = {

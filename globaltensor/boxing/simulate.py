@@ -23,18 +23,22 @@ def simulate(plan: Plan, locals_: Locals) -> Locals:
     return locals_
 
 
+def local_part(value: torch.Tensor, layout: Layout, rank: int) -> torch.Tensor:
+    """``rank``'s local tensor of the whole ``value``: its region, and on partial axes
+    the value on the first member and the reduction's identity on the others."""
+    region = layout.region(rank)
+    local = value[region.slices()].clone()
+    coord = layout.placement.coord(rank)
+    for axis in layout.partial_axes:
+        if coord[axis] != 0:
+            local.fill_(S.identity_value(layout.sbp[axis].reduce, value.dtype))
+            break
+    return local
+
+
 def scatter(value: torch.Tensor, layout: Layout) -> Locals:
     """Each rank's local tensor of ``value`` (partial axes: first member holds it)."""
-    out = {}
-    for rank in layout.placement:
-        region = layout.region(rank)
-        local = value[region.slices()].clone()
-        coord = layout.placement.coord(rank)
-        for axis in layout.partial_axes:
-            if coord[axis] != 0 and layout.sbp[axis].reduce == "sum":
-                local.zero_()
-        out[rank] = local
-    return out
+    return {rank: local_part(value, layout, rank) for rank in layout.placement}
 
 
 def materialize(locals_: Locals, layout: Layout) -> torch.Tensor:
@@ -125,8 +129,21 @@ def _pad_to_partial(step, locals_):
     return _by_group(step, locals_, pad)
 
 
+def _transfer(step: S.Transfer, locals_: Locals) -> Locals:
+    out = {}
+    for d in step.dst.placement:
+        region = step.dst.region(d)
+        fill = step.fill_of(d)
+        any_local = next(iter(locals_.values()))
+        out[d] = any_local.new_full(region.sizes, S.identity_value(fill or "sum", any_local.dtype))
+    for m in step.moves:
+        src_region, dst_region = step.src.region(m.src), step.dst.region(m.dst)
+        out[m.dst][m.region.slices(dst_region)] = locals_[m.src][m.region.slices(src_region)]
+    return out
+
+
 _SIM = {
     S.AllGather: _all_gather, S.AllReduce: _all_reduce, S.ReduceScatter: _reduce_scatter,
     S.AllToAll: _all_to_all, S.LocalSlice: _local_slice, S.ZeroNonRoot: _zero_non_root,
-    S.Relabel: _relabel, S.PadToPartial: _pad_to_partial,
+    S.Relabel: _relabel, S.PadToPartial: _pad_to_partial, S.Transfer: _transfer,
 }

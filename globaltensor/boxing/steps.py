@@ -96,3 +96,49 @@ class PadToPartial(Step):
     filled with the reduction's identity; no communication."""
     dim: int
     reduce: str
+
+
+@dataclass(frozen=True)
+class Move:
+    """One piece of a transfer: global ``region`` goes from rank ``src`` to rank ``dst``."""
+    src: int
+    dst: int
+    region: object  # layout.Region
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Point-to-point redistribution between any two placements.
+
+    ``src`` has no partial axis. Every destination rank that holds data (the first
+    member along each partial axis) receives exactly its region, piece by piece, from
+    one holder each (``moves``, in one global order that both sides follow); the other
+    destination ranks fill the identity of the outermost partial axis they are not
+    first on.
+    """
+    src: Layout
+    dst: Layout
+    moves: tuple
+
+    kind = "Transfer"
+
+    def __str__(self) -> str:
+        return f"Transfer({self.src.placement} {self.src.sbp} -> {self.dst.placement} {self.dst.sbp})"
+
+    def fill_of(self, rank: int):
+        """None when ``rank`` receives data, else the reduce whose identity it holds."""
+        coord = self.dst.placement.coord(rank)
+        for axis in self.dst.partial_axes:
+            if coord[axis] != 0:
+                return self.dst.sbp[axis].reduce
+        return None
+
+    def detail(self) -> list[str]:
+        sent = {}
+        for m in self.moves:
+            if m.src != m.dst:
+                sent[m.src] = sent.get(m.src, 0) + m.region.numel
+        msgs = sum(1 for m in self.moves if m.src != m.dst)
+        return [f"{msgs} message(s), {len(self.moves) - msgs} local copy(ies)",
+                "elements sent per rank: " + (", ".join(f"{r}: {n}" for r, n in sorted(sent.items()))
+                                              or "none")]

@@ -15,6 +15,8 @@ from . import stats
 from .groups import get_group, init
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+# Renamed in recent torch; the old name still works but warns.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -27,7 +29,8 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...]
         out.view(-1).copy_(inp.reshape(-1))
         return
     stats.record("all_gather", _nbytes(inp) * (len(ranks) - 1))
-    dist.all_gather_into_tensor(out, inp.contiguous(), group=get_group(ranks))
+    # Flat views: backends check the output as len(ranks) chunks of the input's shape.
+    _all_gather_single(out.view(-1), inp.contiguous().view(-1), group=get_group(ranks))
 
 
 def all_reduce_(t: torch.Tensor, reduce: str, ranks: tuple[int, ...]) -> None:

@@ -1,10 +1,12 @@
 """Process-group bootstrap and the cache of sub-groups, keyed by the ordered rank tuple.
 
-Sub-groups are created with local synchronisation: only their members take part, so
-no rank ever waits on a group it will not use, and a group is built the first time
-its members need it (they all reach that point together, SPMD). Member order is kept
-(``sort_ranks=False``) so group rank ``i`` is ``members[i]``: the order in which a
-split hands out parts.
+torch needs every rank of the world to take part in creating a group (its names count
+the groups each process made, so members-only creation desynchronises as soon as
+ranks use different placements). So the groups of a placement are all made the first
+time any tensor is boxed on it: in SPMD code every rank reaches that call, including
+ranks outside the placement, which take part once and never wait on the group again.
+Member order is kept (``sort_ranks=False``) so group rank ``i`` is ``members[i]``:
+the order in which a split hands out parts.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import env
+from ..placement import Placement
 
 _groups: dict[tuple[int, ...], object] = {}
 
@@ -52,16 +55,32 @@ def init() -> None:
         torch.cuda.set_device(env.get_local_rank() % torch.cuda.device_count())
 
 
+_registered: set = set()
+
+
+def register_placement(placement: Placement) -> None:
+    """Create every sub-group of ``placement`` (along each axis); call on every rank."""
+    if placement in _registered:
+        return
+    init()
+    world = tuple(range(dist.get_world_size()))
+    for axis in range(placement.ndim):
+        for ranks in placement.groups(axis):
+            if ranks in _groups or len(ranks) == 1:
+                continue
+            if ranks == world:
+                _groups[ranks] = dist.group.WORLD
+            else:
+                _groups[ranks] = dist.new_group(
+                    list(ranks), sort_ranks=False,
+                    timeout=datetime.timedelta(seconds=env.timeout_seconds()))
+    _registered.add(placement)
+
+
 def get_group(ranks: tuple[int, ...]):
     """The process group whose group rank ``i`` is ``ranks[i]`` (the caller is a member)."""
     group = _groups.get(ranks)
     if group is None:
-        init()
-        if ranks == tuple(range(dist.get_world_size())):
-            group = dist.group.WORLD
-        else:
-            group = dist.new_group(list(ranks), use_local_synchronization=True,
-                                   sort_ranks=False,
-                                   timeout=datetime.timedelta(seconds=env.timeout_seconds()))
-        _groups[ranks] = group
+        raise RuntimeError(f"no process group for ranks {ranks}: register_placement() was "
+                           f"not called on the placement that uses it")
     return group

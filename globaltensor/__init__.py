@@ -1,0 +1,33 @@
+"""globaltensor: declarative global tensors (placement + sbp) on PyTorch.
+
+>>> import globaltensor as gt
+>>> p = gt.placement("cpu", ranks=[0])
+>>> x = gt.randn(4, 5, placement=p, sbp=gt.sbp.split(0))
+>>> y = x.to_global(sbp=gt.sbp.broadcast)
+"""
+from . import sbp
+from .comm import init
+from .env import get_local_rank, manual_seed
+from .factory import (arange, empty, from_local, full, ones, rand, randn, tensor, to_global,
+                      zeros)
+from .placement import Placement, placement
+from .tensor import GlobalTensor, is_global
+from . import dispatch as _dispatch  # noqa: F401  (installs __torch_dispatch__)
+from .comm import get_rank as _comm_rank, get_world_size as _comm_world
+
+
+def get_rank() -> int:
+    """This process's global rank (initialises the world if needed)."""
+    return _comm_rank()
+
+
+def get_world_size() -> int:
+    """Number of processes in the world (initialises the world if needed)."""
+    return _comm_world()
+
+
+matmul = __import__("torch").matmul
+
+__all__ = ["init", "get_rank", "get_world_size", "get_local_rank", "manual_seed", "placement",
+           "Placement", "sbp", "GlobalTensor", "is_global", "tensor", "from_local", "to_global",
+           "randn", "rand", "zeros", "ones", "full", "empty", "arange", "matmul"]

@@ -1,0 +1,194 @@
+"""__torch_dispatch__ for GlobalTensor: pick an sbp signature, box inputs, run locally.
+
+For one call: the output metadata comes from running the op on meta tensors; the op's
+rule (``rules/``) lists 1-D signatures per placement axis; the combination with the
+least boxing cost from the inputs' current layouts wins (none needed is best). Inputs
+are boxed, the op runs on local tensors, outputs are wrapped. Decisions are cached per
+(op, input layouts and dtypes, non-tensor arguments), so a repeated call only flattens,
+looks up and runs. Ops without a rule gather their inputs to broadcast (a warning
+once per op). In-place ops keep their first argument's layout.
+"""
+from __future__ import annotations
+
+import itertools
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from . import comm
+from .boxing import plan_route
+from .layout import Layout
+from .rules import Call, lookup
+from .sbp import broadcast
+from .tensor import GlobalTensor, box, empty_local, install_dispatcher
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Decision:
+    targets: tuple            # per global leaf: the Layout it must be boxed to
+    out_layouts: tuple        # per output tensor leaf: Layout (None: not a tensor)
+    out_dtypes: tuple         # per output leaf: dtype (for ranks that do not compute)
+    out_spec: object          # pytree spec of the output (from the meta run)
+    inplace: bool             # the op writes its first argument
+    fallback: bool
+
+
+_cache: dict = {}
+_warned: set = set()
+
+
+def _key_of(leaf):
+    if isinstance(leaf, GlobalTensor):
+        return leaf._layout, leaf.dtype
+    if isinstance(leaf, torch.Tensor):
+        return "t", tuple(leaf.shape), leaf.dtype, leaf.device.type
+    if isinstance(leaf, (list, dict, set)):
+        raise TypeError  # unhashable: no caching
+    return leaf
+
+
+def dispatch(func, types, args, kwargs):
+    leaves, spec = tree_flatten((args, kwargs))
+    try:
+        key = (func, spec, tuple(_key_of(x) for x in leaves))
+        decision = _cache.get(key)
+    except TypeError:
+        key, decision = None, None
+    if decision is None:
+        decision = _decide(func, leaves, spec)
+        if key is not None:
+            _cache[key] = decision
+    return _run(func, decision, leaves, spec)
+
+
+def _global_leaves(leaves):
+    return [i for i, x in enumerate(leaves) if isinstance(x, GlobalTensor)]
+
+
+def _check_inputs(func, leaves, gidx):
+    placement = leaves[gidx[0]].placement
+    for i in gidx[1:]:
+        if leaves[i].placement != placement:
+            raise ValueError(
+                f"{func}: inputs are on different placements ({placement} and "
+                f"{leaves[i].placement}); move them onto one with x.to_global(placement=...)")
+    for x in leaves:
+        if isinstance(x, torch.Tensor) and not isinstance(x, GlobalTensor) and x.numel() > 1:
+            raise ValueError(
+                f"{func}: mixes a GlobalTensor with a plain tensor of shape {tuple(x.shape)}; "
+                f"only one-element plain tensors are allowed (use gt.to_global / gt.tensor)")
+    return placement
+
+
+def _meta(x):
+    if isinstance(x, GlobalTensor):
+        return torch.empty(x.shape, dtype=x.dtype, device="meta")
+    if isinstance(x, torch.Tensor):
+        return x.to("meta")
+    return x
+
+
+def _decide(func, leaves, spec) -> Decision:
+    gidx = _global_leaves(leaves)
+    placement = _check_inputs(func, leaves, gidx)
+    meta_args, meta_kwargs = tree_unflatten([_meta(x) for x in leaves], spec)
+    meta_out = func(*meta_args, **meta_kwargs)
+    out_leaves, out_spec = tree_flatten(meta_out)
+    out_tensors = [i for i, o in enumerate(out_leaves) if isinstance(o, torch.Tensor)]
+    inplace = _writes_first_arg(func)
+
+    call = Call(func, [leaves[i] for i in gidx], [tuple(leaves[i].shape) for i in gidx],
+                [tuple(out_leaves[i].shape) for i in out_tensors], leaves, spec)
+    rule = lookup(func)
+    best = None
+    if rule is not None:
+        per_axis = [rule(call) for _ in range(placement.ndim)]
+        current = [leaves[i]._layout for i in gidx]
+        for combo in itertools.product(*per_axis):
+            ins = [tuple(c[0][k] for c in combo) for k in range(len(gidx))]
+            outs = [tuple(c[1][k] for c in combo) for k in range(len(out_tensors))]
+            if inplace and outs[0] != current[0].sbp:
+                continue
+            targets = [Layout.make(cur.shape, placement, s) for cur, s in zip(current, ins)]
+            # Any boxing at all costs a little, so "none needed" wins ties.
+            cost = sum(plan_route(cur, tgt, leaves[i].element_size()).cost + 1e-9
+                       for cur, tgt, i in zip(current, targets, gidx) if cur != tgt)
+            if best is None or cost < best[0]:
+                best = (cost, targets, outs)
+    fallback = best is None
+    if fallback:
+        if inplace:
+            return Decision((), (), (), out_spec, True, True)
+        if func not in _warned:
+            _warned.add(func)
+            warnings.warn(f"globaltensor: {func} has no sbp rule; its inputs are gathered to "
+                          f"broadcast (correct but slow)", stacklevel=4)
+        nd_b = (broadcast,) * placement.ndim
+        targets = [Layout.make(leaves[i].shape, placement, nd_b) for i in gidx]
+        outs = [nd_b] * len(out_tensors)
+        best = (0.0, targets, outs)
+    _, targets, outs = best
+    out_layouts = [None] * len(out_leaves)
+    for i, s in zip(out_tensors, outs):
+        out_layouts[i] = Layout.make(out_leaves[i].shape, placement, s)
+    dtypes = tuple(getattr(o, "dtype", None) for o in out_leaves)
+    return Decision(tuple(targets), tuple(out_layouts), dtypes, out_spec, inplace, fallback)
+
+
+def _writes_first_arg(func) -> bool:
+    args = func._schema.arguments
+    return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+
+
+def _run(func, decision: Decision, leaves, spec):
+    if decision.inplace and decision.fallback:
+        return _inplace_via_functional(func, leaves, spec)
+    rank = comm.get_rank()
+    gidx = _global_leaves(leaves)
+    inside = rank in leaves[gidx[0]].placement
+    local_leaves = list(leaves)
+    for i, target in zip(gidx, decision.targets):
+        x = leaves[i]
+        local_leaves[i] = x._local if x._layout == target else box(x._local, x._layout, target)
+    if inside:
+        args, kwargs = tree_unflatten(local_leaves, spec)
+        out = func(*args, **kwargs)
+        out_leaves, out_spec = tree_flatten(out)
+    else:
+        out_leaves = [None] * len(decision.out_layouts)
+        out_spec = decision.out_spec
+    if decision.inplace:
+        return leaves[0]
+    wrapped = []
+    for o, layout, dtype in zip(out_leaves, decision.out_layouts, decision.out_dtypes):
+        if layout is not None:
+            wrapped.append(GlobalTensor(o if inside else empty_local(layout, dtype), layout))
+        elif inside:
+            wrapped.append(o)
+        else:
+            raise RuntimeError(f"{func} returns a non-tensor value, which ranks outside the "
+                               f"placement cannot compute")
+    return tree_unflatten(wrapped, out_spec)
+
+
+def _inplace_via_functional(func, leaves, spec):
+    """An in-place op whose rules cannot keep the target's layout: compute the
+    functional op globally, then box the result into the target's layout."""
+    name = func.overloadpacket.__name__.rstrip("_")
+    functional = getattr(getattr(aten, name), func._overloadname)
+    args, kwargs = tree_unflatten(leaves, spec)
+    target = args[0]
+    result = functional(*args, **kwargs)
+    if not isinstance(result, GlobalTensor):
+        raise RuntimeError(f"{func}: unexpected functional result {type(result).__name__}")
+    local = box(result._local, result._layout, target._layout)
+    if comm.get_rank() in target.placement:
+        target._local.copy_(local)
+    return target
+
+
+install_dispatcher(dispatch)

@@ -1,0 +1,200 @@
+"""Making global tensors: factories, ``tensor``, ``from_local`` and ``to_global``.
+
+Random factories are placement-invariant: every rank draws the whole value from the
+shared generator (``env.generator``) and keeps its part, so the value depends only on
+the seed and the call order, never on the placement or sbp.
+
+>>> import globaltensor as gt
+>>> p = gt.placement.all("cpu")
+>>> gt.manual_seed(0)
+>>> x = gt.randn(4, 5, placement=p, sbp=gt.sbp.split(0))
+>>> gt.manual_seed(0)
+>>> torch.equal(x.full(), torch.randn(4, 5, generator=torch.Generator().manual_seed(0)))
+True
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from . import comm, env
+from .layout import Layout
+from .placement import Placement
+from .sbp import Partial
+from .tensor import GlobalTensor, device_of, empty_local, from_full, wrap_local
+
+
+def _layout(shape, placement, sbp) -> Layout:
+    if not isinstance(placement, Placement):
+        raise ValueError(f"placement must be a gt.placement, got {placement!r}")
+    if sbp is None:
+        raise ValueError("sbp is required, e.g. sbp=gt.sbp.split(0) or gt.sbp.broadcast")
+    comm.init()
+    return Layout.make(shape, placement, sbp)
+
+
+def _size(size) -> tuple[int, ...]:
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    try:
+        shape = tuple(int(s) for s in size)
+    except (TypeError, ValueError):
+        raise ValueError(f"sizes must be ints, got {size!r}") from None
+    if any(s < 0 for s in shape):
+        raise ValueError(f"negative size in {shape}")
+    return shape
+
+
+def _from_local_fn(make):
+    """A factory that builds only this rank's region (deterministic values)."""
+    def factory(*size, placement: Placement = None, sbp=None, dtype: torch.dtype | None = None,
+                requires_grad: bool = False, **fill) -> GlobalTensor:
+        layout = _layout(_size(size), placement, sbp)
+        rank = comm.get_rank()
+        if rank not in layout.placement:
+            local = empty_local(layout, dtype or torch.get_default_dtype())
+        else:
+            local = make(layout.local_shape(rank), dtype, device_of(placement), **fill)
+            local = _zero_non_first(local, layout, rank, fill)
+        return GlobalTensor(local, layout, requires_grad=requires_grad)
+    return factory
+
+
+def _zero_non_first(local, layout: Layout, rank: int, fill) -> torch.Tensor:
+    # A partial layout of a constant: the first member holds it, the others hold the
+    # reduction's identity (zeros needs nothing, it is its own identity for sum).
+    from .boxing.steps import identity_value
+    coord = layout.placement.coord(rank)
+    for axis in layout.partial_axes:
+        if coord[axis] != 0:
+            return local.fill_(identity_value(layout.sbp[axis].reduce, local.dtype))
+    return local
+
+
+zeros = _from_local_fn(lambda shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device))
+ones = _from_local_fn(lambda shape, dtype, device: torch.ones(shape, dtype=dtype, device=device))
+empty = _from_local_fn(lambda shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device))
+zeros.__doc__ = "Zeros of a global shape: ``gt.zeros(4, 5, placement=p, sbp=gt.sbp.split(0))``."
+ones.__doc__ = "Ones of a global shape: ``gt.ones(4, 5, placement=p, sbp=gt.sbp.broadcast)``."
+empty.__doc__ = "Uninitialised in torch; zeros here, so partial layouts stay well defined."
+
+
+def full(size: Sequence[int], fill_value, *, placement: Placement = None, sbp=None,
+         dtype: torch.dtype | None = None, requires_grad: bool = False) -> GlobalTensor:
+    """``fill_value`` everywhere: ``gt.full((2, 3), 7.0, placement=p, sbp=gt.sbp.broadcast)``."""
+    make = _from_local_fn(lambda shape, dtype, device, value:
+                          torch.full(shape, value, dtype=dtype, device=device))
+    return make(*_size((size,)), placement=placement, sbp=sbp, dtype=dtype,
+                requires_grad=requires_grad, value=fill_value)
+
+
+def _random_fn(draw):
+    def factory(*size, placement: Placement = None, sbp=None, dtype: torch.dtype | None = None,
+                requires_grad: bool = False) -> GlobalTensor:
+        layout = _layout(_size(size), placement, sbp)
+        value = draw(layout.shape, dtype, env.generator())  # every rank: keeps RNG in step
+        return from_full(value, layout, requires_grad=requires_grad)
+    return factory
+
+
+randn = _random_fn(lambda shape, dtype, g: torch.randn(shape, generator=g, dtype=dtype))
+rand = _random_fn(lambda shape, dtype, g: torch.rand(shape, generator=g, dtype=dtype))
+randn.__doc__ = "Standard normal values, placement-invariant (see the module docstring)."
+rand.__doc__ = "Uniform [0, 1) values, placement-invariant (see the module docstring)."
+
+
+def arange(start, end=None, step=1, *, placement: Placement = None, sbp=None,
+           dtype: torch.dtype | None = None, requires_grad: bool = False) -> GlobalTensor:
+    """``gt.arange(10, placement=p, sbp=gt.sbp.split(0))``, values as torch.arange."""
+    value = torch.arange(start, end, step, dtype=dtype) if end is not None else \
+        torch.arange(start, step=step, dtype=dtype) if step != 1 else torch.arange(start, dtype=dtype)
+    return from_full(value, _layout(value.shape, placement, sbp), requires_grad=requires_grad)
+
+
+def tensor(data, *, placement: Placement = None, sbp=None, dtype: torch.dtype | None = None,
+           requires_grad: bool = False) -> GlobalTensor:
+    """A GlobalTensor of the whole value ``data`` (equal on every rank); each rank
+    keeps its part.
+
+    >>> gt.tensor([[1., 2.], [3., 4.]], placement=p, sbp=gt.sbp.split(0))   # doctest: +SKIP
+    """
+    value = torch.as_tensor(data, dtype=dtype).detach()
+    return from_full(value, _layout(value.shape, placement, sbp), requires_grad=requires_grad)
+
+
+def from_local(t: torch.Tensor, placement: Placement = None, sbp=None, shape=None) -> GlobalTensor:
+    """A GlobalTensor whose part on this rank is ``t`` (for a partial sbp: this rank's
+    full-shape addend). Differentiable in ``t``. ``shape=None`` derives the global
+    shape from every rank's local shape (a collective); parts that do not fit the sbp
+    raise ``ValueError`` on every rank.
+
+    >>> x = gt.from_local(torch.ones(2, 3), placement=p, sbp=gt.sbp.split(0))  # doctest: +SKIP
+    >>> x.shape   # with 2 ranks                                                # doctest: +SKIP
+    torch.Size([4, 3])
+    """
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"from_local needs a torch.Tensor, got {type(t).__name__}")
+    if isinstance(t, GlobalTensor):
+        raise ValueError("from_local needs a plain (local) tensor; use x.to_global(...) "
+                         "to redistribute a GlobalTensor")
+    if not isinstance(placement, Placement):
+        raise ValueError(f"placement must be a gt.placement, got {placement!r}")
+    comm.init()
+    rank = comm.get_rank()
+    inside = rank in placement
+    if shape is None:
+        shape = _derive_shape(t if inside else None, placement, sbp)
+    layout = _layout(_size((shape,)), placement, sbp)
+    if inside:
+        want = layout.local_shape(rank)
+        if tuple(t.shape) != want:
+            raise ValueError(f"rank {rank}: local tensor of shape {tuple(t.shape)} does not fit "
+                             f"{layout.sbp} of global shape {layout.shape} on {placement}: "
+                             f"expected {want}")
+        if t.device != device_of(placement):
+            t = t.to(device_of(placement))
+    return wrap_local(t, layout)
+
+
+def _derive_shape(t, placement: Placement, sbp) -> tuple[int, ...]:
+    """The global shape from every rank's local shape; all ranks check all parts so
+    they raise together instead of some waiting in a later collective."""
+    mine = None if t is None else (tuple(t.shape), t.dtype)
+    everyone = comm.all_gather_object(mine)
+    parts = {r: everyone[r] for r in placement}
+    ndims = {len(s) for s, _ in parts.values()}
+    if len(ndims) != 1:
+        raise ValueError(f"from_local: local tensors have different numbers of dims: "
+                         f"{ {r: s for r, (s, _) in parts.items()} }")
+    dtypes = {d for _, d in parts.values()}
+    if len(dtypes) != 1:
+        raise ValueError(f"from_local: local tensors have different dtypes: {sorted(map(str, dtypes))}")
+    ndim = ndims.pop()
+    nd_sbp = Layout.make((1,) * ndim, placement, sbp).sbp if ndim else Layout.make((), placement, sbp).sbp
+    shape = []
+    for d in range(ndim):
+        split_axes = [a for a, s in enumerate(nd_sbp) if getattr(s, "dim", None) == d]
+        # Walk the ranks whose coordinate is 0 on every axis that does not split d.
+        total = 0
+        for r, (s, _) in parts.items():
+            coord = placement.coord(r)
+            if all(c == 0 for a, c in enumerate(coord) if a not in split_axes):
+                total += s[d]
+        shape.append(total)
+    shape = tuple(shape)
+    layout = Layout(shape, placement, nd_sbp)
+    bad = {r: s for r, (s, _) in parts.items() if s != layout.local_shape(r)}
+    if bad:
+        raise ValueError(f"from_local: local shapes do not fit {nd_sbp} on {placement} "
+                         f"(derived global shape {shape}); mismatched ranks: "
+                         + ", ".join(f"rank {r} has {s}, expected {layout.local_shape(r)}"
+                                     for r, s in sorted(bad.items())))
+    return shape
+
+
+def to_global(t: torch.Tensor, placement: Placement = None, sbp=None) -> GlobalTensor:
+    """``from_local`` for a plain tensor, ``t.to_global(...)`` for a GlobalTensor."""
+    if isinstance(t, GlobalTensor):
+        return t.to_global(placement, sbp)
+    return from_local(t, placement, sbp)

@@ -1,0 +1,41 @@
+"""Ops that make a tensor like another one, copy it, or change only metadata.
+
+``zeros_like``/``empty_like`` keep any layout (zeros are a fine partial); ``ones_like``
+/``full_like`` keep splits and broadcast but not partials (a constant is not an addend);
+``copy_`` keeps its target's layout and boxes the source to it.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..sbp import Split, broadcast, partial_max, partial_sum
+from . import register
+
+aten = torch.ops.aten
+
+
+def _same_layout_cands(call, partials: bool):
+    ndim = len(call.in_shapes[0])
+    sbps = [broadcast] + [Split(d) for d in range(ndim)]
+    if partials:
+        sbps += [partial_sum, partial_max]
+    n_out = len(call.out_shapes)
+    return [((s,) * len(call.inputs), (s,) * n_out) for s in sbps]
+
+
+@register(aten.zeros_like, aten.empty_like)
+def zeros_like_rule(call):
+    return _same_layout_cands(call, partials=True)
+
+
+@register(aten.ones_like, aten.full_like, aten.fill_, aten.fill, aten.zero_)
+def constant_like_rule(call):
+    if call.func.overloadpacket is aten.zero_:
+        return _same_layout_cands(call, partials=True)
+    return _same_layout_cands(call, partials=False)
+
+
+@register(aten.copy_, aten.detach, aten.alias, aten.clone, aten._to_copy,
+          aten.lift_fresh, aten.contiguous)
+def copy_rule(call):
+    return _same_layout_cands(call, partials=True)

@@ -1,0 +1,229 @@
+"""GlobalTensor: a torch.Tensor whose value is global, held in parts across ranks.
+
+It is a wrapper subclass: the wrapper carries the global shape and dtype (autograd
+sees global values), ``_local`` is this rank's part, ``_layout`` says which part.
+Ops reach ``__torch_dispatch__``, which hands them to the dispatcher (``dispatch.py``
+installs itself here, keeping imports pointing downward).
+
+>>> import globaltensor as gt
+>>> x = gt.ones(4, 2, placement=gt.placement.all("cpu"), sbp=gt.sbp.split(0))
+>>> x.to_global(sbp=gt.sbp.broadcast).to_local().shape
+torch.Size([4, 2])
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import comm, env
+from .boxing import execute, local_part, plan_route
+from .layout import Layout
+from .placement import Placement
+
+_log = logging.getLogger("globaltensor")
+_dispatcher = None  # set by dispatch.py
+
+
+def install_dispatcher(fn) -> None:
+    global _dispatcher
+    _dispatcher = fn
+
+
+def device_of(placement: Placement) -> torch.device:
+    if placement.type == "cuda":
+        return torch.device("cuda", env.get_local_rank() % max(torch.cuda.device_count(), 1))
+    return torch.device("cpu")
+
+
+def empty_local(layout: Layout, dtype: torch.dtype) -> torch.Tensor:
+    """The local tensor of a rank outside the placement: no elements, same ndim
+    (a 0-d tensor's is shape (0,), since a 0-d tensor cannot be empty)."""
+    shape = (0,) * layout.ndim if layout.ndim else (0,)
+    return torch.empty(shape, dtype=dtype, device=device_of(layout.placement))
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
+class GlobalTensor(torch.Tensor):
+    """A global tensor: global shape/dtype, a placement, an nd-sbp, a local part."""
+
+    _local: torch.Tensor
+    _layout: Layout
+    __slots__ = ("_local", "_layout")
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, layout: Layout, requires_grad: bool = False):
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, layout.shape, strides=_contiguous_strides(layout.shape), dtype=local.dtype,
+            device=device_of(layout.placement), requires_grad=requires_grad)
+        r._local = local
+        r._layout = layout
+        return r
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+
+    # --- metadata ----------------------------------------------------------------
+    @property
+    def placement(self) -> Placement:
+        return self._layout.placement
+
+    @property
+    def sbp(self) -> tuple:
+        return self._layout.sbp
+
+    @property
+    def is_global(self) -> bool:
+        return True
+
+    @property
+    def layout_(self) -> Layout:
+        """The (shape, placement, sbp) triple, for internal use and debugging."""
+        return self._layout
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return (f"GlobalTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"placement={self.placement}, sbp={self.sbp}, "
+                f"local_shape={tuple(self._local.shape)}{grad})")
+
+    # --- conversions (all differentiable) -------------------------------------------
+    def to_global(self, placement: Placement | None = None, sbp=None) -> "GlobalTensor":
+        """Redistribute to ``placement`` / ``sbp`` (None keeps the current one).
+
+        >>> y = x.to_global(sbp=gt.sbp.broadcast)      # doctest: +SKIP
+        """
+        placement = self.placement if placement is None else placement
+        if not isinstance(placement, Placement):
+            raise ValueError(f"placement must be a gt.placement, got {placement!r}")
+        if sbp is None:
+            if placement.ndim != self.placement.ndim:
+                raise ValueError(f"the new placement has {placement.ndim} axis(es), the old "
+                                 f"{self.placement.ndim}: give an sbp for it")
+            sbp = self.sbp
+        dst = Layout.make(self.shape, placement, sbp)
+        if dst == self._layout:
+            return self
+        return _ToGlobal.apply(self, dst)
+
+    def to_local(self) -> torch.Tensor:
+        """This rank's part as a plain tensor (no elements outside the placement)."""
+        return _ToLocal.apply(self)
+
+    def full(self) -> torch.Tensor:
+        """The whole value as a plain tensor on every rank of the world (a collective)."""
+        everyone = Placement(self.placement.type, list(range(comm.get_world_size())))
+        return self.to_global(everyone, (_broadcast(),)).to_local()
+
+    def numpy(self, *, force: bool = False):
+        return self.full().detach().cpu().numpy()
+
+    def tolist(self):
+        return self.full().tolist()
+
+    def item(self):
+        return self.full().item()
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a GlobalTensor cannot be pickled; use x.full() or x.to_local()")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if _dispatcher is None:
+            raise RuntimeError("globaltensor.dispatch is not loaded; import globaltensor")
+        return _dispatcher(func, types, args, kwargs or {})
+
+
+def _broadcast():
+    from .sbp import broadcast
+    return broadcast
+
+
+def is_global(t) -> bool:
+    """True for a GlobalTensor, False for a plain tensor."""
+    return isinstance(t, GlobalTensor)
+
+
+def box(local: torch.Tensor, src: Layout, dst: Layout) -> torch.Tensor:
+    """This rank's local tensor of ``dst``, from its local tensor of ``src``."""
+    rank = comm.get_rank()
+    plan = plan_route(src, dst, local.element_size())
+    comm.register_placement(src.placement)
+    comm.register_placement(dst.placement)
+    if env.debug_enabled() and plan.steps:
+        _log.warning("boxing on rank %d:\n%s", rank, plan)
+    if not plan.steps:
+        return local
+    out = execute(plan, local, rank)
+    if rank not in dst.placement:
+        return empty_local(dst, local.dtype)
+    return out
+
+
+class _ToGlobal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: GlobalTensor, dst: Layout):
+        ctx.src = x._layout
+        return GlobalTensor(box(x._local, x._layout, dst), dst)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return to_layout(grad, ctx.src), None
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: GlobalTensor):
+        ctx.layout = x._layout
+        return x._local.view_as(x._local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return GlobalTensor(grad, ctx.layout)
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, layout: Layout):
+        ctx.layout = layout
+        return GlobalTensor(t.view_as(t), layout)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return to_layout(grad, ctx.layout)._local, None
+
+
+def to_layout(grad, layout: Layout) -> GlobalTensor:
+    """``grad`` as a GlobalTensor of ``layout`` (gradients arrive in any layout)."""
+    if not isinstance(grad, GlobalTensor):
+        raise TypeError(f"expected a GlobalTensor gradient, got {type(grad).__name__}")
+    if grad._layout == layout:
+        return grad
+    return GlobalTensor(box(grad._local, grad._layout, layout), layout)
+
+
+def wrap_local(t: torch.Tensor, layout: Layout, requires_grad: bool = False) -> GlobalTensor:
+    """A GlobalTensor around this rank's (trusted) local part; differentiable in ``t``."""
+    if comm.get_rank() not in layout.placement:
+        t = empty_local(layout, t.dtype)
+    if t.requires_grad:
+        return _FromLocal.apply(t, layout)
+    out = GlobalTensor(t, layout, requires_grad=requires_grad)
+    return out
+
+
+def from_full(value: torch.Tensor, layout: Layout, requires_grad: bool = False) -> GlobalTensor:
+    """A GlobalTensor of ``value`` (the same whole value on every rank)."""
+    rank = comm.get_rank()
+    if rank in layout.placement:
+        local = local_part(value, layout, rank).to(device_of(layout.placement))
+    else:
+        local = empty_local(layout, value.dtype)
+    return GlobalTensor(local.detach(), layout, requires_grad=requires_grad)

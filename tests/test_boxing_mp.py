@@ -1,0 +1,179 @@
+"""Real boxing on gloo (worlds of 2 and 4) against the simulator, through the public API."""
+import itertools
+import zlib
+
+import pytest
+import torch
+
+import globaltensor as gt
+from globaltensor.boxing import materialize, plan_route, simulate
+from globaltensor.layout import Layout
+
+from boxing_cases import random_locals, reference_locals
+from mp import World
+
+SBPS = [gt.sbp.broadcast, gt.sbp.partial_sum, gt.sbp.partial_max, gt.sbp.split(0),
+        gt.sbp.split(1)]
+
+
+def _check_pair(shape, p, q, src_sbp, dst_sbp, seed):
+    """Box a known value from (p, src) to (q, dst) and compare this rank's local with
+    the simulator's, and (for non-partial destinations) with the exact slice."""
+    rank = gt.get_rank()
+    src, dst = Layout.make(shape, p, src_sbp), Layout.make(shape, q, dst_sbp)
+    gen = torch.Generator().manual_seed(seed)
+    value = torch.randn(shape, generator=gen, dtype=torch.float64)
+    locals_ = random_locals(value, src, gen)
+    mine = locals_.get(rank, torch.empty(0, dtype=torch.float64))
+    x = gt.from_local(mine, placement=p, sbp=src_sbp, shape=shape)
+    y = x.to_global(placement=q, sbp=dst_sbp)
+    assert y.placement == q and y.sbp == dst.sbp and tuple(y.shape) == shape
+    got = y.to_local()
+    if rank not in q:
+        assert got.numel() == 0, f"rank {rank} is outside {q} but holds {got.shape}"
+        return
+    expected = simulate(plan_route(src, dst, 8), locals_)[rank]
+    where = f"{src_sbp} on {p} -> {dst_sbp} on {q}, shape {shape}, rank {rank}"
+    assert tuple(got.shape) == dst.local_shape(rank), where
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9, msg=where)
+    if not dst.partial_axes:
+        torch.testing.assert_close(got, reference_locals(value, dst)[rank], msg=where)
+    if rank in p:  # the source is untouched by boxing
+        torch.testing.assert_close(x.to_local(), mine, msg=where + " (source changed)")
+
+
+def check_every_pair_1d():
+    n = gt.get_world_size()
+    ranks = list(range(n))
+    for p in (gt.placement("cpu", ranks), gt.placement("cpu", ranks[::-1])):
+        for shape in ((2 * n + 1, 3), (1, n - 1)):
+            for a, b in itertools.product(SBPS, SBPS):
+                _check_pair(shape, p, p, a, b, seed=zlib.crc32(f"{shape}{a}{b}".encode()))
+
+
+def check_every_pair_2d():
+    p = gt.placement("cpu", [[0, 1], [2, 3]])
+    q = gt.placement("cpu", [[3, 1], [0, 2]])
+    pairs = list(itertools.product(itertools.product(SBPS, SBPS), repeat=2))
+    for i, (a, b) in enumerate(pairs):
+        shape = (5, 3) if i % 2 else (3, 2)
+        _check_pair(shape, p if i % 3 else q, p if i % 3 else q, a, b, seed=i)
+
+
+def check_cross_placements():
+    n = gt.get_world_size()
+    everyone = gt.placement("cpu", list(range(n)))
+    firsts = gt.placement("cpu", list(range(n // 2)))
+    lasts = gt.placement("cpu", list(range(n // 2, n)))
+    one = gt.placement("cpu", [n - 1])
+    placements = [everyone, firsts, lasts, one]
+    if n == 4:
+        placements += [gt.placement("cpu", [[0, 1], [2, 3]]), gt.placement("cpu", [1, 2, 3])]
+    i = 0
+    for p, q in itertools.product(placements, placements):
+        if p == q:
+            continue
+        for a, b in [(gt.sbp.split(0), gt.sbp.split(1)), (gt.sbp.partial_sum, gt.sbp.split(0)),
+                     (gt.sbp.broadcast, gt.sbp.partial_max), (gt.sbp.split(1), gt.sbp.broadcast),
+                     (gt.sbp.partial_max, gt.sbp.partial_sum)]:
+            a = (a,) * p.ndim
+            b = (b,) * q.ndim
+            i += 1
+            _check_pair((5, 3), p, q, a, b, seed=i)
+
+
+def check_full_and_numpy_everywhere():
+    n = gt.get_world_size()
+    value = torch.arange(15.0).reshape(5, 3)
+    for p in (gt.placement("cpu", list(range(n))), gt.placement("cpu", [n - 1])):
+        for s in (gt.sbp.split(0), gt.sbp.split(1), gt.sbp.broadcast, gt.sbp.partial_sum):
+            x = gt.tensor(value, placement=p, sbp=s)
+            torch.testing.assert_close(x.full(), value)
+            assert (x.numpy() == value.numpy()).all()
+
+
+def check_gradients_go_back_to_the_source():
+    n = gt.get_world_size()
+    p = gt.placement("cpu", list(range(n)))
+    q = gt.placement("cpu", [0]) if n == 2 else gt.placement("cpu", [[0, 1], [2, 3]])
+    w = torch.arange(12.0).reshape(4, 3)
+    for src in (gt.sbp.split(0), gt.sbp.broadcast, gt.sbp.split(1)):
+        x = gt.tensor(torch.ones(4, 3), placement=p, sbp=src, requires_grad=True)
+        for dst in (gt.sbp.broadcast, gt.sbp.split(1), gt.sbp.partial_sum):
+            x.grad = None
+            y = x.to_global(placement=q, sbp=(dst,) * q.ndim)
+            loss = (y.full() * w).sum()
+            loss.backward()
+            assert x.grad.placement == p and x.grad.sbp == (src,)
+            torch.testing.assert_close(x.grad.full(), w, msg=f"{src} -> {dst}")
+
+
+def check_from_local_derives_uneven_shapes():
+    rank, n = gt.get_rank(), gt.get_world_size()
+    p = gt.placement("cpu", list(range(n)))
+    sizes = [len(range(7))//n + (1 if r < 7 % n else 0) for r in range(n)]
+    x = gt.from_local(torch.full((sizes[rank], 2), float(rank)), placement=p, sbp=gt.sbp.split(0))
+    assert tuple(x.shape) == (7, 2)
+    expected = torch.cat([torch.full((s, 2), float(r)) for r, s in enumerate(sizes)])
+    torch.testing.assert_close(x.full(), expected)
+    with pytest.raises(ValueError, match="do not fit"):
+        bad = 3 if rank == 0 else 1  # 3 + 1 (+1 +1) does not split in balance
+        gt.from_local(torch.zeros(bad, 2), placement=p, sbp=gt.sbp.split(0))
+    with pytest.raises(ValueError, match="does not fit"):
+        gt.from_local(torch.zeros(5, 2), placement=p, sbp=gt.sbp.split(0), shape=(7, 2))
+
+
+def check_random_factories_are_placement_invariant():
+    n = gt.get_world_size()
+    layouts = [(gt.placement("cpu", list(range(n))), gt.sbp.split(0)),
+               (gt.placement("cpu", list(range(n))[::-1]), gt.sbp.split(1)),
+               (gt.placement("cpu", [0]), gt.sbp.broadcast),
+               (gt.placement("cpu", list(range(n))), gt.sbp.partial_sum)]
+    for factory, torch_factory in ((gt.randn, torch.randn), (gt.rand, torch.rand)):
+        values = []
+        for p, s in layouts:
+            gt.manual_seed(123)
+            values.append(factory(5, 3, placement=p, sbp=s).full())
+        reference = torch_factory(5, 3, generator=torch.Generator().manual_seed(123))
+        for v in values:
+            torch.testing.assert_close(v, reference)
+
+
+def check_bad_input_raises_before_communicating():
+    p = gt.placement("cpu", [0, 1])
+    x = gt.zeros(4, 2, placement=p, sbp=gt.sbp.split(0))
+    with pytest.raises(ValueError, match="out of range"):
+        x.to_global(sbp=gt.sbp.split(2))
+    with pytest.raises(ValueError, match="placement"):
+        x.to_global(sbp=(gt.sbp.split(0), gt.sbp.broadcast))
+    with pytest.raises(ValueError):
+        gt.placement("cpu", [0, gt.get_world_size()])
+    y = gt.zeros(4, 2, placement=gt.placement("cpu", [1, 0]), sbp=gt.sbp.split(0))
+    with pytest.raises(ValueError, match="different placements"):
+        x + y
+
+
+CHECKS = ["check_every_pair_1d", "check_full_and_numpy_everywhere",
+          "check_gradients_go_back_to_the_source", "check_from_local_derives_uneven_shapes",
+          "check_random_factories_are_placement_invariant", "check_cross_placements",
+          "check_bad_input_raises_before_communicating"]
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return World(2, __name__, CHECKS)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return World(4, __name__, CHECKS + ["check_every_pair_2d"])
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_world2(world2, name):
+    world2.check(name)
+
+
+@pytest.mark.parametrize("name", CHECKS + ["check_every_pair_2d"])
+def test_world4(world4, name):
+    world4.check(name)
