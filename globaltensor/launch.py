@@ -13,7 +13,7 @@ Example::
     python -m globaltensor.launch --nproc_per_node 4 train.py --lr 0.1
     # two machines, run once on each (node_rank 0 hosts the rendezvous store):
     python -m globaltensor.launch --nnodes 2 --node_rank 0 --nproc_per_node 2 \\
-        --master_addr 10.0.0.1 --master_port 29500 train.py
+        --master_addr NODE0_ADDR --master_port 29500 train.py
 """
 
 from __future__ import annotations
