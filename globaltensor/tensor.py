@@ -155,8 +155,6 @@ def box(local: torch.Tensor, src: Layout, dst: Layout) -> torch.Tensor:
     """This rank's local tensor of ``dst``, from its local tensor of ``src``."""
     rank = comm.get_rank()
     plan = plan_route(src, dst, local.element_size())
-    comm.register_placement(src.placement)
-    comm.register_placement(dst.placement)
     if env.debug_enabled() and plan.steps:
         _log.warning("boxing on rank %d:\n%s", rank, plan)
     if not plan.steps:

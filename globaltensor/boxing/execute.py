@@ -13,10 +13,13 @@ def execute(plan: Plan, local: torch.Tensor, rank: int | None = None) -> torch.T
     """This rank's local tensor in ``plan.dst``, from its local tensor in ``plan.src``.
 
     The result never aliases ``local`` when it holds different data, so the source
-    tensor stays valid.
+    tensor stays valid. Call it on every rank (SPMD), members or not: the first use of
+    a placement creates its process groups, which needs the whole world.
     """
     if rank is None:
         rank = comm.get_rank()
+    comm.register_placement(plan.src.placement)
+    comm.register_placement(plan.dst.placement)
     out = local
     for step in plan.steps:
         if isinstance(step, S.Transfer):
@@ -99,27 +102,41 @@ def _reduce_scatter(step: S.ReduceScatter, x: torch.Tensor, rank: int) -> torch.
 
 
 def _all_to_all(step: S.AllToAll, x: torch.Tensor, rank: int) -> torch.Tensor:
+    # Point-to-point instead of all_to_all_single: our own part never travels, each
+    # outgoing part is packed once, and incoming parts land in place when contiguous
+    # (always for src_dim 0), so there is no pack/unpack of the whole tensor.
     members, i, j = step.members(rank), step.src_dim, step.dst_dim
     parts = step.parts(x.shape[j])
     me = members.index(rank)
-    inp, in_splits = _chunks_to_buffer(x, j, parts)
-    # What member k sends me: its part along i, my part along j.
-    shapes = []
-    for m in members:
-        shape = list(step.src.local_shape(m))
-        shape[j] = parts[me][1]
-        shapes.append(shape)
-    out = x.new_empty(sum(_numel(s) for s in shapes))
-    comm.all_to_all_single(out, inp, [_numel(s) for s in shapes], in_splits, members)
-    if i == 0:
-        total = list(shapes[0])
-        total[0] = sum(s[0] for s in shapes)
-        return out.view(total)  # pieces stacked along dim 0 are already concatenated
-    pieces, pos = [], 0
-    for s in shapes:
-        pieces.append(out[pos:pos + _numel(s)].view(s))
-        pos += _numel(s)
-    return torch.cat(pieces, dim=i)
+    rows = [step.src.local_shape(m)[i] for m in members]
+    shape = list(x.shape)
+    shape[j], shape[i] = parts[me][1], sum(rows)
+    out = x.new_empty(shape)
+    sends, recvs, unpack = [], [], []
+    offset = 0
+    for k, m in enumerate(members):
+        dest = out.narrow(i, offset, rows[k])
+        offset += rows[k]
+        if k == me:
+            continue
+        piece = x.narrow(j, *parts[k])
+        if piece.numel():
+            sends.append((piece, m))
+        if not dest.numel():
+            continue
+        if dest.is_contiguous():
+            recvs.append((dest, m))
+        else:
+            buf = torch.empty(dest.shape, dtype=x.dtype, device=x.device)
+            recvs.append((buf, m))
+            unpack.append((dest, buf))
+    work = comm.start_p2p(sends, recvs, kind="all_to_all")
+    mine = out.narrow(i, sum(rows[:me]), rows[me])
+    mine.copy_(x.narrow(j, *parts[me]))
+    work.wait()
+    for dest, buf in unpack:
+        dest.copy_(buf)
+    return out
 
 
 def _local_slice(step: S.LocalSlice, x: torch.Tensor, rank: int) -> torch.Tensor:
@@ -165,13 +182,17 @@ def _transfer(step: S.Transfer, x: torch.Tensor, rank: int) -> torch.Tensor:
             piece = x[m.region.slices(src_region)]
             sends.append((piece.to(wire) if wire else piece, m.dst))
         elif m.dst == rank:
-            buf = torch.empty(m.region.sizes, dtype=x.dtype, device=wire or out.device)
-            recvs.append((buf, m.src))
-            landing.append(m.region.slices(dst_region))
+            dest = out[m.region.slices(dst_region)]
+            if wire is None and dest.is_contiguous():
+                recvs.append((dest, m.src))  # lands in place
+            else:
+                buf = torch.empty(m.region.sizes, dtype=x.dtype, device=wire or out.device)
+                recvs.append((buf, m.src))
+                landing.append((dest, buf))
     comm.batched_p2p(sends, recvs)
-    for (buf, _), where in zip(recvs, landing):
-        out[where] = buf
-    return out if out is not None else x
+    for dest, buf in landing:
+        dest.copy_(buf)
+    return out if out is not None else x.new_empty((0,) * x.dim())
 
 
 def _device(layout) -> torch.device:

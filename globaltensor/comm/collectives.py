@@ -63,18 +63,35 @@ def broadcast_(t: torch.Tensor, src: int, ranks: tuple[int, ...]) -> None:
     dist.broadcast(t, src=src, group=get_group(ranks))
 
 
-def batched_p2p(sends: Sequence[tuple[torch.Tensor, int]],
-                recvs: Sequence[tuple[torch.Tensor, int]]) -> None:
-    """Post every send and receive (tensor, peer global rank) together, then wait."""
+class P2PWork:
+    """Posted sends and receives; ``wait()`` blocks until all are done."""
+
+    def __init__(self, works):
+        self._works = works
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+
+
+def start_p2p(sends: Sequence[tuple[torch.Tensor, int]],
+              recvs: Sequence[tuple[torch.Tensor, int]], kind: str = "send") -> P2PWork:
+    """Post every send and receive (tensor, peer global rank) at once; messages between
+    one pair of ranks match in the order posted. Receive tensors must be contiguous."""
     if not sends and not recvs:
-        return
+        return P2PWork([])
     init()
     ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
     for t, _ in sends:
-        stats.record("send", _nbytes(t))
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+        stats.record(kind, _nbytes(t))
+    return P2PWork(dist.batch_isend_irecv(ops))
+
+
+def batched_p2p(sends: Sequence[tuple[torch.Tensor, int]],
+                recvs: Sequence[tuple[torch.Tensor, int]], kind: str = "send") -> None:
+    """``start_p2p`` and wait."""
+    start_p2p(sends, recvs, kind).wait()
 
 
 def all_gather_object(obj, ranks: tuple[int, ...] | None = None) -> list:

@@ -1,0 +1,188 @@
+"""Boxing speed: our ``to_global`` next to the raw collective that moves the same bytes
+and next to DTensor's ``redistribute``, side by side in one run.
+
+    python benchmarks/boxing.py                 # spawns 2 processes on this machine
+    python benchmarks/boxing.py --numel 1048576 --plot boxing.png
+    python -m globaltensor.launch --nproc_per_node 2 benchmarks/boxing.py
+
+Prints the median time per call (ms) and the ratios ours/raw and DTensor/raw. The
+cross-placement rows compare with raw send/recv of the same pieces (DTensor cannot
+redistribute across meshes at all).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def _median_ms(fns, iters: int, warmup: int = 3) -> list:
+    """Median ms per call of each fn, run round-robin so drift hits all alike."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times = [[] for _ in fns]
+    for _ in range(iters):
+        for k, fn in enumerate(fns):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    # Every rank reports its own medians; the slowest rank bounds the step.
+    t = torch.tensor([statistics.median(ts) for ts in times], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [v * 1e3 for v in t.tolist()]
+
+
+def _dtensor_cases(n, shape):
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    except ImportError:
+        return None
+    mesh = init_device_mesh("cpu", (n,))
+    rank = dist.get_rank()
+    full = torch.randn(shape)
+    part = full.chunk(n, 0)[rank].contiguous()
+
+    def case(local, src, dst):
+        d = DTensor.from_local(local, mesh, [src], run_check=False)
+        return lambda: d.redistribute(mesh, [dst]).to_local()
+    return {
+        "S(0)->B": case(part, Shard(0), Replicate()),
+        "P->B": case(full.clone(), Partial(), Replicate()),
+        "P->S(0)": case(full.clone(), Partial(), Shard(0)),
+        "S(0)->S(1)": case(part, Shard(0), Shard(1)),
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--numel", type=int, default=4 * 1024 * 1024, help="elements (fp32)")
+    ap.add_argument("--iters", type=int, default=25)
+    ap.add_argument("--plot", default=None, help="write a PNG bar chart here")
+    args = ap.parse_args(argv)
+
+    import globaltensor as gt
+    gt.init()
+    n, rank = gt.get_world_size(), gt.get_rank()
+    cols = 512
+    shape = (args.numel // cols, cols)
+    p = gt.placement.all("cpu")
+    S0, S1, B, P = gt.sbp.split(0), gt.sbp.split(1), gt.sbp.broadcast, gt.sbp.partial_sum
+    x_s0 = gt.randn(*shape, placement=p, sbp=S0)
+    x_p = gt.randn(*shape, placement=p, sbp=P)
+    local = x_s0.to_local()
+    full = torch.randn(shape)
+    gathered = torch.empty(shape)
+    scattered = torch.empty(local.shape)
+    a2a_in, a2a_out = torch.randn(local.numel()), torch.empty(local.numel())
+
+    def hand_s0_s1():  # pack the column blocks, exchange, land in a fresh output
+        packed = torch.cat([c.reshape(-1) for c in local.chunk(n, dim=1)])
+        dist.all_to_all_single(torch.empty(local.numel()), packed)
+
+    # name, ours, raw collective (same bytes), by hand (raw + the local work the
+    # result needs: a fresh output that leaves the input intact, packing)
+    rows = [
+        ("S(0)->B", lambda: x_s0.to_global(sbp=B).to_local(),
+         lambda: dist.all_gather_into_tensor(gathered, local),
+         lambda: dist.all_gather_into_tensor(torch.empty(shape), local)),
+        ("P->B", lambda: x_p.to_global(sbp=B).to_local(),
+         lambda: dist.all_reduce(full),
+         lambda: dist.all_reduce(full.clone())),
+        ("P->S(0)", lambda: x_p.to_global(sbp=S0).to_local(),
+         lambda: dist.reduce_scatter_tensor(scattered, full),
+         lambda: dist.reduce_scatter_tensor(torch.empty(local.shape), full)),
+        ("S(0)->S(1)", lambda: x_s0.to_global(sbp=S1).to_local(),
+         lambda: dist.all_to_all_single(a2a_out, a2a_in), hand_s0_s1),
+    ]
+    dtensor = _dtensor_cases(n, shape)
+
+    # Cross-placement: half the ranks to the other half (DTensor cannot do these).
+    if n >= 2:
+        lo, hi = list(range(n // 2)), list(range(n // 2, n))
+        src_p, dst_p = gt.placement("cpu", lo), gt.placement("cpu", hi)
+        y = gt.randn(*shape, placement=src_p, sbp=S0)
+        ylocal = y.to_local()
+        peer_buf = torch.empty(gt.randn(*shape, placement=dst_p, sbp=S0).to_local().shape)
+
+        def raw_cross(fresh=False):
+            if rank in lo:
+                dist.send(ylocal, hi[lo.index(rank)])
+            else:
+                dist.recv(torch.empty_like(peer_buf) if fresh else peer_buf, lo[hi.index(rank)])
+        rows.append(("S(0)@lo->S(0)@hi", lambda: y.to_global(placement=dst_p, sbp=S0).to_local(),
+                     raw_cross, lambda: raw_cross(fresh=True)))
+
+    results = []
+    for name, ours, raw, hand in rows:
+        fns = [raw, hand, ours] + ([dtensor[name]] if dtensor and name in dtensor else [])
+        t = _median_ms(fns, args.iters) + [None]
+        results.append((name, t[0], t[1], t[2], t[3]))
+
+    if rank == 0:
+        print(f"\n{n} processes, {args.numel} fp32 elements ({args.numel * 4 / 2**20:.0f} MiB), "
+              f"median of {args.iters} (ms)")
+        head = (f"{'pair':<18}{'raw':>8}{'by hand':>9}{'ours':>8}{'DTensor':>9}"
+                f"{'ours/raw':>10}{'ours/hand':>10}{'DT/raw':>8}")
+        print(head)
+        print("-" * len(head))
+        for name, t_raw, t_hand, t_ours, t_dt in results:
+            dt = f"{t_dt:9.2f}" if t_dt else f"{'n/a':>9}"
+            dtr = f"{t_dt / t_raw:8.2f}" if t_dt else f"{'n/a':>8}"
+            print(f"{name:<18}{t_raw:8.2f}{t_hand:9.2f}{t_ours:8.2f}{dt}"
+                  f"{t_ours / t_raw:10.2f}{t_ours / t_hand:10.2f}{dtr}")
+        print("raw: the bare collective on preallocated buffers; by hand: the same plus the "
+              "local work a usable result needs (fresh output, input kept, packing)")
+        if args.plot:
+            _plot(results, args.plot)
+    dist.barrier()
+
+
+def _plot(results, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install matplotlib); no plot written")
+        return
+    names = [r[0] for r in results]
+    xs = range(len(names))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for k, (label, col) in enumerate([("raw", 1), ("by hand", 2), ("ours", 3), ("DTensor", 4)]):
+        ax.bar([x + 0.2 * (k - 1.5) for x in xs], [r[col] or 0 for r in results], 0.2,
+               label=label)
+    ax.set_xticks(list(xs), names)
+    ax.set_ylabel("median ms per call")
+    ax.set_title("boxing: ours vs raw collective vs DTensor")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"plot written to {path}")
+
+
+def _spawned(rank: int, world: int, port: int, argv) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    main(argv)
+
+
+if __name__ == "__main__":
+    if "RANK" in os.environ:
+        main()
+    else:
+        import socket
+        import torch.multiprocessing as mp
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.start_processes(_spawned, args=(2, port, sys.argv[1:]), nprocs=2,
+                           start_method="spawn")
