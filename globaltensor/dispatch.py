@@ -102,11 +102,11 @@ def _decide(func, leaves, spec) -> Decision:
     inplace = _writes_first_arg(func)
 
     call = Call(func, [leaves[i] for i in gidx], [tuple(leaves[i].shape) for i in gidx],
-                [tuple(out_leaves[i].shape) for i in out_tensors], leaves, spec)
+                [tuple(out_leaves[i].shape) for i in out_tensors], leaves, spec, placement.shape)
     rule = lookup(func)
     best = None
     if rule is not None:
-        per_axis = [rule(call) for _ in range(placement.ndim)]
+        per_axis = [rule(call, axis) for axis in range(placement.ndim)]
         current = [leaves[i]._layout for i in gidx]
         for combo in itertools.product(*per_axis):
             ins = [tuple(c[0][k] for c in combo) for k in range(len(gidx))]

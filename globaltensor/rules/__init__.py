@@ -1,6 +1,7 @@
 """sbp signature rules, one file per op family.
 
-A rule takes a ``Call`` and returns the 1-D signatures valid on one placement axis:
+A rule takes a ``Call`` and a placement axis and returns the 1-D signatures valid on
+that axis:
 a list of ``(input sbps, output sbps)``, one sbp per GlobalTensor input and one per
 tensor output. The dispatcher combines them across axes and picks the cheapest. Rules
 never communicate.
@@ -20,6 +21,7 @@ class Call:
     out_shapes: list      # global shapes of the tensor outputs
     leaves: list          # every flattened argument (tensors and constants)
     spec: object          # pytree spec to rebuild (args, kwargs) from leaves
+    mesh: tuple           # the placement's hierarchy shape
 
     @property
     def args_kwargs(self):
@@ -52,4 +54,4 @@ def _is_pointwise(func) -> bool:
     return torch.Tag.pointwise in func.tags
 
 
-from . import like, pointwise  # noqa: E402,F401  (registration)
+from . import like, matmul, pointwise, view  # noqa: E402,F401  (registration)

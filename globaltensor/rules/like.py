@@ -24,12 +24,12 @@ def _same_layout_cands(call, partials: bool):
 
 
 @register(aten.zeros_like, aten.empty_like)
-def zeros_like_rule(call):
+def zeros_like_rule(call, axis):
     return _same_layout_cands(call, partials=True)
 
 
 @register(aten.ones_like, aten.full_like, aten.fill_, aten.fill, aten.zero_)
-def constant_like_rule(call):
+def constant_like_rule(call, axis):
     if call.func.overloadpacket is aten.zero_:
         return _same_layout_cands(call, partials=True)
     return _same_layout_cands(call, partials=False)
@@ -37,5 +37,5 @@ def constant_like_rule(call):
 
 @register(aten.copy_, aten.detach, aten.alias, aten.clone, aten._to_copy,
           aten.lift_fresh, aten.contiguous)
-def copy_rule(call):
+def copy_rule(call, axis):
     return _same_layout_cands(call, partials=True)

@@ -29,7 +29,7 @@ def _aligned(in_shape, out_shape, d):
     return k
 
 
-def pointwise_rule(call):
+def pointwise_rule(call, axis):
     out = call.out_shapes[0]
     n_in, n_out = len(call.inputs), len(call.out_shapes)
     cands = [((broadcast,) * n_in, (broadcast,) * n_out)]

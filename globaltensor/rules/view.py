@@ -1,0 +1,186 @@
+"""Views and shape ops: transpose/permute/t, view/reshape, unsqueeze/squeeze, expand,
+slice/select, cat, split/unbind.
+
+A split survives when the split dim keeps its identity (it may move); a dim that is
+sliced, concatenated along, squeezed or expanded cannot stay split. A reshape keeps a
+split when every part stays one contiguous block of the reshaped dim (always when the
+dim is untouched; across a merge or split of dims, when the parts divide evenly).
+Every op here is linear, so partial in -> partial out.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..layout import balanced_split
+from ..sbp import Split, broadcast, partial_max, partial_sum
+from . import register
+
+aten = torch.ops.aten
+
+
+def _same_sbp(n_in, n_out, moved: dict, partial_ok=True, max_ok=True):
+    """Candidates: broadcast, partials, and split(d) -> split(moved[d]) per mapped dim."""
+    cands = [((broadcast,) * n_in, (broadcast,) * n_out)]
+    if partial_ok:
+        cands.append(((partial_sum,) * n_in, (partial_sum,) * n_out))
+    if max_ok:
+        cands.append(((partial_max,) * n_in, (partial_max,) * n_out))
+    for d, e in moved.items():
+        cands.append(((Split(d),) * n_in, (Split(e),) * n_out))
+    return cands
+
+
+def _args(call):
+    return call.args_kwargs
+
+
+def _norm(d, ndim):
+    return d % ndim if ndim else 0
+
+
+@register(aten.t, aten.transpose, aten.permute)
+def permute_rule(call, axis):
+    args, kwargs = _args(call)
+    ndim = len(call.in_shapes[0])
+    if call.func.overloadpacket is aten.permute:
+        perm = [_norm(d, ndim) for d in args[1]]
+    else:
+        d0, d1 = (0, 1) if call.func.overloadpacket is aten.t else (_norm(args[1], ndim),
+                                                                     _norm(args[2], ndim))
+        perm = list(range(ndim))
+        if ndim >= 2 or call.func.overloadpacket is not aten.t:
+            perm[d0], perm[d1] = perm[d1], perm[d0]
+    return _same_sbp(1, 1, {src: dst for dst, src in enumerate(perm)})
+
+
+@register(aten.unsqueeze)
+def unsqueeze_rule(call, axis):
+    args, _ = _args(call)
+    ndim = len(call.in_shapes[0])
+    dim = _norm(args[1], ndim + 1)
+    return _same_sbp(1, 1, {d: d + (d >= dim) for d in range(ndim)})
+
+
+@register(aten.squeeze)
+def squeeze_rule(call, axis):
+    in_shape, out_shape = call.in_shapes[0], call.out_shapes[0]
+    kept = _kept_after_squeeze(call, in_shape)
+    assert len(kept) == len(out_shape)
+    return _same_sbp(1, 1, {d: i for i, d in enumerate(kept)})
+
+
+def _kept_after_squeeze(call, in_shape):
+    args, _ = _args(call)
+    ndim = len(in_shape)
+    if len(args) == 1:
+        dims = {d for d in range(ndim) if in_shape[d] == 1}
+    else:
+        given = args[1] if isinstance(args[1], (list, tuple)) else [args[1]]
+        dims = {_norm(d, ndim) for d in given if in_shape[_norm(d, ndim)] == 1}
+    return [d for d in range(ndim) if d not in dims]
+
+
+@register(aten.expand)
+def expand_rule(call, axis):
+    in_shape, out_shape = call.in_shapes[0], call.out_shapes[0]
+    lead = len(out_shape) - len(in_shape)
+    moved = {d: d + lead for d in range(len(in_shape)) if in_shape[d] == out_shape[d + lead]}
+    return _same_sbp(1, 1, moved)
+
+
+@register(aten.slice, aten.select, aten.narrow)
+def slice_rule(call, axis):
+    args, kwargs = _args(call)
+    ndim = len(call.in_shapes[0])
+    dim = _norm(args[1] if len(args) > 1 else kwargs.get("dim", 0), ndim)
+    drops = call.func.overloadpacket is aten.select
+    moved = {d: d - (drops and d > dim) for d in range(ndim) if d != dim}
+    return _same_sbp(1, 1, moved)
+
+
+@register(aten.cat)
+def cat_rule(call, axis):
+    args, kwargs = _args(call)
+    n_in = len(call.inputs)
+    shapes = [s for s in call.in_shapes if len(s) > 1 or s != (0,)]
+    ndim = len(call.out_shapes[0])
+    dim = _norm(args[1] if len(args) > 1 else kwargs.get("dim", 0), ndim)
+    if len(shapes) != n_in or any(len(s) != ndim for s in shapes):
+        return _same_sbp(n_in, 1, {})  # legacy empty tensors in the list
+    return _same_sbp(n_in, 1, {d: d for d in range(ndim) if d != dim})
+
+
+@register(aten.split, aten.split_with_sizes, aten.unbind)
+def split_rule(call, axis):
+    args, kwargs = _args(call)
+    ndim = len(call.in_shapes[0])
+    n_out = len(call.out_shapes)
+    if call.func.overloadpacket is aten.unbind:
+        dim = _norm(args[1] if len(args) > 1 else kwargs.get("dim", 0), ndim)
+        moved = {d: d - (d > dim) for d in range(ndim) if d != dim}
+    else:
+        dim = _norm(args[2] if len(args) > 2 else kwargs.get("dim", 0), ndim)
+        moved = {d: d for d in range(ndim) if d != dim}
+    return _same_sbp(1, n_out, moved)
+
+
+@register(aten.view, aten._unsafe_view, aten._reshape_alias)
+def view_rule(call, axis):
+    if call.func is aten.view.dtype:
+        return []
+    a, b = call.in_shapes[0], call.out_shapes[0]
+    total_mesh = 1
+    for m in call.mesh:
+        total_mesh *= m
+    return _same_sbp(1, 1, _view_splits(a, b, call.mesh[axis], total_mesh))
+
+
+def _view_splits(a, b, n, total_mesh) -> dict:
+    """Input dims whose split survives reshaping ``a`` to ``b`` -> their output dim."""
+    if 0 in a or 0 in b:
+        return {}
+    moved = {}
+    for in_dims, out_dims in _view_groups(a, b):
+        in_big = [d for d in in_dims if a[d] > 1]
+        out_big = [d for d in out_dims if b[d] > 1]
+        if not in_big or not out_big:
+            continue
+        d, e = in_big[0], out_big[0]
+        in_inner = _prod(a[k] for k in in_dims if k > d)
+        out_inner = _prod(b[k] for k in out_dims if k > e)
+        if a[d] == b[e] and in_inner == out_inner:
+            moved[d] = e  # the dim itself is untouched: any split carries over
+            continue
+        if a[d] % total_mesh or b[e] % total_mesh:
+            continue  # nested or uneven parts would not stay contiguous blocks
+        ours = [(o * in_inner, s * in_inner) for o, s in balanced_split(a[d], n)]
+        theirs = [(o * out_inner, s * out_inner) for o, s in balanced_split(b[e], n)]
+        if ours == theirs:
+            moved[d] = e
+    return moved
+
+
+def _view_groups(a, b):
+    """Pair runs of input dims with runs of output dims of equal element count."""
+    groups, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        ins, outs, pa, pb = [i], [j], a[i], b[j]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb:
+                ins.append(i)
+                pa *= a[i]
+                i += 1
+            else:
+                outs.append(j)
+                pb *= b[j]
+                j += 1
+        groups.append((ins, outs))
+    return groups
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
