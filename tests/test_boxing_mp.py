@@ -153,10 +153,50 @@ def check_bad_input_raises_before_communicating():
         x + y
 
 
+def check_debug_tools():
+    import logging
+    import os
+    rank, n = gt.get_rank(), gt.get_world_size()
+    src_p, dst_p = gt.placement("cpu", [0, 1]), gt.placement("cpu", list(range(1, n)))
+    x = gt.tensor(torch.arange(16.0).reshape(8, 2), placement=src_p, sbp=gt.sbp.split(0))
+    plan = gt.debug.explain(x, dst_p, gt.sbp.split(0))
+    text = str(plan)
+    assert "Transfer" in text and "general (p2p)" in text and "estimated" in text, text
+    assert "AllGather" in str(gt.debug.explain(x, sbp=gt.sbp.broadcast))
+    with gt.debug.comm_stats() as stats:
+        y = x.to_global(placement=dst_p, sbp=gt.sbp.split(0))
+    torch.testing.assert_close(y.full(), torch.arange(16.0).reshape(8, 2))
+    # Bytes the route must move: rows each destination needs and does not hold itself.
+    src = Layout.make((8, 2), src_p, gt.sbp.split(0))
+    dst = Layout.make((8, 2), dst_p, gt.sbp.split(0))
+    def rows(layout, r):
+        region = layout.region(r)
+        return set() if region is None else set(range(region.offsets[0],
+                                                      region.offsets[0] + region.sizes[0]))
+    needed = sum(len(rows(dst, r) - rows(src, r)) for r in range(n)) * 2 * 4
+    sent = sum(gt.comm.all_gather_object(stats.bytes["send"]))
+    assert sent == needed, (sent, needed)
+    assert stats.total_calls == stats.calls["send"]  # no collective on this route
+    layout_text = gt.debug.show_layout(y, file=open(os.devnull, "w"))
+    assert f"rank {n - 1}" in layout_text and "shape" in layout_text
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("globaltensor").addHandler(handler)
+    os.environ["GLOBALTENSOR_DEBUG"] = "1"
+    try:
+        x.to_global(sbp=gt.sbp.broadcast)
+    finally:
+        del os.environ["GLOBALTENSOR_DEBUG"]
+        logging.getLogger("globaltensor").removeHandler(handler)
+    if rank in src_p:
+        assert any("AllGather" in r.getMessage() for r in records), records
+
+
 CHECKS = ["check_every_pair_1d", "check_full_and_numpy_everywhere",
           "check_gradients_go_back_to_the_source", "check_from_local_derives_uneven_shapes",
           "check_random_factories_are_placement_invariant", "check_cross_placements",
-          "check_bad_input_raises_before_communicating"]
+          "check_bad_input_raises_before_communicating", "check_debug_tools"]
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ BETA = 1.0 / 1.5e9
 GAMMA = BETA / 20
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Plan:
     src: Layout
     dst: Layout
@@ -37,6 +37,8 @@ class Plan:
     def __str__(self) -> str:
         from .explain import format_plan
         return format_plan(self)
+
+    __repr__ = __str__
 
 
 def max_local_bytes(layout: Layout, itemsize: int) -> int:

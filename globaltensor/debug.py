@@ -1,0 +1,61 @@
+"""Introspection: what a redistribution will do, what communication ran, who holds what.
+
+>>> import globaltensor as gt
+>>> x = gt.randn(8, 4, placement=gt.placement.all("cpu"), sbp=gt.sbp.split(0))
+>>> print(gt.debug.explain(x, sbp=gt.sbp.broadcast))      # doctest: +SKIP
+>>> with gt.debug.comm_stats() as stats:
+...     y = x.to_global(sbp=gt.sbp.broadcast)
+>>> stats.total_bytes                                       # doctest: +SKIP
+>>> gt.debug.show_layout(x)                                 # doctest: +SKIP
+
+Set ``GLOBALTENSOR_DEBUG=1`` to log every boxing route as it runs.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from .boxing import Plan, plan_route
+from .comm import stats
+from .comm.stats import CommCounter
+from .layout import Layout
+from .placement import Placement
+from .tensor import GlobalTensor
+
+__all__ = ["explain", "comm_stats", "show_layout", "CommCounter"]
+
+
+def explain(x: GlobalTensor, placement: Placement | None = None, sbp=None) -> Plan:
+    """The plan ``x.to_global(placement, sbp)`` would run: its steps, process groups,
+    bytes per rank and estimated cost (print it). No communication."""
+    placement = x.placement if placement is None else placement
+    sbp = x.sbp if sbp is None else sbp
+    return plan_route(x.layout_, Layout.make(x.shape, placement, sbp), x.element_size())
+
+
+@contextlib.contextmanager
+def comm_stats() -> Iterator[CommCounter]:
+    """Count this rank's collectives and point-to-point messages, and the bytes it sends,
+    by kind ("all_gather", "all_reduce", "all_to_all", "send", ...)."""
+    counter = CommCounter()
+    stats.push(counter)
+    try:
+        yield counter
+    finally:
+        stats.pop(counter)
+
+
+def show_layout(x: GlobalTensor, file=None) -> str:
+    """Print (and return) which rank holds which slice of ``x``. No communication."""
+    layout = x.layout_
+    lines = [f"{tuple(x.shape)} {x.dtype} on {layout.placement}, sbp {layout.sbp}"]
+    for rank in layout.placement:
+        region = layout.region(rank)
+        index = ", ".join(f"{o}:{o + s}" for o, s in zip(region.offsets, region.sizes))
+        coord = layout.placement.coord(rank)
+        notes = [f"{layout.sbp[a]} addend" for a in layout.partial_axes]
+        extra = f"  ({'; '.join(notes)})" if notes else ""
+        lines.append(f"  rank {rank} {list(coord)}: [{index}] shape {region.sizes}{extra}")
+    text = "\n".join(lines)
+    print(text, file=file)
+    return text
