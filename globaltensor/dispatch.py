@@ -3,10 +3,12 @@
 For one call: the output metadata comes from running the op on meta tensors; the op's
 rule (``rules/``) lists 1-D signatures per placement axis; the combination with the
 least boxing cost from the inputs' current layouts wins (none needed is best). Inputs
-are boxed, the op runs on local tensors, outputs are wrapped. Decisions are cached per
-(op, input layouts and dtypes, non-tensor arguments), so a repeated call only flattens,
-looks up and runs. Ops without a rule gather their inputs to broadcast (a warning
-once per op). In-place ops keep their first argument's layout.
+are boxed, the op (or its local implementation) runs on local tensors, outputs are
+wrapped. Decisions are cached per (op, input layouts and dtypes, non-tensor
+arguments), so a repeated call only flattens, looks up and runs. Ops without a rule
+gather their inputs to broadcast (a warning once per op). In-place ops keep their
+first argument's layout. ``_foreach_*`` ops run element by element; some ops decompose
+into other global ops when their data spans ranks (softmax over a split dim, ...).
 """
 from __future__ import annotations
 
@@ -17,24 +19,29 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import comm
+from . import comm, gradsync
 from .boxing import plan_route
 from .layout import Layout
-from .rules import Call, lookup
-from .sbp import broadcast
-from .tensor import GlobalTensor, box, empty_local, install_dispatcher
+from .rules import Call, LocalCtx, lookup, lookup_decomposition
+from .boxing.steps import identity_value
+from .sbp import Partial, broadcast
+from .placement import Placement
+from .tensor import GlobalTensor, box, device_of, empty_local, install_dispatcher, relayout
 
 aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
 class Decision:
-    targets: tuple            # per global leaf: the Layout it must be boxed to
-    out_layouts: tuple        # per output tensor leaf: Layout (None: not a tensor)
+    targets: tuple            # per global input: the Layout it is boxed to
+    out_layouts: tuple        # per output leaf: Layout (None: not a tensor)
     out_dtypes: tuple         # per output leaf: dtype (for ranks that do not compute)
     out_spec: object          # pytree spec of the output (from the meta run)
     inplace: bool             # the op writes its first argument
     fallback: bool
+    local: object = None      # replaces the op on local tensors, with a LocalCtx
+    call: object = None
+    empty_shortcut: bool = False  # outputs are all tensors: see _run
 
 
 _cache: dict = {}
@@ -52,7 +59,19 @@ def _key_of(leaf):
 
 
 def dispatch(func, types, args, kwargs):
+    if func.overloadpacket.__name__.startswith("_foreach_"):
+        return _foreach(func, args, kwargs)
+    if func in _VALUE_OPS:
+        return _VALUE_OPS[func](*args, **kwargs)
+    decomposition = lookup_decomposition(func)
+    if decomposition is not None:
+        out = decomposition(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
     leaves, spec = tree_flatten((args, kwargs))
+    for x in leaves:
+        if isinstance(x, GlobalTensor) and x.requires_grad and x.is_leaf:
+            gradsync.watch(x)
     try:
         key = (func, spec, tuple(_key_of(x) for x in leaves))
         decision = _cache.get(key)
@@ -63,6 +82,54 @@ def dispatch(func, types, args, kwargs):
         if key is not None:
             _cache[key] = decision
     return _run(func, decision, leaves, spec)
+
+
+# _foreach ops pass as a trailing positional argument what the per-tensor op takes as
+# a keyword: _foreach_addcmul_(self, t1, t2, value) -> addcmul_(self, t1, t2, value=value).
+_FOREACH_KEYWORD = {"addcmul": "value", "addcdiv": "value"}
+
+
+def _foreach(func, args, kwargs):
+    """``_foreach_op(lists, ...)``: the op on each index (lists zip, the rest repeat)."""
+    name = func.overloadpacket.__name__[len("_foreach_"):]
+    base = name.rstrip("_")
+    op = getattr(aten, "linalg_vector_norm" if base == "norm" else name)
+    n = len(args[0])
+
+    def pick(a, i):
+        if isinstance(a, (list, tuple)) and len(a) == n:
+            return a[i]
+        if isinstance(a, torch.Tensor) and not isinstance(a, GlobalTensor) and a.dim() == 1 \
+                and a.numel() == n:
+            return a[i].item()  # a tensor of per-element scalars
+        return a
+
+    outs = []
+    for i in range(n):
+        each = [pick(a, i) for a in args]
+        extra = dict(kwargs)
+        if base in _FOREACH_KEYWORD and len(each) > 3:
+            extra[_FOREACH_KEYWORD[base]] = each.pop(3)
+        outs.append(op(*each, **extra))
+    return None if name.endswith("_") else outs
+
+
+def _whole(x: GlobalTensor) -> torch.Tensor:
+    """The whole value on every rank of the world: a collective unless ``x`` is already
+    broadcast to every rank (a property of the layout, so all ranks agree on it)."""
+    everyone = Placement(x.placement.type, list(range(comm.get_world_size())))
+    nd_b = (broadcast,) * x.placement.ndim
+    if x.sbp == nd_b and x.placement.size == everyone.size:
+        return x._local
+    return relayout(x, (broadcast,), everyone)._local
+
+
+# Ops that return a Python value: every rank of the world gets the global answer.
+_VALUE_OPS = {
+    aten._local_scalar_dense.default: lambda x: _whole(x).item(),
+    aten.equal.default: lambda a, b: a.shape == b.shape and bool(_whole(a).equal(_whole(b))),
+    aten.is_nonzero.default: lambda x: bool(_whole(x).item()),
+}
 
 
 def _global_leaves(leaves):
@@ -96,6 +163,8 @@ def _decide(func, leaves, spec) -> Decision:
     gidx = _global_leaves(leaves)
     placement = _check_inputs(func, leaves, gidx)
     meta_args, meta_kwargs = tree_unflatten([_meta(x) for x in leaves], spec)
+    if meta_kwargs.get("device") is not None:
+        meta_kwargs = dict(meta_kwargs, device="meta")  # shape inference stays on meta
     meta_out = func(*meta_args, **meta_kwargs)
     out_leaves, out_spec = tree_flatten(meta_out)
     out_tensors = [i for i, o in enumerate(out_leaves) if isinstance(o, torch.Tensor)]
@@ -103,7 +172,7 @@ def _decide(func, leaves, spec) -> Decision:
 
     call = Call(func, [leaves[i] for i in gidx], [tuple(leaves[i].shape) for i in gidx],
                 [tuple(out_leaves[i].shape) for i in out_tensors], leaves, spec, placement.shape)
-    rule = lookup(func)
+    rule, local = lookup(func)
     best = None
     if rule is not None:
         per_axis = [rule(call, axis) for axis in range(placement.ndim)]
@@ -136,7 +205,18 @@ def _decide(func, leaves, spec) -> Decision:
     for i, s in zip(out_tensors, outs):
         out_layouts[i] = Layout.make(out_leaves[i].shape, placement, s)
     dtypes = tuple(getattr(o, "dtype", None) for o in out_leaves)
-    return Decision(tuple(targets), tuple(out_layouts), dtypes, out_spec, inplace, fallback)
+    shortcut = not inplace and all(isinstance(o, torch.Tensor) for o in out_leaves)
+    return Decision(tuple(targets), tuple(out_layouts), dtypes, out_spec, inplace, fallback,
+                    local, call if local is not None else None, shortcut)
+
+
+def _identity(layout: Layout, dtype, rank: int) -> torch.Tensor:
+    shape = layout.local_shape(rank)
+    fill = 0
+    for axis in layout.partial_axes:
+        fill = identity_value(layout.sbp[axis].reduce, dtype)
+        break
+    return torch.full(shape, fill, dtype=dtype, device=device_of(layout.placement))
 
 
 def _writes_first_arg(func) -> bool:
@@ -154,9 +234,22 @@ def _run(func, decision: Decision, leaves, spec):
     for i, target in zip(gidx, decision.targets):
         x = leaves[i]
         local_leaves[i] = x._local if x._layout == target else box(x._local, x._layout, target)
-    if inside:
+    if inside and decision.empty_shortcut and any(
+            local_leaves[i].numel() == 0 for i in gidx) and all(
+            l.partial_axes or 0 in l.local_shape(rank) for l in decision.out_layouts):
+        # This rank holds no part of some input: it contributes the identity of each
+        # (partial or empty) output, which some kernels refuse to compute from nothing.
+        out_leaves = [_identity(layout, dtype, rank) if layout is not None else None
+                      for layout, dtype in zip(decision.out_layouts, decision.out_dtypes)]
+        out_spec = decision.out_spec
+    elif inside:
         args, kwargs = tree_unflatten(local_leaves, spec)
-        out = func(*args, **kwargs)
+        if decision.local is not None:
+            ctx = LocalCtx(decision.call, decision.targets,
+                           tuple(l for l in decision.out_layouts if l is not None), rank)
+            out = decision.local(ctx, *args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
         out_leaves, out_spec = tree_flatten(out)
     else:
         out_leaves = [None] * len(decision.out_layouts)

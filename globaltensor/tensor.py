@@ -207,6 +207,16 @@ def to_layout(grad, layout: Layout) -> GlobalTensor:
     return GlobalTensor(box(grad._local, grad._layout, layout), layout)
 
 
+def relayout(x: GlobalTensor, sbp, placement: Placement | None = None) -> GlobalTensor:
+    """``x`` boxed to ``sbp`` (and ``placement``) without recording autograd: for code
+    that already runs below autograd, such as decompositions inside dispatch."""
+    placement = x.placement if placement is None else placement
+    dst = Layout.make(x.shape, placement, sbp)
+    if dst == x._layout:
+        return x
+    return GlobalTensor(box(x._local, x._layout, dst), dst)
+
+
 def wrap_local(t: torch.Tensor, layout: Layout, requires_grad: bool = False) -> GlobalTensor:
     """A GlobalTensor around this rank's (trusted) local part; differentiable in ``t``."""
     if comm.get_rank() not in layout.placement:

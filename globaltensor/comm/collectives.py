@@ -41,6 +41,19 @@ def all_reduce_(t: torch.Tensor, reduce: str, ranks: tuple[int, ...]) -> None:
     dist.all_reduce(t, op=_REDUCE_OPS[reduce], group=get_group(ranks))
 
 
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+def all_reduce_async(t: torch.Tensor, ranks: tuple[int, ...]):
+    """Start an in-place sum all-reduce; returns a handle with ``wait()``."""
+    if len(ranks) == 1:
+        return _Done()
+    stats.record("all_reduce", 2 * _nbytes(t) * (len(ranks) - 1) // len(ranks))
+    return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=get_group(ranks), async_op=True)
+
+
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int],
                       in_splits: Sequence[int], ranks: tuple[int, ...]) -> None:
     """1-D all-to-all: chunk ``i`` of ``inp`` (``in_splits[i]`` elements) goes to

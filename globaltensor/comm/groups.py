@@ -80,6 +80,8 @@ def register_placement(placement: Placement) -> None:
 def get_group(ranks: tuple[int, ...]):
     """The process group whose group rank ``i`` is ``ranks[i]`` (the caller is a member)."""
     group = _groups.get(ranks)
+    if group is None and ranks == tuple(range(dist.get_world_size())):
+        group = _groups[ranks] = dist.group.WORLD
     if group is None:
         raise RuntimeError(f"no process group for ranks {ranks}: register_placement() was "
                            f"not called on the placement that uses it")

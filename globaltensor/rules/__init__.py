@@ -28,25 +28,77 @@ class Call:
         from torch.utils._pytree import tree_unflatten
         return tree_unflatten(self.leaves, self.spec)
 
+    def arg(self, name: str, default=None):
+        """An argument by its schema name (positional or keyword), else its default."""
+        args, kwargs = self.args_kwargs
+        if name in kwargs:
+            return kwargs[name]
+        for i, a in enumerate(self.func._schema.arguments):
+            if a.name == name:
+                if i < len(args):
+                    return args[i]
+                return a.default_value if a.has_default_value() else default
+        return default
 
-def register(*funcs):
-    """Decorator: ``@register(aten.mm.default, ...)`` makes the function their rule.
-    An OpOverloadPacket registers every overload."""
+
+@dataclass
+class LocalCtx:
+    """What a local implementation may know: the call, the layouts its GlobalTensor
+    inputs were boxed to and its outputs have, and this rank."""
+    call: Call
+    in_layouts: tuple
+    out_layouts: tuple
+    rank: int
+
+    def region(self, i: int):
+        """This rank's region of the i-th GlobalTensor input (offsets, sizes)."""
+        return self.in_layouts[i].region(self.rank)
+
+
+_LOCAL: dict = {}
+_DECOMPOSITIONS: dict = {}
+
+
+def register(*funcs, local=None):
+    """Decorator: ``@register(aten.mm, ...)`` makes the function the rule of those ops
+    (an OpOverloadPacket covers every overload). ``local(ctx, *args, **kwargs)``, when
+    given, replaces the op on local tensors (for ops that need global offsets or counts)."""
     def wrap(rule):
         for f in funcs:
             _RULES[f] = rule
+            if local is not None:
+                _LOCAL[f] = local
         return rule
     return wrap
 
 
+def register_decomposition(*funcs):
+    """Decorator: ``fn(*args, **kwargs)`` computes the op from other ops on
+    GlobalTensors (which dispatch on their own), or returns NotImplemented to use the
+    op's rule. For ops that would otherwise need the data of several ranks."""
+    def wrap(fn):
+        for f in funcs:
+            _DECOMPOSITIONS[f] = fn
+        return fn
+    return wrap
+
+
+def _get(table, func):
+    found = table.get(func)
+    return found if found is not None else table.get(func.overloadpacket)
+
+
 def lookup(func):
-    rule = _RULES.get(func)
-    if rule is None:
-        rule = _RULES.get(func.overloadpacket)
+    """(rule, local implementation or None) of an op; rule None means the fallback."""
+    rule = _get(_RULES, func)
     if rule is None and _is_pointwise(func):
         from .pointwise import pointwise_rule
         rule = pointwise_rule
-    return rule
+    return rule, _get(_LOCAL, func)
+
+
+def lookup_decomposition(func):
+    return _get(_DECOMPOSITIONS, func)
 
 
 def _is_pointwise(func) -> bool:
@@ -54,4 +106,5 @@ def _is_pointwise(func) -> bool:
     return torch.Tag.pointwise in func.tags
 
 
-from . import like, matmul, pointwise, view  # noqa: E402,F401  (registration)
+from . import (conv, embedding, like, matmul, norm, pointwise, random,  # noqa: E402,F401
+               reduction, softmax, view)  # (registration)

@@ -23,9 +23,23 @@ def _same_layout_cands(call, partials: bool):
     return [((s,) * len(call.inputs), (s,) * n_out) for s in sbps]
 
 
-@register(aten.zeros_like, aten.empty_like)
+@register(aten.zeros_like)
 def zeros_like_rule(call, axis):
     return _same_layout_cands(call, partials=True)
+
+
+@register(aten.empty_like)
+def empty_like_rule(call, axis):
+    # Not partial: what fills it (random ops, copy_) means a whole value.
+    return _same_layout_cands(call, partials=False)
+
+
+@register(aten.new_zeros, aten.new_ones, aten.new_full, aten.new_empty, aten.new_empty_strided)
+def new_tensor_rule(call, axis):
+    """A new tensor of a given global size: broadcast, whatever the source's layout."""
+    ndim = len(call.in_shapes[0])
+    sources = [broadcast, partial_sum, partial_max] + [Split(d) for d in range(ndim)]
+    return [((s,), (broadcast,)) for s in sources]
 
 
 @register(aten.ones_like, aten.full_like, aten.fill_, aten.fill, aten.zero_)

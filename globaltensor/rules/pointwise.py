@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..sbp import Partial, Split, broadcast, partial_sum
+from ..tensor import GlobalTensor
 from . import register
 
 aten = torch.ops.aten
@@ -44,7 +45,7 @@ def pointwise_rule(call, axis):
     packet = call.func.overloadpacket
     constants = [x for x in call.leaves if isinstance(x, (int, float, complex, bool))
                  and not isinstance(x, bool)]
-    plain = [x for x in call.leaves if isinstance(x, torch.Tensor) and x not in call.inputs]
+    plain = [x for x in call.leaves if isinstance(x, torch.Tensor) and not isinstance(x, GlobalTensor)]
     if packet in _LINEAR_ALL and n_out == 1:
         nonzero = [c for c in constants if c != 0 and c != 1]  # alpha=1, 0 shifts allowed
         if packet in (aten.add, aten.sub, aten.add_, aten.sub_):

@@ -184,3 +184,18 @@ def _prod(xs) -> int:
     for x in xs:
         n *= x
     return n
+
+
+def _to_local_size(ctx, x, size, *args, **kwargs):
+    # The size argument is global; locally the op must produce this rank's part. The
+    # wrapper is always contiguous while a local part may not be (a transposed part),
+    # so a view torch judged possible may need a copy locally.
+    local_size = list(ctx.out_layouts[0].local_shape(ctx.rank))
+    if ctx.call.func is aten.expand.default or x.is_contiguous():
+        return ctx.call.func(x, local_size, *args, **kwargs)
+    return x.reshape(local_size)
+
+
+for _op in (aten.view.default, aten._unsafe_view.default, aten.expand.default):
+    register(_op, local=_to_local_size)(view_rule if _op is not aten.expand.default
+                                        else expand_rule)

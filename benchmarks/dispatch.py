@@ -1,0 +1,170 @@
+"""Per-op dispatch overhead: plain torch vs our GlobalTensor vs DTensor, side by side.
+
+    python benchmarks/dispatch.py                 # spawns 2 processes on this machine
+    python benchmarks/dispatch.py --nproc 1       # a world of one
+    python benchmarks/dispatch.py --size 8 --calls 2000 --iters 15 --plot dispatch.png
+    python -m globaltensor.launch --nproc_per_node 2 benchmarks/dispatch.py
+
+Tensors are tiny (default 8x8 fp32) so compute is negligible and the time per op is
+framework overhead. x, y are split(0) / Shard(0), w is broadcast / Replicate; the plain
+torch baseline runs the same op on this rank's local parts. Every op is checked once
+against plain torch on the full values before timing. Prints microseconds per op (median
+of --iters batches of --calls calls, slowest rank), the overheads ours - torch and
+DTensor - torch, and their ratio (target: ours <= 0.5x DTensor's overhead).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+TARGET = 0.5
+OPS = {  # key: (label, op on (x, y, w))
+    "add": ("x + y", lambda x, y, w: x + y),
+    "mul": ("x * 2.0", lambda x, y, w: x * 2.0),
+    "relu": ("torch.relu(x)", lambda x, y, w: torch.relu(x)),
+    "matmul": ("x @ w", lambda x, y, w: x @ w),
+    "sum": ("x.sum()", lambda x, y, w: x.sum()),
+    "t": ("x.t()", lambda x, y, w: x.t()),
+    "view": ("x.view(-1)", lambda x, y, w: x.view(-1)),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", type=int, default=8, help="tensors are size x size fp32")
+    ap.add_argument("--calls", type=int, default=2000, help="calls per timed batch")
+    ap.add_argument("--iters", type=int, default=15, help="timed batches (median taken)")
+    ap.add_argument("--warmup", type=int, default=200, help="untimed calls per case first")
+    ap.add_argument("--ops", default=",".join(OPS), help="comma list, from: " + ",".join(OPS))
+    ap.add_argument("--nproc", type=int, default=2, help="processes to spawn (no RANK set)")
+    ap.add_argument("--plot", default=None, help="write a PNG bar chart here")
+    return ap
+
+
+def _median_us(fns, iters: int, calls: int, warmup: int) -> list:
+    """Median µs per call of each fn over `iters` batches, run round-robin."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times = [[] for _ in fns]
+    for _ in range(iters):
+        for k, fn in enumerate(fns):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[k].append((time.perf_counter() - t0) / calls)
+    t = torch.tensor([statistics.median(ts) for ts in times], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank bounds the step
+    return [v * 1e6 for v in t.tolist()]
+
+
+def main(argv=None) -> None:
+    args = _parser().parse_args(argv)
+
+    import globaltensor as gt
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    gt.init()
+    n, rank = gt.get_world_size(), gt.get_rank()
+    g = torch.Generator().manual_seed(0)  # identical full values on every rank
+    fx, fy, fw = (torch.randn(args.size, args.size, generator=g) for _ in range(3))
+
+    p = gt.placement.all("cpu")
+    S0, B = gt.sbp.split(0), gt.sbp.broadcast
+    gx, gy = gt.tensor(fx, placement=p, sbp=S0), gt.tensor(fy, placement=p, sbp=S0)
+    gw = gt.tensor(fw, placement=p, sbp=B)
+    mesh = init_device_mesh("cpu", (n,))
+    dx, dy = distribute_tensor(fx, mesh, [Shard(0)]), distribute_tensor(fy, mesh, [Shard(0)])
+    dw = distribute_tensor(fw, mesh, [Replicate()])
+    lx, ly, lw = gx.to_local(), gy.to_local(), fw.clone()  # plain torch on local parts
+    assert torch.equal(lx, dx.to_local()), "our split(0) layout differs from Shard(0)"
+
+    keys = [k.strip() for k in args.ops.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in OPS]
+    if unknown:
+        raise SystemExit(f"unknown --ops {unknown}; choose from {list(OPS)}")
+    ops = [OPS[k] for k in keys]
+    results = []
+    for name, op in ops:
+        want = op(fx, fy, fw)
+        got = op(gx, gy, gw)
+        assert isinstance(got, gt.GlobalTensor), f"{name}: ours returned {type(got)}"
+        torch.testing.assert_close(got.full(), want, msg=lambda m: f"{name} (ours): {m}")
+        torch.testing.assert_close(op(dx, dy, dw).full_tensor(), want,
+                                   msg=lambda m: f"{name} (DTensor): {m}")
+        fns = [lambda op=op: op(lx, ly, lw), lambda op=op: op(gx, gy, gw),
+               lambda op=op: op(dx, dy, dw)]
+        results.append((name, *_median_us(fns, args.iters, args.calls, args.warmup)))
+
+    if rank == 0:
+        print(f"\n{n} process(es), {args.size}x{args.size} fp32, median of {args.iters} "
+              f"batches x {args.calls} calls (µs per op, slowest rank)")
+        head = (f"{'op':<15}{'torch':>8}{'ours':>9}{'DTensor':>9}{'ours-torch':>12}"
+                f"{'DT-torch':>10}{'ours/DT':>9}  target<={TARGET}")
+        print(head)
+        print("-" * len(head))
+        ratios = []
+        for name, t_t, t_o, t_d in results:
+            oo, od = t_o - t_t, t_d - t_t
+            r = oo / od if od > 0 else float("inf")
+            ratios.append(r)
+            print(f"{name:<15}{t_t:8.2f}{t_o:9.2f}{t_d:9.2f}{oo:12.2f}{od:10.2f}{r:9.2f}  "
+                  f"{'ok' if r <= TARGET else 'MISSED'}")
+        geo = statistics.geometric_mean([max(r, 1e-9) for r in ratios])
+        met = sum(r <= TARGET for r in ratios)
+        print(f"geometric mean ours/DTensor overhead: {geo:.2f} (target <= {TARGET}); "
+              f"{met}/{len(ratios)} ops meet it")
+        if args.plot:
+            _plot(results, args.plot)
+    dist.barrier()
+
+
+def _plot(results, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install matplotlib); no plot written")
+        return
+    names = [r[0] for r in results]
+    xs = range(len(names))
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for k, label in enumerate(["torch", "ours", "DTensor"]):
+        ax.bar([x + 0.27 * (k - 1) for x in xs], [r[k + 1] for r in results], 0.27,
+               label=label)
+    ax.set_xticks(list(xs), names)
+    ax.set_ylabel("median µs per op")
+    ax.set_title("dispatch overhead on tiny tensors: torch vs ours vs DTensor")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"plot written to {path}")
+
+
+def _spawned(rank: int, world: int, port: int, argv) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    main(argv)
+
+
+if __name__ == "__main__":
+    if "RANK" in os.environ:
+        main()
+    else:
+        import socket
+        import torch.multiprocessing as mp
+        nproc = _parser().parse_args().nproc
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.start_processes(_spawned, args=(nproc, port, sys.argv[1:]), nprocs=nproc,
+                           start_method="spawn")

@@ -1,0 +1,140 @@
+"""Leaf gradients end in the leaf's own layout, reduced lazily and in buckets.
+
+A broadcast parameter used on split data gets a partial_sum gradient. After autograd
+accumulates it into ``.grad`` we queue it; once a bucket holds ``BUCKET_MB`` of
+gradients of one kind (same placement, dtype and partial axes) it is flattened and
+all-reduced asynchronously while backward goes on, the way DDP overlaps. At the end of
+backward the last bucket is sent, everything is waited for, and each ``.grad`` becomes
+a GlobalTensor with its leaf's placement and sbp. Inside ``no_sync()`` nothing is
+reduced: partial gradients accumulate locally across micro-batches and the first
+backward outside reduces the total once.
+
+>>> import globaltensor as gt
+>>> with gt.no_sync():            # doctest: +SKIP
+...     loss(micro_batch_1).backward()
+>>> loss(micro_batch_2).backward()   # reduces the sum of both, once   # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from . import comm
+from .layout import Layout
+from .sbp import Broadcast, Partial
+from .tensor import GlobalTensor, box
+
+BUCKET_MB = 25.0
+FIRST_BUCKET_MB = 1.0  # small first bucket: communication starts early in backward
+
+_sync = True
+_pending: "_Reducer | None" = None
+
+
+@contextlib.contextmanager
+def no_sync() -> Iterator[None]:
+    """Skip gradient reduction: partial gradients accumulate locally (no
+    communication) until a backward pass outside the context reduces their sum."""
+    global _sync
+    previous, _sync = _sync, False
+    try:
+        yield
+    finally:
+        _sync = previous
+
+
+def watch(leaf: GlobalTensor) -> None:
+    """Make ``leaf``'s gradient end in its layout (called when a leaf is first used)."""
+    if getattr(leaf, "_gt_watched", False):
+        return
+    leaf._gt_watched = True
+    leaf.register_post_accumulate_grad_hook(_after_accumulate)
+
+
+def _reducible_axes(grad: Layout, leaf: Layout):
+    """Axes where the gradient is partial_sum and the leaf broadcast, if that is the
+    only difference (an all-reduce over those axes); else None."""
+    if grad.placement != leaf.placement or grad.shape != leaf.shape:
+        return None
+    axes = []
+    for a, (g, l) in enumerate(zip(grad.sbp, leaf.sbp)):
+        if g == l:
+            continue
+        if isinstance(g, Partial) and g.reduce == "sum" and isinstance(l, Broadcast):
+            axes.append(a)
+        else:
+            return None
+    return tuple(axes)
+
+
+def _after_accumulate(leaf: GlobalTensor) -> None:
+    grad = leaf.grad
+    if not isinstance(grad, GlobalTensor) or grad._layout == leaf._layout or not _sync:
+        return
+    axes = _reducible_axes(grad._layout, leaf._layout)
+    if axes is None:  # anything but a plain partial-sum reduction: box right away
+        leaf.grad = GlobalTensor(box(grad._local, grad._layout, leaf._layout), leaf._layout)
+        return
+    global _pending
+    if _pending is None:
+        _pending = _Reducer()
+        torch.autograd.Variable._execution_engine.queue_callback(_finish)
+    _pending.add(leaf, grad, axes)
+
+
+def _finish() -> None:
+    global _pending
+    reducer, _pending = _pending, None
+    if reducer is not None:
+        reducer.finish()
+
+
+class _Reducer:
+    """The buckets of one backward pass."""
+
+    def __init__(self) -> None:
+        self.open: dict = {}      # kind -> list of (leaf, grad)
+        self.size: dict = {}      # kind -> bytes
+        self.sent: list = []      # (kind, items, flat buffer, work)
+        self.first = True
+
+    def add(self, leaf, grad, axes) -> None:
+        kind = (leaf.placement, grad.dtype, axes)
+        self.open.setdefault(kind, []).append((leaf, grad))
+        self.size[kind] = self.size.get(kind, 0) + grad._local.numel() * grad.element_size()
+        cap = (FIRST_BUCKET_MB if self.first else BUCKET_MB) * 2**20
+        if self.size[kind] >= cap:
+            self._send(kind)
+
+    def _send(self, kind) -> None:
+        items = self.open.pop(kind)
+        self.size.pop(kind)
+        self.first = False
+        placement, _, axes = kind
+        rank = comm.get_rank()
+        if rank not in placement:
+            self.sent.append((kind, items, None, None))
+            return
+        flat = torch.cat([g._local.reshape(-1) for _, g in items])
+        # Several partial axes reduce one after another; the first runs asynchronously.
+        work = comm.all_reduce_async(flat, placement.group(rank, axes[0]))
+        self.sent.append((kind, items, flat, work))
+
+    def finish(self) -> None:
+        for kind in list(self.open):
+            self._send(kind)
+        rank = comm.get_rank()
+        for (placement, _, axes), items, flat, work in self.sent:
+            if flat is not None:
+                work.wait()
+                for axis in axes[1:]:
+                    comm.all_reduce_(flat, "sum", placement.group(rank, axis))
+            offset = 0
+            for leaf, grad in items:
+                n = grad._local.numel()
+                local = flat[offset:offset + n].view_as(grad._local) if flat is not None \
+                    else grad._local
+                offset += n
+                leaf.grad = GlobalTensor(local, leaf._layout)

@@ -1,0 +1,70 @@
+"""Convolution and pooling (NC... layout).
+
+The batch may be split (data parallel): everything runs locally and the weight/bias
+gradients are partial sums. A convolution may also split its output channels (the
+weight's dim 0), giving a channel-split output. Pooling works per sample and channel,
+so a batch or channel split passes through, and average pooling is linear.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..sbp import Split, broadcast, partial_sum
+from . import register
+
+aten = torch.ops.aten
+B, P = broadcast, partial_sum
+
+
+@register(aten.convolution)
+def convolution_rule(call, axis):
+    """(input, weight, bias?) -> out."""
+    bias = (B,) * (len(call.inputs) - 2)
+    cands = [((B, B) + bias, (B,)), ((Split(0), B) + bias, (Split(0),))]
+    if call.arg("groups") == 1 and not call.arg("transposed"):
+        cands.append(((B, Split(0)) + (Split(0),) * len(bias), (Split(1),)))
+    return cands
+
+
+@register(aten.convolution_backward)
+def convolution_backward_rule(call, axis):
+    """(grad, input, weight) -> (grad_input?, grad_weight?, grad_bias?)."""
+    mask = call.arg("output_mask")
+    pick = lambda outs: tuple(o for o, keep in zip(outs, mask) if keep)  # noqa: E731
+    cands = [((B, B, B), pick((B, B, B))),
+             ((Split(0), Split(0), B), pick((Split(0), P, P)))]
+    if call.arg("groups") == 1 and not call.arg("transposed"):
+        cands.append(((Split(1), B, Split(0)), pick((P, Split(0), Split(0)))))
+    return cands
+
+
+@register(aten.max_pool2d_with_indices, aten.max_pool3d_with_indices)
+def max_pool_rule(call, axis):
+    return [((s,), (s, s)) for s in (B, Split(0), Split(1))]
+
+
+@register(aten.max_pool2d_with_indices_backward, aten.max_pool3d_with_indices_backward)
+def max_pool_backward_rule(call, axis):
+    return [((s, s, s), (s,)) for s in (B, Split(0), Split(1))] + \
+        [((P, B, B), (P,))]
+
+
+@register(aten.avg_pool2d, aten.avg_pool3d, aten._adaptive_avg_pool2d,
+          aten._adaptive_avg_pool3d, aten.adaptive_max_pool2d)
+def pool_rule(call, axis):
+    n_out = len(call.out_shapes)
+    cands = [((s,), (s,) * n_out) for s in (B, Split(0), Split(1))]
+    if call.func.overloadpacket is not aten.adaptive_max_pool2d:
+        cands.append(((P,), (P,)))
+    return cands
+
+
+@register(aten.avg_pool2d_backward, aten.avg_pool3d_backward,
+          aten._adaptive_avg_pool2d_backward, aten._adaptive_avg_pool3d_backward,
+          aten.adaptive_max_pool2d_backward)
+def pool_backward_rule(call, axis):
+    n_in = len(call.inputs)
+    cands = [((s,) * n_in, (s,)) for s in (B, Split(0), Split(1))]
+    if call.func.overloadpacket is not aten.adaptive_max_pool2d_backward:
+        cands.append(((P,) + (B,) * (n_in - 1), (P,)))
+    return cands

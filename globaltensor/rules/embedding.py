@@ -1,0 +1,76 @@
+"""Embedding lookups and their weight gradient.
+
+The table may be split by rows (vocab parallel): each rank looks up the indices that
+fall in its rows and writes zeros for the others, so the output is a partial sum and
+no index or row is gathered. Split by columns, the output is split on its last dim.
+Split indices (data parallel) give a split output and a partial-sum table gradient.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..sbp import Split, broadcast, partial_sum
+from . import register
+
+aten = torch.ops.aten
+B, P = broadcast, partial_sum
+
+
+@register(aten.embedding)
+def embedding_rule(call, axis):
+    """(weight, indices) -> out (indices.shape + (dim,))."""
+    idx_ndim = len(call.in_shapes[1])
+    cands = [((B, B), (B,)), ((Split(0), B), (P,)), ((Split(1), B), (Split(idx_ndim),)),
+             ((P, B), (P,))]
+    cands += [((B, Split(d)), (Split(d),)) for d in range(idx_ndim)]
+    return cands
+
+
+def _row_window(ctx, indices, region):
+    lo, rows = region.offsets[0], region.sizes[0]
+    mine = (indices >= lo) & (indices < lo + rows)
+    return mine, (indices - lo).clamp(0, max(rows - 1, 0))
+
+
+def _embedding_local(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False,
+                     sparse=False):
+    mine, local_index = _row_window(ctx, indices, ctx.region(0))
+    if bool(mine.all()):
+        return aten.embedding(weight, indices - ctx.region(0).offsets[0])
+    out = weight[local_index] if weight.shape[0] else \
+        weight.new_zeros(tuple(indices.shape) + (weight.shape[1],))
+    return out * mine.unsqueeze(-1).to(out.dtype)
+
+
+register(aten.embedding, local=_embedding_local)(embedding_rule)
+
+
+@register(aten.embedding_dense_backward)
+def embedding_backward_rule(call, axis):
+    """(grad, indices) -> grad_weight (num_weights, dim)."""
+    idx_ndim = len(call.in_shapes[1])
+    cands = [((B, B), (B,)), ((Split(idx_ndim), B), (Split(1),)), ((P, B), (P,))]
+    if not call.arg("scale_grad_by_freq"):  # frequencies would need global counts
+        cands.append(((B, B), (Split(0),)))
+        cands += [((Split(d), Split(d)), (P,)) for d in range(idx_ndim)]
+    return cands
+
+
+def _embedding_backward_local(ctx, grad, indices, num_weights, padding_idx,
+                              scale_grad_by_freq):
+    region = ctx.out_layouts[0].region(ctx.rank)
+    lo, rows = region.offsets[0], region.sizes[0]
+    if rows == num_weights:
+        return aten.embedding_dense_backward(grad, indices, num_weights, padding_idx,
+                                             scale_grad_by_freq)
+    mine = (indices >= lo) & (indices < lo + rows)
+    if padding_idx >= 0:
+        mine &= indices != padding_idx
+    flat = grad.reshape(-1, grad.shape[-1])
+    keep = mine.reshape(-1)
+    out = grad.new_zeros(rows, grad.shape[-1])
+    out.index_add_(0, (indices.reshape(-1)[keep] - lo), flat[keep])
+    return out
+
+
+register(aten.embedding_dense_backward, local=_embedding_backward_local)(embedding_backward_rule)

@@ -1,0 +1,123 @@
+"""layer_norm and batch_norm.
+
+layer_norm normalises the trailing dims: any split of a leading (batch) dim runs
+locally; the weight and bias gradients are then partial sums. batch_norm in training
+normalises over every dim but channels: with the batch split it decomposes into
+global mean/variance (partial sums, one small all-reduce each); with channels split it
+runs locally.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..sbp import Split, broadcast, partial_sum
+from ..tensor import relayout
+from . import register, register_decomposition
+
+aten = torch.ops.aten
+B, P = broadcast, partial_sum
+
+
+@register(aten.native_layer_norm)
+def layer_norm_rule(call, axis):
+    """(input, weight?, bias?) -> (out, mean, rstd)."""
+    ndim = len(call.in_shapes[0])
+    lead = ndim - len(call.arg("normalized_shape"))
+    params = (B,) * (len(call.inputs) - 1)
+    cands = [((B,) + params, (B, B, B))]
+    cands += [((Split(d),) + params, (Split(d),) * 3) for d in range(lead)]
+    return cands
+
+
+@register(aten.native_layer_norm_backward)
+def layer_norm_backward_rule(call, axis):
+    """(grad, input, mean, rstd, weight?, bias?) -> (grad_input?, grad_weight?, grad_bias?)."""
+    ndim = len(call.in_shapes[0])
+    lead = ndim - len(call.arg("normalized_shape"))
+    mask = call.arg("output_mask")
+    params = (B,) * (len(call.inputs) - 4)
+    cands = [((B,) * 4 + params, (B,) * len(call.out_shapes))]
+    for d in range(lead):
+        outs = tuple(o for o, keep in zip((Split(d), P, P), mask) if keep)
+        cands.append(((Split(d),) * 4 + params, outs))
+    return cands
+
+
+@register(aten.native_batch_norm)
+def batch_norm_rule(call, axis):
+    """(input, weight?, bias?, running_mean?, running_var?) -> (out, save_mean, save_invstd)."""
+    n_params = len(call.inputs) - 1
+    ndim = len(call.in_shapes[0])
+    cands = [((B,) * len(call.inputs), (B, B, B)),
+             ((Split(1),) + (Split(0),) * n_params, (Split(1), Split(0), Split(0)))]
+    if not call.arg("training"):
+        cands += [((Split(d),) + (B,) * n_params, (Split(d), B, B))
+                  for d in range(ndim) if d != 1]
+    return cands
+
+
+@register(aten.native_batch_norm_backward)
+def batch_norm_backward_rule(call, axis):
+    """(grad, input, weight?, running_mean?, running_var?, save_mean?, save_invstd?)."""
+    n_rest = len(call.inputs) - 2
+    n_out = len(call.out_shapes)
+    mask = call.arg("output_mask")
+    channel = tuple(o for o, keep in zip((Split(1), Split(0), Split(0)), mask) if keep)
+    return [((B,) * len(call.inputs), (B,) * n_out),
+            ((Split(1), Split(1)) + (Split(0),) * n_rest, channel)]
+
+
+def _splits_non_channel(x) -> bool:
+    return any(isinstance(s, Split) and s.dim != 1 for s in x.sbp)
+
+
+def _stat_shape(x):
+    return [1, x.shape[1]] + [1] * (x.dim() - 2)
+
+
+@register_decomposition(aten.native_batch_norm)
+def batch_norm_over_split_batch(x, weight, bias, running_mean, running_var, training,
+                                momentum, eps):
+    if not training or not _splits_non_channel(x):
+        return NotImplemented
+    dims = [0] + list(range(2, x.dim()))
+    count = x.numel() // x.shape[1]
+    everywhere = (B,) * x.placement.ndim
+    mean = relayout(x.mean(dims), everywhere)             # one all-reduce of C sums
+    centered = x - mean.view(_stat_shape(x))
+    var = relayout((centered * centered).mean(dims), everywhere)  # biased, as batch_norm
+    invstd = (var + eps).rsqrt()
+    out = centered * invstd.view(_stat_shape(x))
+    if weight is not None:
+        out = out * weight.view(_stat_shape(x))
+    if bias is not None:
+        out = out + bias.view(_stat_shape(x))
+    with torch.no_grad():
+        if running_mean is not None:
+            running_mean.mul_(1 - momentum).add_(mean * momentum)
+        if running_var is not None:
+            unbiased = var * (count / max(count - 1, 1))
+            running_var.mul_(1 - momentum).add_(unbiased * momentum)
+    return out, mean, invstd
+
+
+@register_decomposition(aten.native_batch_norm_backward)
+def batch_norm_backward_over_split_batch(grad, x, weight, running_mean, running_var,
+                                         save_mean, save_invstd, train, eps, output_mask):
+    if not train or not _splits_non_channel(x):
+        return NotImplemented
+    dims = [0] + list(range(2, x.dim()))
+    count = x.numel() // x.shape[1]
+    shape = _stat_shape(x)
+    xhat = (x - save_mean.view(shape)) * save_invstd.view(shape)
+    grad_bias = grad.sum(dims)                             # partial_sum
+    grad_weight = (grad * xhat).sum(dims)                  # partial_sum
+    grad_input = None
+    if output_mask[0]:
+        everywhere = (B,) * x.placement.ndim
+        gb, gw = relayout(grad_bias, everywhere), relayout(grad_weight, everywhere)
+        scale = save_invstd if weight is None else save_invstd * weight
+        grad_input = (grad - gb.view(shape) / count
+                      - xhat * gw.view(shape) / count) * scale.view(shape)
+    return (grad_input, grad_weight if output_mask[1] else None,
+            grad_bias if output_mask[2] else None)

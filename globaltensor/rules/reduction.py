@@ -1,0 +1,87 @@
+"""Reductions: sum, mean, amax/amin, max/min, var/std, argmax/argmin, any/all, norms.
+
+A dim that is not reduced keeps its split (shifted when the dim disappears). Reducing a
+split dim gives a partial: ``sum``/``mean`` -> partial_sum, ``amax``/``max`` ->
+partial_max. ``mean`` runs locally as a sum divided by the *global* count, so the
+partial is right. Other reductions over a split dim need the dim whole (boxing does
+that), except the norms, which decompose into partial sums (or maxima).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..sbp import Split, broadcast, partial_max, partial_sum
+from . import register, register_decomposition
+
+aten = torch.ops.aten
+
+# op -> the partial a reduced split dim turns into (None: it cannot)
+_PARTIAL_OF = {aten.sum: partial_sum, aten.mean: partial_sum, aten.amax: partial_max,
+               aten.max: partial_max, aten.nansum: partial_sum}
+
+
+def reduced_dims(call, ndim: int):
+    """(the reduced dims, keepdim) of a reduction call; no dim means every dim."""
+    dim = call.arg("dim")
+    if call.func._overloadname == "default" and call.func.overloadpacket in (aten.max, aten.min):
+        dim = None
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return set(range(ndim)), bool(call.arg("keepdim", False))
+    dims = dim if isinstance(dim, (list, tuple)) else [dim]
+    return ({d % ndim for d in dims} if ndim else set()), bool(call.arg("keepdim", False))
+
+
+@register(aten.sum, aten.mean, aten.amax, aten.amin, aten.max, aten.min, aten.var, aten.std,
+          aten.argmax, aten.argmin, aten.any, aten.all, aten.linalg_vector_norm, aten.nansum,
+          aten.prod, aten.logsumexp)
+def reduction_rule(call, axis):
+    in_shape = call.in_shapes[0]
+    ndim = len(in_shape)
+    dims, keepdim = reduced_dims(call, ndim)
+    n_out = len(call.out_shapes)
+    cands = [((broadcast,) + (broadcast,) * (len(call.inputs) - 1), (broadcast,) * n_out)]
+    for d in range(ndim):
+        if d in dims:
+            partial = _PARTIAL_OF.get(call.func.overloadpacket)
+            if partial is not None and n_out == 1:
+                cands.append(((Split(d),), (partial,)))
+            continue
+        out_d = d if keepdim else d - sum(1 for r in dims if r < d)
+        cands.append(((Split(d),), (Split(out_d),) * n_out))
+    partial = _PARTIAL_OF.get(call.func.overloadpacket)
+    if partial is not None and n_out == 1:
+        cands.append(((partial,), (partial,)))
+    return [c for c in cands if len(c[0]) == len(call.inputs)]
+
+
+def _local_mean(ctx, x, *args, **kwargs):
+    # Sum over the local part, divided by the global number of reduced elements.
+    dims, keepdim = reduced_dims(ctx.call, x.dim())
+    count = math.prod(ctx.call.in_shapes[0][d] for d in dims) if dims else 1
+    dtype = ctx.call.arg("dtype")
+    total = x.sum(dim=sorted(dims), keepdim=keepdim, dtype=dtype) if dims else x.clone()
+    return total / count
+
+
+register(aten.mean, local=_local_mean)(reduction_rule)
+
+
+@register_decomposition(aten.linalg_vector_norm)
+def vector_norm_decomposition(x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    """A norm over a split dim from partial sums of |x|^p (or a partial max for inf)."""
+    ndim = x.dim()
+    dims = set(range(ndim)) if dim is None else (
+        {d % ndim for d in dim} if isinstance(dim, (list, tuple)) else {dim % ndim})
+    split = any(isinstance(s, Split) and s.dim in dims for s in x.sbp)
+    if not split or not (ord == math.inf or (isinstance(ord, (int, float)) and ord > 0)):
+        return NotImplemented
+    if dtype is not None:
+        x = x.to(dtype)
+    reduce_dims = sorted(dims)
+    if ord == math.inf:
+        return x.abs().amax(dim=reduce_dims, keepdim=keepdim)
+    if ord == 2:
+        return (x * x).sum(dim=reduce_dims, keepdim=keepdim).sqrt()
+    return x.abs().pow(ord).sum(dim=reduce_dims, keepdim=keepdim).pow(1.0 / ord)

@@ -1,0 +1,206 @@
+"""Softmax, log_softmax and the losses built on them: nll (so cross_entropy) and mse.
+
+Softmax over a dim that is not split runs locally. Over a split dim it decomposes into
+global ops: a partial_max for the row maxima and a partial_sum for the normaliser, so
+only row statistics move, never the logits. nll_loss with logits split on the class
+dim (vocab parallel) picks each target's logit on the rank that holds it: the result
+is a partial_sum, again without gathering logits. A mean reduction divides a partial
+sum by a global count or total weight.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..sbp import Split, broadcast, partial_sum
+from ..tensor import relayout
+from . import register, register_decomposition
+
+aten = torch.ops.aten
+B, P = broadcast, partial_sum
+
+
+def _splits_dim(x, dim) -> bool:
+    return any(isinstance(s, Split) and s.dim == dim % x.dim() for s in x.sbp)
+
+
+@register(aten._softmax, aten._log_softmax)
+def softmax_rule(call, axis):
+    ndim = len(call.in_shapes[0])
+    dim = call.arg("dim") % ndim
+    return [((B,), (B,))] + [((Split(d),), (Split(d),)) for d in range(ndim) if d != dim]
+
+
+@register(aten._softmax_backward_data, aten._log_softmax_backward_data)
+def softmax_backward_rule(call, axis):
+    ndim = len(call.in_shapes[0])
+    dim = call.arg("dim") % ndim
+    return [((B, B), (B,))] + [((Split(d), Split(d)), (Split(d),))
+                               for d in range(ndim) if d != dim]
+
+
+def _softmax_decomposition(log: bool):
+    def decomposition(x, dim, half_to_float):
+        if not _splits_dim(x, dim):
+            return NotImplemented
+        shifted = x - x.amax(dim, keepdim=True)   # partial_max: an all-reduce of row maxima
+        if log:
+            return shifted - shifted.exp().sum(dim, keepdim=True).log()
+        exp = shifted.exp()
+        return exp / exp.sum(dim, keepdim=True)    # partial_sum: an all-reduce of row sums
+    return decomposition
+
+
+register_decomposition(aten._softmax)(_softmax_decomposition(log=False))
+register_decomposition(aten._log_softmax)(_softmax_decomposition(log=True))
+
+
+@register_decomposition(aten._softmax_backward_data)
+def softmax_backward_over_split_dim(grad, out, dim, input_dtype):
+    if not _splits_dim(out, dim):
+        return NotImplemented
+    return out * (grad - (grad * out).sum(dim, keepdim=True))
+
+
+@register_decomposition(aten._log_softmax_backward_data)
+def log_softmax_backward_over_split_dim(grad, out, dim, input_dtype):
+    if not _splits_dim(out, dim):
+        return NotImplemented
+    return grad - out.exp() * grad.sum(dim, keepdim=True)
+
+
+# --- nll_loss ----------------------------------------------------------------------
+_NONE, _MEAN, _SUM = 0, 1, 2
+
+
+@register(aten.nll_loss_forward)
+def nll_rule(call, axis):
+    """(logits, target[, weight]) -> (loss, total_weight)."""
+    reduction = call.arg("reduction")
+    if len(call.in_shapes[0]) != 2:
+        return [((B,) * len(call.inputs), (B, B))]
+    w = (B,) if len(call.inputs) == 3 else ()
+    loss_of_batch_split = Split(0) if reduction == _NONE else P
+    # Class split: each rank adds the logits it holds -> a partial loss per sample.
+    cands = [((B, B) + w, (B, B)), ((Split(1), B) + w, (P, B))]
+    if reduction != _MEAN:  # a batch-split mean needs the global total weight
+        cands.append(((Split(0), Split(0)) + w, (loss_of_batch_split, P)))
+    return cands
+
+
+@register_decomposition(aten.nll_loss_forward)
+def nll_mean_over_split_batch(x, target, weight, reduction, ignore_index):
+    if reduction != _MEAN or x.dim() != 2 or not _splits_dim(x, 0):
+        return NotImplemented
+    total, total_weight = aten.nll_loss_forward(x, target, weight, _SUM, ignore_index)
+    total_weight = relayout(total_weight, (B,) * len(total_weight.sbp))
+    return total / total_weight, total_weight
+
+
+def _nll_parts(ctx, x, target, weight, ignore_index):
+    """Per-sample (picked logit or 0, sample weight), with the class offset of x."""
+    n_classes = ctx.call.in_shapes[0][1]
+    region = ctx.region(0)
+    lo, size = region.offsets[1], region.sizes[1]
+    valid = target != ignore_index
+    safe = torch.where(valid, target, torch.zeros_like(target))
+    mine = valid & (safe >= lo) & (safe < lo + size)
+    index = (safe - lo).clamp(0, max(size - 1, 0))
+    picked = x.gather(1, index.unsqueeze(1)).squeeze(1) if size else x.new_zeros(len(target))
+    picked = torch.where(mine, picked, torch.zeros_like(picked))
+    w = weight[safe.clamp(0, n_classes - 1)] if weight is not None else torch.ones_like(picked)
+    w = torch.where(valid, w, torch.zeros_like(w))
+    return picked, w, mine, index
+
+
+def _nll_forward_local(ctx, x, target, weight=None, reduction=_MEAN, ignore_index=-100):
+    if x.dim() != 2:
+        return aten.nll_loss_forward(x, target, weight, reduction, ignore_index)
+    picked, w, _, _ = _nll_parts(ctx, x, target, weight, ignore_index)
+    loss = -(picked * w)
+    total_weight = w.sum()
+    if reduction == _NONE:
+        return loss, total_weight
+    if reduction == _SUM:
+        return loss.sum(), total_weight
+    return loss.sum() / total_weight, total_weight
+
+
+register(aten.nll_loss_forward, local=_nll_forward_local)(nll_rule)
+
+
+@register(aten.nll_loss_backward)
+def nll_backward_rule(call, axis):
+    """(grad, logits, target[, weight], total_weight) -> grad_logits."""
+    if len(call.in_shapes[1]) != 2:
+        return [((B,) * len(call.inputs), (B,))]
+    reduction = call.arg("reduction")
+    w = (B,) if len(call.inputs) == 5 else ()
+    g_batch = Split(0) if reduction == _NONE else B
+    return [((B, B, B) + w + (B,), (B,)),
+            ((g_batch, Split(0), Split(0)) + w + (B,), (Split(0),)),
+            ((B, Split(1), B) + w + (B,), (Split(1),))]
+
+
+def _nll_backward_local(ctx, grad, x, target, weight, reduction, ignore_index, total_weight):
+    if x.dim() != 2:
+        return aten.nll_loss_backward(grad, x, target, weight, reduction, ignore_index,
+                                      total_weight)
+    _, w, mine, index = _nll_parts(ctx, x, target, weight, ignore_index)
+    scale = -w * grad if reduction == _NONE else -w * grad.reshape(())
+    if reduction == _MEAN:
+        scale = scale / total_weight
+    out = torch.zeros_like(x)
+    if x.shape[1]:
+        out.scatter_(1, index.unsqueeze(1), torch.where(mine, scale, torch.zeros_like(scale))
+                     .unsqueeze(1).to(x.dtype))
+    return out
+
+
+register(aten.nll_loss_backward, local=_nll_backward_local)(nll_backward_rule)
+
+
+# --- mse_loss ----------------------------------------------------------------------
+@register(aten.mse_loss)
+def mse_rule(call, axis):
+    reduction = call.arg("reduction", _MEAN)
+    ndim = len(call.in_shapes[0])
+    out = (lambda d: Split(d)) if reduction == _NONE else (lambda d: P)
+    return [((B, B), (B,))] + [((Split(d), Split(d)), (out(d),)) for d in range(ndim)]
+
+
+def _mse_local(ctx, x, y, reduction=_MEAN):
+    sq = (x - y) ** 2
+    if reduction == _NONE:
+        return sq
+    total = sq.sum()
+    if reduction == _SUM:
+        return total
+    numel = 1
+    for s in ctx.call.in_shapes[0]:
+        numel *= s
+    return total / numel
+
+
+register(aten.mse_loss, local=_mse_local)(mse_rule)
+
+
+@register(aten.mse_loss_backward)
+def mse_backward_rule(call, axis):
+    reduction = call.arg("reduction", _MEAN)
+    ndim = len(call.in_shapes[1])
+    g = (lambda d: Split(d)) if reduction == _NONE else (lambda d: B)
+    return [((B, B, B), (B,))] + [((g(d), Split(d), Split(d)), (Split(d),))
+                                  for d in range(ndim)]
+
+
+def _mse_backward_local(ctx, grad, x, y, reduction=_MEAN):
+    out = 2 * (x - y) * grad
+    if reduction == _MEAN:
+        numel = 1
+        for s in ctx.call.in_shapes[1]:
+            numel *= s
+        out = out / numel
+    return out
+
+
+register(aten.mse_loss_backward, local=_mse_backward_local)(mse_backward_rule)
