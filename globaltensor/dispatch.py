@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from . import comm, gradsync
 from .boxing import plan_route
 from .layout import Layout
-from .rules import Call, LocalCtx, lookup, lookup_decomposition
+from .rules import Call, LocalCtx, flatten_args, lookup, lookup_decomposition, unflatten_args
 from .boxing.steps import identity_value
 from .sbp import Partial, broadcast
 from .placement import Placement
@@ -41,7 +41,9 @@ class Decision:
     fallback: bool
     local: object = None      # replaces the op on local tensors, with a LocalCtx
     call: object = None
-    empty_shortcut: bool = False  # outputs are all tensors: see _run
+    empty_shortcut: bool = False  # this rank lacks an input part: outputs are identities
+    gidx: tuple = ()          # positions of the GlobalTensor arguments among the leaves
+    single: bool = False      # the output is one tensor
 
 
 _cache: dict = {}
@@ -49,31 +51,31 @@ _warned: set = set()
 
 
 def _key_of(leaf):
-    if isinstance(leaf, GlobalTensor):
-        return leaf._layout, leaf.dtype
+    if type(leaf) is GlobalTensor:
+        return leaf._key
     if isinstance(leaf, torch.Tensor):
         return "t", tuple(leaf.shape), leaf.dtype, leaf.device.type
-    if isinstance(leaf, (list, dict, set)):
+    if isinstance(leaf, list):
+        return tuple(leaf)  # sizes and dims; a list holding anything unhashable raises
+    if isinstance(leaf, (dict, set)):
         raise TypeError  # unhashable: no caching
     return leaf
 
 
 def dispatch(func, types, args, kwargs):
-    if func.overloadpacket.__name__.startswith("_foreach_"):
-        return _foreach(func, args, kwargs)
-    if func in _VALUE_OPS:
-        return _VALUE_OPS[func](*args, **kwargs)
-    decomposition = lookup_decomposition(func)
-    if decomposition is not None:
-        out = decomposition(*args, **kwargs)
+    special = _special.get(func)
+    if special is None:
+        special = _special[func] = _special_handler(func)
+    if special is not _NORMAL:
+        out = special(*args, **kwargs)
         if out is not NotImplemented:
             return out
-    leaves, spec = tree_flatten((args, kwargs))
+    leaves, spec = flatten_args(args, kwargs)
     for x in leaves:
-        if isinstance(x, GlobalTensor) and x.requires_grad and x.is_leaf:
+        if type(x) is GlobalTensor and x.requires_grad and x.is_leaf:
             gradsync.watch(x)
     try:
-        key = (func, spec, tuple(_key_of(x) for x in leaves))
+        key = (func, spec, tuple([_key_of(x) for x in leaves]))
         decision = _cache.get(key)
     except TypeError:
         key, decision = None, None
@@ -82,6 +84,21 @@ def dispatch(func, types, args, kwargs):
         if key is not None:
             _cache[key] = decision
     return _run(func, decision, leaves, spec)
+
+
+_NORMAL = object()
+_special: dict = {}
+
+
+def _special_handler(func):
+    """What runs instead of the rule path: a _foreach loop, a value op, or a
+    decomposition (which may decline with NotImplemented)."""
+    if func.overloadpacket.__name__.startswith("_foreach_"):
+        return lambda *args, **kwargs: _foreach(func, args, kwargs)
+    if func in _VALUE_OPS:
+        return _VALUE_OPS[func]
+    decomposition = lookup_decomposition(func)
+    return _NORMAL if decomposition is None else decomposition
 
 
 # _foreach ops pass as a trailing positional argument what the per-tensor op takes as
@@ -162,7 +179,7 @@ def _meta(x):
 def _decide(func, leaves, spec) -> Decision:
     gidx = _global_leaves(leaves)
     placement = _check_inputs(func, leaves, gidx)
-    meta_args, meta_kwargs = tree_unflatten([_meta(x) for x in leaves], spec)
+    meta_args, meta_kwargs = unflatten_args([_meta(x) for x in leaves], spec)
     if meta_kwargs.get("device") is not None:
         meta_kwargs = dict(meta_kwargs, device="meta")  # shape inference stays on meta
     meta_out = func(*meta_args, **meta_kwargs)
@@ -191,7 +208,7 @@ def _decide(func, leaves, spec) -> Decision:
     fallback = best is None
     if fallback:
         if inplace:
-            return Decision((), (), (), out_spec, True, True)
+            return Decision((), (), (), out_spec, True, True, gidx=tuple(gidx))
         if func not in _warned:
             _warned.add(func)
             warnings.warn(f"globaltensor: {func} has no sbp rule; its inputs are gathered to "
@@ -205,9 +222,13 @@ def _decide(func, leaves, spec) -> Decision:
     for i, s in zip(out_tensors, outs):
         out_layouts[i] = Layout.make(out_leaves[i].shape, placement, s)
     dtypes = tuple(getattr(o, "dtype", None) for o in out_leaves)
-    shortcut = not inplace and all(isinstance(o, torch.Tensor) for o in out_leaves)
+    rank = comm.get_rank()
+    shortcut = (not inplace and all(isinstance(o, torch.Tensor) for o in out_leaves)
+                and any(0 in t.local_shape(rank) for t in targets)
+                and all(l.partial_axes or 0 in l.local_shape(rank) for l in out_layouts))
+    single = len(out_leaves) == 1 and isinstance(meta_out, torch.Tensor)
     return Decision(tuple(targets), tuple(out_layouts), dtypes, out_spec, inplace, fallback,
-                    local, call if local is not None else None, shortcut)
+                    local, call if local is not None else None, shortcut, tuple(gidx), single)
 
 
 def _identity(layout: Layout, dtype, rank: int) -> torch.Tensor:
@@ -228,34 +249,40 @@ def _run(func, decision: Decision, leaves, spec):
     if decision.inplace and decision.fallback:
         return _inplace_via_functional(func, leaves, spec)
     rank = comm.get_rank()
-    gidx = _global_leaves(leaves)
-    inside = rank in leaves[gidx[0]].placement
+    gidx = decision.gidx
+    inside = rank in leaves[gidx[0]]._layout.placement
     local_leaves = list(leaves)
     for i, target in zip(gidx, decision.targets):
         x = leaves[i]
-        local_leaves[i] = x._local if x._layout == target else box(x._local, x._layout, target)
-    if inside and decision.empty_shortcut and any(
-            local_leaves[i].numel() == 0 for i in gidx) and all(
-            l.partial_axes or 0 in l.local_shape(rank) for l in decision.out_layouts):
+        layout = x._layout
+        local_leaves[i] = x._local if layout is target or layout == target else \
+            box(x._local, layout, target)
+    if inside and decision.empty_shortcut:
         # This rank holds no part of some input: it contributes the identity of each
         # (partial or empty) output, which some kernels refuse to compute from nothing.
-        out_leaves = [_identity(layout, dtype, rank) if layout is not None else None
-                      for layout, dtype in zip(decision.out_layouts, decision.out_dtypes)]
-        out_spec = decision.out_spec
+        out = tree_unflatten([_identity(layout, dtype, rank)
+                              for layout, dtype in zip(decision.out_layouts, decision.out_dtypes)],
+                             decision.out_spec)
     elif inside:
-        args, kwargs = tree_unflatten(local_leaves, spec)
+        args, kwargs = unflatten_args(local_leaves, spec)
         if decision.local is not None:
             ctx = LocalCtx(decision.call, decision.targets,
                            tuple(l for l in decision.out_layouts if l is not None), rank)
             out = decision.local(ctx, *args, **kwargs)
         else:
             out = func(*args, **kwargs)
-        out_leaves, out_spec = tree_flatten(out)
     else:
-        out_leaves = [None] * len(decision.out_layouts)
-        out_spec = decision.out_spec
+        out = None
     if decision.inplace:
         return leaves[0]
+    if decision.single:  # one tensor out: skip the pytree round trip
+        layout = decision.out_layouts[0]
+        return GlobalTensor(out if inside else empty_local(layout, decision.out_dtypes[0]),
+                            layout)
+    if inside:
+        out_leaves, out_spec = tree_flatten(out)
+    else:
+        out_leaves, out_spec = [None] * len(decision.out_layouts), decision.out_spec
     wrapped = []
     for o, layout, dtype in zip(out_leaves, decision.out_layouts, decision.out_dtypes):
         if layout is not None:
@@ -273,7 +300,7 @@ def _inplace_via_functional(func, leaves, spec):
     functional op globally, then box the result into the target's layout."""
     name = func.overloadpacket.__name__.rstrip("_")
     functional = getattr(getattr(aten, name), func._overloadname)
-    args, kwargs = tree_unflatten(leaves, spec)
+    args, kwargs = unflatten_args(leaves, spec)
     target = args[0]
     result = functional(*args, **kwargs)
     if not isinstance(result, GlobalTensor):

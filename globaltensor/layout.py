@@ -60,7 +60,7 @@ class Region:
         return tuple(slice(o - b, o - b + s) for o, b, s in zip(self.offsets, base, self.sizes))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Layout:
     """How one global tensor lies on its placement: global shape, placement, nd-sbp."""
 
@@ -68,10 +68,30 @@ class Layout:
     placement: Placement
     sbp: tuple[SbpParallel, ...]
 
+    # Layouts key every dispatch and plan cache: hash once, compare cheaply.
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash((self.shape, self.placement, self.sbp)))
+        strides, acc = [], 1
+        for s in reversed(self.shape):
+            strides.append(acc)
+            acc *= max(s, 1)
+        object.__setattr__(self, "strides", tuple(reversed(strides)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, Layout) and self._hash == other._hash
+                                 and self.shape == other.shape and self.sbp == other.sbp
+                                 and self.placement == other.placement)
+
     @staticmethod
     def make(shape: Sequence[int], placement: Placement, sbp) -> "Layout":
+        """The layout, checked and normalised; equal layouts come back as one object,
+        so the hot paths can compare them with ``is``."""
         shape = tuple(int(s) for s in shape)
-        return Layout(shape, placement, normalize(sbp, placement.ndim, len(shape)))
+        layout = Layout(shape, placement, normalize(sbp, placement.ndim, len(shape)))
+        return _interned.setdefault(layout, layout)
 
     def with_sbp(self, sbp) -> "Layout":
         return Layout.make(self.shape, self.placement, sbp)
@@ -102,6 +122,9 @@ class Layout:
     def is_even(self) -> bool:
         """True when every rank's local tensor has the same shape."""
         return len({self.local_shape(r) for r in self.placement}) == 1
+
+
+_interned: dict = {}
 
 
 @lru_cache(maxsize=65536)

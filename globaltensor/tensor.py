@@ -12,6 +12,7 @@ torch.Size([4, 2])
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -30,6 +31,7 @@ def install_dispatcher(fn) -> None:
     _dispatcher = fn
 
 
+@functools.lru_cache(maxsize=None)
 def device_of(placement: Placement) -> torch.device:
     if placement.type == "cuda":
         return torch.device("cuda", env.get_local_rank() % max(torch.cuda.device_count(), 1))
@@ -43,32 +45,22 @@ def empty_local(layout: Layout, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device_of(layout.placement))
 
 
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(strides))
-
-
 class GlobalTensor(torch.Tensor):
     """A global tensor: global shape/dtype, a placement, an nd-sbp, a local part."""
 
     _local: torch.Tensor
     _layout: Layout
-    __slots__ = ("_local", "_layout")
+    __slots__ = ("_local", "_layout", "_key")
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, layout: Layout, requires_grad: bool = False):
         r = torch.Tensor._make_wrapper_subclass(
-            cls, layout.shape, strides=_contiguous_strides(layout.shape), dtype=local.dtype,
+            cls, layout.shape, strides=layout.strides, dtype=local.dtype,
             device=device_of(layout.placement), requires_grad=requires_grad)
         r._local = local
         r._layout = layout
+        r._key = (layout, local.dtype)  # what the dispatch cache keys on
         return r
-
-    def __init__(self, *args, **kwargs):
-        super().__init__()
 
     # --- metadata ----------------------------------------------------------------
     @property

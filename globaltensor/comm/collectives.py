@@ -120,9 +120,16 @@ def all_gather_object(obj, ranks: tuple[int, ...] | None = None) -> list:
     return out
 
 
+_rank: int | None = None
+
+
 def get_rank() -> int:
-    init()
-    return dist.get_rank()
+    """This process's global rank (cached: it is asked on every op)."""
+    global _rank
+    if _rank is None or not dist.is_initialized():
+        init()
+        _rank = dist.get_rank()
+    return _rank
 
 
 def get_world_size() -> int:

@@ -8,9 +8,34 @@ never communicate.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
 _RULES: dict = {}
+
+
+def flatten_args(args, kwargs):
+    """(leaves, spec) of an op's arguments; tensors are always leaves. Without a tensor
+    inside a list (the common case) the spec is a plain tuple (argument count, keyword
+    names), which skips the cost of torch's pytree."""
+    for a in itertools.chain(args, kwargs.values()) if kwargs else args:
+        if a.__class__ is list or a.__class__ is tuple:
+            for e in a:
+                if isinstance(e, torch.Tensor):
+                    return tree_flatten((args, kwargs))
+    if kwargs:
+        return [*args, *kwargs.values()], (len(args), tuple(kwargs))
+    return list(args), (len(args), ())
+
+
+def unflatten_args(leaves, spec):
+    if spec.__class__ is tuple:
+        n, keys = spec
+        return leaves[:n], (dict(zip(keys, leaves[n:])) if keys else {})
+    return tree_unflatten(leaves, spec)
 
 
 @dataclass
@@ -25,8 +50,7 @@ class Call:
 
     @property
     def args_kwargs(self):
-        from torch.utils._pytree import tree_unflatten
-        return tree_unflatten(self.leaves, self.spec)
+        return unflatten_args(self.leaves, self.spec)
 
     def arg(self, name: str, default=None):
         """An argument by its schema name (positional or keyword), else its default."""
