@@ -91,6 +91,26 @@ def _finish() -> None:
         reducer.finish()
 
 
+_buffers: dict = {}
+
+
+def _flat_buffer(items) -> torch.Tensor:
+    """The bucket's gradients copied once into a flat buffer kept between steps (the
+    previous step's ``.grad`` views into it are replaced by then, as in DDP)."""
+    key = tuple((id(leaf), g._local.shape, g.dtype) for leaf, g in items)
+    flat = _buffers.get(key)
+    total = sum(g._local.numel() for _, g in items)
+    if flat is None:
+        flat = _buffers[key] = torch.empty(total, dtype=items[0][1].dtype,
+                                           device=items[0][1]._local.device)
+    offset = 0
+    for _, g in items:
+        n = g._local.numel()
+        flat[offset:offset + n].view(g._local.shape).copy_(g._local)
+        offset += n
+    return flat
+
+
 class _Reducer:
     """The buckets of one backward pass."""
 
@@ -117,7 +137,7 @@ class _Reducer:
         if rank not in placement:
             self.sent.append((kind, items, None, None))
             return
-        flat = torch.cat([g._local.reshape(-1) for _, g in items])
+        flat = _flat_buffer(items)
         # Several partial axes reduce one after another; the first runs asynchronously.
         work = comm.all_reduce_async(flat, placement.group(rank, axes[0]))
         self.sent.append((kind, items, flat, work))
