@@ -17,10 +17,16 @@ aten = torch.ops.aten
 def _same_layout_cands(call, partials: bool):
     ndim = len(call.in_shapes[0])
     sbps = [broadcast] + [Split(d) for d in range(ndim)]
-    if partials:
-        sbps += [partial_sum, partial_max]
     n_out = len(call.out_shapes)
-    return [((s,) * len(call.inputs), (s,) * n_out) for s in sbps]
+    cands = [((s,) * len(call.inputs), (s,) * n_out) for s in sbps]
+    if partials:
+        cands += [((s,) * len(call.inputs), (s,) * n_out) for s in (partial_sum, partial_max)]
+    else:
+        # The values do not matter, only the region: a partial input's local already
+        # covers the whole region, so the new tensor is broadcast with no communication.
+        cands += [((s,), (broadcast,) * n_out) for s in (partial_sum, partial_max)
+                  if len(call.inputs) == 1]
+    return cands
 
 
 @register(aten.zeros_like)
@@ -49,7 +55,20 @@ def constant_like_rule(call, axis):
     return _same_layout_cands(call, partials=False)
 
 
-@register(aten.copy_, aten.detach, aten.alias, aten.clone, aten._to_copy,
-          aten.lift_fresh, aten.contiguous)
+@register(aten.copy_, aten.detach, aten.alias, aten.clone, aten.lift_fresh, aten.contiguous)
 def copy_rule(call, axis):
     return _same_layout_cands(call, partials=True)
+
+
+@register(aten._to_copy)
+def to_copy_rule(call, axis):
+    # A cast keeps partial sums only between floating types (rounding to integers or
+    # bool does not distribute over the sum); partial maxima survive any monotone cast.
+    src = call.inputs[0].dtype
+    dst = call.arg("dtype") or src
+    cands = _same_layout_cands(call, partials=False)[:len(call.in_shapes[0]) + 1]
+    if src.is_floating_point and dst.is_floating_point:
+        cands.append(((partial_sum,), (partial_sum,)))
+    if dst != torch.bool:
+        cands.append(((partial_max,), (partial_max,)))
+    return cands

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from ..sbp import Split, broadcast, partial_sum
-from ..tensor import relayout
+from .. import comm
+from ..boxing.steps import identity_value
+from ..layout import Layout
+from ..sbp import Partial, Split, broadcast, partial_sum
+from ..tensor import GlobalTensor, empty_local, relayout
 from . import register, register_decomposition
 
 aten = torch.ops.aten
@@ -38,15 +41,40 @@ def softmax_backward_rule(call, axis):
                                for d in range(ndim) if d != dim]
 
 
+def _row_stat(x, dim: int, reduce: str):
+    """max or sum of ``x`` over ``dim`` (kept as size 1), broadcast on every axis that
+    split ``dim``: each rank reduces its part, then one all-reduce of the row
+    statistics. Done here rather than left to dispatch, which could judge moving the
+    (small) logits cheaper than reducing a partial and then move them back."""
+    dim %= x.dim()
+    shape = list(x.shape)
+    shape[dim] = 1
+    cut = {a for a, s in enumerate(x.sbp) if isinstance(s, Split) and s.dim == dim}
+    partial = tuple(Partial(reduce) if a in cut else s for a, s in enumerate(x.sbp))
+    layout = Layout.make(shape, x.placement, partial)
+    rank = comm.get_rank()
+    if rank not in x.placement:
+        local = empty_local(layout, x.dtype)
+    elif x._local.shape[dim] == 0:
+        local = torch.full(layout.local_shape(rank), identity_value(reduce, x.dtype),
+                           dtype=x.dtype, device=x._local.device)
+    elif reduce == "max":
+        local = x._local.amax(dim, keepdim=True)
+    else:
+        local = x._local.sum(dim, keepdim=True)
+    whole = tuple(B if a in cut else s for a, s in enumerate(partial))
+    return relayout(GlobalTensor(local, layout), whole)
+
+
 def _softmax_decomposition(log: bool):
     def decomposition(x, dim, half_to_float):
         if not _splits_dim(x, dim):
             return NotImplemented
-        shifted = x - x.amax(dim, keepdim=True)   # partial_max: an all-reduce of row maxima
+        shifted = x - _row_stat(x, dim, "max")
+        total = _row_stat(shifted.exp(), dim, "sum")
         if log:
-            return shifted - shifted.exp().sum(dim, keepdim=True).log()
-        exp = shifted.exp()
-        return exp / exp.sum(dim, keepdim=True)    # partial_sum: an all-reduce of row sums
+            return shifted - total.log()
+        return shifted.exp() / total
     return decomposition
 
 
@@ -58,14 +86,14 @@ register_decomposition(aten._log_softmax)(_softmax_decomposition(log=True))
 def softmax_backward_over_split_dim(grad, out, dim, input_dtype):
     if not _splits_dim(out, dim):
         return NotImplemented
-    return out * (grad - (grad * out).sum(dim, keepdim=True))
+    return out * (grad - _row_stat(grad * out, dim, "sum"))
 
 
 @register_decomposition(aten._log_softmax_backward_data)
 def log_softmax_backward_over_split_dim(grad, out, dim, input_dtype):
     if not _splits_dim(out, dim):
         return NotImplemented
-    return grad - out.exp() * grad.sum(dim, keepdim=True)
+    return grad - out.exp() * _row_stat(grad, dim, "sum")
 
 
 # --- nll_loss ----------------------------------------------------------------------
@@ -96,10 +124,11 @@ def nll_mean_over_split_batch(x, target, weight, reduction, ignore_index):
     return total / total_weight, total_weight
 
 
-def _nll_parts(ctx, x, target, weight, ignore_index):
-    """Per-sample (picked logit or 0, sample weight), with the class offset of x."""
-    n_classes = ctx.call.in_shapes[0][1]
-    region = ctx.region(0)
+def _nll_parts(ctx, x, target, weight, ignore_index, logits: int = 0):
+    """Per-sample (picked logit or 0, sample weight), with the class offset of x (the
+    ``logits``-th GlobalTensor input)."""
+    n_classes = ctx.call.in_shapes[logits][1]
+    region = ctx.region(logits)
     lo, size = region.offsets[1], region.sizes[1]
     valid = target != ignore_index
     safe = torch.where(valid, target, torch.zeros_like(target))
@@ -145,7 +174,7 @@ def _nll_backward_local(ctx, grad, x, target, weight, reduction, ignore_index, t
     if x.dim() != 2:
         return aten.nll_loss_backward(grad, x, target, weight, reduction, ignore_index,
                                       total_weight)
-    _, w, mine, index = _nll_parts(ctx, x, target, weight, ignore_index)
+    _, w, mine, index = _nll_parts(ctx, x, target, weight, ignore_index, logits=1)
     scale = -w * grad if reduction == _NONE else -w * grad.reshape(())
     if reduction == _MEAN:
         scale = scale / total_weight

@@ -1,0 +1,148 @@
+"""Training equivalence: a small transformer-style block trained under several sbp
+layouts ends with the same parameters as single-process torch."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import globaltensor as gt
+from mp import World
+
+VOCAB, DIM, HIDDEN, BATCH, STEPS = 11, 8, 12, 6, 3
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, DIM)
+        self.ln = torch.nn.LayerNorm(DIM)
+        self.fc1 = torch.nn.Linear(DIM, HIDDEN)
+        self.fc2 = torch.nn.Linear(HIDDEN, DIM)
+        self.head = torch.nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        h = h + self.fc2(F.gelu(self.fc1(self.ln(h))))
+        return self.head(h)
+
+
+def _data():
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randint(0, VOCAB, (BATCH,), generator=g),
+             torch.randint(0, VOCAB, (BATCH,), generator=g)) for _ in range(STEPS)]
+
+
+def _train(model, batches, make_optimizer, wrap=lambda t: t):
+    opt = make_optimizer(model.parameters())
+    for tokens, target in batches:
+        loss = F.cross_entropy(model(wrap(tokens)), wrap(target))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model
+
+
+# Megatron-style tensor parallelism: column-parallel fc1, row-parallel fc2, vocab-parallel
+# embedding and head (the loss never gathers the logits).
+TENSOR_PARALLEL = {"emb.weight": gt.sbp.split(0), "fc1.weight": gt.sbp.split(0),
+                   "fc1.bias": gt.sbp.split(0), "fc2.weight": gt.sbp.split(1),
+                   "head.weight": gt.sbp.split(0), "head.bias": gt.sbp.split(0)}
+
+
+def _check_layout(name, placement, param_sbp, data_sbp, optimizer):
+    torch.manual_seed(0)
+    reference = Block()
+    model = Block()
+    model.load_state_dict(reference.state_dict())
+    gt.nn.to_global(model, placement, param_sbp)
+    intended = {n: p.sbp for n, p in model.named_parameters()}
+    batches = _data()
+    _train(reference, batches, optimizer)
+    _train(model, batches, optimizer,
+           wrap=lambda t: gt.tensor(t, placement=placement, sbp=data_sbp))
+    for (n, p), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
+        assert p.sbp == intended[n], f"{name}: {n} changed layout to {p.sbp}"
+        torch.testing.assert_close(p.full().detach(), ref.detach(), rtol=1e-5, atol=1e-6,
+                                   msg=f"{name}: parameter {n} differs")
+
+
+SGD = lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9)  # noqa: E731
+ADAM = lambda params: torch.optim.Adam(params, lr=0.05)  # noqa: E731
+
+
+def check_data_parallel():
+    p = gt.placement.all("cpu")
+    _check_layout("data parallel", p, gt.sbp.broadcast, gt.sbp.split(0), SGD)
+    _check_layout("data parallel adam", p, gt.sbp.broadcast, gt.sbp.split(0), ADAM)
+
+
+def check_tensor_parallel():
+    p = gt.placement.all("cpu")
+    sbp = lambda name, t: TENSOR_PARALLEL.get(name, gt.sbp.broadcast)  # noqa: E731
+    _check_layout("tensor parallel", p, sbp, gt.sbp.broadcast, SGD)
+    _check_layout("tensor parallel adam", p, sbp, gt.sbp.broadcast, ADAM)
+
+
+def check_vocab_parallel_loss_does_not_gather_logits():
+    p = gt.placement.all("cpu")
+    rows, classes = 4, 1000
+    logits = gt.randn(rows, classes, placement=p, sbp=gt.sbp.split(1), requires_grad=True)
+    target = gt.tensor(torch.arange(rows) * 7, placement=p, sbp=gt.sbp.broadcast)
+    with gt.debug.comm_stats() as stats:
+        loss = F.cross_entropy(logits, target)
+        loss.backward()
+    # Row maxima, row sums and the loss move; the logits (16 kB) never do.
+    assert stats.total_bytes < rows * classes * 4 / 4, stats
+    torch.testing.assert_close(loss.full(), F.cross_entropy(logits.full(), target.full()))
+    assert logits.grad.sbp == (gt.sbp.split(1),)
+
+
+def check_hybrid_2d():
+    mesh = gt.placement("cpu", [[0, 1], [2, 3]])  # axis 0: data, axis 1: tensor
+    sbp = lambda name, t: (gt.sbp.broadcast, TENSOR_PARALLEL.get(name, gt.sbp.broadcast))  # noqa
+    _check_layout("2-D hybrid", mesh, sbp, (gt.sbp.split(0), gt.sbp.broadcast), SGD)
+
+
+def check_gradient_accumulation_with_no_sync():
+    p = gt.placement.all("cpu")
+    torch.manual_seed(0)
+    reference, model = Block(), Block()
+    model.load_state_dict(reference.state_dict())
+    gt.nn.to_global(model, p, gt.sbp.broadcast)
+    (t1, y1), (t2, y2), _ = _data()
+    wrap = lambda t: gt.tensor(t, placement=p, sbp=gt.sbp.split(0))  # noqa: E731
+    with gt.debug.comm_stats() as stats:
+        with gt.no_sync():
+            F.cross_entropy(model(wrap(t1)), wrap(y1)).backward()
+    assert stats.calls["all_reduce"] == 0 or stats.bytes["all_reduce"] < 64, stats
+    assert model.fc1.weight.grad.sbp == (gt.sbp.partial_sum,)  # kept local, unreduced
+    F.cross_entropy(model(wrap(t2)), wrap(y2)).backward()
+    F.cross_entropy(reference(t1), y1).backward()
+    F.cross_entropy(reference(t2), y2).backward()
+    for (n, p_), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
+        assert p_.grad.sbp == p_.sbp, n
+        torch.testing.assert_close(p_.grad.full(), ref.grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
+CHECKS = ["check_data_parallel", "check_tensor_parallel",
+          "check_vocab_parallel_loss_does_not_gather_logits",
+          "check_gradient_accumulation_with_no_sync"]
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return World(2, __name__, CHECKS)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return World(4, __name__, CHECKS + ["check_hybrid_2d"])
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_world2(world2, name):
+    world2.check(name)
+
+
+@pytest.mark.parametrize("name", CHECKS + ["check_hybrid_2d"])
+def test_world4(world4, name):
+    world4.check(name)
