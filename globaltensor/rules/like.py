@@ -36,8 +36,7 @@ def zeros_like_rule(call, axis):
 
 @register(aten.empty_like)
 def empty_like_rule(call, axis):
-    # Not partial: what fills it (random ops, copy_) means a whole value.
-    return _same_layout_cands(call, partials=False)
+    return _same_layout_cands(call, partials=True)
 
 
 @register(aten.new_zeros, aten.new_ones, aten.new_full, aten.new_empty, aten.new_empty_strided)

@@ -69,6 +69,16 @@ def squeeze_rule(call, axis):
     return _same_sbp(1, 1, {d: i for i, d in enumerate(kept)})
 
 
+def _squeeze_local(ctx, x, *args, **kwargs):
+    # Squeeze the dims that are size 1 globally, not a part that happens to be size 1.
+    kept = _kept_after_squeeze(ctx.call, ctx.call.in_shapes[0])
+    gone = [d for d in range(len(ctx.call.in_shapes[0])) if d not in kept]
+    return aten.squeeze.dims(x, gone) if gone else aten.alias(x)
+
+
+register(aten.squeeze, local=_squeeze_local)(squeeze_rule)
+
+
 def _kept_after_squeeze(call, in_shape):
     args, _ = _args(call)
     ndim = len(in_shape)
