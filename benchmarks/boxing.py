@@ -12,31 +12,11 @@ redistribute across meshes at all).
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import sys
-import time
 
 import torch
 import torch.distributed as dist
 
-
-def _median_ms(fns, iters: int, warmup: int = 3) -> list:
-    """Median ms per call of each fn, run round-robin so drift hits all alike."""
-    for fn in fns:
-        for _ in range(warmup):
-            fn()
-    times = [[] for _ in fns]
-    for _ in range(iters):
-        for k, fn in enumerate(fns):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
-    # Every rank reports its own medians; the slowest rank bounds the step.
-    t = torch.tensor([statistics.median(ts) for ts in times], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [v * 1e3 for v in t.tolist()]
+from _common import bar_plot, launch, round_robin_median
 
 
 def _dtensor_cases(n, shape):
@@ -123,7 +103,7 @@ def main(argv=None) -> None:
     results = []
     for name, ours, raw, hand in rows:
         fns = [raw, hand, ours] + ([dtensor[name]] if dtensor and name in dtensor else [])
-        t = _median_ms(fns, args.iters) + [None]
+        t = [v * 1e3 for v in round_robin_median(fns, args.iters)] + [None]
         results.append((name, t[0], t[1], t[2], t[3]))
 
     if rank == 0:
@@ -141,48 +121,12 @@ def main(argv=None) -> None:
         print("raw: the bare collective on preallocated buffers; by hand: the same plus the "
               "local work a usable result needs (fresh output, input kept, packing)")
         if args.plot:
-            _plot(results, args.plot)
+            bar_plot(args.plot, [r[0] for r in results],
+                     {label: [r[k] for r in results]
+                      for k, label in enumerate(["raw", "by hand", "ours", "DTensor"], 1)},
+                     "median ms per call", "boxing: ours vs raw collective vs DTensor")
     dist.barrier()
 
 
-def _plot(results, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install matplotlib); no plot written")
-        return
-    names = [r[0] for r in results]
-    xs = range(len(names))
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for k, (label, col) in enumerate([("raw", 1), ("by hand", 2), ("ours", 3), ("DTensor", 4)]):
-        ax.bar([x + 0.2 * (k - 1.5) for x in xs], [r[col] or 0 for r in results], 0.2,
-               label=label)
-    ax.set_xticks(list(xs), names)
-    ax.set_ylabel("median ms per call")
-    ax.set_title("boxing: ours vs raw collective vs DTensor")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    print(f"plot written to {path}")
-
-
-def _spawned(rank: int, world: int, port: int, argv) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    main(argv)
-
-
 if __name__ == "__main__":
-    if "RANK" in os.environ:
-        main()
-    else:
-        import socket
-        import torch.multiprocessing as mp
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.start_processes(_spawned, args=(2, port, sys.argv[1:]), nprocs=2,
-                           start_method="spawn")
+    launch(main, 2)

@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
-import statistics
-import sys
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from _common import bar_plot, launch, round_robin_median
 
 TARGET = 1.05
 ATOL = 1e-4  # parameters after the warmup steps (fp32, reduction order differs)
@@ -40,19 +38,6 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--plot", default=None, help="write a PNG bar chart here")
     return ap
 
-
-def _median_ms(fns, iters: int) -> list:
-    """Median ms per call of each fn, run round-robin so drift hits all alike."""
-    times = [[] for _ in fns]
-    for _ in range(iters):
-        for k, fn in enumerate(fns):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(ts) for ts in times], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank bounds the step
-    return [v * 1e3 for v in t.tolist()]
 
 
 def _max_param_diff(ddp, ours) -> float:
@@ -144,7 +129,8 @@ def main(argv=None) -> None:
         diffs.append((name, d, moved))
         assert d <= ATOL, f"{name}: parameters differ from DDP after {args.warmup} steps " \
                           f"(max abs diff {d:.3g} > {ATOL})"
-        results.append((name, *_median_ms([f_ddp, f_ours], args.iters)))
+        results.append((name, *[v * 1e3 for v in
+                                round_robin_median([f_ddp, f_ours], args.iters, warmup=0)]))
     if not hasattr(gt, "no_sync"):
         results.append(("no_sync x2 micro", None, None))
 
@@ -165,49 +151,12 @@ def main(argv=None) -> None:
             print(f"{name:<20}{t_d:9.2f}{t_o:9.2f}{r:10.2f}  "
                   f"{'ok' if r <= TARGET else 'MISSED'}")
         if args.plot:
-            _plot([r for r in results if r[1] is not None], args.plot)
+            shown = [r for r in results if r[1] is not None]
+            bar_plot(args.plot, [r[0] for r in shown],
+                     {"DDP": [r[1] for r in shown], "ours": [r[2] for r in shown]},
+                     "median ms per step", "data-parallel step: DDP vs ours")
     dist.barrier()
 
 
-def _plot(results, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install matplotlib); no plot written")
-        return
-    names = [r[0] for r in results]
-    xs = range(len(names))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for k, label in enumerate(["DDP", "ours"]):
-        ax.bar([x + 0.35 * (k - 0.5) for x in xs], [r[k + 1] for r in results], 0.35,
-               label=label)
-    ax.set_xticks(list(xs), names)
-    ax.set_ylabel("median ms per step")
-    ax.set_title("data-parallel step: DDP vs ours")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    print(f"plot written to {path}")
-
-
-def _spawned(rank: int, world: int, port: int, argv) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    main(argv)
-
-
 if __name__ == "__main__":
-    if "RANK" in os.environ:
-        main()
-    else:
-        import socket
-        import torch.multiprocessing as mp
-        nproc = _parser().parse_args().nproc
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.start_processes(_spawned, args=(nproc, port, sys.argv[1:]), nprocs=nproc,
-                           start_method="spawn")
+    launch(main, _parser().parse_args().nproc)

@@ -15,13 +15,12 @@ DTensor - torch, and their ratio (target: ours <= 0.5x DTensor's overhead).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
-import time
 
 import torch
 import torch.distributed as dist
+
+from _common import bar_plot, launch, round_robin_median
 
 TARGET = 0.5
 OPS = {  # key: (label, op on (x, y, w))
@@ -46,23 +45,6 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--plot", default=None, help="write a PNG bar chart here")
     return ap
 
-
-def _median_us(fns, iters: int, calls: int, warmup: int) -> list:
-    """Median µs per call of each fn over `iters` batches, run round-robin."""
-    for fn in fns:
-        for _ in range(warmup):
-            fn()
-    times = [[] for _ in fns]
-    for _ in range(iters):
-        for k, fn in enumerate(fns):
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times[k].append((time.perf_counter() - t0) / calls)
-    t = torch.tensor([statistics.median(ts) for ts in times], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank bounds the step
-    return [v * 1e6 for v in t.tolist()]
 
 
 def main(argv=None) -> None:
@@ -101,7 +83,8 @@ def main(argv=None) -> None:
                                    msg=lambda m: f"{name} (DTensor): {m}")
         fns = [lambda op=op: op(lx, ly, lw), lambda op=op: op(gx, gy, gw),
                lambda op=op: op(dx, dy, dw)]
-        results.append((name, *_median_us(fns, args.iters, args.calls, args.warmup)))
+        medians = round_robin_median(fns, args.iters, args.calls, args.warmup)
+        results.append((name, *[v * 1e6 for v in medians]))
 
     if rank == 0:
         print(f"\n{n} process(es), {args.size}x{args.size} fp32, median of {args.iters} "
@@ -122,49 +105,12 @@ def main(argv=None) -> None:
         print(f"geometric mean ours/DTensor overhead: {geo:.2f} (target <= {TARGET}); "
               f"{met}/{len(ratios)} ops meet it")
         if args.plot:
-            _plot(results, args.plot)
+            bar_plot(args.plot, [r[0] for r in results],
+                     {label: [r[k] for r in results]
+                      for k, label in enumerate(["torch", "ours", "DTensor"], 1)},
+                     "median µs per op", "dispatch overhead on tiny tensors")
     dist.barrier()
 
 
-def _plot(results, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install matplotlib); no plot written")
-        return
-    names = [r[0] for r in results]
-    xs = range(len(names))
-    fig, ax = plt.subplots(figsize=(9, 4))
-    for k, label in enumerate(["torch", "ours", "DTensor"]):
-        ax.bar([x + 0.27 * (k - 1) for x in xs], [r[k + 1] for r in results], 0.27,
-               label=label)
-    ax.set_xticks(list(xs), names)
-    ax.set_ylabel("median µs per op")
-    ax.set_title("dispatch overhead on tiny tensors: torch vs ours vs DTensor")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    print(f"plot written to {path}")
-
-
-def _spawned(rank: int, world: int, port: int, argv) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    main(argv)
-
-
 if __name__ == "__main__":
-    if "RANK" in os.environ:
-        main()
-    else:
-        import socket
-        import torch.multiprocessing as mp
-        nproc = _parser().parse_args().nproc
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.start_processes(_spawned, args=(nproc, port, sys.argv[1:]), nprocs=nproc,
-                           start_method="spawn")
+    launch(main, _parser().parse_args().nproc)
