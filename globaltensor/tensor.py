@@ -165,7 +165,7 @@ class _ToGlobal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return to_layout(grad, ctx.src), None
+        return to_layout(grad, gradient_layout(ctx.src)), None
 
 
 class _ToLocal(torch.autograd.Function):
@@ -187,7 +187,18 @@ class _FromLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return to_layout(grad, ctx.layout)._local, None
+        return to_layout(grad, gradient_layout(ctx.layout))._local, None
+
+
+def gradient_layout(layout: Layout) -> Layout:
+    """Where the gradient of a tensor of ``layout`` goes: the same layout, except that a
+    partial axis becomes broadcast. Every addend of a sum has the sum's gradient, so
+    each rank holds it whole; boxing it back to a partial would be correct too, but it
+    would make the next backward ops produce (and later reduce) full-size partials."""
+    if not layout.partial_axes:
+        return layout
+    return Layout.make(layout.shape, layout.placement, tuple(
+        _broadcast() if a in layout.partial_axes else s for a, s in enumerate(layout.sbp)))
 
 
 def to_layout(grad, layout: Layout) -> GlobalTensor:

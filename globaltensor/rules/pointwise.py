@@ -8,18 +8,24 @@ from __future__ import annotations
 
 import torch
 
-from ..sbp import Partial, Split, broadcast, partial_sum
+from ..sbp import Split, broadcast, partial_sum
 from ..tensor import GlobalTensor
 from . import register
 
 aten = torch.ops.aten
 
-# Linear in every tensor argument together: partial_sum inputs (all of them) give a
-# partial_sum output, provided no constant is added.
-_LINEAR_ALL = {aten.add, aten.sub, aten.neg, aten.clone, aten.positive, aten.alias,
-               aten.detach, aten._to_copy, aten.add_, aten.sub_, aten.neg_}
-# Linear in one argument when the others are broadcast: x * b, x / b.
-_LINEAR_ONE = {aten.mul: (0, 1), aten.mul_: (0, 1), aten.div: (0,), aten.div_: (0,)}
+# Linear in all their tensor operands together: partial inputs (all of them) give a
+# partial output, provided no constant is added (x + 2 is not linear).
+_LINEAR_ALL = {aten.add, aten.sub, aten.add_, aten.sub_, aten.neg, aten.neg_, aten.positive}
+_UNARY = {aten.neg, aten.neg_, aten.positive}
+# Linear in the operand at one of these argument positions when every other operand is
+# broadcast or a constant: x * b, x / b, and activation backwards in their gradient.
+_LINEAR_IN = {aten.mul: (0, 1), aten.mul_: (0, 1), aten.div: (0,), aten.div_: (0,),
+              aten.threshold_backward: (0,), aten.gelu_backward: (0,),
+              aten.sigmoid_backward: (0,), aten.tanh_backward: (0,),
+              aten.silu_backward: (0,), aten.hardtanh_backward: (0,),
+              aten.leaky_relu_backward: (0,), aten.elu_backward: (0,),
+              aten.softplus_backward: (0,)}
 
 
 def _aligned(in_shape, out_shape, d):
@@ -42,28 +48,19 @@ def pointwise_rule(call, axis):
         if any(isinstance(s, Split) for s in ins):
             if all(len(o) == len(out) for o in call.out_shapes):
                 cands.append((tuple(ins), (Split(d),) * n_out))
-    packet = call.func.overloadpacket
-    constants = [x for x in call.leaves if isinstance(x, (int, float, complex, bool))
-                 and not isinstance(x, bool)]
-    plain = [x for x in call.leaves if isinstance(x, torch.Tensor) and not isinstance(x, GlobalTensor)]
-    if packet in _LINEAR_ALL and n_out == 1:
-        nonzero = [c for c in constants if c != 0 and c != 1]  # alpha=1, 0 shifts allowed
-        if packet in (aten.add, aten.sub, aten.add_, aten.sub_):
-            extra = _count_operands(call) - n_in  # scalar operand x + 2 is not linear
-            if extra == 0:
-                cands.append(((partial_sum,) * n_in, (partial_sum,)))
-        elif not nonzero or packet in (aten.clone, aten._to_copy, aten.detach, aten.alias):
-            cands.append(((partial_sum,) * n_in, (partial_sum,)))
-    if packet in _LINEAR_ONE and n_out == 1 and not plain or packet in _LINEAR_ONE and n_in == 1:
-        positions = _LINEAR_ONE[packet]
-        for k in range(n_in):
-            if n_in == 1 or k in positions:
-                ins = tuple(partial_sum if j == k else broadcast for j in range(n_in))
-                cands.append((ins, (partial_sum,)))
+    if n_out == 1:
+        cands += _partial_cands(call, n_in)
     return cands
 
 
-def _count_operands(call) -> int:
-    """Tensor or number operands among the positional arguments (not alpha)."""
+def _partial_cands(call, n_in):
+    packet = call.func.overloadpacket
     args, _ = call.args_kwargs
-    return sum(1 for a in args[:2] if isinstance(a, (torch.Tensor, int, float)))
+    operands = [a for a in args[:2] if isinstance(a, (torch.Tensor, int, float))]
+    if packet in _LINEAR_ALL and (len(operands) == n_in or packet in _UNARY):
+        return [((partial_sum,) * n_in, (partial_sum,))]
+    if packet in _LINEAR_IN:
+        where = [i for i, a in enumerate(args) if isinstance(a, GlobalTensor)]
+        return [(tuple(partial_sum if j == k else broadcast for j in range(n_in)), (partial_sum,))
+                for k, pos in enumerate(where) if pos in _LINEAR_IN[packet]]
+    return []

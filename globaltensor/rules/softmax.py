@@ -188,48 +188,93 @@ def _nll_backward_local(ctx, grad, x, target, weight, reduction, ignore_index, t
 register(aten.nll_loss_backward, local=_nll_backward_local)(nll_backward_rule)
 
 
-# --- mse_loss ----------------------------------------------------------------------
-@register(aten.mse_loss)
-def mse_rule(call, axis):
+# --- elementwise losses: mse, binary cross entropy (with logits) -----------------------
+# Inputs (and an optional weight) of one shape, split alike: the unreduced loss keeps
+# the split; a sum or mean over a split becomes a partial (mean divides by the global
+# element count). Backward ops scale the local gradient the same way.
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _aligned(shape, out_shape, d):
+    """sbp of an operand of ``shape`` broadcast against a split(d) output."""
+    k = d - (len(out_shape) - len(shape))
+    return Split(k) if k >= 0 and shape[k] == out_shape[d] else B
+
+
+@register(aten.mse_loss, aten.binary_cross_entropy, aten.binary_cross_entropy_with_logits)
+def elementwise_loss_rule(call, axis):
     reduction = call.arg("reduction", _MEAN)
-    ndim = len(call.in_shapes[0])
-    out = (lambda d: Split(d)) if reduction == _NONE else (lambda d: P)
-    return [((B, B), (B,))] + [((Split(d), Split(d)), (out(d),)) for d in range(ndim)]
+    shape = call.in_shapes[0]
+    n = len(call.inputs)
+    cands = [((B,) * n, (B,))]
+    for d in range(len(shape)):
+        ins = tuple(_aligned(s, shape, d) for s in call.in_shapes)
+        cands.append((ins, (Split(d) if reduction == _NONE else P,)))
+    return cands
+
+
+def _reduce_loss(ctx, loss, reduction, shape_index: int = 0):
+    if reduction == _NONE:
+        return loss
+    if reduction == _SUM:
+        return loss.sum()
+    return loss.sum() / _numel(ctx.call.in_shapes[shape_index])
 
 
 def _mse_local(ctx, x, y, reduction=_MEAN):
-    sq = (x - y) ** 2
-    if reduction == _NONE:
-        return sq
-    total = sq.sum()
-    if reduction == _SUM:
-        return total
-    numel = 1
-    for s in ctx.call.in_shapes[0]:
-        numel *= s
-    return total / numel
+    return _reduce_loss(ctx, (x - y) ** 2, reduction)
 
 
-register(aten.mse_loss, local=_mse_local)(mse_rule)
+def _bce_local(ctx, x, y, weight=None, reduction=_MEAN):
+    return _reduce_loss(ctx, aten.binary_cross_entropy(x, y, weight, _NONE), reduction)
 
 
-@register(aten.mse_loss_backward)
-def mse_backward_rule(call, axis):
+def _bce_logits_local(ctx, x, y, weight=None, pos_weight=None, reduction=_MEAN):
+    loss = aten.binary_cross_entropy_with_logits(x, y, weight, pos_weight, _NONE)
+    return _reduce_loss(ctx, loss, reduction)
+
+
+register(aten.mse_loss, local=_mse_local)(elementwise_loss_rule)
+register(aten.binary_cross_entropy, local=_bce_local)(elementwise_loss_rule)
+register(aten.binary_cross_entropy_with_logits, local=_bce_logits_local)(elementwise_loss_rule)
+
+
+@register(aten.mse_loss_backward, aten.binary_cross_entropy_backward)
+def elementwise_loss_backward_rule(call, axis):
+    """(grad, input, target[, weight]) -> grad_input."""
     reduction = call.arg("reduction", _MEAN)
-    ndim = len(call.in_shapes[1])
-    g = (lambda d: Split(d)) if reduction == _NONE else (lambda d: B)
-    return [((B, B, B), (B,))] + [((g(d), Split(d), Split(d)), (Split(d),))
-                                  for d in range(ndim)]
+    shape = call.in_shapes[1]
+    n = len(call.inputs)
+    cands = [((B,) * n, (B,))]
+    for d in range(len(shape)):
+        rest = tuple(_aligned(s, shape, d) for s in call.in_shapes[1:])
+        grad = rest[0] if reduction == _NONE else B
+        cands.append(((grad,) + rest, (Split(d),)))
+    return cands
 
 
-def _mse_backward_local(ctx, grad, x, y, reduction=_MEAN):
-    out = 2 * (x - y) * grad
+def _scale_by_count(ctx, out, reduction):
     if reduction == _MEAN:
-        numel = 1
-        for s in ctx.call.in_shapes[1]:
-            numel *= s
-        out = out / numel
+        out = out / _numel(ctx.call.in_shapes[1])
     return out
 
 
-register(aten.mse_loss_backward, local=_mse_backward_local)(mse_backward_rule)
+def _mse_backward_local(ctx, grad, x, y, reduction=_MEAN):
+    return _scale_by_count(ctx, 2 * (x - y) * grad, reduction)
+
+
+def _bce_backward_local(ctx, grad, x, y, weight=None, reduction=_MEAN):
+    local = aten.binary_cross_entropy_backward(grad, x, y, weight, _SUM if reduction != _NONE
+                                               else _NONE)
+    return _scale_by_count(ctx, local, reduction)
+
+
+register(aten.mse_loss_backward, local=_mse_backward_local)(elementwise_loss_backward_rule)
+register(aten.binary_cross_entropy_backward, local=_bce_backward_local)(
+    elementwise_loss_backward_rule)
