@@ -10,6 +10,7 @@ the order in which a split hands out parts.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 
@@ -53,6 +54,14 @@ def init() -> None:
                                 world_size=world, timeout=timeout)
     if torch.cuda.is_available():
         torch.cuda.set_device(env.get_local_rank() % torch.cuda.device_count())
+    # An undestroyed gloo group can abort the process at interpreter exit (a teardown
+    # race in torch); destroying it is local, so it cannot wait on other ranks.
+    atexit.register(_destroy)
+
+
+def _destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 _registered: set = set()
