@@ -98,7 +98,7 @@ def make_global(value, placement, sbp, requires_grad=False):
         eps = 1.0
         for axis, s in enumerate(nd):
             if s == P:
-                eps *= coord[axis] - (placement.shape[axis] - 1) / 2 
+                eps *= coord[axis] - (placement.shape[axis] - 1) / 2
         # dyadic noise: integer-valued data keeps exact sums (for ==)
         gen = torch.Generator().manual_seed(_seed(f"noise{tuple(local.shape)}"))
         noise = torch.randint(-4, 5, tuple(local.shape), generator=gen).to(value.dtype) / 2
@@ -127,13 +127,13 @@ def _placements(limit1=8, limit_rev=2, limit2=4):
     return out
 
 
-def _choices(t, partial=True):
-    """1-D sbps for a value ``t``: broadcast, a split per dim, and partial_sum (floating
-    values only unless asked)."""
+def _choices(t):
+    """1-D sbps for a value ``t``: broadcast, a split per dim, and partial_sum for
+    floating values (None for a non-tensor argument)."""
     if not isinstance(t, torch.Tensor):
         return [None]
     out = [B] + [S(d) for d in range(t.dim())]
-    if partial and t.is_floating_point():
+    if t.is_floating_point():
         out.append(P)
     return out
 
