@@ -96,6 +96,26 @@ def check_vocab_parallel_loss_does_not_gather_logits():
     assert logits.grad.sbp == (gt.sbp.split(1),)
 
 
+def check_op_without_rule_falls_back():
+    import warnings
+    p = gt.placement.all("cpu")
+    value = torch.arange(15.0).reshape(5, 3)
+    x = gt.tensor(value, placement=p, sbp=gt.sbp.split(0), requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = torch.cumsum(x, 0)          # no rule: gathered to broadcast, correct anyway
+        torch.cumsum(x, 0)
+    named = [w for w in caught if "cumsum" in str(w.message)]
+    assert len(named) == 1, [str(w.message) for w in caught]  # once per op
+    assert y.sbp == (gt.sbp.broadcast,)
+    torch.testing.assert_close(y.full(), torch.cumsum(value, 0))
+    (y * y).sum().backward()
+    reference = value.clone().requires_grad_()
+    (torch.cumsum(reference, 0) ** 2).sum().backward()
+    assert x.grad.sbp == x.sbp
+    torch.testing.assert_close(x.grad.full(), reference.grad)
+
+
 def check_hybrid_2d():
     mesh = gt.placement("cpu", [[0, 1], [2, 3]])  # axis 0: data, axis 1: tensor
     sbp = lambda name, t: (gt.sbp.broadcast, TENSOR_PARALLEL.get(name, gt.sbp.broadcast))  # noqa
@@ -124,7 +144,7 @@ def check_gradient_accumulation_with_no_sync():
 
 
 CHECKS = ["check_data_parallel", "check_tensor_parallel",
-          "check_vocab_parallel_loss_does_not_gather_logits",
+          "check_vocab_parallel_loss_does_not_gather_logits", "check_op_without_rule_falls_back",
           "check_gradient_accumulation_with_no_sync"]
 
 
