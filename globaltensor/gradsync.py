@@ -30,6 +30,7 @@ BUCKET_MB = 25.0
 FIRST_BUCKET_MB = 1.0  # small first bucket: communication starts early in backward
 
 _sync = True
+_serial = 0
 _pending: "_Reducer | None" = None
 
 
@@ -47,9 +48,13 @@ def no_sync() -> Iterator[None]:
 
 def watch(leaf: GlobalTensor) -> None:
     """Make ``leaf``'s gradient end in its layout (called when a leaf is first used)."""
-    if getattr(leaf, "_gt_watched", False):
+    global _serial
+    if getattr(leaf, "_gt_serial", None) is not None:
         return
-    leaf._gt_watched = True
+    # A serial number, not id(): ids are reused after garbage collection and differ
+    # between ranks, while serials follow the program order, the same on every rank.
+    _serial += 1
+    leaf._gt_serial = _serial
     leaf.register_post_accumulate_grad_hook(_after_accumulate)
 
 
@@ -97,7 +102,7 @@ _buffers: dict = {}
 def _flat_buffer(items) -> torch.Tensor:
     """The bucket's gradients copied once into a flat buffer kept between steps (the
     previous step's ``.grad`` views into it are replaced by then, as in DDP)."""
-    key = tuple((id(leaf), g._local.shape, g.dtype) for leaf, g in items)
+    key = tuple((leaf._gt_serial, g._local.shape, g.dtype) for leaf, g in items)
     flat = _buffers.get(key)
     total = sum(g._local.numel() for _, g in items)
     if flat is None:
@@ -111,27 +116,59 @@ def _flat_buffer(items) -> torch.Tensor:
     return flat
 
 
+# The order in which the last backward pass produced its gradients, as (leaf serial, kind,
+# bytes). Like DDP, the buckets of the next pass are drawn up from it, so a bucket is
+# sent the moment its last gradient is ready instead of when the next one overflows it.
+_last_order: list = []
+
+
+def _plan(order) -> dict:
+    """leaf serial -> bucket number, filling buckets in gradient order up to the caps."""
+    plan, sizes, bucket_of_kind, next_bucket = {}, {}, {}, 0
+    for serial, kind, nbytes in order:
+        b = bucket_of_kind.get(kind)
+        cap = (FIRST_BUCKET_MB if next_bucket <= 1 else BUCKET_MB) * 2**20
+        if b is None or sizes[b] >= cap:
+            b = bucket_of_kind[kind] = next_bucket
+            next_bucket += 1
+            sizes[b] = 0
+        plan[serial] = b
+        sizes[b] += nbytes
+    return plan
+
+
 class _Reducer:
     """The buckets of one backward pass."""
 
     def __init__(self) -> None:
-        self.open: dict = {}      # kind -> list of (leaf, grad)
-        self.size: dict = {}      # kind -> bytes
+        self.plan = _plan(_last_order)
+        self.waiting: dict = {}   # planned bucket -> leaf ids not yet ready
+        for serial, b in self.plan.items():
+            self.waiting.setdefault(b, set()).add(serial)
+        self.planned: dict = {}   # planned bucket -> (kind, items)
+        self.open: dict = {}      # kind -> items of gradients the plan did not foresee
+        self.size: dict = {}      # kind -> bytes in self.open
         self.sent: list = []      # (kind, items, flat buffer, work)
-        self.first = True
+        self.order: list = []
 
     def add(self, leaf, grad, axes) -> None:
         kind = (leaf.placement, grad.dtype, axes)
+        nbytes = grad._local.numel() * grad.element_size()
+        self.order.append((leaf._gt_serial, kind, nbytes))
+        b = self.plan.get(leaf._gt_serial)
+        if b is not None and self.planned.get(b, (kind,))[0] == kind:
+            self.planned.setdefault(b, (kind, []))[1].append((leaf, grad))
+            self.waiting[b].discard(leaf._gt_serial)
+            if not self.waiting[b]:
+                self._send(kind, self.planned.pop(b)[1])
+            return
         self.open.setdefault(kind, []).append((leaf, grad))
-        self.size[kind] = self.size.get(kind, 0) + grad._local.numel() * grad.element_size()
-        cap = (FIRST_BUCKET_MB if self.first else BUCKET_MB) * 2**20
-        if self.size[kind] >= cap:
-            self._send(kind)
+        self.size[kind] = self.size.get(kind, 0) + nbytes
+        if self.size[kind] >= BUCKET_MB * 2**20:
+            self.size.pop(kind)
+            self._send(kind, self.open.pop(kind))
 
-    def _send(self, kind) -> None:
-        items = self.open.pop(kind)
-        self.size.pop(kind)
-        self.first = False
+    def _send(self, kind, items) -> None:
         placement, _, axes = kind
         rank = comm.get_rank()
         if rank not in placement:
@@ -143,8 +180,13 @@ class _Reducer:
         self.sent.append((kind, items, flat, work))
 
     def finish(self) -> None:
+        global _last_order
+        for b in sorted(self.planned):  # buckets whose gradients did not all come
+            kind, items = self.planned[b]
+            self._send(kind, items)
         for kind in list(self.open):
-            self._send(kind)
+            self._send(kind, self.open.pop(kind))
+        _last_order = self.order
         rank = comm.get_rank()
         for (placement, _, axes), items, flat, work in self.sent:
             if flat is not None:
