@@ -153,6 +153,19 @@ def check_bad_input_raises_before_communicating():
         x + y
 
 
+def check_bystanders_need_not_take_part():
+    # A point-to-point route involves only the ranks that hold or receive data: a rank
+    # in neither placement may skip the call without anyone waiting for it.
+    rank, n = gt.get_rank(), gt.get_world_size()
+    src, dst = gt.placement("cpu", [0, 1]), gt.placement("cpu", [1, 2] if n > 2 else [1])
+    value = torch.arange(12.0).reshape(4, 3)
+    x = gt.tensor(value, placement=src, sbp=gt.sbp.split(0))
+    if rank in src or rank in dst:
+        y = x.to_global(placement=dst, sbp=gt.sbp.broadcast)
+        if rank in dst:
+            torch.testing.assert_close(y.to_local(), value)
+
+
 def check_debug_tools():
     import logging
     import os
@@ -196,7 +209,8 @@ def check_debug_tools():
 CHECKS = ["check_every_pair_1d", "check_full_and_numpy_everywhere",
           "check_gradients_go_back_to_the_source", "check_from_local_derives_uneven_shapes",
           "check_random_factories_are_placement_invariant", "check_cross_placements",
-          "check_bad_input_raises_before_communicating", "check_debug_tools"]
+          "check_bad_input_raises_before_communicating", "check_debug_tools",
+          "check_bystanders_need_not_take_part"]
 
 
 @pytest.fixture(scope="module")

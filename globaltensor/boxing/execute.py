@@ -13,13 +13,15 @@ def execute(plan: Plan, local: torch.Tensor, rank: int | None = None) -> torch.T
     """This rank's local tensor in ``plan.dst``, from its local tensor in ``plan.src``.
 
     The result never aliases ``local`` when it holds different data, so the source
-    tensor stays valid. Call it on every rank (SPMD), members or not: the first use of
-    a placement creates its process groups, which needs the whole world.
+    tensor stays valid. A plan with collectives must run on every rank (SPMD), members
+    or not: the first collective on a placement creates its process groups, which torch
+    does with the whole world. A plan of point-to-point transfers only involves the
+    ranks that send or receive.
     """
     if rank is None:
         rank = comm.get_rank()
-    comm.register_placement(plan.src.placement)
-    comm.register_placement(plan.dst.placement)
+    if any(not isinstance(step, S.Transfer) for step in plan.steps):
+        comm.register_placement(plan.src.placement)
     out = local
     for step in plan.steps:
         if isinstance(step, S.Transfer):
