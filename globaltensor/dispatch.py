@@ -21,11 +21,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import comm, gradsync
 from .boxing import plan_route
-from .layout import Layout
-from .rules import Call, LocalCtx, flatten_args, lookup, lookup_decomposition, unflatten_args
 from .boxing.steps import identity_value
-from .sbp import Partial, broadcast
+from .layout import Layout
 from .placement import Placement
+from .rules import Call, LocalCtx, flatten_args, lookup, lookup_decomposition, unflatten_args
+from .sbp import broadcast
 from .tensor import GlobalTensor, box, device_of, empty_local, install_dispatcher, relayout
 
 aten = torch.ops.aten

@@ -21,7 +21,6 @@ import torch
 from . import comm, env
 from .layout import Layout
 from .placement import Placement
-from .sbp import Partial
 from .tensor import GlobalTensor, device_of, empty_local, from_full, wrap_local
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from globaltensor.layout import Layout, balanced_split
-from globaltensor.sbp import Broadcast, Partial, Split
+from globaltensor.sbp import Broadcast, Split
 
 
 def random_locals(value: torch.Tensor, layout: Layout, gen: torch.Generator) -> dict:

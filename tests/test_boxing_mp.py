@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import globaltensor as gt
-from globaltensor.boxing import materialize, plan_route, simulate
+from globaltensor.boxing import plan_route, simulate
 from globaltensor.layout import Layout
 
 from boxing_cases import random_locals, reference_locals

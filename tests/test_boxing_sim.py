@@ -1,5 +1,4 @@
 """Property tests: every same-placement boxing pair on the simulator."""
-import os
 
 import pytest
 import torch

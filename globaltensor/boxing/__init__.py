@@ -4,3 +4,6 @@ from .execute import execute
 from .plan import Plan, plan_boxing
 from .route import plan_route
 from .simulate import local_part, materialize, scatter, simulate
+
+__all__ = ["execute", "Plan", "plan_boxing", "plan_route", "local_part", "materialize",
+           "scatter", "simulate"]

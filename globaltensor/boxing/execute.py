@@ -4,7 +4,6 @@ from __future__ import annotations
 import torch
 
 from .. import comm
-from ..layout import balanced_split
 from . import steps as S
 from .plan import Plan
 

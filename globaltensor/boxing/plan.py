@@ -9,7 +9,7 @@ cached by (src layout, dst layout, element size).
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 from ..layout import Layout

@@ -13,7 +13,7 @@ import torch
 from .. import comm
 from ..layout import Layout
 from ..placement import Placement
-from ..tensor import GlobalTensor, device_of, from_full
+from ..tensor import GlobalTensor, from_full
 
 __all__ = ["to_global"]
 

@@ -10,7 +10,6 @@ import torch
 
 from ..sbp import Split, broadcast, partial_sum
 from ..tensor import GlobalTensor
-from . import register
 
 aten = torch.ops.aten
 
