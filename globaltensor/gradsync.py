@@ -127,8 +127,8 @@ def _plan(order) -> dict:
     plan, sizes, bucket_of_kind, next_bucket = {}, {}, {}, 0
     for serial, kind, nbytes in order:
         b = bucket_of_kind.get(kind)
-        cap = (FIRST_BUCKET_MB if next_bucket <= 1 else BUCKET_MB) * 2**20
-        if b is None or sizes[b] >= cap:
+        cap = (FIRST_BUCKET_MB if b == 0 else BUCKET_MB) * 2**20
+        if b is None or (sizes[b] and sizes[b] + nbytes > cap):
             b = bucket_of_kind[kind] = next_bucket
             next_bucket += 1
             sizes[b] = 0
