@@ -199,7 +199,10 @@ def _decide(func, leaves, spec) -> Decision:
             outs = [tuple(c[1][k] for c in combo) for k in range(len(out_tensors))]
             if inplace and outs[0] != current[0].sbp:
                 continue
-            targets = [Layout.make(cur.shape, placement, s) for cur, s in zip(current, ins)]
+            try:
+                targets = [Layout.make(cur.shape, placement, s) for cur, s in zip(current, ins)]
+            except ValueError:  # e.g. a split dim that a 0-d operand does not have
+                continue
             # Any boxing at all costs a little, so "none needed" wins ties.
             cost = sum(plan_route(cur, tgt, leaves[i].element_size()).cost + 1e-9
                        for cur, tgt, i in zip(current, targets, gidx) if cur != tgt)
