@@ -18,6 +18,8 @@ aten = torch.ops.aten
 
 
 def _same_layout(call, axis):
+    if len(call.inputs) != 1:
+        return []  # a tensor-valued parameter (bernoulli_(p=tensor)): the fallback runs it
     ndim = len(call.in_shapes[0])
     sbps = [broadcast, partial_sum, partial_max] + [Split(d) for d in range(ndim)]
     return [((s,), (s,) * len(call.out_shapes)) for s in sbps]
