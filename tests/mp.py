@@ -97,3 +97,30 @@ class World:
                                for k, v in self.errors.items())
             raise AssertionError(f"{name} did not run on every rank (an earlier check "
                                  f"failed: {reason})")
+
+
+def checks_in_worlds(module: str, checks, only_in_4=()):
+    """Fixtures and tests running ``checks`` (names of functions in ``module``) in one
+    world of 2 and one of 4 processes; ``only_in_4`` need 4 ranks. Use as
+    ``world2, world4, test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)``."""
+    import pytest
+
+    checks, in_4 = list(checks), list(checks) + list(only_in_4)
+
+    @pytest.fixture(scope="module")
+    def world2():
+        return World(2, module, checks)
+
+    @pytest.fixture(scope="module")
+    def world4():
+        return World(4, module, in_4)
+
+    @pytest.mark.parametrize("name", checks)
+    def test_world2(world2, name):
+        world2.check(name)
+
+    @pytest.mark.parametrize("name", in_4)
+    def test_world4(world4, name):
+        world4.check(name)
+
+    return world2, world4, test_world2, test_world4

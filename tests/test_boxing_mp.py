@@ -10,7 +10,7 @@ from globaltensor.boxing import plan_route, simulate
 from globaltensor.layout import Layout
 
 from boxing_cases import random_locals, reference_locals
-from mp import World
+from mp import checks_in_worlds
 
 SBPS = [gt.sbp.broadcast, gt.sbp.partial_sum, gt.sbp.partial_max, gt.sbp.split(0),
         gt.sbp.split(1)]
@@ -213,21 +213,4 @@ CHECKS = ["check_every_pair_1d", "check_full_and_numpy_everywhere",
           "check_bystanders_need_not_take_part"]
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return World(2, __name__, CHECKS)
-
-
-@pytest.fixture(scope="module")
-def world4():
-    return World(4, __name__, CHECKS + ["check_every_pair_2d"])
-
-
-@pytest.mark.parametrize("name", CHECKS)
-def test_world2(world2, name):
-    world2.check(name)
-
-
-@pytest.mark.parametrize("name", CHECKS + ["check_every_pair_2d"])
-def test_world4(world4, name):
-    world4.check(name)
+world2, world4, test_world2, test_world4 = checks_in_worlds(__name__, CHECKS, ["check_every_pair_2d"])

@@ -1,11 +1,10 @@
 """Training equivalence: a small transformer-style block trained under several sbp
 layouts ends with the same parameters as single-process torch."""
-import pytest
 import torch
 import torch.nn.functional as F
 
 import globaltensor as gt
-from mp import World
+from mp import checks_in_worlds
 
 VOCAB, DIM, HIDDEN, BATCH, STEPS = 11, 8, 12, 6, 3
 
@@ -148,21 +147,4 @@ CHECKS = ["check_data_parallel", "check_tensor_parallel",
           "check_gradient_accumulation_with_no_sync"]
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return World(2, __name__, CHECKS)
-
-
-@pytest.fixture(scope="module")
-def world4():
-    return World(4, __name__, CHECKS + ["check_hybrid_2d"])
-
-
-@pytest.mark.parametrize("name", CHECKS)
-def test_world2(world2, name):
-    world2.check(name)
-
-
-@pytest.mark.parametrize("name", CHECKS + ["check_hybrid_2d"])
-def test_world4(world4, name):
-    world4.check(name)
+world2, world4, test_world2, test_world4 = checks_in_worlds(__name__, CHECKS, ["check_hybrid_2d"])
