@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 
 import torch
@@ -54,14 +55,18 @@ def init() -> None:
                                 world_size=world, timeout=timeout)
     if torch.cuda.is_available():
         torch.cuda.set_device(env.get_local_rank() % torch.cuda.device_count())
-    # An undestroyed gloo group can abort the process at interpreter exit (a teardown
-    # race in torch); destroying it is local, so it cannot wait on other ranks.
+    # A gloo group still alive when the interpreter finalises can abort the process
+    # (its worker threads release tensors after Python is gone). Destroy the groups,
+    # and drop our own references to them, while Python still runs; it is local.
     atexit.register(_destroy)
 
 
 def _destroy() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    _groups.clear()  # the last references to sub-groups, also after a user's own destroy
+    _registered.clear()
+    gc.collect()
 
 
 _registered: set = set()
