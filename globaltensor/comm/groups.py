@@ -3,8 +3,9 @@
 torch needs every rank of the world to take part in creating a group (its names count
 the groups each process made, so members-only creation desynchronises as soon as
 ranks use different placements). So the groups of a placement are all made the first
-time any tensor is boxed on it: in SPMD code every rank reaches that call, including
-ranks outside the placement, which take part once and never wait on the group again.
+time a collective runs on it (a boxing plan with collectives, a gradient bucket): in
+SPMD code every rank reaches that call, including ranks outside the placement, which
+take part once and never wait on the group again. Point-to-point transfers need none.
 Member order is kept (``sort_ranks=False``) so group rank ``i`` is ``members[i]``:
 the order in which a split hands out parts.
 """
