@@ -124,3 +124,27 @@ def checks_in_worlds(module: str, checks, only_in_4=()):
         world4.check(name)
 
     return world2, world4, test_world2, test_world4
+
+
+def launch_example(script: str, nproc: int, tmp_path, *args, timeout: float = 150):
+    """Run ``examples/<script>`` as the README does, through the launcher on a free port
+    with its logs in ``tmp_path``; returns the CompletedProcess. One OpenMP thread per
+    process, also for a 1-rank run, so runs do not oversubscribe the cores."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "globaltensor.launch", "--nproc_per_node", str(nproc),
+           "--master_port", str(free_port()), "--log_dir", str(tmp_path / f"log{nproc}"),
+           str(root / "examples" / script), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=root,
+                          env=env)
+
+
+def run_example(script: str, nproc: int, tmp_path, *args, timeout: float = 150) -> str:
+    """``launch_example`` that must succeed; returns its standard output."""
+    out = launch_example(script, nproc, tmp_path, *args, timeout=timeout)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout

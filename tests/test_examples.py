@@ -1,20 +1,7 @@
 """The examples run as the README says, through the launcher."""
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from mp import free_port
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def launch(script, nproc, tmp_path, *args, timeout=180):
-    cmd = [sys.executable, "-m", "globaltensor.launch", "--nproc_per_node", str(nproc),
-           "--master_port", str(free_port()), "--log_dir", str(tmp_path / "log"),
-           str(ROOT / "examples" / script), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+from mp import launch_example as launch
 
 
 @pytest.mark.timeout(200)

@@ -1,29 +1,11 @@
 """The data-parallel examples run through the launcher on 2 ranks and keep their claims;
 data-parallel training ends with the single-process parameters."""
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from mp import free_port
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def launch(script, nproc, tmp_path, *args, timeout=150):
-    log_dir = tmp_path / f"log{nproc}"
-    cmd = [sys.executable, "-m", "globaltensor.launch", "--nproc_per_node", str(nproc),
-           "--master_port", str(free_port()), "--log_dir", str(log_dir),
-           str(ROOT / "examples" / script), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a 1-rank run must not oversubscribe either
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
-    assert out.returncode == 0, out.stdout + out.stderr
-    return out.stdout
-
+from mp import run_example as launch
 
 @pytest.mark.timeout(160)
 def test_digits_reaches_90_percent_on_two_ranks(tmp_path):

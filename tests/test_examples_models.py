@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from test_examples import launch
+from mp import launch_example as launch
 
 
 def _output(out):

@@ -10,30 +10,12 @@ pass a gradient the other blocks, a discrete ~1e-3 change of the gradient that S
 Adam amplify over later steps. A few steps at a moderate learning rate stay far below
 the tolerance (measured: at most ~4 % of rtol 1e-4 / atol 1e-5 on any element).
 """
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from mp import free_port
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def launch(script, nproc, tmp_path, *args, timeout=140):
-    cmd = [sys.executable, "-m", "globaltensor.launch", "--nproc_per_node", str(nproc),
-           "--master_port", str(free_port()), "--log_dir", str(tmp_path / f"log{nproc}"),
-           str(ROOT / "examples" / script), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a 1-rank run must not oversubscribe either
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env,
-                         check=False)
-    assert out.returncode == 0, out.stdout + out.stderr
-    return out.stdout
-
+from mp import run_example as launch
 
 def train_on_1_and_2(script, tmp_path, *args):
     """(stdout, saved state) of the 1-process and of the 2-process run."""
