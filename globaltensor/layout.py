@@ -10,6 +10,7 @@ addend of its region).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
@@ -39,10 +40,7 @@ class Region:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.sizes:
-            n *= s
-        return n
+        return math.prod(self.sizes)
 
     def intersect(self, other: "Region") -> "Region | None":
         offsets, sizes = [], []

@@ -1,6 +1,8 @@
 """Run a boxing plan on this rank's local tensor with real collectives (``comm``)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import comm
@@ -66,7 +68,7 @@ def _chunks_to_buffer(x: torch.Tensor, dim: int, parts) -> tuple[torch.Tensor, l
     """Lay the parts of ``x`` along ``dim`` out one after another in a flat buffer."""
     if dim == 0:
         x = x.contiguous()
-        row = x[0].numel() if x.shape[0] else _numel(x.shape[1:])
+        row = x[0].numel() if x.shape[0] else math.prod(x.shape[1:])
         return x.view(-1), [size * row for _, size in parts]
     buf = x.new_empty(x.numel())
     splits, pos = [], 0
@@ -78,12 +80,6 @@ def _chunks_to_buffer(x: torch.Tensor, dim: int, parts) -> tuple[torch.Tensor, l
     return buf, splits
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
 
 def _reduce_scatter(step: S.ReduceScatter, x: torch.Tensor, rank: int) -> torch.Tensor:
     # On gloo an all-to-all plus a local reduction beats reduce_scatter (DESIGN.md).
@@ -94,8 +90,8 @@ def _reduce_scatter(step: S.ReduceScatter, x: torch.Tensor, rank: int) -> torch.
     mine = list(x.shape)
     mine[d] = parts[me][1]
     n = len(members)
-    out = x.new_empty(n * _numel(mine))
-    comm.all_to_all_single(out, inp, [_numel(mine)] * n, in_splits, members)
+    out = x.new_empty(n * math.prod(mine))
+    comm.all_to_all_single(out, inp, [math.prod(mine)] * n, in_splits, members)
     stacked = out.view([n] + mine)
     if step.reduce == "sum":
         return stacked.sum(0)

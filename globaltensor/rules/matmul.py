@@ -12,6 +12,7 @@ import torch
 
 from ..sbp import Split, broadcast, partial_sum
 from . import register
+from .pointwise import aligned_sbp
 
 aten = torch.ops.aten
 B, P = broadcast, partial_sum
@@ -32,9 +33,7 @@ def _bias_sbp(bias_shape, out_shape, out_sbp):
     if out_sbp == P:
         return P
     if isinstance(out_sbp, Split):
-        k = out_sbp.dim - (len(out_shape) - len(bias_shape))
-        if k >= 0 and bias_shape[k] == out_shape[out_sbp.dim]:
-            return Split(k)
+        return aligned_sbp(bias_shape, out_shape, out_sbp.dim)
     return B
 
 

@@ -27,12 +27,14 @@ _LINEAR_IN = {aten.mul: (0, 1), aten.mul_: (0, 1), aten.div: (0,), aten.div_: (0
               aten.softplus_backward: (0,)}
 
 
-def _aligned(in_shape, out_shape, d):
-    """The input dim that maps to output dim ``d``, or None if broadcast along it."""
+def aligned_sbp(in_shape, out_shape, d):
+    """The sbp an operand of ``in_shape``, broadcast against ``out_shape``, needs for a
+    split(d) output: split on the dim that maps to ``d``, or broadcast when it is
+    missing or of size 1 there."""
     k = d - (len(out_shape) - len(in_shape))
     if k < 0 or in_shape[k] != out_shape[d]:
-        return None
-    return k
+        return broadcast
+    return Split(k)
 
 
 def pointwise_rule(call, axis):
@@ -40,10 +42,7 @@ def pointwise_rule(call, axis):
     n_in, n_out = len(call.inputs), len(call.out_shapes)
     cands = [((broadcast,) * n_in, (broadcast,) * n_out)]
     for d in range(len(out)):
-        ins = []
-        for shape in call.in_shapes:
-            k = _aligned(shape, out, d)
-            ins.append(broadcast if k is None else Split(k))
+        ins = [aligned_sbp(shape, out, d) for shape in call.in_shapes]
         if any(isinstance(s, Split) for s in ins):
             if all(len(o) == len(out) for o in call.out_shapes):
                 cands.append((tuple(ins), (Split(d),) * n_out))

@@ -9,6 +9,8 @@ sum by a global count or total weight.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import comm
@@ -17,6 +19,7 @@ from ..layout import Layout
 from ..sbp import Partial, Split, broadcast, partial_sum
 from ..tensor import GlobalTensor, empty_local, relayout
 from . import register, register_decomposition
+from .pointwise import aligned_sbp
 
 aten = torch.ops.aten
 B, P = broadcast, partial_sum
@@ -194,19 +197,6 @@ register(aten.nll_loss_backward, local=_nll_backward_local)(nll_backward_rule)
 # element count). Backward ops scale the local gradient the same way.
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _aligned(shape, out_shape, d):
-    """sbp of an operand of ``shape`` broadcast against a split(d) output."""
-    k = d - (len(out_shape) - len(shape))
-    return Split(k) if k >= 0 and shape[k] == out_shape[d] else B
-
-
 @register(aten.mse_loss, aten.binary_cross_entropy, aten.binary_cross_entropy_with_logits)
 def elementwise_loss_rule(call, axis):
     reduction = call.arg("reduction", _MEAN)
@@ -214,7 +204,7 @@ def elementwise_loss_rule(call, axis):
     n = len(call.inputs)
     cands = [((B,) * n, (B,))]
     for d in range(len(shape)):
-        ins = tuple(_aligned(s, shape, d) for s in call.in_shapes)
+        ins = tuple(aligned_sbp(s, shape, d) for s in call.in_shapes)
         cands.append((ins, (Split(d) if reduction == _NONE else P,)))
     return cands
 
@@ -224,7 +214,7 @@ def _reduce_loss(ctx, loss, reduction, shape_index: int = 0):
         return loss
     if reduction == _SUM:
         return loss.sum()
-    return loss.sum() / _numel(ctx.call.in_shapes[shape_index])
+    return loss.sum() / math.prod(ctx.call.in_shapes[shape_index])
 
 
 def _mse_local(ctx, x, y, reduction=_MEAN):
@@ -253,7 +243,7 @@ def elementwise_loss_backward_rule(call, axis):
     n = len(call.inputs)
     cands = [((B,) * n, (B,))]
     for d in range(len(shape)):
-        rest = tuple(_aligned(s, shape, d) for s in call.in_shapes[1:])
+        rest = tuple(aligned_sbp(s, shape, d) for s in call.in_shapes[1:])
         grad = rest[0] if reduction == _NONE else B
         cands.append(((grad,) + rest, (Split(d),)))
     return cands
@@ -261,7 +251,7 @@ def elementwise_loss_backward_rule(call, axis):
 
 def _scale_by_count(ctx, out, reduction):
     if reduction == _MEAN:
-        out = out / _numel(ctx.call.in_shapes[1])
+        out = out / math.prod(ctx.call.in_shapes[1])
     return out
 
 

@@ -9,6 +9,8 @@ Every op here is linear, so partial in -> partial out.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..layout import balanced_split
@@ -156,8 +158,8 @@ def _view_splits(a, b, n, total_mesh) -> dict:
         if not in_big or not out_big:
             continue
         d, e = in_big[0], out_big[0]
-        in_inner = _prod(a[k] for k in in_dims if k > d)
-        out_inner = _prod(b[k] for k in out_dims if k > e)
+        in_inner = math.prod(a[k] for k in in_dims if k > d)
+        out_inner = math.prod(b[k] for k in out_dims if k > e)
         if a[d] == b[e] and in_inner == out_inner:
             moved[d] = e  # the dim itself is untouched: any split carries over
             continue
@@ -188,12 +190,6 @@ def _view_groups(a, b):
         groups.append((ins, outs))
     return groups
 
-
-def _prod(xs) -> int:
-    n = 1
-    for x in xs:
-        n *= x
-    return n
 
 
 def _to_local_size(ctx, x, size, *args, **kwargs):
