@@ -24,7 +24,7 @@ import torch
 from . import comm
 from .layout import Layout
 from .sbp import Broadcast, Partial
-from .tensor import GlobalTensor, box
+from .tensor import GlobalTensor, to_layout
 
 BUCKET_MB = 25.0
 FIRST_BUCKET_MB = 1.0  # small first bucket: communication starts early in backward
@@ -80,7 +80,7 @@ def _after_accumulate(leaf: GlobalTensor) -> None:
         return
     axes = _reducible_axes(grad._layout, leaf._layout)
     if axes is None:  # anything but a plain partial-sum reduction: box right away
-        leaf.grad = GlobalTensor(box(grad._local, grad._layout, leaf._layout), leaf._layout)
+        leaf.grad = to_layout(grad, leaf._layout)
         return
     global _pending
     if _pending is None:

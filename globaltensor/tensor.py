@@ -201,23 +201,21 @@ def gradient_layout(layout: Layout) -> Layout:
         _broadcast() if a in layout.partial_axes else s for a, s in enumerate(layout.sbp)))
 
 
-def to_layout(grad, layout: Layout) -> GlobalTensor:
-    """``grad`` as a GlobalTensor of ``layout`` (gradients arrive in any layout)."""
-    if not isinstance(grad, GlobalTensor):
-        raise TypeError(f"expected a GlobalTensor gradient, got {type(grad).__name__}")
-    if grad._layout == layout:
-        return grad
-    return GlobalTensor(box(grad._local, grad._layout, layout), layout)
+def to_layout(x, layout: Layout) -> GlobalTensor:
+    """``x`` boxed to ``layout``, not recorded by autograd (gradients arrive in any
+    layout; code below autograd moves tensors with this too)."""
+    if not isinstance(x, GlobalTensor):
+        raise TypeError(f"expected a GlobalTensor, got {type(x).__name__}")
+    if x._layout == layout:
+        return x
+    return GlobalTensor(box(x._local, x._layout, layout), layout)
 
 
 def relayout(x: GlobalTensor, sbp, placement: Placement | None = None) -> GlobalTensor:
     """``x`` boxed to ``sbp`` (and ``placement``) without recording autograd: for code
     that already runs below autograd, such as decompositions inside dispatch."""
     placement = x.placement if placement is None else placement
-    dst = Layout.make(x.shape, placement, sbp)
-    if dst == x._layout:
-        return x
-    return GlobalTensor(box(x._local, x._layout, dst), dst)
+    return to_layout(x, Layout.make(x.shape, placement, sbp))
 
 
 def wrap_local(t: torch.Tensor, layout: Layout, requires_grad: bool = False) -> GlobalTensor:
