@@ -44,6 +44,7 @@ class Decision:
     empty_shortcut: bool = False  # this rank lacks an input part: outputs are identities
     gidx: tuple = ()          # positions of the GlobalTensor arguments among the leaves
     single: bool = False      # the output is one tensor
+    out_strides: tuple = ()   # per output leaf: global strides (None: contiguous)
 
 
 _cache: dict = {}
@@ -170,7 +171,7 @@ def _check_inputs(func, leaves, gidx):
 
 def _meta(x):
     if isinstance(x, GlobalTensor):
-        return torch.empty(x.shape, dtype=x.dtype, device="meta")
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
     if isinstance(x, torch.Tensor):
         return x.to("meta")
     return x
@@ -230,8 +231,11 @@ def _decide(func, leaves, spec) -> Decision:
                 and any(0 in t.local_shape(rank) for t in targets)
                 and all(l.partial_axes or 0 in l.local_shape(rank) for l in out_layouts))
     single = len(out_leaves) == 1 and isinstance(meta_out, torch.Tensor)
+    strides = tuple(None if l is None or o.stride() == l.strides else tuple(o.stride())
+                    for o, l in zip(out_leaves, out_layouts))
     return Decision(tuple(targets), tuple(out_layouts), dtypes, out_spec, inplace, fallback,
-                    local, call if local is not None else None, shortcut, tuple(gidx), single)
+                    local, call if local is not None else None, shortcut, tuple(gidx), single,
+                    strides)
 
 
 def _identity(layout: Layout, dtype, rank: int) -> torch.Tensor:
@@ -281,15 +285,17 @@ def _run(func, decision: Decision, leaves, spec):
     if decision.single:  # one tensor out: skip the pytree round trip
         layout = decision.out_layouts[0]
         return GlobalTensor(out if inside else empty_local(layout, decision.out_dtypes[0]),
-                            layout)
+                            layout, strides=decision.out_strides[0])
     if inside:
         out_leaves, out_spec = tree_flatten(out)
     else:
         out_leaves, out_spec = [None] * len(decision.out_layouts), decision.out_spec
     wrapped = []
-    for o, layout, dtype in zip(out_leaves, decision.out_layouts, decision.out_dtypes):
+    for o, layout, dtype, strides in zip(out_leaves, decision.out_layouts, decision.out_dtypes,
+                                         decision.out_strides):
         if layout is not None:
-            wrapped.append(GlobalTensor(o if inside else empty_local(layout, dtype), layout))
+            wrapped.append(GlobalTensor(o if inside else empty_local(layout, dtype), layout,
+                                        strides=strides))
         elif inside:
             wrapped.append(o)
         else:

@@ -53,13 +53,20 @@ class GlobalTensor(torch.Tensor):
     __slots__ = ("_local", "_layout", "_key")
 
     @staticmethod
-    def __new__(cls, local: torch.Tensor, layout: Layout, requires_grad: bool = False):
+    def __new__(cls, local: torch.Tensor, layout: Layout, requires_grad: bool = False,
+                strides: tuple | None = None):
+        # ``strides`` are global strides (contiguous unless given). Dispatch passes those
+        # of the op's meta output, so that a transpose looks transposed to autograd (mm's
+        # backward then computes a transposed weight's gradient in the weight's memory
+        # order). They must not come from the local part: those differ between ranks,
+        # and autograd would then take different paths on different ranks.
         r = torch.Tensor._make_wrapper_subclass(
-            cls, layout.shape, strides=layout.strides, dtype=local.dtype,
-            device=device_of(layout.placement), requires_grad=requires_grad)
+            cls, layout.shape, strides=layout.strides if strides is None else strides,
+            dtype=local.dtype, device=device_of(layout.placement), requires_grad=requires_grad)
         r._local = local
         r._layout = layout
-        r._key = (layout, local.dtype)  # what the dispatch cache keys on
+        # what the dispatch cache keys on
+        r._key = (layout, local.dtype) if strides is None else (layout, local.dtype, strides)
         return r
 
     # --- metadata ----------------------------------------------------------------

@@ -115,6 +115,31 @@ def check_op_without_rule_falls_back():
     torch.testing.assert_close(x.grad.full(), reference.grad)
 
 
+def check_strides_follow_torch():
+    # Global strides come from the global metadata (the same on every rank, even where
+    # local parts differ in shape), so autograd takes the same path as plain torch.
+    p = gt.placement.all("cpu")
+    value = torch.arange(15.0).reshape(5, 3)
+    views = [lambda t: t.t(), lambda t: t.t().contiguous(), lambda t: t.unsqueeze(0).transpose(0, 2),
+             lambda t: t[:, 1:], lambda t: t.t() @ t, lambda t: t.t().clone()]
+    for sbp in (gt.sbp.split(0), gt.sbp.split(1), gt.sbp.broadcast):
+        x = gt.tensor(value, placement=p, sbp=sbp)
+        for k, view in enumerate(views):
+            y, want = view(x), view(value)
+            assert y.stride() == want.stride(), (sbp, k, y.stride(), want.stride())
+            torch.testing.assert_close(y.full(), want)
+    # mm's backward then gives a transposed weight's gradient in the weight's memory
+    # order: no strided copy when it is bucketed for the all-reduce.
+    torch.manual_seed(0)
+    reference, model = torch.nn.Linear(3, 4), torch.nn.Linear(3, 4)
+    model.load_state_dict(reference.state_dict())
+    gt.nn.to_global(model, p, gt.sbp.broadcast)
+    model(gt.tensor(value, placement=p, sbp=gt.sbp.split(0))).sum().backward()
+    reference(value).sum().backward()
+    assert model.weight.grad.to_local().is_contiguous()
+    torch.testing.assert_close(model.weight.grad.full(), reference.weight.grad)
+
+
 def check_hybrid_2d():
     mesh = gt.placement("cpu", [[0, 1], [2, 3]])  # axis 0: data, axis 1: tensor
     sbp = lambda name, t: (gt.sbp.broadcast, TENSOR_PARALLEL.get(name, gt.sbp.broadcast))  # noqa
@@ -144,7 +169,7 @@ def check_gradient_accumulation_with_no_sync():
 
 CHECKS = ["check_data_parallel", "check_tensor_parallel",
           "check_vocab_parallel_loss_does_not_gather_logits", "check_op_without_rule_falls_back",
-          "check_gradient_accumulation_with_no_sync"]
+          "check_gradient_accumulation_with_no_sync", "check_strides_follow_torch"]
 
 
 world2, world4, test_world2, test_world4 = checks_in_worlds(__name__, CHECKS, ["check_hybrid_2d"])
