@@ -12,6 +12,7 @@ into other global ops when their data spans ranks (softmax over a split dim, ...
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import warnings
 from dataclasses import dataclass
@@ -40,11 +41,13 @@ class Decision:
     inplace: bool             # the op writes its first argument
     fallback: bool
     local: object = None      # replaces the op on local tensors, with a LocalCtx
-    call: object = None
+    ctx: object = None        # the LocalCtx handed to ``local`` (fixed per decision)
     empty_shortcut: bool = False  # this rank lacks an input part: outputs are identities
     gidx: tuple = ()          # positions of the GlobalTensor arguments among the leaves
     single: bool = False      # the output is one tensor
     out_strides: tuple = ()   # per output leaf: global strides (None: contiguous)
+    direct: object = None     # the op's C++ callable when it runs on the local parts as
+                              # they are and returns one tensor (most repeated calls)
 
 
 _cache: dict = {}
@@ -76,7 +79,8 @@ def dispatch(func, types, args, kwargs):
         if type(x) is GlobalTensor and x.requires_grad and x.is_leaf:
             gradsync.watch(x)
     try:
-        key = (func, spec, tuple([_key_of(x) for x in leaves]))
+        key = (func, spec, tuple([x._key if x.__class__ is GlobalTensor else _key_of(x)
+                                  for x in leaves]))
         decision = _cache.get(key)
     except TypeError:
         key, decision = None, None
@@ -84,6 +88,12 @@ def dispatch(func, types, args, kwargs):
         decision = _decide(func, leaves, spec)
         if key is not None:
             _cache[key] = decision
+    op = decision.direct
+    if op is not None:
+        local = [x._local if x.__class__ is GlobalTensor else x for x in leaves]
+        n, names = spec
+        out = op(*local[:n], **dict(zip(names, local[n:]))) if names else op(*local)
+        return GlobalTensor(out, decision.out_layouts[0], strides=decision.out_strides[0])
     return _run(func, decision, leaves, spec)
 
 
@@ -180,7 +190,8 @@ def _meta(x):
 def _decide(func, leaves, spec) -> Decision:
     gidx = _global_leaves(leaves)
     placement = _check_inputs(func, leaves, gidx)
-    meta_args, meta_kwargs = unflatten_args([_meta(x) for x in leaves], spec)
+    meta_leaves = [_meta(x) for x in leaves]
+    meta_args, meta_kwargs = unflatten_args(meta_leaves, spec)
     if meta_kwargs.get("device") is not None:
         meta_kwargs = dict(meta_kwargs, device="meta")  # shape inference stays on meta
     meta_out = func(*meta_args, **meta_kwargs)
@@ -233,9 +244,16 @@ def _decide(func, leaves, spec) -> Decision:
     single = len(out_leaves) == 1 and isinstance(meta_out, torch.Tensor)
     strides = tuple(None if l is None or o.stride() == l.strides else tuple(o.stride())
                     for o, l in zip(out_leaves, out_layouts))
+    # The context is cached with the decision: it holds meta tensors, not this call's.
+    ctx = None if local is None else LocalCtx(
+        dataclasses.replace(call, inputs=[meta_leaves[i] for i in gidx], leaves=meta_leaves),
+        tuple(targets), tuple(l for l in out_layouts if l is not None), rank)
+    direct = (single and not inplace and not fallback and local is None and not shortcut
+              and spec.__class__ is tuple and rank in placement
+              and all(leaves[i]._layout == t for i, t in zip(gidx, targets)))
     return Decision(tuple(targets), tuple(out_layouts), dtypes, out_spec, inplace, fallback,
-                    local, call if local is not None else None, shortcut, tuple(gidx), single,
-                    strides)
+                    local, ctx, shortcut, tuple(gidx), single,
+                    strides, func._op if direct else None)
 
 
 def _identity(layout: Layout, dtype, rank: int) -> torch.Tensor:
@@ -273,9 +291,7 @@ def _run(func, decision: Decision, leaves, spec):
     elif inside:
         args, kwargs = unflatten_args(local_leaves, spec)
         if decision.local is not None:
-            ctx = LocalCtx(decision.call, decision.targets,
-                           tuple(l for l in decision.out_layouts if l is not None), rank)
-            out = decision.local(ctx, *args, **kwargs)
+            out = decision.local(decision.ctx, *args, **kwargs)
         else:
             out = func(*args, **kwargs)
     else:

@@ -74,6 +74,7 @@ class Layout:
             strides.append(acc)
             acc *= max(s, 1)
         object.__setattr__(self, "strides", tuple(reversed(strides)))
+        object.__setattr__(self, "_local_shapes", {})  # rank -> local shape
 
     def __hash__(self) -> int:
         return self._hash
@@ -114,8 +115,12 @@ class Layout:
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
         """Shape of ``rank``'s local tensor (all zeros-size outside the placement)."""
-        region = self.region(rank)
-        return (0,) * self.ndim if region is None else region.sizes
+        shape = self._local_shapes.get(rank)
+        if shape is None:
+            region = self.region(rank)
+            shape = self._local_shapes[rank] = (0,) * self.ndim if region is None \
+                else region.sizes
+        return shape
 
     def is_even(self) -> bool:
         """True when every rank's local tensor has the same shape."""

@@ -45,6 +45,9 @@ def empty_local(layout: Layout, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device_of(layout.placement))
 
 
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
+
 class GlobalTensor(torch.Tensor):
     """A global tensor: global shape/dtype, a placement, an nd-sbp, a local part."""
 
@@ -60,13 +63,13 @@ class GlobalTensor(torch.Tensor):
         # backward then computes a transposed weight's gradient in the weight's memory
         # order). They must not come from the local part: those differ between ranks,
         # and autograd would then take different paths on different ranks.
-        r = torch.Tensor._make_wrapper_subclass(
-            cls, layout.shape, strides=layout.strides if strides is None else strides,
-            dtype=local.dtype, device=device_of(layout.placement), requires_grad=requires_grad)
+        dtype = local.dtype
+        r = _make_wrapper(cls, layout.shape,
+                          strides=layout.strides if strides is None else strides, dtype=dtype,
+                          device=device_of(layout.placement), requires_grad=requires_grad)
         r._local = local
         r._layout = layout
-        # what the dispatch cache keys on
-        r._key = (layout, local.dtype) if strides is None else (layout, local.dtype, strides)
+        r._key = (layout, dtype) if strides is None else (layout, dtype, strides)  # cache key
         return r
 
     # --- metadata ----------------------------------------------------------------

@@ -193,9 +193,9 @@ def _view_groups(a, b):
 
 
 def _to_local_size(ctx, x, size, *args, **kwargs):
-    # The size argument is global; locally the op must produce this rank's part. The
-    # wrapper is always contiguous while a local part may not be (a transposed part),
-    # so a view torch judged possible may need a copy locally.
+    # The size argument is global; locally the op must produce this rank's part. A
+    # wrapper can claim contiguity its local part lacks (a transposed part given to
+    # from_local), so a view torch judged possible may need a copy locally.
     local_size = list(ctx.out_layouts[0].local_shape(ctx.rank))
     if ctx.call.func is aten.expand.default or x.is_contiguous():
         return ctx.call.func(x, local_size, *args, **kwargs)
