@@ -9,7 +9,7 @@ never communicate.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -47,6 +47,10 @@ class Call:
     leaves: list          # every flattened argument (tensors and constants)
     spec: object          # pytree spec to rebuild (args, kwargs) from leaves
     mesh: tuple           # the placement's hierarchy shape
+    # Arguments looked up by name so far. A Call's non-tensor arguments are part of the
+    # dispatch cache key, so the local implementations of one cached decision can reuse
+    # them; a schema walk per lookup would cost more than the op.
+    _named: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def args_kwargs(self):
@@ -54,6 +58,12 @@ class Call:
 
     def arg(self, name: str, default=None):
         """An argument by its schema name (positional or keyword), else its default."""
+        key = (name, default)
+        if key not in self._named:
+            self._named[key] = self._find_arg(name, default)
+        return self._named[key]
+
+    def _find_arg(self, name: str, default):
         args, kwargs = self.args_kwargs
         if name in kwargs:
             return kwargs[name]
