@@ -75,9 +75,12 @@ def dispatch(func, types, args, kwargs):
         if out is not NotImplemented:
             return out
     leaves, spec = flatten_args(args, kwargs)
-    for x in leaves:
-        if type(x) is GlobalTensor and x.requires_grad and x.is_leaf:
-            gradsync.watch(x)
+    for i, x in enumerate(leaves):
+        if type(x) is GlobalTensor:
+            if x.requires_grad and x.is_leaf:
+                gradsync.watch(x)
+        elif isinstance(x, torch.Tensor) and x.numel() > 1 and _in_backward():
+            leaves[i] = _autograd_helper(x, leaves)
     try:
         key = (func, spec, tuple([x._key if x.__class__ is GlobalTensor else _key_of(x)
                                   for x in leaves]))
@@ -95,6 +98,19 @@ def dispatch(func, types, args, kwargs):
         out = op(*local[:n], **dict(zip(names, local[n:]))) if names else op(*local)
         return GlobalTensor(out, decision.out_layouts[0], strides=decision.out_strides[0])
     return _run(func, decision, leaves, spec)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _autograd_helper(t: torch.Tensor, leaves) -> GlobalTensor:
+    """A plain tensor that a backward formula built (zeros to scatter into, an index):
+    the same on every rank, so it is taken as broadcast on the op's placement."""
+    placement = next(x.placement for x in leaves if type(x) is GlobalTensor)
+    layout = Layout.make(t.shape, placement, (broadcast,) * placement.ndim)
+    rank = comm.get_rank()
+    return GlobalTensor(t if rank in placement else empty_local(layout, t.dtype), layout)
 
 
 _NORMAL = object()

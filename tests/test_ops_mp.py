@@ -524,6 +524,58 @@ def check_views():
          places=_placements(6, 0, 3))
 
 
+@checked
+def check_along_dim_and_attention():
+    x3 = _randn((2, 5, 4), "ad3")
+    unary = [
+        ("cumsum(1)", lambda x: x.cumsum(1)),
+        ("logcumsumexp(2)", lambda x: x.logcumsumexp(2)),
+        ("sort(1).values", lambda x: x.sort(1).values),
+        ("argsort(2) as float", lambda x: x.argsort(2).to(x.dtype)),
+        ("topk(2, dim=2).values", lambda x: x.topk(2, dim=2).values),
+        ("kthvalue(2, 1).values", lambda x: x.kthvalue(2, 1).values),
+        ("kthvalue keepdim", lambda x: x.kthvalue(3, 2, keepdim=True).values),
+        ("flip(1, 2)", lambda x: x.flip(1, 2)),
+        ("roll(2, 1)", lambda x: x.roll(2, 1)),
+        ("roll(3) flattened", lambda x: x.roll(3)),
+        ("tril()", lambda x: torch.tril(x)),
+        ("triu(1)", lambda x: torch.triu(x, 1)),
+        ("tril(-2)", lambda x: x.tril(-2)),
+        ("gather(2, argsort)", lambda x: x.gather(2, x.argsort(2)[..., :3])),
+        ("x[:, 1:4] backward", lambda x: x[:, 1:4] * 2),
+        ("x[:, 2] backward", lambda x: x[:, 2] * 2),
+        # backward formulas that build plain helper tensors (zeros, indices)
+        ("cummax(1).values", lambda x: x.cummax(1).values),
+        ("cumprod(2)", lambda x: x.cumprod(2)),
+        ("trace of x[0]", lambda x: x[0].trace()),
+    ]
+    for name, op in unary:
+        case(name, op, [x3], places=_placements(4, 1, 3))
+    index = _randint(5, (2, 3, 4), "adidx")
+
+    def index_like(a):
+        return gt.tensor(index, placement=a.placement, sbp=_nd(B, a.placement)) \
+            if gt.is_global(a) else index
+
+    case("scatter_add(1)", lambda a, b: a.scatter_add(1, index_like(a), b),
+         [_randn((2, 5, 4), "adsa"), _randn((2, 3, 4), "adsb")], places=_placements(4, 0, 2))
+
+    q, k, v = (_randn((2, 2, 5, 4), f"attn{c}", dtype=torch.float32) for c in "qkv")
+    attention = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa
+    same = [(s, s, s) for s in (B, S(0), S(1), S(2))]
+    case("scaled_dot_product_attention", attention, [q, k, v], choices=None, must=same,
+         places=_placements(3, 0, 2), rtol=1e-5, atol=1e-6)
+    # batch- and head-split attention runs where the parts are, forward and backward
+    p = _line()
+    for d in (0, 1):
+        qs, ks, vs = (gt.tensor(t, placement=p, sbp=S(d), requires_grad=True) for t in (q, k, v))
+        with gt.debug.comm_stats() as stats:
+            out = attention(qs, ks, vs)
+            out.backward(gt.ones(out.shape, placement=p, sbp=S(d)))
+        _expect(stats.total_bytes == 0 and out.sbp == (S(d),),
+                f"attention split({d}): moved {stats} and gave {out.sbp}")
+
+
 # --------------------------------------------------------------------------------------
 # 5. softmax and losses
 # --------------------------------------------------------------------------------------
@@ -763,6 +815,15 @@ def check_likes_and_casts():
                         "new_ones(4)": (g.new_ones(4), torch.ones(4, dtype=F64)),
                         "new_full((2,2),7)": (g.new_full((2, 2), 7.0),
                                               torch.full((2, 2), 7.0, dtype=F64)),
+                        # of the source's own size: the source's layout (a partial only
+                        # where the values are zeros)
+                        "new_zeros(own size)": (g.new_zeros((5, 3)), torch.zeros(5, 3, dtype=F64)),
+                        "new_ones(own size)": (g.new_ones((5, 3)), torch.ones(5, 3, dtype=F64)),
+                        "new_full(own size)": (g.new_full((5, 3), 2.0),
+                                               torch.full((5, 3), 2.0, dtype=F64)),
+                        "new_empty_strided(own).zero_()": (
+                            g.new_empty_strided((5, 3), (1, 5)).zero_(),
+                            torch.zeros(5, 3, dtype=F64)),
                         "detach": (g.detach(), x)}
                 for name, (got, want) in made.items():
                     if not _expect(gt.is_global(got), f"{where} {name}: not a GlobalTensor"):
@@ -777,6 +838,9 @@ def check_likes_and_casts():
                         f"{where} empty_like: {type(e).__name__} {tuple(e.shape)} "
                         f"{getattr(e, 'sbp', None)}")
                 _expect(not g.detach().requires_grad, f"{where} detach requires grad")
+                n = g.new_empty((5, 3))
+                _expect(n.sbp == g.sbp and tuple(n.to_local().shape) == tuple(g.to_local().shape),
+                        f"{where} new_empty(own size): {n.sbp}, local {tuple(n.to_local().shape)}")
 
             _guard(where, likes)
     case("clone", lambda t: t.clone(), [x], places=_placements(4, 1, 4))
@@ -919,7 +983,7 @@ def check_optimizers_and_modules():
 # --------------------------------------------------------------------------------------
 
 CHECKS = ["check_pointwise", "check_matmul", "check_reductions", "check_views",
-          "check_softmax_and_losses", "check_norm_conv_pool", "check_embedding",
+          "check_along_dim_and_attention", "check_softmax_and_losses", "check_norm_conv_pool", "check_embedding",
           "check_dropout_and_random", "check_likes_and_casts", "check_bad_input",
           "check_optimizers_and_modules"]
 

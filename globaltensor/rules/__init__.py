@@ -38,6 +38,9 @@ def unflatten_args(leaves, spec):
     return tree_unflatten(leaves, spec)
 
 
+_ABSENT = object()
+
+
 @dataclass
 class Call:
     func: object
@@ -58,10 +61,10 @@ class Call:
 
     def arg(self, name: str, default=None):
         """An argument by its schema name (positional or keyword), else its default."""
-        key = (name, default)
-        if key not in self._named:
-            self._named[key] = self._find_arg(name, default)
-        return self._named[key]
+        if name not in self._named:
+            self._named[name] = self._find_arg(name, _ABSENT)
+        found = self._named[name]
+        return default if found is _ABSENT else found
 
     def _find_arg(self, name: str, default):
         args, kwargs = self.args_kwargs
@@ -140,5 +143,5 @@ def _is_pointwise(func) -> bool:
     return torch.Tag.pointwise in func.tags
 
 
-from . import (conv, embedding, like, matmul, norm, pointwise, random,  # noqa: E402,F401
-               reduction, softmax, view)  # (registration)
+from . import (along_dim, attention, conv, embedding, like, matmul, norm,  # noqa: E402,F401
+               pointwise, random, reduction, softmax, view)  # (registration)

@@ -2,7 +2,8 @@
 
 ``zeros_like``/``empty_like`` keep any layout (zeros are a fine partial); ``ones_like``
 /``full_like`` keep splits and broadcast but not partials (a constant is not an addend);
-``copy_`` keeps its target's layout and boxes the source to it.
+``copy_`` keeps its target's layout and boxes the source to it. ``new_*`` of the
+source's own size follow the same rules; of another size they are broadcast.
 """
 from __future__ import annotations
 
@@ -41,10 +42,40 @@ def empty_like_rule(call, axis):
 
 @register(aten.new_zeros, aten.new_ones, aten.new_full, aten.new_empty, aten.new_empty_strided)
 def new_tensor_rule(call, axis):
-    """A new tensor of a given global size: broadcast, whatever the source's layout."""
+    """A new tensor of a given global size: broadcast, whatever the source's layout;
+    of the source's own size, it takes the source's layout (listed first, so it wins
+    the tie). Autograd makes such tensors when it copies a gradient into the memory
+    order of its leaf; a broadcast one would gather the gradient."""
     ndim = len(call.in_shapes[0])
     sources = [broadcast, partial_sum, partial_max] + [Split(d) for d in range(ndim)]
-    return [((s,), (broadcast,)) for s in sources]
+    cands = [((s,), (broadcast,)) for s in sources]
+    if call.in_shapes[0] == call.out_shapes[0]:
+        values = call.func.overloadpacket in (aten.new_ones, aten.new_full)
+        cands = _same_layout_cands(call, partials=not values) + cands
+    return cands
+
+
+def _new_tensor_local(ctx, x, size, *args, **kwargs):
+    # ``size`` (and new_empty_strided's ``stride``) are global; the part is this rank's.
+    local_size = ctx.out_layouts[0].local_shape(ctx.rank)
+    func = ctx.call.func
+    if func.overloadpacket is aten.new_empty_strided:
+        stride, args = args[0], args[1:]
+        return func(x, local_size, _dense_strides(local_size, stride), *args, **kwargs)
+    return func(x, local_size, *args, **kwargs)
+
+
+def _dense_strides(sizes, like) -> list:
+    """Dense strides for ``sizes`` in the memory order of the strides ``like``."""
+    strides, acc = [0] * len(sizes), 1
+    for d in sorted(range(len(sizes)), key=lambda d: like[d]):
+        strides[d] = acc
+        acc *= max(sizes[d], 1)
+    return strides
+
+
+register(aten.new_zeros, aten.new_ones, aten.new_full, aten.new_empty, aten.new_empty_strided,
+         local=_new_tensor_local)(new_tensor_rule)
 
 
 @register(aten.ones_like, aten.full_like, aten.fill_, aten.fill, aten.zero_)

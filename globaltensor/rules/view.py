@@ -1,5 +1,5 @@
 """Views and shape ops: transpose/permute/t, view/reshape, unsqueeze/squeeze, expand,
-slice/select, cat, split/unbind.
+slice/select (and their backward), cat, stack, split/unbind.
 
 A split survives when the split dim keeps its identity (it may move); a dim that is
 sliced, concatenated along, squeezed or expanded cannot stay split. A reshape keeps a
@@ -120,6 +120,27 @@ def cat_rule(call, axis):
     if len(shapes) != n_in or any(len(s) != ndim for s in shapes):
         return _same_sbp(n_in, 1, {})  # legacy empty tensors in the list
     return _same_sbp(n_in, 1, {d: d for d in range(ndim) if d != dim})
+
+
+@register(aten.stack)
+def stack_rule(call, axis):
+    args, kwargs = _args(call)
+    ndim = len(call.out_shapes[0])
+    dim = _norm(args[1] if len(args) > 1 else kwargs.get("dim", 0), ndim)
+    return _same_sbp(len(call.inputs), 1, {d: d + (d >= dim) for d in range(ndim - 1)})
+
+
+@register(aten.slice_backward, aten.select_backward)
+def slice_backward_rule(call, axis):
+    # The gradient of a slice or select, placed into zeros of the input's shape: a split
+    # on another dim carries over, and zeros keep a partial sum (not a partial max).
+    ndim = len(call.out_shapes[0])
+    dim = _norm(call.arg("dim"), ndim)
+    if call.func.overloadpacket is aten.select_backward:
+        moved = {d: d + (d >= dim) for d in range(ndim - 1)}
+    else:
+        moved = {d: d for d in range(ndim) if d != dim}
+    return _same_sbp(1, 1, moved, max_ok=False)
 
 
 @register(aten.split, aten.split_with_sizes, aten.unbind)

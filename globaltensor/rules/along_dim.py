@@ -1,0 +1,89 @@
+"""Ops that work along one dim: scans (cumsum, cumprod, logcumsumexp, cummax, cummin),
+sorts and selections (sort, argsort, topk, kthvalue), flip and roll, gather and scatter;
+and tril/triu, which mask by position.
+
+Each treats the slices across its dim independently, so a split on any other dim stays
+local and the op runs on the parts as they are; a split on the dim itself is boxed to
+broadcast first (a sort across ranks would need the whole dim). Partial inputs are
+reduced first (only cumsum would be linear). tril/triu keep every split: a part's
+diagonal is shifted by its global offsets.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..sbp import Split, broadcast, partial_sum
+from . import register
+
+aten = torch.ops.aten
+B = broadcast
+
+
+def _norm(d: int, ndim: int) -> int:
+    return d % ndim if ndim else 0
+
+
+def _split_elsewhere(call, n_in: int, n_out: int, busy: set, moved=lambda d: d):
+    """Broadcast, plus split(d) -> split(moved(d)) on every dim d not in ``busy``."""
+    ndim = len(call.in_shapes[0])
+    return [((B,) * n_in, (B,) * n_out)] + [
+        ((Split(d),) * n_in, (Split(moved(d)),) * n_out) for d in range(ndim) if d not in busy]
+
+
+@register(aten.cumsum, aten.cumprod, aten.logcumsumexp, aten.cummax, aten.cummin,
+          aten.sort, aten.argsort, aten.topk)
+def along_dim_rule(call, axis):
+    ndim = len(call.in_shapes[0])
+    return _split_elsewhere(call, 1, len(call.out_shapes), {_norm(call.arg("dim", -1), ndim)})
+
+
+@register(aten.kthvalue)
+def kthvalue_rule(call, axis):
+    ndim = len(call.in_shapes[0])
+    dim = _norm(call.arg("dim", -1), ndim)
+    drop = not call.arg("keepdim", False)
+    return _split_elsewhere(call, 1, 2, {dim}, lambda d: d - (drop and d > dim))
+
+
+@register(aten.flip)
+def flip_rule(call, axis):
+    ndim = len(call.in_shapes[0])
+    return _split_elsewhere(call, 1, 1, {_norm(d, ndim) for d in call.arg("dims")})
+
+
+@register(aten.roll)
+def roll_rule(call, axis):
+    ndim = len(call.in_shapes[0])
+    dims = call.arg("dims")
+    if not dims:  # rolls the flattened tensor: every dim is involved
+        return [((B,), (B,))]
+    return _split_elsewhere(call, 1, 1, {_norm(d, ndim) for d in dims})
+
+
+@register(aten.gather, aten.scatter, aten.scatter_add)
+def gather_scatter_rule(call, axis):
+    # gather(self, dim, index); scatter(self, dim, index, src | value). Index and src may
+    # be smaller than self on other dims: a split there only lines up when the sizes match.
+    ndim = len(call.in_shapes[0])
+    dim = _norm(call.arg("dim"), ndim)
+    n_in = len(call.inputs)
+    busy = {dim} | {d for d in range(ndim)
+                    if len({len(s) == ndim and s[d] for s in call.in_shapes}) != 1}
+    return _split_elsewhere(call, n_in, 1, busy)
+
+
+@register(aten.tril, aten.triu)
+def triangle_rule(call, axis):
+    # Every split carries over; a part keeps the elements the whole would keep at the
+    # part's global position (see _triangle_local). Zeros keep a partial sum.
+    return _split_elsewhere(call, 1, 1, set()) + [((partial_sum,), (partial_sum,))]
+
+
+def _triangle_local(ctx, x, diagonal=0):
+    # Element (i, j) of a part is (i + row offset, j + column offset) of the whole.
+    offsets = ctx.region(0).offsets
+    shift = offsets[-2] - offsets[-1]
+    return ctx.call.func(x, diagonal + shift)
+
+
+register(aten.tril, aten.triu, local=_triangle_local)(triangle_rule)
