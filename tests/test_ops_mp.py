@@ -544,6 +544,9 @@ def check_along_dim_and_attention():
         ("gather(2, argsort)", lambda x: x.gather(2, x.argsort(2)[..., :3])),
         ("x[:, 1:4] backward", lambda x: x[:, 1:4] * 2),
         ("x[:, 2] backward", lambda x: x[:, 2] * 2),
+        # a gradient that arrives split (the weighted loss alone would send a broadcast one)
+        ("x[:, 1:4] ** 2 backward", lambda x: x[:, 1:4] ** 2),
+        ("x[:, 2] ** 2 backward", lambda x: x[:, 2] ** 2),
         # backward formulas that build plain helper tensors (zeros, indices)
         ("cummax(1).values", lambda x: x.cummax(1).values),
         ("cumprod(2)", lambda x: x.cumprod(2)),

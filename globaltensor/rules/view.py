@@ -143,6 +143,15 @@ def slice_backward_rule(call, axis):
     return _same_sbp(1, 1, moved, max_ok=False)
 
 
+def _slice_backward_local(ctx, grad, input_sizes, *args):
+    # input_sizes is the global shape; the sliced dim is whole on every part.
+    return ctx.call.func(grad, list(ctx.out_layouts[0].local_shape(ctx.rank)), *args)
+
+
+register(aten.slice_backward, aten.select_backward,
+         local=_slice_backward_local)(slice_backward_rule)
+
+
 @register(aten.split, aten.split_with_sizes, aten.unbind)
 def split_rule(call, axis):
     args, kwargs = _args(call)
