@@ -544,6 +544,9 @@ def check_along_dim_and_attention():
         ("gather(2, argsort)", lambda x: x.gather(2, x.argsort(2)[..., :3])),
         ("x[:, 1:4] backward", lambda x: x[:, 1:4] * 2),
         ("x[:, 2] backward", lambda x: x[:, 2] * 2),
+        ("median(1).values", lambda x: x.median(1).values),
+        ("F.pad last dim", lambda x: F.pad(x, (1, 2))),
+        ("F.pad dims 1, 2 value 1", lambda x: F.pad(x, (1, 0, 0, 2), value=1.0)),
         # a gradient that arrives split (the weighted loss alone would send a broadcast one)
         ("x[:, 1:4] ** 2 backward", lambda x: x[:, 1:4] ** 2),
         ("x[:, 2] ** 2 backward", lambda x: x[:, 2] ** 2),

@@ -1,5 +1,5 @@
 """Ops that work along one dim: scans (cumsum, cumprod, logcumsumexp, cummax, cummin),
-sorts and selections (sort, argsort, topk, kthvalue), flip and roll, gather and scatter;
+sorts and selections (sort, argsort, topk, kthvalue, median/mode over a dim), flip and roll, gather and scatter;
 and tril/triu, which mask by position.
 
 Each treats the slices across its dim independently, so a split on any other dim stays
@@ -37,7 +37,7 @@ def along_dim_rule(call, axis):
     return _split_elsewhere(call, 1, len(call.out_shapes), {_norm(call.arg("dim", -1), ndim)})
 
 
-@register(aten.kthvalue)
+@register(aten.kthvalue, aten.median.dim, aten.nanmedian.dim, aten.mode)
 def kthvalue_rule(call, axis):
     ndim = len(call.in_shapes[0])
     dim = _norm(call.arg("dim", -1), ndim)

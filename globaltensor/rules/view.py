@@ -1,5 +1,5 @@
 """Views and shape ops: transpose/permute/t, view/reshape, unsqueeze/squeeze, expand,
-slice/select (and their backward), cat, stack, split/unbind.
+slice/select (and their backward), cat, stack, split/unbind, constant padding.
 
 A split survives when the split dim keeps its identity (it may move); a dim that is
 sliced, concatenated along, squeezed or expanded cannot stay split. A reshape keeps a
@@ -128,6 +128,18 @@ def stack_rule(call, axis):
     ndim = len(call.out_shapes[0])
     dim = _norm(args[1] if len(args) > 1 else kwargs.get("dim", 0), ndim)
     return _same_sbp(len(call.inputs), 1, {d: d + (d >= dim) for d in range(ndim - 1)})
+
+
+@register(aten.constant_pad_nd)
+def pad_rule(call, axis):
+    # pad holds (before, after) pairs from the last dim backwards; a padded dim changes
+    # size, so only the others keep a split. Zero padding keeps a partial sum.
+    ndim = len(call.in_shapes[0])
+    pad = call.arg("pad")
+    padded = {ndim - 1 - k // 2 for k, amount in enumerate(pad) if amount}
+    zero = call.arg("value", 0) == 0
+    return _same_sbp(1, 1, {d: d for d in range(ndim) if d not in padded},
+                     partial_ok=zero, max_ok=False)
 
 
 @register(aten.slice_backward, aten.select_backward)
