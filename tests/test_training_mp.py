@@ -140,6 +140,27 @@ def check_strides_follow_torch():
     torch.testing.assert_close(model.weight.grad.full(), reference.weight.grad)
 
 
+def check_load_state_dict_after_to_global():
+    # A full, plain state dict loads into a global module: each rank copies its part.
+    p = gt.placement.all("cpu")
+    torch.manual_seed(0)
+    reference = Block()
+    torch.manual_seed(1)
+    model = gt.nn.to_global(Block(), p, lambda name, t: TENSOR_PARALLEL.get(name, gt.sbp.broadcast))
+    with gt.debug.comm_stats() as stats:
+        model.load_state_dict(reference.state_dict())
+    assert stats.total_bytes == 0, stats
+    for (n, q), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
+        assert q.sbp == (TENSOR_PARALLEL.get(n, gt.sbp.broadcast),), n
+        assert torch.equal(q.full().detach(), ref.detach()), n
+    try:
+        model.fc1.weight.data.copy_(torch.ones(3, 3))
+    except ValueError as e:
+        assert "does not broadcast" in str(e), e
+    else:
+        raise AssertionError("copy_ from a plain tensor of the wrong shape did not raise")
+
+
 def check_hybrid_2d():
     mesh = gt.placement("cpu", [[0, 1], [2, 3]])  # axis 0: data, axis 1: tensor
     sbp = lambda name, t: (gt.sbp.broadcast, TENSOR_PARALLEL.get(name, gt.sbp.broadcast))  # noqa
@@ -169,7 +190,8 @@ def check_gradient_accumulation_with_no_sync():
 
 CHECKS = ["check_data_parallel", "check_tensor_parallel",
           "check_vocab_parallel_loss_does_not_gather_logits", "check_op_without_rule_falls_back",
-          "check_gradient_accumulation_with_no_sync", "check_strides_follow_torch"]
+          "check_gradient_accumulation_with_no_sync", "check_strides_follow_torch",
+          "check_load_state_dict_after_to_global"]
 
 
 world2, world4, test_world2, test_world4 = checks_in_worlds(__name__, CHECKS, ["check_hybrid_2d"])

@@ -2,15 +2,18 @@
 
 ``zeros_like``/``empty_like`` keep any layout (zeros are a fine partial); ``ones_like``
 /``full_like`` keep splits and broadcast but not partials (a constant is not an addend);
-``copy_`` keeps its target's layout and boxes the source to it. ``new_*`` of the
-source's own size follow the same rules; of another size they are broadcast.
+``copy_`` keeps its target's layout and boxes the source to it; a plain source is the
+whole value (as for ``gt.tensor``), so ``module.load_state_dict`` takes a full, plain
+state dict. ``new_*`` of the source's own size follow the same rules; of another size
+they are broadcast.
 """
 from __future__ import annotations
 
 import torch
 
 from ..sbp import Split, broadcast, partial_max, partial_sum
-from . import register
+from ..tensor import GlobalTensor, from_full
+from . import register, register_decomposition
 
 aten = torch.ops.aten
 
@@ -102,3 +105,21 @@ def to_copy_rule(call, axis):
     if dst != torch.bool:
         cands.append(((partial_max,), (partial_max,)))
     return cands
+
+
+@register_decomposition(aten.copy_.default)
+def copy_from_whole_value(dst, src, non_blocking=False):
+    """``global.copy_(plain)``: the plain tensor is the whole value, the same on every
+    rank (what ``load_state_dict`` passes); each rank copies its part, no communication."""
+    if not isinstance(dst, GlobalTensor) or isinstance(src, GlobalTensor) or src.numel() <= 1:
+        return NotImplemented
+    if not _broadcasts_to(tuple(src.shape), tuple(dst.shape)):
+        raise ValueError(f"copy_: a plain source of shape {tuple(src.shape)} does not "
+                         f"broadcast to the GlobalTensor's global shape {tuple(dst.shape)}")
+    return dst.copy_(from_full(src.expand(dst.shape), dst.layout_))
+
+
+def _broadcasts_to(src: tuple, dst: tuple) -> bool:
+    if len(src) > len(dst):
+        return False
+    return all(s in (1, d) for s, d in zip(src[::-1], dst[::-1]))
