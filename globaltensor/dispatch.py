@@ -135,6 +135,14 @@ _FOREACH_KEYWORD = {"addcmul": "value", "addcdiv": "value"}
 
 def _foreach(func, args, kwargs):
     """``_foreach_op(lists, ...)``: the op on each index (lists zip, the rest repeat)."""
+    if _foreach_is_local(func, args):
+        # One call on the local parts, as plain torch would make (optimizer steps).
+        local = [[t._local for t in a] if isinstance(a, (list, tuple)) and a
+                 and isinstance(a[0], GlobalTensor) else a for a in args]
+        out = func(*local, **kwargs)
+        if out is None:
+            return None
+        return [GlobalTensor(o, t._layout) for o, t in zip(out, args[0])]
     name = func.overloadpacket.__name__[len("_foreach_"):]
     base = name.rstrip("_")
     op = getattr(aten, "linalg_vector_norm" if base == "norm" else name)
@@ -156,6 +164,42 @@ def _foreach(func, args, kwargs):
             extra[_FOREACH_KEYWORD[base]] = each.pop(3)
         outs.append(op(*each, **extra))
     return None if name.endswith("_") else outs
+
+
+_FOREACH_POINTWISE: dict = {}
+
+
+def _foreach_is_local(func, args) -> bool:
+    """True when a _foreach op may run on the local parts in one call: its per-tensor op
+    is pointwise (or copy_/zero_), every tensor is a GlobalTensor in a list, the tensors
+    at each index share one layout without partials, this rank holds a part, and no
+    gradient is recorded (gradient sync watches leaves op by op)."""
+    pointwise = _FOREACH_POINTWISE.get(func)
+    if pointwise is None:
+        base = func.overloadpacket.__name__[len("_foreach_"):].rstrip("_")
+        packet = getattr(aten, base, None)
+        pointwise = _FOREACH_POINTWISE[func] = base in ("copy", "zero") or (
+            packet is not None and any(torch.Tag.pointwise in getattr(packet, o).tags
+                                       for o in packet.overloads()))
+    if not pointwise:
+        return False
+    lists = [a for a in args if isinstance(a, (list, tuple)) and a
+             and isinstance(a[0], torch.Tensor)]  # not the lists of per-tensor scalars
+    if any(isinstance(a, GlobalTensor) for a in args) or not lists:
+        return False
+    grad = torch.is_grad_enabled()
+    rank = comm.get_rank()
+    for row in zip(*lists):
+        first = row[0]
+        if type(first) is not GlobalTensor:
+            return False
+        layout = first._layout
+        if layout.partial_axes or rank not in layout.placement:
+            return False
+        for t in row:
+            if type(t) is not GlobalTensor or t._layout != layout or (grad and t.requires_grad):
+                return False
+    return True
 
 
 def _whole(x: GlobalTensor) -> torch.Tensor:

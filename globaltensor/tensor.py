@@ -143,6 +143,20 @@ class GlobalTensor(torch.Tensor):
         return _dispatcher(func, types, args, kwargs or {})
 
 
+def _accept_in_foreach_paths() -> None:
+    # torch.optim and torch.utils take their one-call-per-list (_foreach_*) paths only for
+    # the tensor types listed here (by default where kernels exist: CUDA, not CPU);
+    # dispatch runs those calls on the local parts at once.
+    from torch.optim import optimizer
+    from torch.utils import _foreach_utils
+    for types in (optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types):
+        if GlobalTensor not in types:
+            types.append(GlobalTensor)
+
+
+_accept_in_foreach_paths()
+
+
 def _broadcast():
     from .sbp import broadcast
     return broadcast
