@@ -622,6 +622,13 @@ def check_softmax_and_losses():
     for red in ("mean", "sum"):
         case(f"mse_loss {red}", lambda a, b, red=red: F.mse_loss(a, b, reduction=red), [x, y],
              places=_placements(6, 1, 3))
+    others = {"smooth_l1_loss": lambda a, b, red: F.smooth_l1_loss(a, b, reduction=red, beta=0.5),
+              "huber_loss": lambda a, b, red: F.huber_loss(a, b, reduction=red, delta=0.7),
+              "soft_margin_loss": lambda a, b, red: F.soft_margin_loss(a, b.sign(), reduction=red)}
+    for name, loss in others.items():
+        for red in ("mean", "sum", "none"):
+            case(f"{name} {red}", lambda a, b, loss=loss, red=red: loss(a, b, red), [x, y],
+                 nograd=(1,) if name == "soft_margin_loss" else (), places=_placements(3, 0, 2))
 
 
 # --------------------------------------------------------------------------------------

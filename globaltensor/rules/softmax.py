@@ -1,4 +1,5 @@
-"""Softmax, log_softmax and the losses built on them: nll (so cross_entropy) and mse.
+"""Softmax, log_softmax and the losses: nll (so cross_entropy), and the elementwise
+ones (mse, binary cross entropy, smooth_l1, huber, soft_margin).
 
 Softmax over a dim that is not split runs locally. Over a split dim it decomposes into
 global ops: a partial_max for the row maxima and a partial_sum for the normaliser, so
@@ -197,7 +198,8 @@ register(aten.nll_loss_backward, local=_nll_backward_local)(nll_backward_rule)
 # element count). Backward ops scale the local gradient the same way.
 
 
-@register(aten.mse_loss, aten.binary_cross_entropy, aten.binary_cross_entropy_with_logits)
+@register(aten.mse_loss, aten.binary_cross_entropy, aten.binary_cross_entropy_with_logits,
+          aten.smooth_l1_loss, aten.huber_loss, aten.soft_margin_loss)
 def elementwise_loss_rule(call, axis):
     reduction = call.arg("reduction", _MEAN)
     shape = call.in_shapes[0]
@@ -230,9 +232,19 @@ def _bce_logits_local(ctx, x, y, weight=None, pos_weight=None, reduction=_MEAN):
     return _reduce_loss(ctx, loss, reduction)
 
 
+def _unreduced_then_reduced(op):
+    """Local implementation of a loss ``op(x, y, reduction, *rest)``: the elementwise
+    loss of the part, reduced with the global element count."""
+    def local(ctx, x, y, reduction=_MEAN, *rest, **kwargs):
+        return _reduce_loss(ctx, op(x, y, _NONE, *rest, **kwargs), reduction)
+    return local
+
+
 register(aten.mse_loss, local=_mse_local)(elementwise_loss_rule)
 register(aten.binary_cross_entropy, local=_bce_local)(elementwise_loss_rule)
 register(aten.binary_cross_entropy_with_logits, local=_bce_logits_local)(elementwise_loss_rule)
+for _op in (aten.smooth_l1_loss, aten.huber_loss, aten.soft_margin_loss):
+    register(_op, local=_unreduced_then_reduced(_op.default))(elementwise_loss_rule)
 
 
 @register(aten.mse_loss_backward, aten.binary_cross_entropy_backward)
@@ -265,6 +277,18 @@ def _bce_backward_local(ctx, grad, x, y, weight=None, reduction=_MEAN):
     return _scale_by_count(ctx, local, reduction)
 
 
+def _summed_then_scaled(op):
+    """Local implementation of ``op(grad, x, y, reduction, *rest)``: a mean's gradient
+    is the sum's divided by the global element count."""
+    def local(ctx, grad, x, y, reduction, *rest, **kwargs):
+        out = op(grad, x, y, _NONE if reduction == _NONE else _SUM, *rest, **kwargs)
+        return _scale_by_count(ctx, out, reduction)
+    return local
+
+
 register(aten.mse_loss_backward, local=_mse_backward_local)(elementwise_loss_backward_rule)
 register(aten.binary_cross_entropy_backward, local=_bce_backward_local)(
     elementwise_loss_backward_rule)
+for _op in (aten.smooth_l1_loss_backward, aten.huber_loss_backward,
+            aten.soft_margin_loss_backward):
+    register(_op, local=_summed_then_scaled(_op.default))(elementwise_loss_backward_rule)
