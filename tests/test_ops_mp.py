@@ -645,6 +645,9 @@ def check_norm_conv_pool():
          places=_placements(5, 0, 3))
     case("layer_norm over (3,6)", lambda x: F.layer_norm(x, (3, 6), eps=1e-3), [x3],
          places=_placements(4, 0, 2))
+    gx, gw, gb = _randn((5, 4, 3), "gnx"), _randn((4,), "gnw"), _randn((4,), "gnb")
+    case("group_norm 2 groups w,b", lambda x, w, b: F.group_norm(x, 2, w, b), [gx, gw, gb],
+         places=_placements(5, 0, 3), must=[(S(0), B, B)])
     # batch norm, training mode, batch split; running stats as GlobalTensors
     bx = _randn((5, 3, 4), "bnx")
     bw, bb = _randn((3,), "bnw", lo=0.5), _randn((3,), "bnb")

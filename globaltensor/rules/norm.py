@@ -1,7 +1,8 @@
-"""layer_norm and batch_norm.
+"""layer_norm, group_norm and batch_norm.
 
 layer_norm normalises the trailing dims: any split of a leading (batch) dim runs
-locally; the weight and bias gradients are then partial sums. batch_norm in training
+locally; the weight and bias gradients are then partial sums. group_norm normalises
+each sample on its own: a batch split runs locally the same way. batch_norm in training
 normalises over every dim but channels: with the batch split it decomposes into
 global mean/variance (partial sums, one small all-reduce each); with channels split it
 runs locally.
@@ -41,6 +42,42 @@ def layer_norm_backward_rule(call, axis):
         outs = tuple(o for o, keep in zip((Split(d), P, P), mask) if keep)
         cands.append(((Split(d),) * 4 + params, outs))
     return cands
+
+
+@register(aten.native_group_norm)
+def group_norm_rule(call, axis):
+    """(input, weight?, bias?, N, C, HxW, group, eps) -> (out, mean, rstd), mean and rstd
+    of shape (N, group)."""
+    params = (B,) * (len(call.inputs) - 1)
+    return [((B,) + params, (B, B, B)), ((Split(0),) + params, (Split(0),) * 3)]
+
+
+@register(aten.native_group_norm_backward)
+def group_norm_backward_rule(call, axis):
+    """(grad, input, mean, rstd, weight?, N, C, HxW, group, output_mask)."""
+    mask = call.arg("output_mask")
+    params = (B,) * (len(call.inputs) - 4)
+    outs = tuple(o for o, keep in zip((Split(0), P, P), mask) if keep)
+    return [((B,) * len(call.inputs), (B,) * len(outs)), ((Split(0),) * 4 + params, outs)]
+
+
+def _group_norm_local(ctx, x, *args):
+    # N, the batch size, is an argument: a part has its own.
+    args = list(args)
+    n_at = 2 if ctx.call.func.overloadpacket is aten.native_group_norm else 4
+    args[n_at] = x.shape[0]
+    return ctx.call.func(x, *args)
+
+
+def _group_norm_backward_local(ctx, grad, *args):
+    args = list(args)
+    args[4] = grad.shape[0]  # (input, mean, rstd, weight, N, ...)
+    return ctx.call.func(grad, *args)
+
+
+register(aten.native_group_norm, local=_group_norm_local)(group_norm_rule)
+register(aten.native_group_norm_backward, local=_group_norm_backward_local)(
+    group_norm_backward_rule)
 
 
 @register(aten.native_batch_norm)
