@@ -580,6 +580,16 @@ def check_along_dim_and_attention():
             out.backward(gt.ones(out.shape, placement=p, sbp=S(d)))
         _expect(stats.total_bytes == 0 and out.sbp == (S(d),),
                 f"attention split({d}): moved {stats} and gave {out.sbp}")
+    # with dropout, torch takes its math path; our dropout draws the same mask whatever
+    # the layout (torch's own generators differ between ranks here on purpose)
+    torch.manual_seed(gt.get_rank())
+    outs = []
+    for sbp in (B, S(0), S(1)):
+        gt.manual_seed(5)
+        qs, ks, vs = (gt.tensor(t, placement=p, sbp=sbp) for t in (q, k, v))
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, dropout_p=0.5).full())
+    _expect(all(torch.equal(outs[0], o) for o in outs[1:]),
+            "attention with dropout: the value depends on the layout")
 
 
 # --------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Ops that work along one dim: scans (cumsum, cumprod, logcumsumexp, cummax, cummin),
-sorts and selections (sort, argsort, topk, kthvalue, median/mode over a dim), flip and roll, gather and scatter;
-and tril/triu, which mask by position.
+sorts and selections (sort, argsort, topk, kthvalue, median/mode over a dim), flip and
+roll, gather and scatter; and tril/triu, which mask by position.
 
 Each treats the slices across its dim independently, so a split on any other dim stays
 local and the op runs on the parts as they are; a split on the dim itself is boxed to
@@ -14,13 +14,10 @@ import torch
 
 from ..sbp import Split, broadcast, partial_sum
 from . import register
+from .view import _norm
 
 aten = torch.ops.aten
 B = broadcast
-
-
-def _norm(d: int, ndim: int) -> int:
-    return d % ndim if ndim else 0
 
 
 def _split_elsewhere(call, n_in: int, n_out: int, busy: set, moved=lambda d: d):
@@ -67,8 +64,9 @@ def gather_scatter_rule(call, axis):
     ndim = len(call.in_shapes[0])
     dim = _norm(call.arg("dim"), ndim)
     n_in = len(call.inputs)
+    shape = call.in_shapes[0]
     busy = {dim} | {d for d in range(ndim)
-                    if len({len(s) == ndim and s[d] for s in call.in_shapes}) != 1}
+                    if any(len(s) != ndim or s[d] != shape[d] for s in call.in_shapes)}
     return _split_elsewhere(call, n_in, 1, busy)
 
 

@@ -30,7 +30,7 @@ def _splits_dim(x, dim) -> bool:
     return any(isinstance(s, Split) and s.dim == dim % x.dim() for s in x.sbp)
 
 
-@register(aten._softmax, aten._log_softmax)
+@register(aten._softmax, aten._log_softmax, aten._safe_softmax)  # (attention's math path)
 def softmax_rule(call, axis):
     ndim = len(call.in_shapes[0])
     dim = call.arg("dim") % ndim
