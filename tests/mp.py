@@ -99,21 +99,23 @@ class World:
                                  f"failed: {reason})")
 
 
-def checks_in_worlds(module: str, checks, only_in_4=()):
+def checks_in_worlds(module: str, checks, only_in_4=(), make_world=None):
     """Fixtures and tests running ``checks`` (names of functions in ``module``) in one
     world of 2 and one of 4 processes; ``only_in_4`` need 4 ranks. Use as
-    ``world2, world4, test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)``."""
+    ``world2, world4, test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)``.
+    ``make_world(nprocs, names)`` replaces ``World`` (e.g. by one that restarts worlds)."""
     import pytest
 
     checks, in_4 = list(checks), list(checks) + list(only_in_4)
+    make_world = make_world or (lambda n, names: World(n, module, names))
 
     @pytest.fixture(scope="module")
     def world2():
-        return World(2, module, checks)
+        return make_world(2, checks)
 
     @pytest.fixture(scope="module")
     def world4():
-        return World(4, module, in_4)
+        return make_world(4, in_4)
 
     @pytest.mark.parametrize("name", checks)
     def test_world2(world2, name):

@@ -21,13 +21,12 @@ import os
 import random
 import zlib
 
-import pytest
 import torch
 import torch.nn.functional as F
 
 import globaltensor as gt
 
-from mp import World
+from mp import World, checks_in_worlds
 
 B, P = gt.sbp.broadcast, gt.sbp.partial_sum
 S = gt.sbp.split
@@ -1009,9 +1008,9 @@ def check_optimizers_and_modules():
 # --------------------------------------------------------------------------------------
 
 CHECKS = ["check_pointwise", "check_matmul", "check_reductions", "check_views",
-          "check_along_dim_and_attention", "check_softmax_and_losses", "check_norm_conv_pool", "check_embedding",
-          "check_dropout_and_random", "check_likes_and_casts", "check_bad_input",
-          "check_optimizers_and_modules"]
+          "check_along_dim_and_attention", "check_softmax_and_losses", "check_norm_conv_pool",
+          "check_embedding", "check_dropout_and_random", "check_likes_and_casts",
+          "check_bad_input", "check_optimizers_and_modules"]
 
 
 class Worlds:
@@ -1038,21 +1037,4 @@ class Worlds:
         return next((x for x in w.names if w.done.get(x) != self.n), None)
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return Worlds(2, CHECKS)
-
-
-@pytest.fixture(scope="module")
-def world4():
-    return Worlds(4, CHECKS)
-
-
-@pytest.mark.parametrize("name", CHECKS)
-def test_world2(world2, name):
-    world2.check(name)
-
-
-@pytest.mark.parametrize("name", CHECKS)
-def test_world4(world4, name):
-    world4.check(name)
+world2, world4, test_world2, test_world4 = checks_in_worlds(__name__, CHECKS, make_world=Worlds)

@@ -120,8 +120,9 @@ def check_strides_follow_torch():
     # local parts differ in shape), so autograd takes the same path as plain torch.
     p = gt.placement.all("cpu")
     value = torch.arange(15.0).reshape(5, 3)
-    views = [lambda t: t.t(), lambda t: t.t().contiguous(), lambda t: t.unsqueeze(0).transpose(0, 2),
-             lambda t: t[:, 1:], lambda t: t.t() @ t, lambda t: t.t().clone()]
+    views = [lambda t: t.t(), lambda t: t.t().contiguous(),
+             lambda t: t.unsqueeze(0).transpose(0, 2), lambda t: t[:, 1:], lambda t: t.t() @ t,
+             lambda t: t.t().clone()]
     for sbp in (gt.sbp.split(0), gt.sbp.split(1), gt.sbp.broadcast):
         x = gt.tensor(value, placement=p, sbp=sbp)
         for k, view in enumerate(views):
