@@ -33,9 +33,8 @@ def install_dispatcher(fn) -> None:
 
 @functools.lru_cache(maxsize=None)
 def device_of(placement: Placement) -> torch.device:
-    if placement.type == "cuda":
-        return torch.device("cuda", env.get_local_rank() % max(torch.cuda.device_count(), 1))
-    return torch.device("cpu")
+    """This rank's device for tensors of ``placement``."""
+    return comm.local_device(placement.type)
 
 
 def empty_local(layout: Layout, dtype: torch.dtype) -> torch.Tensor:

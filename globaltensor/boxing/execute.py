@@ -14,15 +14,11 @@ def execute(plan: Plan, local: torch.Tensor, rank: int | None = None) -> torch.T
     """This rank's local tensor in ``plan.dst``, from its local tensor in ``plan.src``.
 
     The result never aliases ``local`` when it holds different data, so the source
-    tensor stays valid. A plan with collectives must run on every rank (SPMD), members
-    or not: the first collective on a placement creates its process groups, which torch
-    does with the whole world. A plan of point-to-point transfers only involves the
-    ranks that send or receive.
+    tensor stays valid. Only the ranks a step involves take part in it (process groups
+    are made by their members), so ranks outside both placements may skip the call.
     """
     if rank is None:
         rank = comm.get_rank()
-    if any(not isinstance(step, S.Transfer) for step in plan.steps):
-        comm.register_placement(plan.src.placement)
     out = local
     for step in plan.steps:
         if isinstance(step, S.Transfer):
@@ -193,8 +189,9 @@ def _transfer(step: S.Transfer, x: torch.Tensor, rank: int) -> torch.Tensor:
 
 
 def _device(layout) -> torch.device:
-    # Placement type only; the executor runs where the local tensors already are.
-    return torch.device("cpu") if layout.placement.type == "cpu" else torch.device("cuda")
+    # This rank's device of the destination's type (not the "current" cuda device,
+    # which a program that made its own process group may never have set).
+    return comm.local_device(layout.placement.type)
 
 
 _RUN = {

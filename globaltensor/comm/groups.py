@@ -1,13 +1,14 @@
 """Process-group bootstrap and the cache of sub-groups, keyed by the ordered rank tuple.
 
-torch needs every rank of the world to take part in creating a group (its names count
-the groups each process made, so members-only creation desynchronises as soon as
-ranks use different placements). So the groups of a placement are all made the first
-time a collective runs on it (a boxing plan with collectives, a gradient bucket): in
-SPMD code every rank reaches that call, including ranks outside the placement, which
-take part once and never wait on the group again. Point-to-point transfers need none.
-Member order is kept (``sort_ranks=False``) so group rank ``i`` is ``members[i]``:
-the order in which a split hands out parts.
+A group is made by its members only, the first time one of them communicates in it.
+torch's own members-only creation (``new_group(use_local_synchronization=True)``)
+names a group by its ranks *and* by how many groups the calling process made before,
+so two members that used different placements earlier disagree on the name and wait
+forever. We name a group by its ordered ranks alone (one group per rank tuple per
+process), so members agree whatever else they did, ranks outside never take part,
+and pipeline stages that run different actions never wait on each other here.
+Member order is kept so group rank ``i`` is ``members[i]``: the order in which a split
+hands out parts.
 """
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from .. import env
-from ..placement import Placement
 
 _groups: dict[tuple[int, ...], object] = {}
+_ready = False
 
 
 def _backend() -> str:
@@ -32,72 +34,87 @@ def _backend() -> str:
     return "gloo"
 
 
+def local_device(device_type: str) -> torch.device:
+    """The device this process uses for ``device_type`` ("cpu", or its LOCAL_RANK's GPU)."""
+    if device_type == "cuda":
+        return torch.device("cuda", env.get_local_rank() % max(torch.cuda.device_count(), 1))
+    return torch.device(device_type)
+
+
 def init() -> None:
     """Initialise torch.distributed from the launcher's variables (idempotent).
 
-    Without RANK/WORLD_SIZE this is a world of one process, with no error.
+    Without RANK/WORLD_SIZE this is a world of one process, with no error. When the
+    program made the default group itself, it is used as it is.
 
     >>> import globaltensor as gt
     >>> gt.init(); gt.get_world_size()
     1
     """
-    if dist.is_initialized():
+    global _ready
+    if _ready:
         return
-    timeout = datetime.timedelta(seconds=env.timeout_seconds())
-    world = env.get_world_size()
-    if world == 1 and "MASTER_ADDR" not in os.environ:
-        # A world of one needs no rendezvous: an in-memory store does.
-        dist.init_process_group(_backend(), store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
-    else:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
-        dist.init_process_group(_backend(), init_method="env://", rank=env.get_rank(),
-                                world_size=world, timeout=timeout)
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=env.timeout_seconds())
+        world = env.get_world_size()
+        # On GPUs, binding the default group to this rank's device lets NCCL start
+        # eagerly on the right GPU (and sub-groups split from it).
+        device_id = local_device("cuda") if torch.cuda.is_available() else None
+        if world == 1 and "MASTER_ADDR" not in os.environ:
+            # A world of one needs no rendezvous: an in-memory store does.
+            dist.init_process_group(_backend(), store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timeout, device_id=device_id)
+        else:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
+            dist.init_process_group(_backend(), init_method="env://", rank=env.get_rank(),
+                                    world_size=world, timeout=timeout, device_id=device_id)
     if torch.cuda.is_available():
-        torch.cuda.set_device(env.get_local_rank() % torch.cuda.device_count())
+        # Also when the program made the group: outputs of transfers land on the
+        # current device, which must be this rank's.
+        torch.cuda.set_device(local_device("cuda"))
     # A gloo group still alive when the interpreter finalises can abort the process
     # (its worker threads release tensors after Python is gone). Destroy the groups,
     # and drop our own references to them, while Python still runs; it is local.
     atexit.register(_destroy)
+    _ready = True
 
 
 def _destroy() -> None:
+    global _ready
     if dist.is_initialized():
         dist.destroy_process_group()
     _groups.clear()  # the last references to sub-groups, also after a user's own destroy
-    _registered.clear()
+    _ready = False
     gc.collect()
 
 
-_registered: set = set()
-
-
-def register_placement(placement: Placement) -> None:
-    """Create every sub-group of ``placement`` (along each axis); call on every rank."""
-    if placement in _registered:
-        return
-    init()
-    world = tuple(range(dist.get_world_size()))
-    for axis in range(placement.ndim):
-        for ranks in placement.groups(axis):
-            if ranks in _groups or len(ranks) == 1:
-                continue
-            if ranks == world:
-                _groups[ranks] = dist.group.WORLD
-            else:
-                _groups[ranks] = dist.new_group(
-                    list(ranks), sort_ranks=False,
-                    timeout=datetime.timedelta(seconds=env.timeout_seconds()))
-    _registered.add(placement)
+def _member_group(ranks: tuple[int, ...]):
+    """A new group of ``ranks`` (in that order), made by its members only."""
+    backend = dist.get_backend()
+    name = "globaltensor:" + ",".join(map(str, ranks))
+    # torch's helper rendezvouses the members under a store prefix taken from the name;
+    # ``new_group`` cannot be given a name, hence the helper.
+    group, _ = c10d._new_process_group_helper(
+        len(ranks), ranks.index(dist.get_rank()), list(ranks), backend,
+        c10d._get_default_store(), group_name=name,
+        timeout=datetime.timedelta(seconds=env.timeout_seconds()))
+    c10d._world.pg_group_ranks[group] = {g: i for i, g in enumerate(ranks)}
+    return group
 
 
 def get_group(ranks: tuple[int, ...]):
-    """The process group whose group rank ``i`` is ``ranks[i]`` (the caller is a member)."""
+    """The process group whose group rank ``i`` is ``ranks[i]``; made on first use by
+    its members (the caller must be one)."""
     group = _groups.get(ranks)
-    if group is None and ranks == tuple(range(dist.get_world_size())):
-        group = _groups[ranks] = dist.group.WORLD
     if group is None:
-        raise RuntimeError(f"no process group for ranks {ranks}: register_placement() was "
-                           f"not called on the placement that uses it")
+        init()
+        if ranks == tuple(range(dist.get_world_size())):
+            group = dist.group.WORLD
+        elif dist.get_rank() not in ranks:
+            raise RuntimeError(f"rank {dist.get_rank()} asked for the group of ranks "
+                               f"{list(ranks)}, which it is not a member of")
+        else:
+            group = _member_group(ranks)
+        _groups[ranks] = group
     return group
