@@ -67,8 +67,19 @@ def main(argv=None) -> None:
         packed = torch.cat([c.reshape(-1) for c in local.chunk(n, dim=1)])
         dist.all_to_all_single(torch.empty(local.numel()), packed)
 
+    a2a_full = torch.empty(full.numel())
+    reduce_me = full.clone()
+
+    def hand_p_s0():  # all_to_all of the row blocks + local sum, on preallocated buffers
+        dist.all_to_all_single(a2a_full, full.view(-1))
+        return a2a_full.view((n,) + tuple(local.shape)).sum(0)
+
+    from globaltensor.tensor import to_layout
+    b_layout = x_p.layout_.with_sbp(B)
+    x_p_donated = gt.from_local(full.clone(), placement=p, sbp=P)
+
     # name, ours, raw collective (same bytes), by hand (raw + the local work the
-    # result needs: a fresh output that leaves the input intact, packing)
+    # result needs: a fresh output that leaves the input intact, packing, the sum)
     rows = [
         ("S(0)->B", lambda: x_s0.to_global(sbp=B).to_local(),
          lambda: dist.all_gather_into_tensor(gathered, local),
@@ -76,9 +87,11 @@ def main(argv=None) -> None:
         ("P->B", lambda: x_p.to_global(sbp=B).to_local(),
          lambda: dist.all_reduce(full),
          lambda: dist.all_reduce(full.clone())),
+        # A temporary source (an op's intermediate result) is reduced in place.
+        ("P->B donated", lambda: to_layout(x_p_donated, b_layout, donate=True),
+         lambda: dist.all_reduce(full), lambda: dist.all_reduce(reduce_me)),
         ("P->S(0)", lambda: x_p.to_global(sbp=S0).to_local(),
-         lambda: dist.reduce_scatter_tensor(scattered, full),
-         lambda: dist.reduce_scatter_tensor(torch.empty(local.shape), full)),
+         lambda: dist.reduce_scatter_tensor(scattered, full), hand_p_s0),
         ("S(0)->S(1)", lambda: x_s0.to_global(sbp=S1).to_local(),
          lambda: dist.all_to_all_single(a2a_out, a2a_in), hand_s0_s1),
     ]
@@ -119,7 +132,9 @@ def main(argv=None) -> None:
             print(f"{name:<18}{t_raw:8.2f}{t_hand:9.2f}{t_ours:8.2f}{dt}"
                   f"{t_ours / t_raw:10.2f}{t_ours / t_hand:10.2f}{dtr}")
         print("raw: the bare collective on preallocated buffers; by hand: the same plus the "
-              "local work a usable result needs (fresh output, input kept, packing)")
+              "local work a usable result needs (fresh output, input kept, packing, the "
+              "local sum after an all_to_all for P->S(0)); 'P->B donated' reduces a "
+              "temporary in place (by hand: an in-place all_reduce)")
         if args.plot:
             bar_plot(args.plot, [r[0] for r in results],
                      {label: [r[k] for r in results]

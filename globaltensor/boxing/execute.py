@@ -1,8 +1,6 @@
 """Run a boxing plan on this rank's local tensor with real collectives (``comm``)."""
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .. import comm
@@ -10,12 +8,18 @@ from . import steps as S
 from .plan import Plan
 
 
-def execute(plan: Plan, local: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+def execute(plan: Plan, local: torch.Tensor, rank: int | None = None,
+            donate: bool = False) -> torch.Tensor:
     """This rank's local tensor in ``plan.dst``, from its local tensor in ``plan.src``.
 
     The result never aliases ``local`` when it holds different data, so the source
-    tensor stays valid. Only the ranks a step involves take part in it (process groups
-    are made by their members), so ranks outside both placements may skip the call.
+    tensor stays valid, unless ``donate`` says that no one else holds ``local`` (a
+    temporary): then a reduction may run in place in it. The dtype never changes;
+    dtypes that a backend cannot reduce or gather (int16) travel widened. Only the
+    ranks a step involves take part in it (process groups are made by their members),
+    so ranks outside both placements may skip the call.
+
+    >>> out = execute(plan_route(src, dst, 4), x_local)     # doctest: +SKIP
     """
     if rank is None:
         rank = comm.get_rank()
@@ -24,17 +28,34 @@ def execute(plan: Plan, local: torch.Tensor, rank: int | None = None) -> torch.T
         if isinstance(step, S.Transfer):
             out = _transfer(step, out, rank)
         elif rank in step.src.placement:
-            out = _RUN[type(step)](step, out, rank)
-    if plan.steps and out.numel() and _shares_storage(out, local):
+            wide = _WIDER.get(out.dtype) if type(step) in _COLLECTIVES else None
+            if wide is None:
+                # A step may reuse its input's memory when that is not the caller's.
+                own = donate or not _shares_storage(out, local)
+                out = _RUN[type(step)](step, out, rank, own)
+            else:
+                out = _RUN[type(step)](step, out.to(wide), rank, True).to(out.dtype)
+    if plan.steps and out.numel() and not donate and _shares_storage(out, local):
         out = out.clone()
     return out
+
+
+# Collectives of gloo and NCCL lack these dtypes (point-to-point carries any): they
+# travel as the next wider integer type, which holds every value and sums alike.
+_WIDER = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
+
+
+def _reduce_of(reduce: str, dtype: torch.dtype) -> str:
+    # A sum of bools is their "or" (as torch adds bools), which is their max.
+    return "max" if dtype == torch.bool else reduce
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def _all_gather(step: S.AllGather, x: torch.Tensor, rank: int) -> torch.Tensor:
+def _all_gather(step: S.AllGather, x: torch.Tensor, rank: int,
+                donate: bool = False) -> torch.Tensor:
     members, d = step.members(rank), step.dim
     sizes = [step.src.local_shape(m)[d] for m in members]
     n, biggest = len(members), max(sizes)
@@ -54,47 +75,47 @@ def _all_gather(step: S.AllGather, x: torch.Tensor, rank: int) -> torch.Tensor:
     return torch.cat(parts, dim=0).movedim(0, d).contiguous()
 
 
-def _all_reduce(step: S.AllReduce, x: torch.Tensor, rank: int) -> torch.Tensor:
-    out = x.contiguous().clone()
-    comm.all_reduce_(out, step.reduce, step.members(rank))
+def _all_reduce(step: S.AllReduce, x: torch.Tensor, rank: int,
+                donate: bool = False) -> torch.Tensor:
+    out = x if donate and x.is_contiguous() else x.contiguous().clone()
+    comm.all_reduce_(out, _reduce_of(step.reduce, x.dtype), step.members(rank))
     return out
 
 
-def _chunks_to_buffer(x: torch.Tensor, dim: int, parts) -> tuple[torch.Tensor, list[int]]:
-    """Lay the parts of ``x`` along ``dim`` out one after another in a flat buffer."""
-    if dim == 0:
-        x = x.contiguous()
-        row = x[0].numel() if x.shape[0] else math.prod(x.shape[1:])
-        return x.view(-1), [size * row for _, size in parts]
-    buf = x.new_empty(x.numel())
-    splits, pos = [], 0
-    for offset, size in parts:
-        piece = x.narrow(dim, offset, size)
-        buf[pos:pos + piece.numel()].view(piece.shape).copy_(piece)
-        splits.append(piece.numel())
-        pos += piece.numel()
-    return buf, splits
-
-
-
-def _reduce_scatter(step: S.ReduceScatter, x: torch.Tensor, rank: int) -> torch.Tensor:
-    # On gloo an all-to-all plus a local reduction beats reduce_scatter (DESIGN.md).
+def _reduce_scatter(step: S.ReduceScatter, x: torch.Tensor, rank: int,
+                    donate: bool = False) -> torch.Tensor:
+    # On gloo an exchange of parts plus a local reduction beats reduce_scatter
+    # (DESIGN.md). Point-to-point rather than all_to_all_single: our own part never
+    # travels or is copied into the exchange buffer, and it is one operand of the sum,
+    # which writes the result in one pass (for 2 ranks a single add).
     members, d = step.members(rank), step.dim
     parts = step.parts(x.shape[d])
     me = members.index(rank)
-    inp, in_splits = _chunks_to_buffer(x, d, parts)
-    mine = list(x.shape)
-    mine[d] = parts[me][1]
-    n = len(members)
-    out = x.new_empty(n * math.prod(mine))
-    comm.all_to_all_single(out, inp, [math.prod(mine)] * n, in_splits, members)
-    stacked = out.view([n] + mine)
-    if step.reduce == "sum":
-        return stacked.sum(0)
-    return stacked.amax(0)
+    mine = x.narrow(d, *parts[me])
+    bufs = x.new_empty((len(members) - 1,) + tuple(mine.shape))
+    sends, recvs = [], []
+    k = 0
+    for j, m in enumerate(members):
+        if j == me:
+            continue
+        piece = x.narrow(d, *parts[j])
+        if piece.numel():
+            sends.append((piece, m))
+        if mine.numel():
+            recvs.append((bufs[k], m))
+        k += 1
+    comm.start_p2p(sends, recvs, kind="all_to_all").wait()
+    if not len(bufs):
+        return mine.clone()
+    combine = torch.add if _reduce_of(step.reduce, x.dtype) == "sum" else torch.maximum
+    out = combine(mine, bufs[0], out=x.new_empty(mine.shape))  # contiguous, x's dtype
+    for buf in bufs[1:]:
+        combine(out, buf, out=out)
+    return out
 
 
-def _all_to_all(step: S.AllToAll, x: torch.Tensor, rank: int) -> torch.Tensor:
+def _all_to_all(step: S.AllToAll, x: torch.Tensor, rank: int,
+                donate: bool = False) -> torch.Tensor:
     # Point-to-point instead of all_to_all_single: our own part never travels, each
     # outgoing part is packed once, and incoming parts land in place when contiguous
     # (always for src_dim 0), so there is no pack/unpack of the whole tensor.
@@ -132,23 +153,26 @@ def _all_to_all(step: S.AllToAll, x: torch.Tensor, rank: int) -> torch.Tensor:
     return out
 
 
-def _local_slice(step: S.LocalSlice, x: torch.Tensor, rank: int) -> torch.Tensor:
+def _local_slice(step: S.LocalSlice, x: torch.Tensor, rank: int,
+                 donate: bool = False) -> torch.Tensor:
     c = step.src.placement.coord(rank)[step.axis]
     offset, size = step.parts(x.shape[step.dim])[c]
     return x.narrow(step.dim, offset, size)
 
 
-def _zero_non_root(step: S.ZeroNonRoot, x: torch.Tensor, rank: int) -> torch.Tensor:
+def _zero_non_root(step: S.ZeroNonRoot, x: torch.Tensor, rank: int,
+                   donate: bool = False) -> torch.Tensor:
     if step.src.placement.coord(rank)[step.axis] == 0:
         return x
     return torch.zeros_like(x)
 
 
-def _relabel(step: S.Relabel, x: torch.Tensor, rank: int) -> torch.Tensor:
+def _relabel(step: S.Relabel, x: torch.Tensor, rank: int, donate: bool = False) -> torch.Tensor:
     return x
 
 
-def _pad_to_partial(step: S.PadToPartial, x: torch.Tensor, rank: int) -> torch.Tensor:
+def _pad_to_partial(step: S.PadToPartial, x: torch.Tensor, rank: int,
+                    donate: bool = False) -> torch.Tensor:
     shape = step.dst.local_shape(rank)
     out = x.new_full(shape, S.identity_value(step.reduce, x.dtype))
     c = step.src.placement.coord(rank)[step.axis]
@@ -158,6 +182,32 @@ def _pad_to_partial(step: S.PadToPartial, x: torch.Tensor, rank: int) -> torch.T
 
 
 def _transfer(step: S.Transfer, x: torch.Tensor, rank: int) -> torch.Tensor:
+    return start_transfer(step, x, rank).wait()
+
+
+class PendingTransfer:
+    """The posted messages of one rank's part in a ``Transfer``; ``wait()`` returns its
+    local tensor in the destination layout (empty outside it)."""
+
+    def __init__(self, work, out: torch.Tensor, landing: list):
+        self._work, self._out, self._landing = work, out, landing
+
+    def wait(self) -> torch.Tensor:
+        self._work.wait()
+        for dest, buf in self._landing:
+            dest.copy_(buf)
+        self._landing = []
+        return self._out
+
+    def is_completed(self) -> bool:
+        """True when every message is done (never blocks)."""
+        return self._work.is_completed()
+
+
+def start_transfer(step: S.Transfer, x: torch.Tensor, rank: int) -> PendingTransfer:
+    """Post this rank's sends and receives of ``step`` and return at once (pipeline
+    hand-offs overlap them with compute). ``x`` is the local source tensor (on a rank
+    that only receives: any tensor of the dtype, device and ndim, e.g. empty)."""
     src_region = step.src.region(rank)
     dst_region = step.dst.region(rank)
     out = None
@@ -182,10 +232,9 @@ def _transfer(step: S.Transfer, x: torch.Tensor, rank: int) -> torch.Tensor:
                 buf = torch.empty(m.region.sizes, dtype=x.dtype, device=wire or out.device)
                 recvs.append((buf, m.src))
                 landing.append((dest, buf))
-    comm.batched_p2p(sends, recvs)
-    for dest, buf in landing:
-        dest.copy_(buf)
-    return out if out is not None else x.new_empty((0,) * x.dim())
+    work = comm.start_p2p(sends, recvs)
+    return PendingTransfer(work, out if out is not None else x.new_empty((0,) * x.dim()),
+                           landing)
 
 
 def _device(layout) -> torch.device:
@@ -194,6 +243,7 @@ def _device(layout) -> torch.device:
     return comm.local_device(layout.placement.type)
 
 
+_COLLECTIVES = (S.AllGather, S.AllReduce, S.ReduceScatter)
 _RUN = {
     S.AllGather: _all_gather, S.AllReduce: _all_reduce, S.ReduceScatter: _reduce_scatter,
     S.AllToAll: _all_to_all, S.LocalSlice: _local_slice, S.ZeroNonRoot: _zero_non_root,

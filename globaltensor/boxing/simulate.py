@@ -54,11 +54,17 @@ def materialize(locals_: Locals, layout: Layout) -> torch.Tensor:
         if isinstance(s, Split):
             return torch.cat(subs, dim=s.dim)
         if isinstance(s, Partial):
-            stacked = torch.stack(subs)
-            return stacked.sum(0) if s.reduce == "sum" else stacked.amax(0)
+            return _reduce(subs, s.reduce)
         return subs[0]
 
     return value((), 0)
+
+
+def _reduce(xs: list, reduce: str) -> torch.Tensor:
+    """The sum or max of equal-shape tensors, in their dtype (a sum of bools is their
+    "or", as torch adds bools; torch's own sum would widen integers to int64)."""
+    stacked = torch.stack(xs)
+    return (stacked.sum(0) if reduce == "sum" else stacked.amax(0)).to(xs[0].dtype)
 
 
 def _by_group(step: S.Step, locals_: Locals, fn) -> Locals:
@@ -76,8 +82,7 @@ def _all_gather(step, locals_):
 
 def _all_reduce(step, locals_):
     def reduce(ms, xs):
-        stacked = torch.stack(xs)
-        r = stacked.sum(0) if step.reduce == "sum" else stacked.amax(0)
+        r = _reduce(xs, step.reduce)
         return [r.clone() for _ in ms]
     return _by_group(step, locals_, reduce)
 
@@ -85,8 +90,7 @@ def _all_reduce(step, locals_):
 def _reduce_scatter(step, locals_):
     def rs(ms, xs):
         parts = step.parts(xs[0].shape[step.dim])
-        stacked = torch.stack(xs)
-        r = stacked.sum(0) if step.reduce == "sum" else stacked.amax(0)
+        r = _reduce(xs, step.reduce)
         return [r.narrow(step.dim, o, s).clone() for o, s in parts]
     return _by_group(step, locals_, rs)
 
