@@ -15,6 +15,7 @@ from .tensor import GlobalTensor, is_global
 from . import dispatch as _dispatch  # noqa: F401  (installs __torch_dispatch__)
 from . import debug, nn, utils
 from .gradsync import no_sync
+from . import pipeline
 from .comm import get_rank as _comm_rank, get_world_size as _comm_world
 
 
@@ -32,4 +33,5 @@ matmul = __import__("torch").matmul
 
 __all__ = ["init", "get_rank", "get_world_size", "get_local_rank", "manual_seed", "placement",
            "Placement", "sbp", "GlobalTensor", "is_global", "tensor", "from_local", "to_global",
-           "randn", "rand", "zeros", "ones", "full", "empty", "arange", "matmul", "debug", "nn", "no_sync", "utils"]
+           "randn", "rand", "zeros", "ones", "full", "empty", "arange", "matmul", "debug", "nn", "no_sync", "utils",
+           "pipeline"]

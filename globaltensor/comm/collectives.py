@@ -86,6 +86,10 @@ class P2PWork:
         for work in self._works:
             work.wait()
 
+    def is_completed(self) -> bool:
+        """True when every message is done (never blocks)."""
+        return all(work.is_completed() for work in self._works)
+
 
 def start_p2p(sends: Sequence[tuple[torch.Tensor, int]],
               recvs: Sequence[tuple[torch.Tensor, int]], kind: str = "send") -> P2PWork:

@@ -1,0 +1,76 @@
+"""Stage hand-off: boxing between two stage placements, split into a non-blocking send
+half and receive half that the two stages post at different moments.
+
+Between disjoint placements boxing is a source-side reduction of partials (among the
+source ranks only) followed by one point-to-point ``Transfer``; the sender runs the
+first part and posts its messages, the receiver posts its receives early and waits
+only when it needs the tensor. Two stages on one placement (one worker) box locally.
+
+>>> h = Handoff(out_layout, in_layout, torch.float32)   # doctest: +SKIP
+>>> work = h.send(out._local)      # on the sending stage's ranks
+>>> pending = h.receive()          # on the receiving stage's ranks, posted early
+>>> local = pending.wait()         # this rank's part of ``in_layout``
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from ..boxing import execute, plan_route
+from ..boxing.execute import start_transfer
+from ..boxing.plan import Plan
+from ..boxing.steps import Transfer
+from ..layout import Layout
+from ..tensor import box, device_of
+
+
+class _Ready:
+    """A hand-off that is already complete (boxed locally)."""
+
+    def __init__(self, local: torch.Tensor):
+        self._local = local
+
+    def wait(self) -> torch.Tensor:
+        return self._local
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class Handoff:
+    """How one tensor moves from layout ``src`` (a stage's output, or the gradient of a
+    stage's input) to layout ``dst`` (the next stage's input, or the previous stage's
+    output gradient)."""
+
+    def __init__(self, src: Layout, dst: Layout, dtype: torch.dtype):
+        self.src, self.dst, self.dtype = src, dst, dtype
+        self.local = src.placement == dst.placement
+        self.pre = self.transfer = None
+        if self.local:
+            return
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        plan = plan_route(src, dst, itemsize)
+        *pre, last = plan.steps
+        if not isinstance(last, Transfer) or any(isinstance(s, Transfer) for s in pre):
+            raise AssertionError(f"a hand-off between placements should end in one "
+                                 f"transfer, got {plan}")
+        self.transfer = last
+        if pre:
+            self.pre = Plan(src, last.src, tuple(pre), 0.0, itemsize, plan.route)
+
+    def send(self, local: torch.Tensor):
+        """Post this rank's part of the move of its ``local`` part of ``src``. For a
+        local hand-off the result is ready at once (the receiver is this rank)."""
+        if self.local:
+            return _Ready(box(local, self.src, self.dst))
+        rank = comm.get_rank()
+        if self.pre is not None:
+            local = execute(self.pre, local, rank)
+        return start_transfer(self.transfer, local, rank)
+
+    def receive(self):
+        """Post this rank's receives; ``wait()`` on the result gives its part of ``dst``."""
+        assert not self.local, "a local hand-off is received from its send"
+        empty = torch.empty((0,) * len(self.src.shape), dtype=self.dtype,
+                            device=device_of(self.src.placement))
+        return start_transfer(self.transfer, empty, comm.get_rank())

@@ -1,0 +1,391 @@
+"""``Pipeline``: run a schedule's actions on this rank's stage(s).
+
+Every rank runs the same program (SPMD). ``step`` cuts the batch into micro-batches
+(every rank takes part, since the batch may live anywhere), learns the layouts of the
+hand-offs the first time a micro-batch shape is seen (``_Routes``), and then each rank
+runs the action list of its placement: forward and backward of its stages, sends
+posted right after the compute that produced them, receives posted ahead of the
+compute that needs them. A rank outside every stage returns at once.
+
+Receives from one placement are posted in the order in which that placement sends
+(the schedule is data, so each rank knows the other lists): point-to-point messages
+between two ranks match in posting order, on gloo as on NCCL.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .. import comm
+from ..gradsync import no_sync
+from ..layout import Layout, balanced_split
+from ..placement import Placement
+from ..sbp import Partial, broadcast
+from ..tensor import GlobalTensor, empty_local, from_full, gradient_layout, wrap_local
+from . import schedule as S
+from .handoff import Handoff
+from .timeline import Timeline
+
+
+@dataclass(frozen=True)
+class _Routes:
+    """The layouts of one micro-batch shape: each stage's input and output, the loss,
+    and the hand-offs forward (stage k -> k + 1) and backward (gradient k -> k - 1)."""
+
+    ins: tuple
+    outs: tuple
+    loss: Layout | None
+    dtype: torch.dtype  # of the last stage's output and of the loss
+    forward: tuple   # forward[k]: Handoff of stage k's output to stage k + 1's input
+    backward: tuple  # backward[k]: Handoff of stage k's input gradient to stage k - 1
+
+
+def _stage_placement(stage: torch.nn.Module, k: int) -> Placement:
+    placements = set()
+    for name, t in list(stage.named_parameters()) + list(stage.named_buffers()):
+        if not isinstance(t, GlobalTensor):
+            raise ValueError(f"stage {k}: {name} is not global; place the stage first, e.g. "
+                             f"gt.nn.to_global(stage, placement, sbp)")
+        placements.add(t.placement)
+    if not placements:
+        raise ValueError(f"stage {k} has no parameters or buffers, so it has no placement; "
+                         f"merge it into a neighbouring stage")
+    if len(placements) > 1:
+        raise ValueError(f"stage {k} holds tensors on several placements {sorted(map(str, placements))}; "
+                         f"a stage lives on one placement")
+    return placements.pop()
+
+
+class Pipeline:
+    """Pipeline-parallel training over stages that are already global.
+
+    >>> pipe = gt.pipeline.Pipeline([stage0, stage1], micro_batches=4,   # doctest: +SKIP
+    ...                             schedule="1f1b", loss_fn=F.cross_entropy)
+    >>> loss = pipe.step(x, target); opt.step()                          # doctest: +SKIP
+    >>> y = pipe(x)                                                       # doctest: +SKIP
+
+    ``input_sbp`` (optional) gives per stage the sbp of its input (None: stage 0 keeps
+    the batch's sbp, or broadcast for a plain tensor; stage k > 0 keeps stage k - 1's
+    output sbp with partial axes made broadcast). ``target_sbp`` likewise for targets.
+    """
+
+    def __init__(self, stages: Sequence[torch.nn.Module], micro_batches: int = 1,
+                 schedule: str | Callable = "1f1b", loss_fn: Callable | None = None, *,
+                 input_sbp: Sequence | None = None, target_sbp=None):
+        stages = list(stages)
+        if not stages or not all(isinstance(s, torch.nn.Module) for s in stages):
+            raise ValueError("stages must be a non-empty list of nn.Modules")
+        if not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"micro_batches must be a positive int, got {micro_batches!r}")
+        if input_sbp is not None and len(input_sbp) != len(stages):
+            raise ValueError(f"input_sbp has {len(input_sbp)} entries for {len(stages)} stages")
+        self.stages, self.micro_batches, self.loss_fn = stages, micro_batches, loss_fn
+        self.placements = [_stage_placement(s, k) for k, s in enumerate(stages)]
+        workers: list[Placement] = []
+        for k, p in enumerate(self.placements):
+            for q in workers:
+                if p != q and set(p.flat_ranks) & set(q.flat_ranks):
+                    raise ValueError(f"stage {k}'s placement {p} overlaps {q} without being "
+                                     f"equal; stages share ranks only by sharing a placement")
+            if p not in workers:
+                workers.append(p)
+        self.workers = workers
+        self.stage_worker = tuple(workers.index(p) for p in self.placements)
+        n = len(stages)
+        self.schedule = schedule
+        self._lists = {True: S.build(schedule, n, micro_batches, self.stage_worker),
+                       False: S.build(schedule, n, micro_batches, self.stage_worker,
+                                      forward=True)}
+        self._input_sbp = list(input_sbp) if input_sbp is not None else [None] * n
+        self._target_sbp = target_sbp
+        rank = comm.get_rank()
+        self.worker = next((w for w, p in enumerate(workers) if rank in p), None)
+        self._routes: dict = {}
+        self.last_timeline = Timeline()
+
+    # --- public -------------------------------------------------------------------
+    def step(self, x, target) -> GlobalTensor:
+        """Forward and backward of every micro-batch in schedule order; parameter
+        ``.grad`` accumulates the gradient of the whole batch's loss. Returns that loss
+        (a GlobalTensor on the last stage's placement)."""
+        if self.loss_fn is None:
+            raise ValueError("Pipeline.step needs a loss_fn")
+        if _rows(target) != _rows(x):
+            raise ValueError(f"target has {_rows(target)} rows, the batch {_rows(x)}")
+        return self._run(x, target, train=True)
+
+    @torch.no_grad()
+    def __call__(self, x) -> GlobalTensor:
+        """Forward only (no gradients), micro-batched: the last stage's output for the
+        whole batch, concatenated along dim 0."""
+        return self._run(x, None, train=False)
+
+    def timeline(self, path: str | None = None, title: str | None = None):
+        """When each action of the last ``step`` or call ran on each rank; with ``path``,
+        rank 0 writes a PNG (ranks x time). A collective: call it on every rank."""
+        events = self.last_timeline.gather()
+        if path is not None and comm.get_rank() == 0:
+            Timeline.plot(events, path, title or f"{self.schedule}, {len(self.stages)} stages, "
+                                                  f"{self.micro_batches} micro-batches")
+        return events
+
+    # --- steps --------------------------------------------------------------------
+    def _run(self, x, target, train: bool):
+        m = self.micro_batches
+        sizes = [size for _, size in balanced_split(_rows(x), m)]
+        if min(sizes) == 0:
+            raise ValueError(f"a batch of {_rows(x)} rows cannot make {m} micro-batches")
+        with torch.no_grad():
+            xs = _cut(x, sizes, self.placements[0], self._input_sbp[0])
+            ts = _cut(target, sizes, self.placements[-1], self._target_sbp) if train else None
+        routes = [self._routes_for(xs[i], ts[i] if train else None) for i in range(m)]
+        self.last_timeline = Timeline()
+        if self.worker is not None:
+            run = _Run(self, routes, xs, ts, [s / sum(sizes) for s in sizes], train)
+            run.execute(self._lists[train][self.worker])
+            results = run.results
+        else:
+            results = None
+        if train:  # the summed loss; ranks without it build its metadata
+            layout = routes[-1].loss
+            if comm.get_rank() in layout.placement:
+                return functools.reduce(torch.add, results)
+            return GlobalTensor(empty_local(layout, routes[-1].dtype), layout)
+        outs = results if results is not None and comm.get_rank() in self.placements[-1] \
+            else [GlobalTensor(empty_local(r.outs[-1], r.dtype), r.outs[-1])
+                  for r in routes]
+        return outs[0] if m == 1 else torch.cat(outs, dim=0)
+
+    def _routes_for(self, x0: GlobalTensor, t0) -> _Routes:
+        """Layouts of every hand-off for this micro-batch shape: learnt once by running
+        the stages on it one after another on every rank (stage members compute, the
+        others only derive metadata), without gradients and restoring buffers."""
+        key = (x0._layout, x0.dtype, None if t0 is None else (t0._layout, t0.dtype))
+        routes = self._routes.get(key)
+        if routes is not None:
+            return routes
+        ins, outs, h = [], [], x0
+        with torch.no_grad(), _buffers_kept(self.stages):
+            for k, stage in enumerate(self.stages):
+                if k:
+                    h = h.to_global(self.placements[k], self._in_sbp(k, h._layout))
+                ins.append(h._layout)
+                h = stage(h)
+                if not isinstance(h, GlobalTensor) or h.placement != self.placements[k]:
+                    raise ValueError(f"stage {k} must return one GlobalTensor on its own "
+                                     f"placement {self.placements[k]}, got {_describe(h)}")
+                outs.append(h._layout)
+            loss = None
+            if t0 is not None:
+                value = self.loss_fn(h, t0)
+                if not isinstance(value, GlobalTensor) or value.numel() != 1:
+                    raise ValueError(f"loss_fn must return a one-element GlobalTensor, got "
+                                     f"{_describe(value)}")
+                loss = (value * 1.0)._layout
+        dtype = h.dtype
+        forward = tuple(Handoff(outs[k], ins[k + 1], dtype) for k in range(len(outs) - 1))
+        backward = (None,) + tuple(
+            Handoff(gradient_layout(ins[k]), gradient_layout(outs[k - 1]), dtype)
+            for k in range(1, len(ins)))
+        routes = self._routes[key] = _Routes(tuple(ins), tuple(outs), loss, dtype, forward,
+                                             backward)
+        return routes
+
+    def _in_sbp(self, k: int, prev: Layout):
+        if self._input_sbp[k] is not None:
+            return self._input_sbp[k]
+        placement = self.placements[k]
+        if placement.ndim != prev.placement.ndim:
+            return (broadcast,) * placement.ndim
+        return tuple(broadcast if isinstance(s, Partial) else s for s in prev.sbp)
+
+
+class _Run:
+    """One execution of a worker's action list."""
+
+    def __init__(self, pipe: Pipeline, routes, xs, ts, shares, train: bool):
+        self.pipe, self.routes, self.xs, self.ts = pipe, routes, xs, ts
+        self.shares, self.train = shares, train
+        self.last = len(pipe.stages) - 1
+        self.mailbox: dict = {}   # ("act"|"grad", sending stage, mb) -> pending hand-off
+        self.held: dict = {}      # (stage, mb) -> (input leaf, output or weighted loss)
+        self.sends: dict = {}     # ("act"|"grad", stage, mb) -> posted send
+        self.results: list = [None] * len(xs)
+        self.rank = comm.get_rank()
+
+    def execute(self, actions) -> None:
+        lists = self.pipe._lists[self.train]
+        me = self.pipe.worker
+        self.channels = _channels(lists, self.pipe.stage_worker, self.last)
+        self.posted = {c: 0 for c in self.channels}
+        last_backward = {a.stage: a.mb for a in actions if a.kind == S.BACKWARD}
+        timeline = self.pipe.last_timeline
+        for a in actions:
+            t0 = time.time()
+            if a.kind == S.FORWARD:
+                self._forward(a.stage, a.mb)
+            elif a.kind == S.BACKWARD:
+                with contextlib.nullcontext() if last_backward[a.stage] == a.mb else no_sync():
+                    self._backward(a.stage, a.mb)
+            elif a.kind in (S.SEND_ACT, S.SEND_GRAD):
+                self._send(a)
+            else:
+                self._post_receives(a, me)
+            timeline.record(self.rank, a, t0, time.time())
+            self._reap()
+        for work in self.sends.values():
+            work.wait()
+
+    # --- compute ------------------------------------------------------------------
+    def _wait(self, key) -> torch.Tensor:
+        t0 = time.time()
+        local = self.mailbox.pop(key).wait()
+        self.pipe.last_timeline.record_wait(self.rank, key, t0, time.time())
+        return local
+
+    def _forward(self, k: int, i: int) -> None:
+        routes = self.routes[i]
+        leaf = None
+        if k == 0:
+            inp = self.xs[i]
+        else:
+            leaf = self._wait(("act", k - 1, i)).detach().requires_grad_(self.train)
+            inp = wrap_local(leaf, routes.ins[k])
+        out = self.pipe.stages[k](inp)
+        if out._layout != routes.outs[k]:
+            raise RuntimeError(f"stage {k} returned {out._layout} for micro-batch {i}, but "
+                               f"{routes.outs[k]} for the first of its shape")
+        if k == self.last:
+            if self.train:
+                out = self.pipe.loss_fn(out, self.ts[i]) * self.shares[i]
+                self.results[i] = out.detach()
+            else:
+                self.results[i] = out
+        self.held[(k, i)] = (leaf, out)
+
+    def _backward(self, k: int, i: int) -> None:
+        leaf, out = self.held.pop((k, i))
+        if k == self.last:
+            torch.autograd.backward(out)
+        else:
+            sent = self.sends.pop(("act", k, i), None)
+            if sent is not None:
+                sent.wait()  # the next stage used it: the gradient came back
+            grad = GlobalTensor(self._wait(("grad", k + 1, i)), gradient_layout(out._layout))
+            torch.autograd.backward(out, grad)
+        if leaf is not None:
+            g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            self.held[("grad", k, i)] = g
+
+    # --- communication --------------------------------------------------------------
+    def _send(self, a: S.Action) -> None:
+        if a.kind == S.SEND_ACT:
+            key, handoff = ("act", a.stage, a.mb), self.routes[a.mb].forward[a.stage]
+            leaf, out = self.held[(a.stage, a.mb)]
+            if not self.train:
+                self.held.pop((a.stage, a.mb))
+            local = out._local.detach()
+        else:
+            key, handoff = ("grad", a.stage, a.mb), self.routes[a.mb].backward[a.stage]
+            local = self.held.pop(("grad", a.stage, a.mb))
+        work = handoff.send(local)
+        if handoff.local:
+            self.mailbox[key] = work
+        else:
+            self.sends[key] = work
+
+    def _post_receives(self, a: S.Action, me: int) -> None:
+        kind, sender = ("act", a.stage) if a.kind == S.RECV_ACT else ("grad", a.stage)
+        src = self.pipe.stage_worker[sender]
+        if src == me:
+            return  # a local hand-off: its send puts it in the mailbox
+        channel = self.channels[(src, me)]
+        key = (kind, a.stage, a.mb)
+        while key not in self.mailbox:  # post in the sender's order, up to this one
+            kind_j, stage, mb = channel[self.posted[(src, me)]]
+            self.posted[(src, me)] += 1
+            routes = self.routes[mb]
+            handoff = routes.forward[stage] if kind_j == "act" else routes.backward[stage]
+            self.mailbox[(kind_j, stage, mb)] = handoff.receive()
+
+    def _reap(self) -> None:
+        done = [key for key, work in self.sends.items() if key[0] == "grad"
+                and work.is_completed()]
+        for key in done:
+            self.sends.pop(key).wait()
+
+
+@functools.lru_cache(maxsize=64)
+def _channels(lists, stage_worker, last: int) -> dict:
+    """(sending worker, receiving worker) -> the messages in the order the sender posts."""
+    channels: dict = {}
+    for w, acts in enumerate(lists):
+        for a in acts:
+            if a.kind == S.SEND_ACT:
+                dst, key = stage_worker[a.stage + 1], ("act", a.stage, a.mb)
+            elif a.kind == S.SEND_GRAD:
+                dst, key = stage_worker[a.stage - 1], ("grad", a.stage, a.mb)
+            else:
+                continue
+            if dst != w:
+                channels.setdefault((w, dst), []).append(key)
+    for w in range(len(lists)):
+        for v in range(len(lists)):
+            channels.setdefault((w, v), [])
+    return channels
+
+
+def _rows(t) -> int:
+    if not isinstance(t, torch.Tensor) or t.dim() == 0:
+        raise ValueError(f"expected a tensor with a batch dim, got {_describe(t)}")
+    return t.shape[0]
+
+
+def _describe(t) -> str:
+    if isinstance(t, GlobalTensor):
+        return f"GlobalTensor(shape={tuple(t.shape)}, placement={t.placement}, sbp={t.sbp})"
+    if isinstance(t, torch.Tensor):
+        return f"a plain tensor of shape {tuple(t.shape)}"
+    return type(t).__name__
+
+
+def _cut(x, sizes, placement: Placement, sbp) -> list:
+    """Micro-batches of ``x`` (rows in order, ``sizes`` each) on ``placement``: a
+    GlobalTensor is gathered there once and sliced locally; a plain tensor (the whole
+    value, the same on every rank) is sliced and each rank keeps its part."""
+    if isinstance(x, GlobalTensor):
+        if sbp is None:
+            sbp = x.sbp if x.placement.ndim == placement.ndim else None
+        whole = x.to_global(placement, (broadcast,) * placement.ndim)
+    else:
+        whole = x
+    sbp = sbp if sbp is not None else (broadcast,) * placement.ndim
+    parts, offset = [], 0
+    for size in sizes:
+        part = whole[offset:offset + size]
+        offset += size
+        if isinstance(part, GlobalTensor):
+            parts.append(part.to_global(placement, sbp))
+        else:
+            parts.append(from_full(part, Layout.make(part.shape, placement, sbp)))
+    return parts
+
+
+@contextlib.contextmanager
+def _buffers_kept(stages):
+    """Restore every buffer (batch-norm statistics) of ``stages`` on exit."""
+    kept = [(b, b._local.clone() if isinstance(b, GlobalTensor) else b.clone())
+            for s in stages for b in s.buffers()]
+    try:
+        yield
+    finally:
+        for b, value in kept:
+            (b._local if isinstance(b, GlobalTensor) else b).copy_(value)
+
+
+__all__ = ["Pipeline"]

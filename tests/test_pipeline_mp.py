@@ -1,0 +1,187 @@
+"""gt.pipeline on real processes: training with every schedule equals single-process
+training of the whole model on the whole batch (data- and tensor-parallel stages,
+uneven micro-batches, 2-4 stages, SGD and Adam), forward-only calls, idle ranks,
+errors, and the timeline picture."""
+import copy
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import globaltensor as gt
+from mp import checks_in_worlds
+
+B, S = gt.sbp.broadcast, gt.sbp.split
+WIDTHS = (6, 8, 8, 8, 8, 3)
+
+
+def layers(widths=WIDTHS, seed=0):
+    """Linear layers with tanh between them (the same on every rank)."""
+    torch.manual_seed(seed)
+    mods = []
+    for a, b in zip(widths, widths[1:]):
+        mods += [torch.nn.Linear(a, b), torch.nn.Tanh()]
+    return mods[:-1]
+
+
+def cut(mods, n):
+    """``n`` stages of consecutive linear layers (each ends after a linear or tanh)."""
+    linears = [i for i, m in enumerate(mods) if isinstance(m, torch.nn.Linear)]
+    bounds = [linears[round(k * len(linears) / n)] for k in range(n)] + [len(mods)]
+    return [torch.nn.Sequential(*mods[bounds[k]:bounds[k + 1]]) for k in range(n)]
+
+
+def tensor_parallel(name, t):
+    # Megatron's MLP: the first linear column-split, the second row-split
+    return {"0.weight": S(0), "0.bias": S(0), "2.weight": S(1)}.get(name, B)
+
+
+def train_and_compare(specs, schedule, micro, rows=7, steps=3, opt="adam", data_sbp=None,
+                      loss_fn=F.mse_loss, widths=WIDTHS):
+    """Train stages laid out by ``specs`` [(placement, sbp)] with the pipeline and the
+    whole model in plain torch, side by side; parameters and losses must agree."""
+    mods = layers(widths)
+    reference = torch.nn.Sequential(*copy.deepcopy(mods))
+    stages = cut(mods, len(specs))
+    for stage, (placement, sbp) in zip(stages, specs):
+        gt.nn.to_global(stage, placement, sbp)
+    pipe = gt.pipeline.Pipeline(stages, micro_batches=micro, schedule=schedule,
+                                loss_fn=loss_fn)
+    params = [p for s in stages for p in s.parameters()]
+    make = (lambda ps: torch.optim.Adam(ps, lr=0.05)) if opt == "adam" else \
+        (lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9))
+    optimizer, ref_optimizer = make(params), make(reference.parameters())
+    torch.manual_seed(1)
+    for step in range(steps):
+        x = torch.randn(rows, widths[0])
+        y = torch.randint(0, widths[-1], (rows,)) if loss_fn is F.cross_entropy \
+            else torch.randn(rows, widths[-1])
+        xg = x if data_sbp is None else gt.tensor(x, placement=specs[0][0], sbp=data_sbp)
+        loss = pipe.step(xg, y)
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_loss = loss_fn(reference(x), y)
+        ref_loss.backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        assert isinstance(loss, gt.GlobalTensor)
+        torch.testing.assert_close(torch.tensor(float(loss)), ref_loss.detach(),
+                                   rtol=1e-5, atol=1e-5)
+    for p, q in zip(params, reference.parameters()):
+        torch.testing.assert_close(p.full(), q.detach(), rtol=1e-5, atol=1e-5)
+    # forward only: the whole batch's output, micro-batched
+    x = torch.randn(rows, widths[0])
+    xg = x if data_sbp is None else gt.tensor(x, placement=specs[0][0], sbp=data_sbp)
+    y = pipe(xg)
+    assert not y.requires_grad
+    torch.testing.assert_close(y.full(), reference(x).detach(), rtol=1e-5, atol=1e-5)
+    return pipe
+
+
+def P(*ranks):
+    return gt.placement("cpu", ranks=list(ranks))
+
+
+# --- world of 2 -----------------------------------------------------------------------
+
+def check_gpipe_two_single_rank_stages():
+    train_and_compare([(P(0), B), (P(1), B)], "gpipe", micro=4, rows=8, opt="sgd")
+
+
+def check_1f1b_uneven_micro_batches():
+    train_and_compare([(P(0), B), (P(1), B)], "1f1b", micro=3, rows=7)
+
+
+def check_1f1b_one_micro_batch_cross_entropy():
+    train_and_compare([(P(0), B), (P(1), B)], "1f1b", micro=1, rows=5,
+                      loss_fn=F.cross_entropy)
+
+
+def check_interleaved_four_stages_on_two_ranks():
+    train_and_compare([(P(0), B), (P(1), B), (P(0), B), (P(1), B)], "interleaved_1f1b",
+                      micro=3, rows=7)
+
+
+def check_tensor_parallel_stages_sharing_two_ranks():
+    # both stages tensor parallel on [0, 1]: the hand-off between them stays local
+    both = P(0, 1)
+    train_and_compare([(both, tensor_parallel), (both, tensor_parallel)], "gpipe", micro=2,
+                      rows=6, widths=(6, 8, 8, 8, 3))
+
+
+def check_data_parallel_stages_sharing_two_ranks():
+    # gradients are reduced once per step, after each stage's last micro-batch
+    train_and_compare([(P(0, 1), B), (P(0, 1), B)], "gpipe", micro=3, rows=10,
+                      data_sbp=S(0))
+
+
+def check_bad_input_is_refused_before_any_message():
+    stage = torch.nn.Linear(3, 3)
+    with pytest.raises(ValueError, match="not global"):
+        gt.pipeline.Pipeline([stage], micro_batches=2)
+    a, b = cut(layers((3, 4, 3)), 2)
+    gt.nn.to_global(a, P(0, 1), B)
+    gt.nn.to_global(b, P(1), B)
+    with pytest.raises(ValueError, match="overlaps"):
+        gt.pipeline.Pipeline([a, b], micro_batches=2)
+    gt.nn.to_global(b, P(0, 1), B)  # now a shared placement: fine for gpipe
+    pipe = gt.pipeline.Pipeline([a, b], micro_batches=4, schedule="gpipe",
+                                loss_fn=F.mse_loss)
+    with pytest.raises(ValueError, match="cannot make 4 micro-batches"):
+        pipe.step(torch.randn(3, 3), torch.randn(3, 3))
+    with pytest.raises(ValueError, match="rows"):
+        pipe.step(torch.randn(8, 3), torch.randn(7, 3))
+    with pytest.raises(ValueError, match="one stage per placement"):
+        gt.pipeline.Pipeline([a, b], micro_batches=2, schedule="1f1b")
+    with pytest.raises(ValueError, match="positive"):
+        gt.pipeline.Pipeline([a, b], micro_batches=0)
+
+
+def check_timeline_picture():
+    pipe = train_and_compare([(P(0), B), (P(1), B)], "1f1b", micro=4, rows=8, steps=1)
+    x, y = torch.randn(8, WIDTHS[0]), torch.randn(8, WIDTHS[-1])
+    pipe.step(x, y)
+    path = os.path.join(tempfile.gettempdir(), f"gt_timeline_{os.environ['MASTER_PORT']}.png")
+    events = pipe.timeline(path)
+    kinds = {(e[0], e[1], e[2], e[3]) for evs in events for e in evs if e[1] in "FB"}
+    assert kinds == {(k, c, k, i) for k in (0, 1) for c in "FB" for i in range(4)}
+    if gt.get_rank() == 0:
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        os.remove(path)
+
+
+# --- world of 4 -----------------------------------------------------------------------
+
+def check_data_parallel_stage_into_tensor_parallel_stage():
+    # the activation leaves [0, 1] split(0) and enters [2, 3] whatever the TP stage needs
+    train_and_compare([(P(0, 1), B), (P(2, 3), tensor_parallel)], "1f1b", micro=3, rows=10,
+                      data_sbp=S(0), widths=(6, 8, 8, 8, 3))
+
+
+def check_four_single_rank_stages_1f1b():
+    train_and_compare([(P(0), B), (P(1), B), (P(2), B), (P(3), B)], "1f1b", micro=5,
+                      rows=9, opt="sgd")
+
+
+def check_ranks_outside_every_stage_return_at_once():
+    # ranks 2 and 3 hold no stage: they get the loss's metadata and agree on its value
+    train_and_compare([(P(0), B), (P(1), B)], "1f1b", micro=2, rows=5)
+
+
+def check_interleaved_on_two_data_parallel_placements():
+    train_and_compare([(P(0, 1), B), (P(2, 3), B), (P(0, 1), B), (P(2, 3), B)],
+                      "interleaved_1f1b", micro=4, rows=12, data_sbp=S(0))
+
+
+CHECKS = [name for name in dir() if name.startswith("check_") and name not in (
+    "check_data_parallel_stage_into_tensor_parallel_stage", "check_four_single_rank_stages_1f1b",
+    "check_ranks_outside_every_stage_return_at_once",
+    "check_interleaved_on_two_data_parallel_placements")]
+ONLY_IN_4 = ["check_data_parallel_stage_into_tensor_parallel_stage",
+             "check_four_single_rank_stages_1f1b", "check_ranks_outside_every_stage_return_at_once",
+             "check_interleaved_on_two_data_parallel_placements"]
+
+world2, world4, test_world2, test_world4 = checks_in_worlds(__name__, CHECKS, ONLY_IN_4)
