@@ -8,8 +8,8 @@
 from . import sbp
 from .comm import init
 from .env import get_local_rank, manual_seed
-from .factory import (arange, empty, from_local, full, ones, rand, randn, tensor, to_global,
-                      zeros)
+from .factory import (arange, empty, from_local, full, normal, ones, rand, randint, randn, tensor,
+                      to_global, zeros)
 from .placement import Placement, placement
 from .tensor import GlobalTensor, is_global
 from . import dispatch as _dispatch  # noqa: F401  (installs __torch_dispatch__)
@@ -33,5 +33,5 @@ matmul = __import__("torch").matmul
 
 __all__ = ["init", "get_rank", "get_world_size", "get_local_rank", "manual_seed", "placement",
            "Placement", "sbp", "GlobalTensor", "is_global", "tensor", "from_local", "to_global",
-           "randn", "rand", "zeros", "ones", "full", "empty", "arange", "matmul", "debug", "nn", "no_sync", "utils",
+           "randn", "rand", "randint", "normal", "zeros", "ones", "full", "empty", "arange", "matmul", "debug", "nn", "no_sync", "utils",
            "pipeline"]

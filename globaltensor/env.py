@@ -1,4 +1,4 @@
-"""Who we are in the world, read from the launcher's environment, and the seeded RNG.
+"""Who we are in the world, read from the launcher's environment, and the RNG state.
 
 This module reads variables only; ``comm`` turns them into process groups. It sits
 below ``placement`` so that a placement can check its ranks against the world size
@@ -12,7 +12,7 @@ import torch
 
 # torch's own default CPU seed: an unseeded program behaves like plain torch.
 _DEFAULT_SEED = 67280421310721
-_generator: torch.Generator | None = None
+_seed, _draw = _DEFAULT_SEED, 0
 
 
 def _int_var(name: str, default: int) -> int:
@@ -57,19 +57,32 @@ def debug_enabled() -> bool:
 
 
 def manual_seed(seed: int) -> None:
-    """Seed the placement-invariant generator and torch's own, the same on every rank.
+    """Seed the placement-invariant generator (and torch's own), the same on every rank:
+    random values on global tensors are then a function of ``seed``, the draw's number
+    (counted from here) and each element's global index.
 
     >>> import globaltensor as gt
     >>> gt.manual_seed(0)
     """
-    global _generator
-    _generator = torch.Generator().manual_seed(int(seed))
+    global _seed, _draw
+    _seed, _draw = int(seed), 0
     torch.manual_seed(int(seed))
 
 
-def generator() -> torch.Generator:
-    """The generator behind the random factories: it advances identically on every rank."""
-    global _generator
-    if _generator is None:
-        _generator = torch.Generator().manual_seed(_DEFAULT_SEED)
-    return _generator
+def next_draw() -> tuple[int, int]:
+    """(seed, draw number) for the next random op; every rank calls it once per random
+    op on a global tensor, also ranks outside the op's placement, so counters agree."""
+    global _draw
+    _draw += 1
+    return _seed, _draw
+
+
+def get_draw() -> tuple[int, int]:
+    """The generator's state: (seed, number of draws so far)."""
+    return _seed, _draw
+
+
+def set_draw(state: tuple[int, int]) -> None:
+    """Restore a state from ``get_draw`` (activation checkpointing replays draws)."""
+    global _seed, _draw
+    _seed, _draw = int(state[0]), int(state[1])

@@ -1,15 +1,16 @@
 """Making global tensors: factories, ``tensor``, ``from_local`` and ``to_global``.
 
-Random factories are placement-invariant: every rank draws the whole value from the
-shared generator (``env.generator``) and keeps its part, so the value depends only on
-the seed and the call order, never on the placement or sbp.
+Random factories are placement-invariant and local: each rank generates only its
+part, from the counter-based generator (``globaltensor.random``), so the value depends
+on the seed, the draw number and each element's global index, never on the placement,
+sbp or world size.
 
 >>> import globaltensor as gt
 >>> p = gt.placement.all("cpu")
 >>> gt.manual_seed(0)
 >>> x = gt.randn(4, 5, placement=p, sbp=gt.sbp.split(0))
 >>> gt.manual_seed(0)
->>> torch.equal(x.full(), torch.randn(4, 5, generator=torch.Generator().manual_seed(0)))
+>>> torch.equal(x.full(), gt.randn(4, 5, placement=p, sbp=gt.sbp.broadcast).full())
 True
 """
 from __future__ import annotations
@@ -18,9 +19,10 @@ from typing import Sequence
 
 import torch
 
-from . import comm, env
+from . import comm
 from .layout import Layout
 from .placement import Placement
+from .random import local_sample, next_draw
 from .tensor import GlobalTensor, device_of, empty_local, from_full, wrap_local
 
 
@@ -88,19 +90,53 @@ def full(size: Sequence[int], fill_value, *, placement: Placement = None, sbp=No
                 requires_grad=requires_grad, value=fill_value)
 
 
-def _random_fn(draw):
+def _random_fn(kind: str, doc: str):
     def factory(*size, placement: Placement = None, sbp=None, dtype: torch.dtype | None = None,
                 requires_grad: bool = False) -> GlobalTensor:
         layout = _layout(_size(size), placement, sbp)
-        value = draw(layout.shape, dtype, env.generator())  # every rank: keeps RNG in step
-        return from_full(value, layout, requires_grad=requires_grad)
+        dtype = dtype or torch.get_default_dtype()
+        local = local_sample(kind, layout, next_draw(), dtype)  # every rank takes the draw
+        return GlobalTensor(local, layout, requires_grad=requires_grad)
+    factory.__name__, factory.__doc__ = {"normal": "randn", "uniform": "rand"}[kind], doc
     return factory
 
 
-randn = _random_fn(lambda shape, dtype, g: torch.randn(shape, generator=g, dtype=dtype))
-rand = _random_fn(lambda shape, dtype, g: torch.rand(shape, generator=g, dtype=dtype))
-randn.__doc__ = "Standard normal values, placement-invariant (see the module docstring)."
-rand.__doc__ = "Uniform [0, 1) values, placement-invariant (see the module docstring)."
+randn = _random_fn("normal", """Standard normal values, generated locally and placement-invariant:
+    ``gt.randn(4, 5, placement=p, sbp=gt.sbp.split(0))``.""")
+rand = _random_fn("uniform", """Uniform values in [0, 1), generated locally and placement-invariant:
+    ``gt.rand(4, 5, placement=p, sbp=gt.sbp.split(1))``.""")
+
+
+def randint(low: int, high: int | None = None, size: Sequence[int] = None, *,
+            placement: Placement = None, sbp=None, dtype: torch.dtype = torch.int64,
+            requires_grad: bool = False) -> GlobalTensor:
+    """Integers uniform in ``[low, high)`` (``randint(high, size)`` as in torch), generated
+    locally and placement-invariant.
+
+    >>> gt.randint(0, 10, (4, 5), placement=p, sbp=gt.sbp.split(0))   # doctest: +SKIP
+    """
+    if size is None:
+        low, high, size = 0, low, high
+    if size is None:
+        raise ValueError("randint needs a size: gt.randint(low, high, (4, 5), ...)")
+    if high <= low:
+        raise ValueError(f"randint needs low < high, got low={low}, high={high}")
+    layout = _layout(_size((size,)), placement, sbp)
+    local = local_sample("integers", layout, next_draw(), dtype, low=low, high=high)
+    return GlobalTensor(local, layout, requires_grad=requires_grad)
+
+
+def normal(mean: float, std: float, size: Sequence[int], *, placement: Placement = None,
+           sbp=None, dtype: torch.dtype | None = None,
+           requires_grad: bool = False) -> GlobalTensor:
+    """Normal values of a given mean and std (floats), generated locally.
+
+    >>> gt.normal(0.0, 0.02, (4, 5), placement=p, sbp=gt.sbp.split(0))   # doctest: +SKIP
+    """
+    layout = _layout(_size((size,)), placement, sbp)
+    local = local_sample("normal", layout, next_draw(), dtype or torch.get_default_dtype(),
+                         mean=mean, std=std)
+    return GlobalTensor(local, layout, requires_grad=requires_grad)
 
 
 def arange(start, end=None, step=1, *, placement: Placement = None, sbp=None,
@@ -156,12 +192,21 @@ def from_local(t: torch.Tensor, placement: Placement = None, sbp=None, shape=Non
     return wrap_local(t, layout)
 
 
+# Every dtype, in one order on every rank: a dtype travels as its index.
+_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+
+
+def _exchange_shapes(t, placement: Placement) -> dict:
+    """rank -> (local shape, dtype) of every member, as integers over the whole world."""
+    mine = [] if t is None else [_DTYPES.index(t.dtype), *t.shape]
+    everyone = comm.all_gather_ints(mine)
+    return {r: (tuple(everyone[r][1:]), _DTYPES[everyone[r][0]]) for r in placement}
+
+
 def _derive_shape(t, placement: Placement, sbp) -> tuple[int, ...]:
     """The global shape from every rank's local shape; all ranks check all parts so
     they raise together instead of some waiting in a later collective."""
-    mine = None if t is None else (tuple(t.shape), t.dtype)
-    everyone = comm.all_gather_object(mine)
-    parts = {r: everyone[r] for r in placement}
+    parts = _exchange_shapes(t, placement)
     ndims = {len(s) for s, _ in parts.values()}
     if len(ndims) != 1:
         raise ValueError(f"from_local: local tensors have different numbers of dims: "

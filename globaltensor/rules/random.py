@@ -1,93 +1,197 @@
 """Random ops on global tensors: dropout, bernoulli_, uniform_, normal_, rand_like, ...
 
-Values come from the placement-invariant generator (``env.generator``): every rank
-draws the whole tensor and keeps its region. So a broadcast tensor gets identical
-values on every rank, the parts of a split tensor are independent, and the global
-value does not depend on the layout at all.
+They run before the signature machinery (as decompositions): each takes the next draw
+number on every rank (inside the placement or not, so every rank's counter stays in
+step) and fills only this rank's part from the counter-based generator
+(``globaltensor.random``). So the value never depends on the layout, a broadcast
+tensor is equal everywhere, and no rank draws what it does not hold. In-place ops keep
+their target's layout; on a partial target the first member holds the values and the
+others the reduction's identity. ``*_like`` ops keep the source's layout (partial axes
+become broadcast: the region is the same, the values are whole).
 """
 from __future__ import annotations
 
 import torch
 
-from .. import env
-from ..boxing import local_part
-from ..sbp import Split, broadcast, partial_max, partial_sum
-from . import register
+from .. import comm, gradsync
+from ..layout import Layout
+from ..random import local_sample, mantissa_bits, next_draw
+from ..sbp import Partial, broadcast
+from ..tensor import GlobalTensor, device_of, empty_local, relayout
+from . import register_decomposition
 
 aten = torch.ops.aten
 
 
-def _same_layout(call, axis):
-    if len(call.inputs) != 1:
-        return []  # a tensor-valued parameter (bernoulli_(p=tensor)): the fallback runs it
-    ndim = len(call.in_shapes[0])
-    sbps = [broadcast, partial_sum, partial_max] + [Split(d) for d in range(ndim)]
-    return [((s,), (s,) * len(call.out_shapes)) for s in sbps]
+def _draw_for(generator) -> tuple[int, int]:
+    """A user's ``torch.Generator`` keys the draw with one value taken from it (seed it
+    alike on every rank); without one, the global (seed, draw number)."""
+    if generator is None:
+        return next_draw()
+    next_draw()  # the global counter advances for every random op all the same
+    return int(torch.randint(1 << 62, (1,), generator=generator)), -1
 
 
-def _draw(ctx, fill):
-    """This rank's part of a whole tensor drawn by ``fill(whole)`` on every rank."""
-    layout = ctx.out_layouts[0]
-    meta = ctx.call.inputs[0]
-    whole = torch.empty(layout.shape, dtype=meta.dtype)
-    fill(whole)
-    return local_part(whole, layout, ctx.rank)
+def _watch(*tensors) -> None:
+    for t in tensors:
+        if isinstance(t, GlobalTensor) and t.requires_grad and t.is_leaf:
+            gradsync.watch(t)
 
 
-def _inplace(fill):
-    def local(ctx, self, *args, **kwargs):
-        part = _draw(ctx, lambda whole: fill(whole, *args, **kwargs))
-        return self.copy_(part)
+def _inplace(kind: str, params):
+    """``self.<op>_(...)``: this rank's part of ``self`` refilled, layout kept."""
+    def run(self, *args, generator=None, **kwargs):
+        if not isinstance(self, GlobalTensor):
+            return NotImplemented
+        bound = params(self, *args, **kwargs)
+        draw = _draw_for(generator)
+        _watch(self)
+        if comm.get_rank() in self.placement:
+            local = self._local
+            dtype = torch.int64 if kind == "integers" and not local.dtype.is_floating_point \
+                else local.dtype
+            if local.is_contiguous() and dtype == local.dtype:
+                local_sample(kind, self._layout, draw, dtype, out=local, **bound)
+            else:
+                local.copy_(local_sample(kind, self._layout, draw, dtype, **bound))
+        return self
+    return run
+
+
+def _random_bounds(self, *args, **kwargs):
+    """``random_()``, ``random_(to)``, ``random_(from, to)``: torch's default bounds."""
+    dtype = self.dtype
+    top = (1 << mantissa_bits(dtype)) + 1 if dtype.is_floating_point \
+        else 2 if dtype == torch.bool else torch.iinfo(dtype).max + 1
+    if "to" in kwargs or "from" in kwargs:
+        low, high = kwargs.get("from", 0), kwargs.get("to")
+    elif len(args) == 2:
+        low, high = args
+    elif len(args) == 1:
+        low, high = 0, args[0]
+    else:
+        low, high = 0, None
+    return {"low": low, "high": top if high is None else high}
+
+
+_INPLACE = {
+    aten.uniform_.default: ("uniform", lambda s, a=0.0, b=1.0, **k: {
+        "low": k.get("from", a), "high": k.get("to", b)}),
+    aten.normal_.default: ("normal", lambda s, mean=0.0, std=1.0: {"mean": mean, "std": std}),
+    aten.log_normal_.default: ("log_normal", lambda s, mean=1.0, std=2.0: {"mean": mean,
+                                                                          "std": std}),
+    aten.exponential_.default: ("exponential", lambda s, lambd=1.0: {"lambd": lambd}),
+    aten.cauchy_.default: ("cauchy", lambda s, median=0.0, sigma=1.0: {"median": median,
+                                                                     "sigma": sigma}),
+    aten.geometric_.default: ("geometric", lambda s, p: {"p": p}),
+    aten.bernoulli_.float: ("bernoulli", lambda s, p=0.5: {"p": p}),
+    aten.random_.default: ("integers", _random_bounds),
+    aten.random_.to: ("integers", _random_bounds),
+    getattr(aten.random_, "from"): ("integers", _random_bounds),
+}
+for _op, (_kind, _params) in _INPLACE.items():
+    register_decomposition(_op)(_inplace(_kind, _params))
+
+
+def _whole_layout(layout: Layout) -> Layout:
+    """The layout with partial axes made broadcast: same regions, whole values."""
+    if not layout.partial_axes:
+        return layout
+    return layout.with_sbp(tuple(broadcast if isinstance(s, Partial) else s for s in layout.sbp))
+
+
+def _identity_on_partial(local: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Keep a whole value on the first member of every partial axis, identities elsewhere."""
+    from ..boxing.steps import identity_value
+    coord = layout.placement.coord(comm.get_rank())
+    for axis in layout.partial_axes:
+        if coord[axis] != 0:
+            return local.fill_(identity_value(layout.sbp[axis].reduce, local.dtype))
     return local
 
 
-g = env.generator  # evaluated per call: gt.manual_seed replaces the generator
-
-register(aten.uniform_, local=_inplace(
-    lambda t, a=0.0, b=1.0, generator=None: t.uniform_(a, b, generator=g())))(_same_layout)
-register(aten.normal_, local=_inplace(
-    lambda t, mean=0.0, std=1.0, generator=None: t.normal_(mean, std, generator=g())))(_same_layout)
-register(aten.bernoulli_, local=_inplace(
-    lambda t, p=0.5, generator=None: t.bernoulli_(p, generator=g())))(_same_layout)
-register(aten.exponential_, local=_inplace(
-    lambda t, lambd=1.0, generator=None: t.exponential_(lambd, generator=g())))(_same_layout)
-register(aten.random_, local=_inplace(
-    lambda t, *a, generator=None, **k: t.random_(*a, generator=g(), **k)))(_same_layout)
-
-
-def _like(draw):
-    def local(ctx, self, *args, dtype=None, **kwargs):
-        dtype = dtype or self.dtype
-        return _draw(ctx, lambda whole: whole.copy_(draw(whole.shape, dtype)))
-    return local
+@register_decomposition(aten.bernoulli_.Tensor)
+def bernoulli_tensor_(self, p, generator=None):
+    """``self.bernoulli_(p)`` with a tensor of probabilities (boxed to self's regions)."""
+    if not isinstance(self, GlobalTensor) or not isinstance(p, GlobalTensor):
+        return NotImplemented
+    whole = _whole_layout(self._layout)
+    p = relayout(p.expand(self.shape) if p.shape != self.shape else p, whole.sbp)
+    draw = _draw_for(generator)
+    _watch(self)
+    if comm.get_rank() in self.placement:
+        u = local_sample("uniform", whole, draw, torch.float64 if p.dtype == torch.float64
+                         else torch.float32)
+        self._local.copy_(_identity_on_partial((u < p._local).to(self.dtype), self._layout))
+    return self
 
 
-@register(aten.rand_like, aten.randn_like)
-def random_like_rule(call, axis):
-    ndim = len(call.in_shapes[0])
-    return [((s,), (s,)) for s in [broadcast] + [Split(d) for d in range(ndim)]]
+def _fresh(x: GlobalTensor, kind: str, dtype, generator=None, **params) -> GlobalTensor:
+    """A new random tensor with ``x``'s regions (partial axes broadcast)."""
+    layout = _whole_layout(x._layout)
+    draw = _draw_for(generator)
+    return GlobalTensor(local_sample(kind, layout, draw, dtype, **params), layout)
 
 
-register(aten.rand_like, local=_like(
-    lambda shape, dtype: torch.rand(shape, generator=g(), dtype=dtype)))(random_like_rule)
-register(aten.randn_like, local=_like(
-    lambda shape, dtype: torch.randn(shape, generator=g(), dtype=dtype)))(random_like_rule)
+@register_decomposition(aten.bernoulli.default)
+def bernoulli(self, generator=None):
+    """``torch.bernoulli(probs)``: ones where a uniform value falls below the probability."""
+    if not isinstance(self, GlobalTensor):
+        return NotImplemented
+    out = self.to_global(sbp=_whole_layout(self._layout).sbp) if self._layout.partial_axes \
+        else self
+    u = _fresh(out, "uniform", self.dtype, generator)
+    return GlobalTensor((u._local < out._local).to(self.dtype), u._layout)
 
 
-@register(aten.native_dropout)
-def dropout_rule(call, axis):
-    ndim = len(call.in_shapes[0])
-    cands = [((s,), (s, s)) for s in [broadcast] + [Split(d) for d in range(ndim)]]
-    return cands + [((partial_sum,), (partial_sum, broadcast))]
+@register_decomposition(aten.bernoulli.p)
+def bernoulli_p(self, p=0.5, generator=None):
+    if not isinstance(self, GlobalTensor):
+        return NotImplemented
+    return _fresh(self, "bernoulli", self.dtype, generator, p=p)
 
 
-def _dropout_local(ctx, x, p, train):
-    if not train or p == 0:
-        return x.clone(), torch.ones_like(x, dtype=torch.bool)
-    mask_layout = ctx.out_layouts[1]
-    whole = torch.empty(mask_layout.shape).bernoulli_(1 - p, generator=g()) > 0
-    mask = local_part(whole, mask_layout, ctx.rank)
-    return x * mask / (1 - p), mask
+def _like(kind, bounds=None):
+    def run(self, *args, dtype=None, layout=None, device=None, pin_memory=None,
+            memory_format=None, generator=None):
+        if not isinstance(self, GlobalTensor):
+            return NotImplemented
+        params = bounds(*args) if bounds else {}
+        return _fresh(self, kind, dtype or self.dtype, generator, **params)
+    return run
 
 
-register(aten.native_dropout, local=_dropout_local)(dropout_rule)
+register_decomposition(aten.rand_like.default)(_like("uniform"))
+register_decomposition(aten.randn_like.default)(_like("normal"))
+register_decomposition(aten.randint_like.default)(
+    _like("integers", lambda high: {"low": 0, "high": high}))
+register_decomposition(aten.randint_like.low_dtype)(
+    _like("integers", lambda low, high: {"low": low, "high": high}))
+
+
+@register_decomposition(aten.native_dropout.default)
+def native_dropout(x, p: float, train=True):
+    """Dropout drawing only this rank's part of the mask. A partial input stays partial:
+    every addend meets the same mask (the mask of its whole region)."""
+    if not isinstance(x, GlobalTensor):
+        return NotImplemented
+    if not 0 <= p <= 1:
+        raise ValueError(f"dropout probability has to be between 0 and 1, got {p}")
+    _watch(x)
+    mask_layout = _whole_layout(x._layout)
+    strides = None if x.is_contiguous() else tuple(x.stride())
+    rank = comm.get_rank()
+    if train is False or p == 0:
+        ones = torch.ones(mask_layout.local_shape(rank), dtype=torch.bool,
+                          device=device_of(x.placement))
+        return (GlobalTensor(x._local.clone(), x._layout, strides=strides),
+                GlobalTensor(ones, mask_layout))
+    draw = next_draw()
+    if rank not in x.placement:
+        return (GlobalTensor(empty_local(x._layout, x.dtype), x._layout, strides=strides),
+                GlobalTensor(empty_local(mask_layout, torch.bool), mask_layout))
+    mask = local_sample("bernoulli", mask_layout, draw, torch.bool, p=1 - p)
+    scale = 0.0 if p == 1 else 1.0 / (1.0 - p)
+    out = x._local * mask * scale
+    return (GlobalTensor(out, x._layout, strides=strides), GlobalTensor(mask, mask_layout))
+
