@@ -6,7 +6,18 @@ LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT, watches them and stops the rest wh
 one fails. This module adds a Paddle-style front end on top of it: a start banner,
 one ``<log_dir>/workerlog.<global rank>`` file per rank (stdout and stderr
 combined, also echoed to the console as ``[rank<N>]: ...``), and a short failure
-summary instead of a traceback.
+summary that names the rank that caused the failure instead of a traceback.
+
+What it adds to the agent, and why:
+
+- the rendezvous store (a TCPStore on node 0) listens on ``--master_addr`` only
+  (loopback by default), not on every interface: anyone who reaches the store can
+  write into the job;
+- nodes wait for each other for ``--rdzv_timeout`` seconds, saying what they wait for;
+- workers die with the launcher (Linux parent-death signal), even when it is SIGKILLed;
+- a worker stopped by the launcher prints where it was (``faulthandler``), so a hung
+  rank shows up as the hung rank, not as its peer's failure;
+- log files are opened without following symbolic links.
 
 Example::
 
@@ -19,11 +30,17 @@ Example::
 from __future__ import annotations
 
 import argparse
+import datetime
+import errno
 import logging
 import os
+import re
 import shlex
 import signal
+import socket
 import sys
+import threading
+import time
 from collections import deque
 from typing import Any, NoReturn, Optional, Sequence
 
@@ -33,12 +50,64 @@ __all__ = ["main", "parse_args"]
 # others block in a collective ends the job promptly.
 MONITOR_INTERVAL_S = 0.2
 LOG_TAIL_LINES = 20
-# Same id on every node: the static rendezvous prefixes its TCPStore keys with it.
+# Same id on every node: the rendezvous prefixes its TCPStore keys with it.
 RUN_ID = "globaltensor"
-# Runs the worker with stderr merged into stdout, so each workerlog file keeps the
-# two streams in the order they were written. `exec` keeps the worker's pid (the
-# agent signals it directly).
-_MERGE_STDERR = 'exec "$@" 2>&1'
+# Our rendezvous backend's name in torch's handler registry (see _Rendezvous).
+RDZV_BACKEND = "globaltensor-static"
+_STOPPED_BY_AGENT = {-signal.SIGTERM, -signal.SIGKILL}
+
+# The worker process: ``python -u -c _WORKER_BOOT [-m] target args``. It prepares the
+# process, then runs the target in it as ``python [-m] target args`` would. Kept free of
+# "$": the agent runs string.Template over worker arguments.
+_WORKER_BOOT = r"""
+import os, sys
+
+def _boot():
+    import faulthandler, runpy, signal, traceback
+    if sys.platform.startswith("linux"):
+        # Die with the launcher, even when it is SIGKILLed: no orphaned workers.
+        import ctypes
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+        if os.getppid() != int(os.environ["GLOBALTENSOR_LAUNCHER_PID"]):
+            os._exit(1)  # the launcher died before prctl took effect
+    os.dup2(1, 2)  # one log per rank, stdout and stderr in the order written
+    # When the launcher stops this rank (a peer failed), print where it was: a rank
+    # stuck outside a collective is then visible. chain=True still terminates.
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+    os.register_at_fork(after_in_child=lambda: faulthandler.unregister(signal.SIGTERM))
+    as_module = sys.argv[1] == "-m"
+    target = sys.argv[2] if as_module else sys.argv[1]
+    sys.argv = sys.argv[2:] if as_module else sys.argv[1:]
+    try:
+        if as_module:
+            sys.path[0] = os.getcwd()
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(os.path.abspath(target))
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException as e:
+        # torch.distributed wraps sys.excepthook to prefix "[rankN]: "; the launcher
+        # prefixes console lines already, so print through the hook it wrapped.
+        hook = sys.excepthook
+        while getattr(hook, "__name__", "") == "_distributed_excepthook":
+            cells = dict(zip(hook.__code__.co_freevars, hook.__closure__))
+            hook = cells["old_hook"].cell_contents
+        tb = e.__traceback__  # without this bootstrap's and runpy's frames
+        while tb is not None and (tb.tb_frame.f_code.co_filename == "<string>"
+                                  or tb.tb_frame.f_globals.get("__name__") == "runpy"):
+            tb = tb.tb_next
+        hook(type(e), e.with_traceback(tb), tb)
+        sys.exit(1)
+
+_boot()
+"""
+
+
+class LaunchError(Exception):
+    """A problem the launcher reports in one line (exit code 1)."""
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -57,29 +126,51 @@ def _build_parser() -> argparse.ArgumentParser:
     opt("nproc_per_node", type=int, default=1, help="worker processes on this node (default 1)")
     opt("nnodes", type=int, default=1, help="number of nodes (default 1)")
     opt("node_rank", type=int, default=0, help="rank of this node, 0..nnodes-1 (default 0)")
-    opt("master_addr", default="127.0.0.1", help="address of node 0 (default 127.0.0.1)")
+    opt("master_addr", default="127.0.0.1",
+        help="address of node 0; its rendezvous store listens there only (default 127.0.0.1)")
     opt("master_port", type=int, default=29500, help="port of the rendezvous store on node 0 (default 29500)")
     opt("log_dir", default="log", help="directory for workerlog.<rank> files (default ./log)")
     opt("max_restarts", type=int, default=0, help="restarts of the worker group before giving up (default 0)")
+    opt("rdzv_timeout", type=float, default=None,
+        help="seconds to wait for the other nodes (default: GLOBALTENSOR_TIMEOUT, else 300)")
     p.add_argument("-m", "--module", action="store_true", help="run the target as a module, like python -m")
+    p.add_argument("--version", action="version", version=_version_line())
     p.add_argument("script", nargs="?", help="script path (or module name with -m)")
     # Only for --help: parse_args() hands everything after the script over untouched.
     p.add_argument("script_args", nargs="*", help="arguments for the script (even ones like --nnodes)")
     return p
 
 
+def _version_line() -> str:
+    import torch
+
+    from . import __version__
+    return f"globaltensor {__version__} (torch {torch.__version__})"
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """Parse and validate the command line; exits with a one-line message if invalid."""
+    """Parse and validate the command line; exits with a one-line message if invalid.
+
+    >>> parse_args(["--nproc_per_node", "2", "train.py", "--lr", "0.1"]).script_args
+    ['--lr', '0.1']
+    """
+    from .env import timeout_seconds
+
     argv = list(sys.argv[1:] if argv is None else argv)
     # Split off the script ourselves: argparse's REMAINDER drops a "--" the script
     # may expect. Every launcher option takes one value, except these flags.
-    flags = {"-m", "--module", "-h", "--help"}
+    flags = {"-m", "--module", "-h", "--help", "--version"}
     i = 0
     while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
         i += 1 if ("=" in argv[i] or argv[i] in flags) else 2
     i += argv[i:i + 1] == ["--"]  # "launch [opts] -- script.py": skip the separator
     args = _build_parser().parse_args(argv[:i + 1])
     args.script_args = argv[i + 1:]
+    if args.rdzv_timeout is None:
+        try:
+            args.rdzv_timeout = timeout_seconds()
+        except ValueError as e:
+            _fail(str(e))
     problems = [
         (args.script is None, "no script given (usage: python -m globaltensor.launch [options] script.py [args])"),
         (args.nproc_per_node < 1, f"--nproc_per_node must be >= 1, got {args.nproc_per_node}"),
@@ -88,14 +179,26 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
          f"--node_rank must be in [0, {args.nnodes}), got {args.node_rank}"),
         (not 1 <= args.master_port <= 65535, f"--master_port must be in 1..65535, got {args.master_port}"),
         (args.max_restarts < 0, f"--max_restarts must be >= 0, got {args.max_restarts}"),
+        (not args.rdzv_timeout > 0, f"--rdzv_timeout must be > 0 seconds, got {args.rdzv_timeout}"),
+        (os.path.islink(args.log_dir),
+         f"--log_dir {args.log_dir!r} is a symbolic link; refusing to write worker logs through it"),
         (os.path.isfile(args.log_dir), f"--log_dir {args.log_dir!r} is a file, not a directory"),
         (args.script is not None and not args.module and not os.path.isfile(args.script),
          f"script not found: {args.script!r}"),
     ]
+    for rank in _node_ranks(args):
+        path = _worker_log(args.log_dir, rank)
+        problems.append((os.path.islink(path),
+                         f"{path} is a symbolic link; refusing to write the worker log through it"))
     for bad, message in problems:
         if bad:
             _fail(message)
     return args
+
+
+def _node_ranks(args: argparse.Namespace) -> range:
+    first = args.node_rank * args.nproc_per_node
+    return range(first, first + args.nproc_per_node)
 
 
 def _fail(message: str, code: int = 2) -> NoReturn:
@@ -107,14 +210,29 @@ def _worker_log(log_dir: str, rank: int) -> str:
     return os.path.join(log_dir, f"workerlog.{rank}")
 
 
+def _open_nofollow(name: str, flags: int, dir_fd: Optional[int] = None) -> int:
+    """os.open that refuses a symbolic link as the last component (ELOOP -> LaunchError)."""
+    try:
+        return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP or (e.errno == errno.ENOTDIR and dir_fd is None and os.path.islink(name)):
+            raise LaunchError(f"{name} is a symbolic link; refusing to write worker logs through it") from None
+        raise LaunchError(f"cannot open {name}: {e.strerror}") from None
+
+
 def _make_logs_specs(log_dir: str) -> Any:
     """A LogsSpecs that sends each worker's output to <log_dir>/workerlog.<global rank>.
 
-    The agent redirects the worker's stdout (stderr is merged into it by the
-    `sh -c` wrapper) to that file and tails it to our stdout with a rank prefix.
+    The agent redirects the worker's stdout (stderr is merged into it by the worker
+    bootstrap) to that file and tails it to our stdout with a rank prefix. We open the
+    directory and each file ourselves without following symbolic links, and hand the
+    agent ``/proc/self/fd/N``: it reopens the file we opened, whatever is planted at
+    the path meanwhile.
     """
     from torch.distributed.elastic.multiprocessing import LogsSpecs
     from torch.distributed.elastic.multiprocessing.api import LogsDest
+
+    fd_dir = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
 
     class WorkerLogSpecs(LogsSpecs):
         @property
@@ -123,25 +241,277 @@ def _make_logs_specs(log_dir: str) -> Any:
 
         def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
             os.makedirs(log_dir, exist_ok=True)
+            dir_fd = _open_nofollow(log_dir, os.O_RDONLY | os.O_DIRECTORY)
             dest = LogsDest()
-            for local_rank, env in envs.items():
-                rank = int(env["RANK"])
-                path = _worker_log(log_dir, rank)
-                attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
-                if attempt > 0 and os.path.exists(path):
-                    # Keep the log of the attempt that failed; the agent opens with "w".
-                    os.replace(path, f"{path}.attempt{attempt - 1}")
-                dest.stdouts[local_rank] = dest.tee_stdouts[local_rank] = path
-                dest.stderrs[local_rank] = ""  # nothing left on stderr after 2>&1
-                # Workers decorated with elastic's @record write their exception
-                # here; drop a stale one so it is not mistaken for this run's.
-                error_file = os.path.join(log_dir, f"error.{rank}.json")
-                if os.path.exists(error_file):
-                    os.remove(error_file)
-                dest.error_files[local_rank] = env["TORCHELASTIC_ERROR_FILE"] = error_file
+            try:
+                for local_rank, env in envs.items():
+                    rank = int(env["RANK"])
+                    name = f"workerlog.{rank}"
+                    attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+                    if attempt > 0 and os.path.lexists(os.path.join(log_dir, name)):
+                        # Keep the log of the attempt that failed (rename moves a link, never follows it).
+                        os.replace(name, f"{name}.attempt{attempt - 1}", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                    fd = _open_nofollow(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, dir_fd=dir_fd)
+                    dest.stdouts[local_rank] = dest.tee_stdouts[local_rank] = f"{fd_dir}/{fd}"
+                    dest.stderrs[local_rank] = ""  # nothing left on stderr after the merge
+                    # Workers decorated with elastic's @record write their exception
+                    # here; drop a stale one so it is not mistaken for this run's.
+                    error_name = f"error.{rank}.json"
+                    if os.path.lexists(os.path.join(log_dir, error_name)):
+                        os.remove(error_name, dir_fd=dir_fd)
+                    error_file = os.path.join(log_dir, error_name)
+                    dest.error_files[local_rank] = env["TORCHELASTIC_ERROR_FILE"] = error_file
+            finally:
+                os.close(dir_fd)
             return dest
 
     return WorkerLogSpecs(log_dir=log_dir)
+
+
+# --- rendezvous: the store on node 0, bound to master_addr only ----------------------
+
+def _listen(addr: str, port: int) -> socket.socket:
+    """A socket listening on ``addr:port`` only (the rendezvous store's, on node 0)."""
+    try:
+        family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((addr, port), family=family, backlog=1024)
+    except socket.gaierror as e:
+        raise LaunchError(f"--master_addr {addr!r} does not resolve ({e.strerror})") from None
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise LaunchError(f"--master_port {port} is already in use on {addr} (another job, or one "
+                              f"still exiting?): choose another --master_port") from None
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise LaunchError(f"--master_addr {addr} is not an address of this machine: run node_rank 0 "
+                              f"on the machine --master_addr names") from None
+        raise LaunchError(f"cannot listen on {addr}:{port}: {e.strerror}") from None
+
+
+def _create_rendezvous(params: Any) -> Any:
+    """torch's RendezvousHandler registry calls this with our LaunchConfig's rdzv settings."""
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    addr, port = parse_rendezvous_endpoint(params.endpoint, -1)
+    cfg = params.config
+    return _rendezvous_class()(addr, port, int(cfg["rank"]), params.max_nodes, params.run_id,
+                               float(cfg["timeout"]), cfg.get("listen_socket"))
+
+
+def _rendezvous_class() -> type:
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+
+    class _Rendezvous(StaticTCPRendezvous):
+        """torchrun's static rendezvous, with a store we open ourselves: node 0's listens
+        on the socket the launcher bound to master_addr (TCPStore's master_listen_fd),
+        and every node says what it waits for and gives up after ``timeout`` seconds."""
+
+        def __init__(self, addr: str, port: int, node_rank: int, nnodes: int, run_id: str,
+                     timeout: float, listen_socket: Optional[socket.socket]):
+            super().__init__(addr, port, node_rank, nnodes, run_id, int(timeout))
+            self.timeout_s, self.listen_socket, self.round = timeout, listen_socket, 0
+
+        def get_backend(self) -> str:
+            return RDZV_BACKEND
+
+        def next_rendezvous(self) -> Any:
+            if self._store is None:
+                self._store = self._open_store()
+            self.round += 1
+            self._wait_for_nodes()
+            return super().next_rendezvous()
+
+        def _open_store(self) -> Any:
+            where = f"{self.master_addr}:{self.master_port}"
+            timeout = datetime.timedelta(seconds=self.timeout_s)
+            if self.rank == 0:
+                return TCPStore(self.master_addr, self.master_port, self.world_size, True, timeout,
+                                wait_for_workers=False, master_listen_fd=self.listen_socket.fileno())
+            _say(f"node {self.rank}: connecting to the rendezvous store of node 0 at {where} "
+                 f"(up to {self.timeout_s:g} s, --rdzv_timeout)")
+            try:
+                return TCPStore(self.master_addr, self.master_port, self.world_size, False, timeout)
+            except Exception as e:
+                first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise LaunchError(f"node {self.rank} could not reach node 0's rendezvous store at {where} "
+                                  f"within {self.timeout_s:g} s (is node 0's launcher running with this "
+                                  f"--master_addr/--master_port?): {first_line}") from None
+
+        def _wait_for_nodes(self) -> None:
+            key = f"{self.run_id}/nodes_joined/{self.round}"
+            self._store.set(f"{key}/{self.rank}", "1")
+            joined = self._store.add(key, 1)
+            if joined < self.world_size:
+                _say(f"node {self.rank}: waiting for {self.world_size - joined} more of {self.world_size} "
+                     f"nodes to join at {self.master_addr}:{self.master_port} "
+                     f"(up to {self.timeout_s:g} s, --rdzv_timeout)")
+            deadline = time.monotonic() + self.timeout_s
+            while joined < self.world_size:
+                if time.monotonic() > deadline:
+                    missing = [r for r in range(self.world_size) if not self._store.check([f"{key}/{r}"])]
+                    raise LaunchError(f"timed out after {self.timeout_s:g} s waiting for nodes at "
+                                      f"{self.master_addr}:{self.master_port}: {joined} of {self.world_size} "
+                                      f"joined; missing node_rank {', '.join(map(str, missing))}")
+                time.sleep(0.1)  # a poll of the store, not synchronisation of workers
+                joined = self._store.add(key, 0)
+
+    return _Rendezvous
+
+
+def _say(message: str) -> None:
+    print(f"globaltensor.launch: {message}", file=sys.stderr, flush=True)
+
+
+# --- when each worker ended (Linux) --------------------------------------------------
+
+class _ExitTimes(threading.Thread):
+    """Records when each worker process of this node ended, by watching /proc.
+
+    The agent reports failed ranks only; to tell "rank 1 left early with code 0, then
+    rank 0 failed in a collective" from "rank 0 failed", we need when every rank ended.
+    Reading /proc never reaps a child, so it does not interfere with the agent's waits.
+    """
+
+    def __init__(self, nproc: int):
+        super().__init__(name="globaltensor-exit-times", daemon=True)
+        self.nproc, self.rank_of, self.ended_at = nproc, {}, {}  # pid -> rank / monotonic time
+        self.latest: dict[int, int] = {}  # rank -> pid of its newest attempt
+        self._done = threading.Event()
+        self.enabled = os.path.isfile(f"/proc/{os.getpid()}/stat")
+
+    def run(self) -> None:
+        while self.enabled and not self._done.wait(0.05):
+            self.poll()
+
+    def stop(self) -> dict[int, float]:
+        """Stop watching; {rank: when its newest process ended} for ranks that ended."""
+        self._done.set()
+        if self.enabled:
+            self.poll()
+        return {r: self.ended_at[p] for r, p in self.latest.items() if p in self.ended_at}
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        if len(self.rank_of) - len(self.ended_at) < self.nproc:  # workers still to find
+            self._find_workers()
+        for pid in self.rank_of:
+            if pid not in self.ended_at and not _alive(pid):
+                self.ended_at[pid] = now
+
+    def _find_workers(self) -> None:
+        me = str(os.getpid())
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or int(name) in self.rank_of:
+                continue
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    ppid = f.read().rsplit(")", 1)[1].split()[1]
+                if ppid != me:
+                    continue
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            except (OSError, IndexError):
+                continue
+            if b"TORCHELASTIC_RUN_ID" in env and b"RANK" in env:  # exec'ed as a worker
+                self.rank_of[int(name)] = rank = int(env[b"RANK"])
+                self.latest[rank] = int(name)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+# --- the failure summary -------------------------------------------------------------
+
+def _read_log(log_dir: str, rank: int) -> Optional[list[str]]:
+    try:
+        fd = os.open(_worker_log(log_dir, rank), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    with open(fd, errors="replace") as f:
+        return f.read().splitlines()
+
+
+def _where_stopped(lines: list[str]) -> Optional[str]:
+    """The innermost frame of the main thread in the traceback a stopped worker dumped
+    (faulthandler lists threads newest first, so the main thread's block is the last)."""
+    header = max((i for i, line in enumerate(lines) if line.endswith("(most recent call first):")), default=None)
+    if header is None:
+        return None
+    frames = [line.strip() for line in lines[header + 1:] if line.strip().startswith("File ")]
+    return frames[0] if frames else None
+
+
+def _report_failure(error: Any, log_dir: str, ended: dict[int, float]) -> int:
+    """Print which rank caused the failure, why, and its log tail; return our exit code.
+
+    ``ended`` is {rank: when it ended} on this node (may be empty where /proc is missing).
+    """
+    failures = error.failures  # {global rank: ProcessFailure}, this node's workers only
+    logs = {rank: _read_log(log_dir, rank) for rank in failures}
+
+    def root_cause_key(rank: int) -> tuple[bool, bool, float]:
+        # Ranks the agent stopped are collateral; a rank that said nothing explains
+        # nothing; among the rest, the first to end caused the others to fail (a peer
+        # of a dead rank fails *afterwards*, e.g. gloo "connection closed").
+        failure = failures[rank]
+        when = ended.get(rank)
+        if when is None:
+            try:
+                when = os.path.getmtime(_worker_log(log_dir, rank))
+            except OSError:
+                when = float(failure.timestamp)
+        return failure.exitcode in _STOPPED_BY_AGENT, not logs[rank], when
+
+    rank = min(failures, key=root_cause_key)
+    first = failures[rank]
+    how = (f"was killed by signal {first.signal_name()}" if first.exitcode < 0
+           else f"exited with code {first.exitcode}")
+    tail = (logs[rank] or [])[-LOG_TAIL_LINES:]
+    stopped = sorted(r for r in failures if r != rank and failures[r].exitcode in _STOPPED_BY_AGENT)
+    # A rank that ended (code 0) before the failure left its peers waiting for it.
+    early = sorted(r for r, t in ended.items() if r not in failures and t < ended.get(rank, float("inf")))
+    timed_out = any(re.search(r"timed? ?out", line, re.I) for line in tail)
+
+    out = []
+    if early:
+        out.append(f"globaltensor.launch: rank {', '.join(map(str, early))} exited with code 0 while other "
+                   f"ranks were still running; then rank {rank} {how}")
+        out.append("  a rank that ends early leaves its peers waiting in collectives it never joins")
+    elif timed_out and stopped:
+        out.append(f"globaltensor.launch: rank {rank} {how} after a timeout; rank "
+                   f"{', '.join(map(str, stopped))} was still running then (stuck?), see where below")
+    out.append(f"globaltensor.launch: rank {rank} {how} (local_rank {first.local_rank}, pid {first.pid})")
+    if os.path.isfile(first.error_file):  # written by elastic's @record in the worker
+        message = first.message
+        out.append(f"  exception: {message.get('message') if isinstance(message, dict) else message}")
+    for r in stopped:
+        where = _where_stopped(_read_log(log_dir, r) or [])
+        out.append(f"  rank {r}: still running, stopped by the launcher" + (f" in {where}" if where else ""))
+    others = [f"{r} (exit code {failures[r].exitcode}{'' if logs[r] else ', no output'})"
+              for r in sorted(failures) if r != rank and r not in stopped]
+    if others:
+        out.append(f"  other failed ranks on this node: {', '.join(others)}")
+    path = _worker_log(log_dir, rank)
+    if logs[rank] is None:
+        out.append(f"  (no log file at {path})")
+    else:
+        out.append(f"  last {len(tail)} lines of {path}:")
+        out.extend(f"    {line.rstrip()}" for line in tail)
+    print("\n".join(out), file=sys.stderr, flush=True)
+    return first.exitcode if 0 < first.exitcode < 256 else 1
+
+
+class _DropAgentFailureLine(logging.Filter):
+    """Hide the agent's "failed (exitcode: N) ... of binary" line: our summary says
+    the same with the global rank, and the binary name would mislead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed (exitcode")
 
 
 def _print_banner(args: argparse.Namespace, omp_set: bool) -> None:
@@ -151,7 +521,9 @@ def _print_banner(args: argparse.Namespace, omp_set: bool) -> None:
         f"  world size      : {args.nnodes * args.nproc_per_node}",
         f"  nnodes          : {args.nnodes} (this is node_rank {args.node_rank})",
         f"  nproc_per_node  : {args.nproc_per_node}",
-        f"  master endpoint : {args.master_addr}:{args.master_port}",
+        f"  master endpoint : {args.master_addr}:{args.master_port}"
+        + (" (store listens there only)" if args.node_rank == 0 else ""),
+        f"  rdzv timeout    : {args.rdzv_timeout:g} s",
         f"  log directory   : {os.path.abspath(args.log_dir)} (workerlog.<rank>)",
         f"  command         : {target}",
     ]
@@ -161,99 +533,60 @@ def _print_banner(args: argparse.Namespace, omp_set: bool) -> None:
     print("\n".join(lines), file=sys.stderr, flush=True)
 
 
-def _report_failure(error: Any, log_dir: str) -> int:
-    """Print which rank failed first, why, and its log tail; return our exit code."""
-    failures = error.failures  # {global rank: ProcessFailure}, this node's workers only
-    stopped_by_agent = {-signal.SIGTERM, -signal.SIGKILL}
-
-    def root_cause_key(item: tuple[int, Any]) -> tuple[bool, float]:
-        # Ranks the agent stopped are collateral. Among the rest, a rank that dies
-        # makes its peers fail *afterwards* (e.g. gloo "connection closed"), and a
-        # dying rank's last log write precedes theirs: its log has the oldest mtime.
-        rank, failure = item
-        try:
-            when = os.path.getmtime(_worker_log(log_dir, rank))
-        except OSError:
-            when = float(failure.timestamp)
-        return failure.exitcode in stopped_by_agent, when
-
-    rank, first = min(failures.items(), key=root_cause_key)
-    if first.exitcode < 0:
-        how = f"was killed by signal {first.signal_name()}"
-    else:
-        how = f"exited with code {first.exitcode}"
-    out = [f"globaltensor.launch: rank {rank} {how} (local_rank {first.local_rank}, pid {first.pid})"]
-    if os.path.isfile(first.error_file):  # written by elastic's @record in the worker
-        message = first.message
-        out.append(f"  exception: {message.get('message') if isinstance(message, dict) else message}")
-    others = [f"{r} (exit code {failures[r].exitcode})" for r in sorted(failures) if r != rank]
-    if others:
-        out.append(f"  other ranks stopped or failed on this node: {', '.join(others)}")
-    path = _worker_log(log_dir, rank)
-    try:
-        with open(path, errors="replace") as f:
-            tail = list(deque(f, maxlen=LOG_TAIL_LINES))
-        out.append(f"  last {len(tail)} lines of {path}:")
-        out.extend(f"    {line.rstrip()}" for line in tail)
-    except OSError:
-        out.append(f"  (no log file at {path})")
-    print("\n".join(out), file=sys.stderr, flush=True)
-    return first.exitcode if 0 < first.exitcode < 256 else 1
-
-
-class _DropAgentFailureLine(logging.Filter):
-    """Hide the agent's "failed (exitcode: N) ... of binary: /bin/sh" line: our
-    summary says the same with the global rank, and the binary name would mislead."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("failed (exitcode")
-
-
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Entry point of ``python -m globaltensor.launch`` and ``globaltensor-launch``."""
     args = parse_args(argv)
     if os.name != "posix":
         _fail("globaltensor.launch needs a POSIX system (use torchrun elsewhere)")
+    try:
+        # Bound before anything starts: a busy port is one line, not a traceback.
+        listen_socket = _listen(args.master_addr, args.master_port) if args.node_rank == 0 else None
+    except LaunchError as e:
+        _fail(str(e), 1)
 
     # Several OpenMP pools on one machine oversubscribe the cores; torchrun does the same.
     omp_set = "OMP_NUM_THREADS" not in os.environ and args.nproc_per_node > 1
     if omp_set:
         os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the workers
+    os.environ["GLOBALTENSOR_LAUNCHER_PID"] = str(os.getpid())  # see _WORKER_BOOT
     _print_banner(args, omp_set)
     # The rank-prefixed worker lines are written from tailer threads; flush per line
     # so they show up promptly even when our stdout is a pipe.
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
 
-    # Imported only now: argument errors above should not pay for importing torch.
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
     from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_DropAgentFailureLine())
-
+    rendezvous_handler_registry.register(RDZV_BACKEND, _create_rendezvous)
     config = LaunchConfig(
         min_nodes=args.nnodes,
         max_nodes=args.nnodes,
         nproc_per_node=args.nproc_per_node,
         run_id=RUN_ID,
-        # Static rendezvous (torchrun's non-elastic mode): node 0 hosts a TCPStore at
-        # master_addr:master_port and the workers get exactly that MASTER_ADDR/PORT.
-        rdzv_backend="static",
+        # torchrun's non-elastic mode (static rendezvous at master_addr:master_port; the
+        # workers get exactly that MASTER_ADDR/PORT), with our store (_Rendezvous).
+        rdzv_backend=RDZV_BACKEND,
         rdzv_endpoint=f"{args.master_addr}:{args.master_port}",
-        rdzv_configs={"rank": args.node_rank},
+        rdzv_configs={"rank": args.node_rank, "timeout": args.rdzv_timeout, "listen_socket": listen_socket},
         max_restarts=args.max_restarts,
         monitor_interval=MONITOR_INTERVAL_S,
         logs_specs=_make_logs_specs(args.log_dir),
         log_line_prefix_template="[rank${rank}]: ",
     )
-    command = [sys.executable, "-u", *(["-m"] if args.module else []), args.script, *args.script_args]
-    # The agent runs string.Template over worker args (for its ${local_rank} macro);
-    # doubling "$" makes that a no-op so script args arrive untouched.
-    sh_args = ["-c", _MERGE_STDERR, "globaltensor-worker", *command]
+    command = ["-u", "-c", _WORKER_BOOT, *(["-m"] if args.module else []), args.script, *args.script_args]
+    exit_times = _ExitTimes(args.nproc_per_node)
+    exit_times.start()
     try:
-        launch_agent(config, "/bin/sh", [a.replace("$", "$$") for a in sh_args])
+        # The agent runs string.Template over worker args (for its ${local_rank} macro);
+        # doubling "$" makes that a no-op so script args arrive untouched.
+        launch_agent(config, sys.executable, [a.replace("$", "$$") for a in command])
     except ChildFailedError as e:
-        sys.exit(_report_failure(e, args.log_dir))
+        sys.exit(_report_failure(e, args.log_dir, exit_times.stop()))
+    except LaunchError as e:
+        _fail(str(e), 1)
     except SignalException as e:
         # Ctrl-C / SIGTERM: the agent has already stopped the workers.
         print(f"globaltensor.launch: interrupted by {e.sigval.name}, workers stopped", file=sys.stderr)

@@ -1,12 +1,33 @@
 """Each rank prints its launcher-provided environment, runs an all_reduce, echoes its args."""
 import json
 import os
+import socket
+import struct
 import sys
 
 import torch
 import torch.distributed as dist
 
 KEYS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS"]
+
+
+def listening_addresses(port: int) -> list:
+    """Addresses with a socket listening on ``port`` on this machine (/proc/net/tcp*)."""
+    found = []
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        try:
+            rows = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            addr_hex, port_hex = local.split(":")
+            if state == "0A" and int(port_hex, 16) == port:  # 0A: LISTEN
+                # the kernel prints the address as 32-bit words in host byte order
+                raw = b"".join(struct.pack("=I", int(addr_hex[i:i + 8], 16))
+                               for i in range(0, len(addr_hex), 8))
+                found.append(socket.inet_ntop(family, raw))
+    return sorted(found)
 
 
 def main() -> None:
@@ -16,7 +37,8 @@ def main() -> None:
     dist.all_reduce(t)
     info = {k: os.environ.get(k) for k in KEYS}
     # __spec__ is set only when run with `python -m`.
-    info.update(allreduce=t.item(), argv=sys.argv[1:], module=__spec__.name if __spec__ else None)
+    info.update(listening=listening_addresses(int(os.environ["MASTER_PORT"])),
+                allreduce=t.item(), argv=sys.argv[1:], module=__spec__.name if __spec__ else None)
     print("ENV " + json.dumps(info, sort_keys=True))
     print(f"stderr-line-from-rank-{rank}", file=sys.stderr)
     print(f"stdout-after-stderr-rank-{rank}")

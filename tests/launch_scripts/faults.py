@@ -1,0 +1,43 @@
+"""Jobs that go wrong in one way each, mode from argv[1] (2 ranks):
+`early` -> rank 1 exits 0 right after joining; rank 0 then waits in an all_reduce;
+`hang`  -> rank 1 never joins the barrier (stuck in `stuck_here`), rank 0 times out (3 s);
+`quiet` -> every rank exits 1, only rank 0 says why;
+`sleep` -> every rank prints its pid and sleeps (for killing the launcher).
+"""
+import datetime
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def stuck_here() -> None:
+    time.sleep(120)
+
+
+def main() -> None:
+    mode, rank = sys.argv[1], int(os.environ["RANK"])
+    if mode == "quiet":
+        if rank == 0:
+            print("rank 0: config error: the reason everyone stops")
+        sys.exit(1)
+    if mode == "sleep":
+        print(f"PID {os.getpid()}", flush=True)
+        time.sleep(120)
+        return
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=3))
+    if mode == "early":
+        if rank == 1:
+            sys.exit(0)
+        dist.all_reduce(torch.ones(4))
+    elif mode == "hang":
+        if rank == 1:
+            stuck_here()
+        dist.barrier()
+    print(f"rank {rank} got through (should not happen)")
+
+
+if __name__ == "__main__":
+    main()
