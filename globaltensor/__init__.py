@@ -5,6 +5,7 @@
 >>> x = gt.randn(4, 5, placement=p, sbp=gt.sbp.split(0))
 >>> y = x.to_global(sbp=gt.sbp.broadcast)
 """
+__version__ = "0.1.0"  # the one place: pyproject.toml reads it (tool.setuptools.dynamic)
 from . import sbp
 from .comm import init
 from .env import get_local_rank, manual_seed
