@@ -17,6 +17,8 @@ from . import dispatch as _dispatch  # noqa: F401  (installs __torch_dispatch__)
 from . import debug, nn, utils
 from .gradsync import no_sync
 from . import pipeline
+from . import checkpoint
+from .checkpoint import from_dtensor
 from .comm import get_rank as _comm_rank, get_world_size as _comm_world
 
 
@@ -35,4 +37,4 @@ matmul = __import__("torch").matmul
 __all__ = ["init", "get_rank", "get_world_size", "get_local_rank", "manual_seed", "placement",
            "Placement", "sbp", "GlobalTensor", "is_global", "tensor", "from_local", "to_global",
            "randn", "rand", "randint", "normal", "zeros", "ones", "full", "empty", "arange", "matmul", "debug", "nn", "no_sync", "utils",
-           "pipeline"]
+           "pipeline", "checkpoint", "from_dtensor"]

@@ -133,7 +133,26 @@ class GlobalTensor(torch.Tensor):
         return self.full().item()
 
     def __reduce_ex__(self, protocol):
-        raise TypeError("a GlobalTensor cannot be pickled; use x.full() or x.to_local()")
+        from .checkpoint import DCP_HINT
+        raise TypeError(f"a GlobalTensor cannot be pickled: {DCP_HINT}")
+
+    # --- torch.distributed.checkpoint's tensor-subclass protocol, and DTensor ----------
+    def __create_write_items__(self, fqn: str, object) -> list:
+        from .checkpoint import create_write_items
+        return create_write_items(self, fqn)
+
+    def __create_chunk_list__(self) -> list:
+        from .checkpoint import create_chunk_list
+        return create_chunk_list(self)
+
+    def __get_tensor_shard__(self, index) -> torch.Tensor:
+        from .checkpoint import get_tensor_shard
+        return get_tensor_shard(self, index)
+
+    def to_dtensor(self):
+        """This tensor as a DTensor with the same value (see ``checkpoint.to_dtensor``)."""
+        from .checkpoint import to_dtensor
+        return to_dtensor(self)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
