@@ -1,0 +1,93 @@
+"""``to_global`` for modules: every parameter and buffer becomes a GlobalTensor.
+
+A plain module's values come from the placement's first rank, which sends every rank
+only its part (boxing from a one-rank placement to the target layout: point-to-point
+pieces, a scatter, not a broadcast of the whole). A module on the meta device has no
+values: each rank allocates only its part, and ``reset_parameters()`` or
+``torch.nn.init.*_`` then fill it (random values are generated locally). A tensor held
+by several modules (tied weights) becomes one GlobalTensor held by all of them.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator, Union
+
+import torch
+
+from .. import comm
+from ..layout import Layout
+from ..placement import Placement
+from ..sbp import broadcast
+from ..tensor import GlobalTensor, device_of, empty_local, to_layout
+
+SbpChoice = Union[object, Callable[[str, torch.Tensor], object]]
+
+
+def tensor_slots(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, str, str,
+                                                           torch.Tensor]]:
+    """(qualified name, owning module, "_parameters"/"_buffers", name, tensor) of every
+    parameter and buffer, shared modules and tied tensors included every time."""
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for kind in ("_parameters", "_buffers"):
+            for name, t in getattr(sub, kind).items():
+                if t is not None:
+                    yield (f"{prefix}.{name}" if prefix else name), sub, kind, name, t
+
+
+def to_global(module: torch.nn.Module, placement: Placement, sbp: SbpChoice) -> torch.nn.Module:
+    """Make every parameter and buffer of ``module`` (in place) a GlobalTensor of the
+    same global shape on ``placement``. Its value is the one on the placement's first
+    rank (each rank receives only its part), or, for a module on the meta device,
+    uninitialised (each rank allocates only its part; call ``reset_parameters()`` or
+    ``torch.nn.init`` next). ``sbp`` is one sbp (or tuple) for all, or a callable
+    ``(qualified name, tensor) -> sbp``. Tied tensors stay one tensor. Returns ``module``.
+
+    >>> gt.nn.to_global(model, p, lambda name, t: gt.sbp.split(0) if name == "0.weight"
+    ...                 else gt.sbp.broadcast)                          # doctest: +SKIP
+    >>> with torch.device("meta"):                                      # doctest: +SKIP
+    ...     big = torch.nn.Linear(8192, 8192)
+    >>> gt.nn.to_global(big, p, gt.sbp.split(0)).reset_parameters()    # doctest: +SKIP
+    """
+    if not isinstance(placement, Placement):
+        raise ValueError(f"placement must be a gt.placement, got {placement!r}")
+    if not isinstance(module, torch.nn.Module):
+        raise ValueError(f"to_global needs a torch.nn.Module, got {type(module).__name__}")
+    choose = sbp if callable(sbp) and not isinstance(sbp, (tuple, list)) else (lambda n, t: sbp)
+    comm.init()
+    # Check every layout first: bad input raises on every rank before any communication.
+    converted: dict = {}   # id(old tensor) -> (old tensor, layout)
+    slots = list(tensor_slots(module))
+    for qualified, _, _, _, t in slots:
+        if id(t) not in converted:
+            converted[id(t)] = (t, Layout.make(t.shape, placement, choose(qualified, t)))
+    for key, (t, layout) in converted.items():
+        value = globalize(t.detach(), layout)
+        if isinstance(t, torch.nn.Parameter):
+            value = torch.nn.Parameter(value, requires_grad=t.requires_grad)
+        converted[key] = (t, value)
+    for _, sub, kind, name, t in slots:
+        getattr(sub, kind)[name] = converted[id(t)][1]
+    return module
+
+
+def globalize(t: torch.Tensor, layout: Layout) -> GlobalTensor:
+    """``t`` as a GlobalTensor of ``layout``: a GlobalTensor is boxed; a meta tensor gets
+    an uninitialised local part (zeros: a partial layout stays well defined); a plain
+    tensor is taken from the placement's first rank, which sends each rank its part."""
+    if isinstance(t, GlobalTensor):
+        return to_layout(t, layout)
+    rank = comm.get_rank()
+    if t.device.type == "meta":
+        if rank not in layout.placement:
+            return GlobalTensor(empty_local(layout, t.dtype), layout)
+        return GlobalTensor(torch.zeros(layout.local_shape(rank), dtype=t.dtype,
+                                        device=device_of(layout.placement)), layout)
+    root = layout.placement.flat_ranks[0]
+    source = Layout.make(t.shape, Placement(layout.placement.type, [root]), broadcast)
+    local = t.to(device_of(layout.placement)).contiguous() if rank == root \
+        else empty_local(source, t.dtype)
+    out = to_layout(GlobalTensor(local, source), layout)
+    if rank == root and out._local.untyped_storage().data_ptr() == \
+            local.untyped_storage().data_ptr():
+        # the root's part is a slice of the module's tensor: keep it, not the whole
+        out = GlobalTensor(out._local.clone(), layout)
+    return out
