@@ -196,7 +196,82 @@ def check_loader_rejects_bad_layouts():
         GlobalDataLoader(ds, 0, p)
 
 
-CHECKS = ["check_uneven_batches_match_single_process", "check_batches_smaller_than_the_world",
+class Stream(tud.IterableDataset):
+    """Samples (j, 10 * j) for j < n, in order; remembers which it yielded to this rank."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return ((torch.tensor([float(j)]), torch.tensor(10 * j)) for j in range(self.n))
+
+
+def test_dataloader_options_are_forwarded():
+    """Construction only (no communication): the inner DataLoader gets every option."""
+    p = gt.placement("cpu", [0])
+    g = torch.Generator().manual_seed(5)
+
+    def init_fn(worker_id):
+        pass
+
+    for ds in (Recording(12), Stream(12)):
+        loader = GlobalDataLoader(ds, 4, p, collate_fn=tud.default_collate, num_workers=2,
+                                  persistent_workers=True, prefetch_factor=3, generator=g,
+                                  worker_init_fn=init_fn, timeout=30, pin_memory=True)
+        inner = loader._loader
+        assert (inner.num_workers, inner.persistent_workers, inner.prefetch_factor) == (2, True, 3)
+        assert inner.generator is g and inner.worker_init_fn is init_fn and inner.timeout == 30
+        assert inner.pin_memory and inner.collate_fn.fn is tud.default_collate
+    with pytest.raises(ValueError, match="prefetch_factor"):
+        GlobalDataLoader(Recording(8), 4, p, prefetch_factor=2)  # torch's own check: no workers
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2, 3])
+def test_stream_shard_with_dataloader_workers_keeps_stream_order(workers):
+    """Rank part [3, 5) of each batch of 5 from a 23-sample stream, through DataLoader
+    workers: disjoint from the other parts, in stream order."""
+    from globaltensor.utils.data import _StreamShard
+
+    got = [y.tolist() for _, y in tud.DataLoader(_StreamShard(Stream(23), 5, 3, 2), batch_size=2,
+                                                 num_workers=workers)]
+    assert got == [[10 * (5 * k + 3), 10 * (5 * k + 4)] for k in range(4)]
+    kept = [v for batch in got for v in batch]
+    assert kept == sorted(kept) and len(set(kept)) == len(kept)
+    assert all((v // 10) % 5 in (3, 4) for v in kept)
+
+
+def check_iterable_dataset_is_sharded_by_rank():
+    rank = gt.get_rank()
+    for workers in (0,):  # DataLoader workers: test_stream_shard_with_dataloader_workers_...
+        for placement, sbp in [(gt.placement.all("cpu"), gt.sbp.split(0)),
+                               (gt.placement("cpu", [1, 0]), gt.sbp.split(0)),
+                               (gt.placement("cpu", [1]), gt.sbp.split(0)),
+                               (gt.placement.all("cpu"), gt.sbp.broadcast)]:
+            loader = GlobalDataLoader(Stream(23), 5, placement, sbp=sbp, num_workers=workers)
+            batches = list(loader)
+            assert len(batches) == 4  # 23 // 5: the incomplete last batch is dropped
+            mine = []
+            for k, (x, y) in enumerate(batches):
+                assert tuple(x.shape) == (5, 1) and x.sbp == (sbp,)
+                assert y.full().tolist() == [10 * j for j in range(5 * k, 5 * k + 5)]
+                mine += y.to_local().tolist()
+            if rank not in placement:
+                assert mine == []
+            elif sbp == gt.sbp.split(0):  # a disjoint part: this rank's rows only
+                i = placement.flat_ranks.index(rank)
+                n = placement.size
+                start, count = i * (5 // n) + min(i, 5 % n), 5 // n + (i < 5 % n)
+                assert mine == [10 * (5 * k + j) for k in range(4) for j in range(start, start + count)]
+    small = list(GlobalDataLoader(Stream(5), 1, gt.placement.all("cpu")))  # rank 1: no rows
+    assert [y.full().tolist() for _, y in small] == [[0], [10], [20], [30], [40]]
+    with pytest.raises(ValueError, match="shuffle the stream"):
+        GlobalDataLoader(Stream(4), 2, gt.placement.all("cpu"), shuffle=True)
+    with pytest.raises(TypeError, match="no length"):
+        len(GlobalDataLoader(Stream(4), 2, gt.placement.all("cpu")))
+
+
+CHECKS = ["check_iterable_dataset_is_sharded_by_rank",
+          "check_uneven_batches_match_single_process", "check_batches_smaller_than_the_world",
           "check_reversed_subset_and_broadcast_placements", "check_dict_samples_and_epochs",
           "check_loader_rejects_bad_layouts"]
 
