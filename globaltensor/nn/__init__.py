@@ -7,7 +7,7 @@ modules allocate only their parts) and ``fully_shard`` (ZeRO-3 / FSDP as an sbp)
 """
 from __future__ import annotations
 
-from .fully_shard import fully_shard
+from .sharded import fully_shard
 from .module import to_global
 
 __all__ = ["to_global", "fully_shard"]

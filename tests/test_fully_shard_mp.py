@@ -1,0 +1,144 @@
+"""gt.nn.fully_shard in worlds of 2 and 4: parameters, gradients and AdamW state are
+split(0) parts; training equals single-process torch on the whole batch (1e-5); the
+gathered copy of a parameter is gone after forward (autograd keeps the part and gathers
+again in backward); it composes with tensor parallelism on a 2-D placement, with tied
+parameters and with meta-device modules."""
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+import globaltensor as gt
+from globaltensor.nn import sharded as fs_module
+
+from mp import checks_in_worlds
+
+B, S = gt.sbp.broadcast, gt.sbp.split
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),
+                               torch.nn.Linear(32, 7))   # 7 rows: uneven parts
+
+
+def _data(rows=8):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(rows, 12, generator=g), torch.randint(0, 7, (rows,), generator=g)
+
+
+def _train(model, x, y, steps=3):
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return opt, losses
+
+
+def _assert_same(model, reference):
+    for (name, got), (_, want) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(got.full(), want.detach(), rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def check_training_equals_one_process():
+    p = gt.placement.all("cpu")
+    reference, model = _mlp(), gt.nn.fully_shard(_mlp(), p)
+    rank = gt.get_rank()
+    for name, t in model.named_parameters():
+        assert t.sbp == (S(0),) and tuple(t.to_local().shape) == t.layout_.local_shape(rank), name
+    x, y = _data()
+    _, ref_losses = _train(reference, x, y)
+    opt, losses = _train(model, gt.tensor(x, placement=p, sbp=S(0)), gt.tensor(y, placement=p, sbp=S(0)))
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (losses, ref_losses)
+    _assert_same(model, reference)
+    for name, t in model.named_parameters():        # gradients and AdamW state are parts
+        assert t.grad.sbp == (S(0),), name
+        state = opt.state[t]["exp_avg"]
+        assert isinstance(state, gt.GlobalTensor) and state.to_local().numel() == t.to_local().numel()
+
+
+def check_gathered_copy_is_freed_after_forward():
+    p = gt.placement.all("cpu")
+    model = gt.nn.fully_shard(_mlp(), p)
+    seen = []
+
+    def remember(module, args, output):   # runs before the unit puts its shards back
+        seen.append(weakref.ref(module.weight._local))
+        assert module.weight.sbp == (B,)
+
+    model[0].register_forward_hook(remember, prepend=True)
+    x, y = _data()
+    loss = F.cross_entropy(model(gt.tensor(x, placement=p, sbp=S(0))), gt.tensor(y, placement=p, sbp=S(0)))
+    gc.collect()
+    assert seen and seen[0]() is None, "autograd kept the gathered weight"
+    assert model[0].weight.sbp == (S(0),) and not fs_module._gathered
+    loss.backward()
+    reference = _mlp()
+    F.cross_entropy(reference(x), y).backward()
+    torch.testing.assert_close(model[0].weight.grad.full(), reference[0].weight.grad,
+                               rtol=1e-5, atol=1e-6)
+
+
+def check_tied_and_meta_modules():
+    p = gt.placement.all("cpu")
+    torch.manual_seed(0)
+    tied = torch.nn.ModuleDict({"emb": torch.nn.Embedding(9, 6), "head": torch.nn.Linear(6, 9)})
+    tied.head.weight = tied.emb.weight
+    reference = copy.deepcopy(tied)
+    gt.nn.fully_shard(tied, p)
+    assert tied.head.weight is tied.emb.weight and len(list(tied.parameters())) == 2
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    for model, x in ((tied, gt.tensor(ids, placement=p, sbp=S(0))), (reference, ids)):
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        for _ in range(2):
+            opt.zero_grad()
+            model.head(model.emb(x)).logsumexp(-1).mean().backward()
+            opt.step()
+    _assert_same(tied, reference)
+    # a meta module: parts allocated, then filled placement-invariantly
+    with torch.device("meta"):
+        meta = _mlp()
+    gt.nn.fully_shard(meta, p)
+    gt.manual_seed(3)
+    for m in meta:
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+    whole = gt.nn.to_global(torch.nn.utils.skip_init(torch.nn.Linear, 12, 32), gt.placement("cpu", [0]), B)
+    gt.manual_seed(3)
+    whole.reset_parameters()
+    assert torch.equal(meta[0].weight.full(), whole.weight.full())
+
+
+def check_tensor_parallel_on_a_2d_placement():
+    """Data axis 0 sharded by fully_shard, axis 1 a Megatron MLP (column then row split)."""
+    mesh = gt.placement("cpu", [[0, 1], [2, 3]])
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 7))
+    model = copy.deepcopy(reference)
+    megatron = {"0.weight": (B, S(0)), "0.bias": (B, S(0)), "2.weight": (B, S(1))}
+    gt.nn.to_global(model, mesh, lambda name, t: megatron.get(name, (B, B)))
+    gt.nn.fully_shard(model, mesh, data_axis=0)
+    assert model[0].weight.sbp == (S(0), S(0)) and model[2].weight.sbp == (S(0), S(1))
+    assert model[2].bias.sbp == (S(0), B)
+    x, y = _data()
+    _, ref_losses = _train(reference, x, y, steps=2)
+    _, losses = _train(model, gt.tensor(x, placement=mesh, sbp=(S(0), B)),
+                       gt.tensor(y, placement=mesh, sbp=(S(0), B)), steps=2)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (losses, ref_losses)
+    _assert_same(model, reference)
+
+
+CHECKS = ["check_training_equals_one_process", "check_gathered_copy_is_freed_after_forward",
+          "check_tied_and_meta_modules"]
+
+world2, world4, test_world2, test_world4 = checks_in_worlds(
+    __name__, CHECKS, only_in_4=["check_tensor_parallel_on_a_2d_placement"])
