@@ -4,7 +4,9 @@
 free port; each runs the named functions of ``module`` in order and reports per check.
 The first error on any rank ends the world at once (the others are killed, not left
 waiting in a collective); a world that outlives its deadline is killed too. Tests then
-ask ``world.check(name)``.
+ask ``world.check(name)``. A name ``"other_module:function"`` runs a function of another
+module. ``World(..., lazy=True)`` returns at once and each ``check`` waits only for its
+own reports (a test's duration is its check's, and the deadline is per check).
 """
 from __future__ import annotations
 
@@ -34,7 +36,11 @@ def _child(rank: int, world: int, port: int, module: str, names: list, results, 
         mod = importlib.import_module(module)
         for name in names:
             try:
-                getattr(mod, name)()
+                if ":" in name:
+                    other, function = name.split(":")
+                    getattr(importlib.import_module(other), function)()
+                else:
+                    getattr(mod, name)()
             except BaseException:
                 results.put((rank, name, traceback.format_exc()))
                 return
@@ -49,47 +55,74 @@ def _child(rank: int, world: int, port: int, module: str, names: list, results, 
 
 class World:
     def __init__(self, nprocs: int, module: str, names: list, timeout: float = 240,
-                 env: dict | None = None):
-        self.nprocs, self.names = nprocs, list(names)
+                 env: dict | None = None, lazy: bool = False):
+        self.nprocs, self.names, self.timeout, self.lazy = nprocs, list(names), timeout, lazy
         self.errors: dict = {}
         self.done: dict = {name: 0 for name in names}
         ctx = mp.get_context("spawn")
-        results = ctx.Queue()
+        self._results = ctx.Queue()
         port = free_port()
-        procs = [ctx.Process(target=_child, args=(r, nprocs, port, module, self.names,
-                                                    results, env or {}), daemon=True)
-                 for r in range(nprocs)]
-        for p in procs:
+        self._procs = [ctx.Process(target=_child, args=(r, nprocs, port, module, self.names,
+                                                          self._results, env or {}), daemon=True)
+                       for r in range(nprocs)]
+        self._received, self._closed = 0, False
+        for p in self._procs:
             p.start()
-        deadline = time.monotonic() + timeout
-        expected = nprocs * len(self.names)
-        received = 0
+        self._deadline = time.monotonic() + timeout
+        if not lazy:
+            self._collect()
+
+    def _collect(self, until: str | None = None) -> None:
+        """Take reports until every check (or ``until``) is done on every rank, an error
+        or the deadline; then, unless waiting for ``until`` only, end the processes."""
+        expected = self.nprocs * len(self.names)
         try:
-            while received < expected and not self.errors:
+            while (self._received < expected and not self.errors
+                   and (until is None or self.done[until] < self.nprocs)):
                 try:
-                    rank, name, err = results.get(timeout=max(0.1, deadline - time.monotonic()))
+                    rank, name, err = self._results.get(
+                        timeout=max(0.1, self._deadline - time.monotonic()))
                 except queue.Empty:
-                    self.errors["<timeout>"] = (f"world of {nprocs} did not finish within "
-                                                f"{timeout} s; checks done: {self.done}")
+                    self.errors["<timeout>"] = (f"world of {self.nprocs} did not finish within "
+                                                f"{self.timeout} s; checks done: {self.done}")
                     break
-                received += 1
+                self._received += 1
                 if err is None:
                     self.done[name] += 1
+                    if self.lazy and self.done[name] == self.nprocs:
+                        self._deadline = time.monotonic() + self.timeout
                 else:
                     self.errors[name] = f"rank {rank}:\n{err}"
-            if not self.errors:
-                for p in procs:
-                    p.join(max(0.1, deadline - time.monotonic()))
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-            for p in procs:
-                p.join(5)
-            results.close()
+        except BaseException:
+            self.close()
+            raise
+        if self._received == expected or self.errors:
+            self.close()
+
+    def wait(self) -> None:
+        """Take the reports of every remaining check (a lazy world), then end."""
+        if not self._closed:
+            self._collect()
+
+    def close(self) -> None:
+        """End the processes (those still running are killed)."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.errors and self._received == self.nprocs * len(self.names):
+            for p in self._procs:
+                p.join(max(0.1, self._deadline - time.monotonic()))
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(5)
+        self._results.close()
 
     def check(self, name: str) -> None:
         """Raise AssertionError unless ``name`` passed on every rank."""
+        if self.lazy and name in self.done and not self._closed:
+            self._collect(until=name)
         if name in self.errors:
             raise AssertionError(self.errors[name])
         if self.done.get(name) != self.nprocs:
