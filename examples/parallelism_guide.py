@@ -11,10 +11,12 @@ in plain torch (``x.full()`` gathers the whole value on every rank):
 3. pipeline:        w0 on ranks [0], w1 on ranks [1]; the activation moves between the
                     stages with ``to_global(placement=...)`` and backward runs through both;
 4. hybrid:          stage 0 data parallel on ranks [0, 1], stage 1 model parallel on
-                    ranks [2, 3], trained for a few SGD steps next to a plain-torch copy.
+                    ranks [2, 3], trained for a few SGD steps next to a plain-torch copy;
+5. pipelined training: the guide's PipelineGraph (``set_stage`` on ranks [0] and [1],
+                    gradient accumulation over 2 micro-batches) as ``gt.pipeline.Pipeline``.
 
-Parts 1-3 need at least 2 ranks; part 4 needs 4 (with 2 it is skipped and says so).
-Options: ``--steps`` (SGD steps of part 4), ``--lr``.
+Parts 1-3 and 5 need at least 2 ranks; part 4 needs 4 (with 2 it is skipped and says
+so). Options: ``--steps`` (SGD steps of parts 4 and 5), ``--lr``.
 """
 import argparse
 
@@ -192,9 +194,74 @@ def hybrid(steps, lr):
         "every parameter equals the plain-torch one")
 
 
+class GuideStage0(torch.nn.Module):
+    """The guide's Stage0Module: flatten a 28x28 image, Linear(784, 512), ReLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.flatten = torch.nn.Flatten()
+        self.linear0 = torch.nn.Linear(28 * 28, 512)
+        self.relu0 = torch.nn.ReLU()
+
+    def forward(self, x):
+        return self.relu0(self.linear0(self.flatten(x)))
+
+
+class GuideStage1(torch.nn.Module):
+    """The guide's Stage1Module: Linear(512, 512), ReLU, Linear(512, 10), ReLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear1 = torch.nn.Linear(512, 512)
+        self.relu1 = torch.nn.ReLU()
+        self.linear2 = torch.nn.Linear(512, 10)
+        self.relu2 = torch.nn.ReLU()
+
+    def forward(self, x):
+        return self.relu2(self.linear2(self.relu1(self.linear1(x))))
+
+
+def pipelined_training(steps, lr):
+    say("5. pipelined training: the guide's PipelineGraph (set_stage, gradient accumulation "
+        "of 2) as gt.pipeline.Pipeline")
+    P0 = gt.placement("cpu", ranks=[0])
+    P1 = gt.placement("cpu", ranks=[1])
+    torch.manual_seed(0)
+    ref0, ref1 = GuideStage0(), GuideStage1()
+    stage0, stage1 = GuideStage0(), GuideStage1()
+    stage0.load_state_dict(ref0.state_dict())
+    stage1.load_state_dict(ref1.state_dict())
+    gt.nn.to_global(stage0, P0, B)   # OneFlow: m_stage0.to_global(P0, BROADCAST); set_stage(0, P0)
+    gt.nn.to_global(stage1, P1, B)   # OneFlow: m_stage1.to_global(P1, BROADCAST); set_stage(1, P1)
+    # OneFlow: config.set_gradient_accumulation_steps(2) -> 2 micro-batches per step
+    pipe = gt.pipeline.Pipeline([stage0, stage1], micro_batches=2, schedule="1f1b",
+                                loss_fn=F.cross_entropy)
+    opt = torch.optim.SGD(list(stage0.parameters()) + list(stage1.parameters()), lr=lr)
+    ref_opt = torch.optim.SGD(list(ref0.parameters()) + list(ref1.parameters()), lr=lr)
+    g = torch.Generator().manual_seed(2)
+    xb, yb = torch.randn(16, 1, 28, 28, generator=g), torch.randint(0, 10, (16,), generator=g)
+    x = gt.tensor(xb, placement=P0, sbp=B)   # the batch lives on stage 0's rank
+    y = gt.tensor(yb, placement=P1, sbp=B)   # the labels on stage 1's rank
+    for step in range(steps):
+        loss = pipe.step(x, y)               # OneFlow: loss = graph_pipeline(x, y)
+        opt.step()
+        opt.zero_grad()
+        ref_loss = F.cross_entropy(ref1(ref0(xb)), yb)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        close(loss.full(), ref_loss.detach(), f"pipelined loss at step {step}")
+        say(f"   step {step}: loss {loss.full().item():.4f} (plain torch, whole batch "
+            f"{ref_loss.item():.4f})")
+    for (name, p), ref in zip(list(stage0.named_parameters()) + list(stage1.named_parameters()),
+                              list(ref0.parameters()) + list(ref1.parameters())):
+        close(p.full().detach(), ref.detach(), f"pipelined {name} after {steps} steps")
+    say(f"   after {steps} SGD steps every parameter equals plain torch on the whole batch")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3, help="SGD steps of the hybrid part")
+    parser.add_argument("--steps", type=int, default=3, help="SGD steps of parts 4 and 5")
     parser.add_argument("--lr", type=float, default=0.1)
     args = parser.parse_args()
 
@@ -211,6 +278,7 @@ def main():
         hybrid(args.steps, args.lr)
     else:
         say("4. hybrid: skipped, it needs 4 ranks (run with --nproc_per_node 4)")
+    pipelined_training(args.steps, args.lr)
     say(f"all parts match the single-process values ({world} ranks)")
 
 

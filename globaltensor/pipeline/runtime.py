@@ -226,7 +226,7 @@ class _Run:
         last_backward = {a.stage: a.mb for a in actions if a.kind == S.BACKWARD}
         timeline = self.pipe.last_timeline
         for a in actions:
-            t0 = time.time()
+            self.started = time.time()  # moved past any wait for a message
             if a.kind == S.FORWARD:
                 self._forward(a.stage, a.mb)
             elif a.kind == S.BACKWARD:
@@ -236,7 +236,7 @@ class _Run:
                 self._send(a)
             else:
                 self._post_receives(a, me)
-            timeline.record(self.rank, a, t0, time.time())
+            timeline.record(self.rank, a, self.started, time.time())
             self._reap()
         for work in self.sends.values():
             work.wait()
@@ -245,7 +245,8 @@ class _Run:
     def _wait(self, key) -> torch.Tensor:
         t0 = time.time()
         local = self.mailbox.pop(key).wait()
-        self.pipe.last_timeline.record_wait(self.rank, key, t0, time.time())
+        self.started = time.time()
+        self.pipe.last_timeline.record_wait(self.rank, key, t0, self.started)
         return local
 
     def _forward(self, k: int, i: int) -> None:
