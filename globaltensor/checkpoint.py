@@ -199,8 +199,10 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     """Restore what ``rng_state`` returned (after ``dcp.load`` filled it in)."""
-    env.set_draw(tuple(int(v) for v in state["gt"].tolist()))
     torch.set_rng_state(state["torch"])
+    # After torch's: torch.set_rng_state may also restore a draw number it carries on
+    # the state tensor's Python object, which in a template filled by dcp.load is stale.
+    env.set_draw(tuple(int(v) for v in state["gt"].tolist()))
 
 
 def is_complete(path: str | os.PathLike) -> bool:

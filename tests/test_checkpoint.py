@@ -72,14 +72,19 @@ def test_latest_complete_checkpoint(tmp_path):
     assert gt.checkpoint.latest(tmp_path) == os.path.join(str(tmp_path), "step_10")
 
 
-def test_rng_state_round_trip():
-    gt.manual_seed(3)
+def test_rng_state_round_trip_through_dcp(tmp_path):
+    """Saved with DCP and loaded into the template of a fresh run (whose tensors still
+    describe that run's own state) it gives the saved run's next draws."""
+    import torch.distributed.checkpoint as dcp
     P = gt.placement("cpu", [0])
+    gt.manual_seed(3)
     gt.randn(4, placement=P, sbp=gt.sbp.broadcast)
-    state = gt.checkpoint.rng_state()
+    dcp.save({"rng": gt.checkpoint.rng_state()}, checkpoint_id=tmp_path / "rng")
     a = gt.randn(5, placement=P, sbp=gt.sbp.broadcast).full()
     b = torch.rand(2)
     gt.manual_seed(99)
-    gt.checkpoint.set_rng_state(state)
+    template = {"rng": gt.checkpoint.rng_state()}
+    dcp.load(template, checkpoint_id=tmp_path / "rng")
+    gt.checkpoint.set_rng_state(template["rng"])
     assert torch.equal(gt.randn(5, placement=P, sbp=gt.sbp.broadcast).full(), a)
     assert torch.equal(torch.rand(2), b)
