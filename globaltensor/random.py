@@ -28,7 +28,7 @@ from .boxing.steps import identity_value
 from .layout import Layout, Region
 from .tensor import device_of, empty_local
 
-_CHUNK = 1 << 15  # elements hashed at once: the temporaries stay in the L2 cache
+_CHUNK = 1 << 16  # elements hashed at once: the temporaries stay in the L2 cache
 _MASK32 = 0xFFFFFFFF
 _M1, _M2 = 0x7FEB352D, 0x846CA68B - (1 << 32)  # lowbias32's multipliers, as int32
 
@@ -54,19 +54,25 @@ def _int32(v: int) -> int:
     return v - (1 << 32) if v >= 1 << 31 else v
 
 
-def _index_vectors(shape, region: Region, mult: int, device) -> list[torch.Tensor]:
-    """Per dim, ``mult * global_index * stride`` (mod 2**32) as int32, shaped to
-    broadcast: their sum is the keyed flat index of every element of the region."""
-    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
-    out = []
-    for d, (off, size) in enumerate(zip(region.offsets, region.sizes)):
-        step = (mult * strides[d]) & _MASK32
+def _tail(shape, region: Region, dims: range, steps: list, device) -> torch.Tensor:
+    """The keyed index contribution of the trailing ``dims`` (at most a chunk of
+    elements), flat, int32: the same for every chunk, so it is computed once."""
+    tail = torch.zeros((), dtype=torch.int32, device=device)
+    for d in dims:
+        off, size = region.offsets[d], region.sizes[d]
         v = torch.arange(off, off + size, dtype=torch.int64, device=device)
-        v = ((v * step) & _MASK32).to(torch.int32)  # wraps mod 2**32 (two's complement)
-        view = [1] * len(shape)
-        view[d] = size
-        out.append(v.view(view))
-    return out
+        v = ((v * steps[d]) & _MASK32).to(torch.int32)  # wraps mod 2**32 (two's complement)
+        tail = tail.unsqueeze(-1) + v
+    return tail.reshape(-1)
+
+
+def _column(first: int, count: int, step: int, base: int, device) -> torch.Tensor:
+    """``(first + i) * step + base`` mod 2**32 for i < count, int32."""
+    if first + count < 1 << 31:   # int32 arithmetic wraps mod 2**32 by itself
+        col = torch.arange(first, first + count, dtype=torch.int32, device=device)
+        return col.mul_(_int32(step)).add_(_int32(base))
+    col = torch.arange(first, first + count, dtype=torch.int64, device=device)
+    return ((col * step + base) & _MASK32).to(torch.int32)
 
 
 def _hash_(x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
@@ -85,27 +91,27 @@ def _hash_(x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
 def _bits(shape, region: Region, draw, streams: int, write: Callable, out: torch.Tensor):
     """Hash every element of ``region`` of a tensor of global ``shape`` with ``streams``
     independent keys of ``draw``, chunk by chunk: ``write(hashes, out_chunk)`` turns the
-    int32 hashes (one tensor per stream) into values of the flat ``out_chunk``."""
-    n = region.numel
-    if n == 0:
+    int32 hashes (one tensor per stream) into values of the flat ``out_chunk``.
+
+    An element's hash input is ``mult * flat_index + offset`` (mod 2**32), summed per
+    dim as ``index_d * (mult * stride_d)``. Chunks run along the first dim ``k`` whose
+    trailing dims fit in a chunk; the dims before ``k`` add a constant per chunk."""
+    if region.numel == 0:
         return out
     device = out.device
     flat_out = out.view(-1)
     big = math.prod(shape) > _MASK32  # index bits above 32 enter through a second key
-    # Chunk along the first dim ``k`` whose trailing dims fit in a chunk; the trailing
-    # part of the index is the same for every chunk, so it is computed once.
     ndim = len(shape)
+    strides = [math.prod(shape[d + 1:]) for d in range(ndim)]
     k = next((d for d in range(ndim) if math.prod(region.sizes[d + 1:]) <= _CHUNK), 0)
     inner = math.prod(region.sizes[k + 1:]) if ndim else 1
-    rows = max(1, _CHUNK // max(inner, 1))
+    rows = max(1, _CHUNK // inner)
     keyed = []
     for s in range(streams):
         mult, offset, high = _keys(draw, s)
-        vecs = _index_vectors(shape, region, mult, device)
-        tail = torch.zeros((), dtype=torch.int32, device=device)
-        for v in vecs[k + 1:]:
-            tail = tail + v
-        keyed.append((vecs, tail.reshape(-1), offset, high))
+        steps = [(mult * st) & _MASK32 for st in strides]
+        tail = _tail(shape, region, range(k + 1, ndim), steps, device) if inner > 1 else None
+        keyed.append((steps, tail, offset, high))
     lead = region.sizes[:k]
     size_k = region.sizes[k] if ndim else 1
     for lead_linear in range(math.prod(lead)):
@@ -117,11 +123,14 @@ def _bits(shape, region: Region, draw, streams: int, write: Callable, out: torch
         for start in range(0, size_k, rows):
             stop = min(start + rows, size_k)
             hashes = []
-            for vecs, tail, offset, high in keyed:
-                base = offset + sum(int(vecs[d].view(-1)[c]) for d, c in enumerate(coord))
-                col = vecs[k].view(-1)[start:stop] if ndim else torch.zeros(1, dtype=torch.int32)
-                x = torch.add(col.view(-1, 1), tail.view(1, -1)).view(-1)
-                x.add_(_int32(base))
+            for steps, tail, offset, high in keyed:
+                base = offset + sum((region.offsets[d] + c) * steps[d] for d, c in enumerate(coord))
+                if ndim:
+                    x = _column(region.offsets[k] + start, stop - start, steps[k], base, device)
+                else:
+                    x = torch.full((1,), _int32(base), dtype=torch.int32, device=device)
+                if tail is not None:
+                    x = torch.add(x.view(-1, 1), tail.view(1, -1)).view(-1)
                 tmp = torch.empty_like(x)
                 _hash_(x, tmp)
                 if big:  # rows of 2**32 elements get their own key (not shifted copies)
