@@ -1,0 +1,121 @@
+"""Checkpoint throughput through torch.distributed.checkpoint: GlobalTensor vs DTensor.
+
+    python benchmarks/checkpoint.py                 # spawns 4 processes on this machine
+    python benchmarks/checkpoint.py --mib 64 --iters 3
+
+The same sharded state (``--tensors`` fp32 matrices, split(0) / Shard(0) over every
+rank; the DTensors share the GlobalTensors' local parts) is saved and loaded with
+``dcp.save`` / ``dcp.load``, round-robin so machine noise hits both alike; the slowest
+rank's median counts. Then a resharding load: the checkpoint of 4 ranks into a layout
+on ranks [0, 1] only (split(1) there), with the peak rise of resident memory on those
+ranks measured (VmHWM), next to the largest local part it fills.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from _common import launch, round_robin_median  # noqa: E402
+from rss import peak_rise  # noqa: E402
+
+import globaltensor as gt  # noqa: E402
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=float, default=64, help="state size in MiB")
+    ap.add_argument("--tensors", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=3)
+    args = ap.parse_args(argv)
+    gt.init()
+    rank, world = gt.get_rank(), gt.get_world_size()
+    P = gt.placement.all("cpu")
+    cols = 1024
+    rows = max(world, int(args.mib * 2**20 / 4 / args.tensors / cols))
+    gt.manual_seed(0)
+    state = {f"layer{i}.weight": gt.randn(rows, cols, placement=P, sbp=gt.sbp.split(0))
+             for i in range(args.tensors)}
+    dstate = {k: v.to_dtensor() for k, v in state.items()}
+    nbytes = sum(v.numel() * v.element_size() for v in state.values())
+    per_rank_mb = nbytes / world / 1e6
+
+    root = tempfile.mkdtemp(prefix="gt_ckpt_bench_") if rank == 0 else None
+    holder = [root]
+    dist.broadcast_object_list(holder, src=0)
+    root = holder[0]
+    count = {"gt": 0, "dt": 0}
+
+    def save(kind, sd):
+        def run():
+            count[kind] += 1
+            dcp.save(sd, checkpoint_id=f"{root}/{kind}{count[kind]}")
+        return run
+
+    save_gt, save_dt = round_robin_median([save("gt", state), save("dt", dstate)],
+                                          iters=args.iters, warmup=1)
+    on_disk = {k: _dir_bytes(f"{root}/{k}1") / nbytes for k in ("gt", "dt")}
+    load_gt, load_dt = round_robin_median(
+        [lambda: dcp.load(state, checkpoint_id=f"{root}/gt1"),
+         lambda: dcp.load(dstate, checkpoint_id=f"{root}/dt1")], iters=args.iters, warmup=1)
+
+    # Resharding load: 4 ranks' checkpoint into split(1) on ranks [0, 1] (DTensor: the
+    # same layout on a sub-mesh), timed once each, with the peak memory rise measured.
+    two = gt.placement("cpu", [0, 1])
+    reshard = {}
+    for kind in ("gt", "dt"):
+        target = {k: gt.zeros(rows, cols, placement=two, sbp=gt.sbp.split(1))
+                  for k in state}
+        if kind == "dt":
+            target = {k: v.to_dtensor() for k, v in target.items()}
+        dist.barrier()
+        t0 = time.perf_counter()
+        with peak_rise() as peak:
+            dcp.load(target, checkpoint_id=f"{root}/{kind}1")
+        seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        rise = torch.tensor([peak.mib if rank in two else 0.0], dtype=torch.float64)
+        dist.all_reduce(rise, op=dist.ReduceOp.MAX)
+        if kind == "gt":
+            whole = next(iter(target.values())).full()
+            assert torch.equal(whole, next(iter(state.values())).full()), "reshard mismatch"
+        reshard[kind] = (seconds.item(), rise.item())
+    largest_part_mib = rows * (cols // 2) * 4 / 2**20
+
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+        print(f"checkpoint: {world} ranks, {nbytes / 2**20:.1f} MiB state ({args.tensors} x "
+              f"{rows}x{cols} fp32, split(0) / Shard(0)), {per_rank_mb:.1f} MB per rank; "
+              f"medians of {args.iters}, slowest rank")
+        rows_out = [
+            ("save, MB/s per rank", per_rank_mb / save_gt, per_rank_mb / save_dt),
+            ("load, MB/s per rank", per_rank_mb / load_gt, per_rank_mb / load_dt),
+            ("bytes on disk / state bytes", on_disk["gt"], on_disk["dt"]),
+            (f"reshard load {world} -> 2 ranks, s", reshard["gt"][0], reshard["dt"][0]),
+            ("  peak RSS rise on a loading rank, MiB", reshard["gt"][1], reshard["dt"][1]),
+        ]
+        print(f"| {'':40s} | globaltensor |  DTensor | gt / DTensor |")
+        print(f"|{'-' * 42}|-------------:|---------:|-------------:|")
+        for name, a, b in rows_out:
+            print(f"| {name:40s} | {a:12.3f} | {b:8.3f} | {a / b:12.2f} |")
+        print(f"largest local part a loading rank fills: {largest_part_mib:.1f} MiB "
+              f"(peak rise / it: gt {reshard['gt'][1] / largest_part_mib:.2f}, "
+              f"DTensor {reshard['dt'][1] / largest_part_mib:.2f})")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    launch(main, int(os.environ.get("NPROC", 4)))
