@@ -54,6 +54,18 @@ def all_reduce_async(t: torch.Tensor, ranks: tuple[int, ...]):
     return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=get_group(ranks), async_op=True)
 
 
+def all_gather_async(out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...],
+                     what: str = "all_gather"):
+    """Start ``all_gather_into(out, inp, ranks)``; returns a handle with ``wait()``
+    (fully_shard prefetches the next unit's parameters with it)."""
+    if len(ranks) == 1:
+        out.view(-1).copy_(inp.reshape(-1))
+        return _Done()
+    stats.record("all_gather", _nbytes(inp) * (len(ranks) - 1))
+    return _all_gather_single(out.view(-1), inp.contiguous().view(-1), group=get_group(ranks),
+                              async_op=True)
+
+
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int],
                       in_splits: Sequence[int], ranks: tuple[int, ...]) -> None:
     """1-D all-to-all: chunk ``i`` of ``inp`` (``in_splits[i]`` elements) goes to

@@ -6,18 +6,23 @@ its forward, its parameters are gathered (S -> B on the data axis, a differentia
 ``to_global``) and put in place of the shards; after its forward the shards are put
 back and the gathered copies are dropped. Autograd does not keep them either: a
 saved-tensor hook packs any view of a gathered copy as (shard, view geometry) and
-gathers again when backward unpacks it. The gradient of a gathered parameter is
+gathers again when backward unpacks it. A unit's parameters are gathered in one
+bucket (one all-gather), and the next unit's gather starts before this unit computes
+(prefetch, in the order of the previous forward). The gradient of a gathered parameter is
 partial on the data axis (split batch) and goes back to the shard as P -> S, one
 all-to-all and a local sum, so each rank's ``.grad`` and optimizer state are its part.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ..layout import Layout
+from .. import comm
+from ..layout import Layout, balanced_split
 from ..placement import Placement
 from ..sbp import Split, broadcast
-from ..tensor import GlobalTensor, to_layout
+from ..tensor import GlobalTensor, gradient_layout, to_layout
 from .module import tensor_slots, to_global
 
 __all__ = ["fully_shard"]
@@ -51,10 +56,13 @@ def fully_shard(module: torch.nn.Module, placement: Placement, *,
         return tuple(sbp)
 
     to_global(module, placement, storage_sbp)
+    root = _Root()
+    module.register_forward_pre_hook(root.before_forward)
+    module.register_forward_hook(root.after_forward)
     for sub in _unique_modules(module):
         names = [n for n, p in sub._parameters.items() if p is not None]
         if names and not hasattr(sub, "_gt_shard_unit"):
-            sub._gt_shard_unit = _Unit(sub, names, data_axis)
+            sub._gt_shard_unit = _Unit(sub, names, data_axis, root)
             sub.register_forward_pre_hook(_before_forward)
             sub.register_forward_hook(_after_forward)
     return module
@@ -68,11 +76,37 @@ def _unique_modules(module):
             yield sub
 
 
+class _Root:
+    """One ``fully_shard`` call: the order its units ran in the last forward, so each
+    unit starts the next one's gather (prefetch) before it computes, as FSDP2 does."""
+
+    def __init__(self):
+        self.order: list = []       # units of the last forward, in order
+        self.running: list = []     # units of this forward so far
+        self.pending: dict = {}     # unit -> its started _Fetch
+
+    def before_forward(self, module, args):
+        self.running = []
+
+    def after_forward(self, module, args, output):
+        for fetch in self.pending.values():   # a prefetch no unit used: finish it
+            fetch.wait()
+        self.pending.clear()
+        self.order, self.running = self.running, []
+
+    def next_after(self, unit):
+        order = self.order
+        for i, u in enumerate(order[:-1]):
+            if u is unit:
+                return order[i + 1]
+        return None
+
+
 class _Unit:
     """The parameters one module owns, gathered together for its forward."""
 
-    def __init__(self, module: torch.nn.Module, names: list, data_axis: int):
-        self.module, self.names, self.data_axis = module, names, data_axis
+    def __init__(self, module: torch.nn.Module, names: list, data_axis: int, root: _Root):
+        self.module, self.names, self.data_axis, self.root = module, names, data_axis, root
         self.shards: dict = {}
         self.hooks: list = []
 
@@ -81,16 +115,27 @@ class _Unit:
         sbp[self.data_axis] = broadcast
         return shard._layout.with_sbp(tuple(sbp))
 
-    def gather(self) -> None:
+    def start(self) -> "_Fetch":
         params = self.module._parameters
-        self.shards = {n: params[n] for n in self.names}
-        for name, shard in self.shards.items():
-            if not isinstance(shard, GlobalTensor) or shard.dim() == 0:
-                continue
-            full = shard.to_global(sbp=self.gathered_layout(shard).sbp)
-            full._local = _dense(full._local)  # saved views are replayed on a dense copy
+        return _Fetch(self, {n: params[n] for n in self.names})
+
+    def gather(self) -> None:
+        root = self.root
+        root.running.append(self)
+        fetch = root.pending.pop(self, None)
+        if fetch is None or fetch.stale():
+            if fetch is not None:
+                fetch.wait()
+            fetch = self.start()
+        following = root.next_after(self)
+        if following is not None and following not in root.pending:
+            root.pending[following] = following.start()   # overlaps this unit's compute
+        params = self.module._parameters
+        self.shards = fetch.shards
+        for name, full in fetch.finish().items():
             if full._local.numel():
-                _gathered[full._local.untyped_storage().data_ptr()] = _Regather(self, shard)
+                _gathered[full._local.untyped_storage().data_ptr()] = \
+                    _Regather(self, self.shards[name])
             params[name] = full
         hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
         hooks.__enter__()
@@ -106,6 +151,102 @@ class _Unit:
                 _gathered.pop(full._local.untyped_storage().data_ptr(), None)
             params[name] = shard
         self.shards = {}
+
+
+class _Fetch:
+    """A unit's gather in flight. Parameters whose dim 0 only the data axis splits go in
+    one bucket: each member packs its parts (padded to the largest part) into one flat
+    buffer, one asynchronous all-gather moves them, and each parameter is cut out of
+    the result. Others (dim 0 split by a second axis too) are boxed one by one."""
+
+    def __init__(self, unit: _Unit, shards: dict):
+        self.unit, self.shards = unit, shards
+        self.versions = {n: s._version for n, s in shards.items()}
+        self.bucket, self.handle, self.recv = [], None, None
+        rank = comm.get_rank()
+        for name, shard in shards.items():
+            if isinstance(shard, GlobalTensor) and shard.dim() > 0 and rank in shard.placement \
+                    and self._concatenates(shard) and shard.dtype == _first_dtype(shards):
+                self.bucket.append(name)
+        if not self.bucket:
+            return
+        group = shards[self.bucket[0]].placement.group(rank, unit.data_axis)
+        sizes = []
+        for name in self.bucket:
+            shard = shards[name]
+            gathered = unit.gathered_layout(shard).local_shape(rank)
+            row = math.prod(gathered[1:])
+            parts = balanced_split(gathered[0], len(group))
+            sizes.append((row, parts, max(p for _, p in parts) * row))
+        self.group, self.sizes = group, sizes
+        total = sum(size for _, _, size in sizes)
+        first = shards[self.bucket[0]]._local
+        send = torch.zeros(total, dtype=first.dtype, device=first.device)
+        offset = 0
+        for name, (_, _, size) in zip(self.bucket, sizes):
+            local = shards[name]._local.reshape(-1)
+            send[offset:offset + local.numel()].copy_(local)
+            offset += size
+        self.recv = torch.empty(len(group) * total, dtype=first.dtype, device=first.device)
+        self.handle = comm.all_gather_async(self.recv, send, group, what="fully_shard gather")
+        self.send = send
+
+    def _concatenates(self, shard: GlobalTensor) -> bool:
+        # Gathering the data axis concatenates parts along dim 0 only if no other axis
+        # splits dim 0, and nothing is partial.
+        return not shard._layout.partial_axes and all(
+            (a == self.unit.data_axis) == (s == Split(0)) for a, s in enumerate(shard.sbp))
+
+    def stale(self) -> bool:
+        """True if a shard changed since the gather started (an optimizer step)."""
+        return any(s._version != self.versions[n] for n, s in self.shards.items())
+
+    def wait(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+
+    def finish(self) -> dict:
+        """name -> gathered parameter (differentiable in its shard)."""
+        self.wait()
+        out = {}
+        if self.bucket:
+            per_member = self.recv.view(len(self.group), -1)
+            offset = 0
+            for name, (row, parts, size) in zip(self.bucket, self.sizes):
+                shard = self.shards[name]
+                layout = self.unit.gathered_layout(shard)
+                shape = layout.local_shape(comm.get_rank())
+                pieces = [per_member[j, offset:offset + rows * row]
+                          for j, (_, rows) in enumerate(parts)]
+                local = torch.cat(pieces).view(shape)
+                out[name] = _Gathered.apply(shard, local, layout)
+                offset += size
+            self.recv = self.send = None
+        for name, shard in self.shards.items():
+            if name in out or not isinstance(shard, GlobalTensor) or shard.dim() == 0:
+                continue
+            full = shard.to_global(sbp=self.unit.gathered_layout(shard).sbp)
+            full._local = _dense(full._local)  # saved views are replayed on a dense copy
+            out[name] = full
+        return out
+
+
+def _first_dtype(shards: dict):
+    return next(s.dtype for s in shards.values() if isinstance(s, GlobalTensor) and s.dim() > 0)
+
+
+class _Gathered(torch.autograd.Function):
+    """A gathered parameter whose gradient goes back to its shard's layout (P -> S)."""
+
+    @staticmethod
+    def forward(ctx, shard: GlobalTensor, local: torch.Tensor, layout: Layout):
+        ctx.src = shard._layout
+        return GlobalTensor(local, layout)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return to_layout(grad, gradient_layout(ctx.src)), None, None
 
 
 def _before_forward(module, args):
