@@ -86,6 +86,12 @@ def check_gathered_copy_is_freed_after_forward():
     F.cross_entropy(reference(x), y).backward()
     torch.testing.assert_close(model[0].weight.grad.full(), reference[0].weight.grad,
                                rtol=1e-5, atol=1e-6)
+    # one all-gather per unit (LayerNorm's weight and bias share a bucket), the next
+    # unit's started before this one computes (prefetch) and used, none left over
+    with gt.debug.comm_stats() as stats:
+        model(gt.tensor(x, placement=p, sbp=S(0)))
+    assert stats.calls["all_gather"] == 3, stats
+    assert not fs_module._gathered
 
 
 def check_tied_and_meta_modules():
