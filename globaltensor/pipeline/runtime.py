@@ -26,7 +26,8 @@ from ..gradsync import no_sync
 from ..layout import Layout, balanced_split
 from ..placement import Placement
 from ..sbp import Partial, broadcast
-from ..tensor import GlobalTensor, empty_local, from_full, gradient_layout, wrap_local
+from ..tensor import (GlobalTensor, device_of, empty_local, from_full, gradient_layout,
+                      wrap_local)
 from . import schedule as S
 from .handoff import Handoff
 from .timeline import Timeline
@@ -372,8 +373,13 @@ def _cut(x, sizes, placement: Placement, sbp) -> list:
         offset += size
         if isinstance(part, GlobalTensor):
             parts.append(part.to_global(placement, sbp))
-        else:
-            parts.append(from_full(part, Layout.make(part.shape, placement, sbp)))
+            continue
+        layout = Layout.make(part.shape, placement, sbp)
+        if layout.partial_axes or comm.get_rank() not in placement:
+            parts.append(from_full(part, layout))
+        else:  # a view of the caller's batch, as plain torch would use it: no copy
+            local = part[layout.region(comm.get_rank()).slices()]
+            parts.append(GlobalTensor(local.to(device_of(placement)), layout))
     return parts
 
 
