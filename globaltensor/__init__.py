@@ -16,6 +16,7 @@ from .tensor import GlobalTensor, is_global
 from . import dispatch as _dispatch  # noqa: F401  (installs __torch_dispatch__)
 from . import debug, nn, utils
 from .gradsync import no_sync
+from .dispatch import implicit_broadcast
 from . import pipeline
 from . import checkpoint
 from .checkpoint import from_dtensor
@@ -37,4 +38,4 @@ matmul = __import__("torch").matmul
 __all__ = ["init", "get_rank", "get_world_size", "get_local_rank", "manual_seed", "placement",
            "Placement", "sbp", "GlobalTensor", "is_global", "tensor", "from_local", "to_global",
            "randn", "rand", "randint", "normal", "zeros", "ones", "full", "empty", "arange", "matmul", "debug", "nn", "no_sync", "utils",
-           "pipeline", "checkpoint", "from_dtensor"]
+           "checkpoint", "from_dtensor", "pipeline", "implicit_broadcast"]

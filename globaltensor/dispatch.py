@@ -12,10 +12,13 @@ into other global ops when their data spans ranks (softmax over a split dim, ...
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import warnings
+import zlib
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -26,7 +29,7 @@ from .boxing.steps import identity_value
 from .layout import Layout
 from .placement import Placement
 from .rules import Call, LocalCtx, flatten_args, lookup, lookup_decomposition, unflatten_args
-from .sbp import broadcast
+from .sbp import Partial, Split, broadcast
 from .tensor import GlobalTensor, box, device_of, empty_local, install_dispatcher, relayout
 
 aten = torch.ops.aten
@@ -48,15 +51,30 @@ class Decision:
     out_strides: tuple = ()   # per output leaf: global strides (None: contiguous)
     direct: object = None     # the op's C++ callable when it runs on the local parts as
                               # they are and returns one tensor (most repeated calls)
+    out_consts: tuple = ()    # per output leaf: its value from the meta run when it is not
+                              # a tensor (None gradients, sizes): what ranks outside give
+    by_value: bool = False    # depends on the values of float arguments, not only types
 
 
+# Decisions by (op, argument spec, per leaf: a GlobalTensor's layout and dtype, a plain
+# tensor's metadata, a constant's value; a float only by its type). Bounded: when full,
+# the oldest quarter goes (hits stay a plain dict lookup).
+CACHE_SIZE = 4096
 _cache: dict = {}
+# Decisions that depend on the value of a float argument (a rule looked at it, or a
+# local implementation reads it): keyed again with the floats' values.
+_BY_VALUE = object()
+_by_value: dict = {}
 _warned: set = set()
 
 
 def _key_of(leaf):
     if type(leaf) is GlobalTensor:
         return leaf._key
+    if leaf.__class__ is float:
+        # Learning rates, bias corrections, scales: new values every step; keying on the
+        # value grew the cache by one entry per parameter per step.
+        return float
     if isinstance(leaf, torch.Tensor):
         return "t", tuple(leaf.shape), leaf.dtype, leaf.device.type
     if isinstance(leaf, list):
@@ -64,6 +82,38 @@ def _key_of(leaf):
     if isinstance(leaf, (dict, set)):
         raise TypeError  # unhashable: no caching
     return leaf
+
+
+def _remember(cache: dict, key, decision) -> None:
+    if len(cache) >= CACHE_SIZE:
+        for old in list(itertools.islice(cache, CACHE_SIZE // 4)):
+            del cache[old]
+    cache[key] = decision
+
+
+def _lookup(func, leaves, spec):
+    """The cached decision for this call, deciding (and caching) it when new."""
+    try:
+        key = (func, spec, tuple([x._key if x.__class__ is GlobalTensor else _key_of(x)
+                                  for x in leaves]))
+        decision = _cache.get(key)
+    except TypeError:
+        return _decide(func, leaves, spec)
+    if decision is None:
+        decision = _decide(func, leaves, spec)
+        if decision.by_value:
+            _remember(_cache, key, _BY_VALUE)
+            _remember(_by_value, (key, tuple(x for x in leaves if x.__class__ is float)),
+                      decision)
+        else:
+            _remember(_cache, key, decision)
+    elif decision is _BY_VALUE:
+        by_value = (key, tuple(x for x in leaves if x.__class__ is float))
+        decision = _by_value.get(by_value)
+        if decision is None:
+            decision = _decide(func, leaves, spec)
+            _remember(_by_value, by_value, decision)
+    return decision
 
 
 def dispatch(func, types, args, kwargs):
@@ -79,18 +129,9 @@ def dispatch(func, types, args, kwargs):
         if type(x) is GlobalTensor:
             if x.requires_grad and x.is_leaf:
                 gradsync.watch(x)
-        elif isinstance(x, torch.Tensor) and x.numel() > 1 and _in_backward():
-            leaves[i] = _autograd_helper(x, leaves)
-    try:
-        key = (func, spec, tuple([x._key if x.__class__ is GlobalTensor else _key_of(x)
-                                  for x in leaves]))
-        decision = _cache.get(key)
-    except TypeError:
-        key, decision = None, None
-    if decision is None:
-        decision = _decide(func, leaves, spec)
-        if key is not None:
-            _cache[key] = decision
+        elif isinstance(x, torch.Tensor) and x.numel() > 1 and (_implicit or _in_backward()):
+            leaves[i] = _plain_as_broadcast(x, leaves, func)
+    decision = _lookup(func, leaves, spec)
     op = decision.direct
     if op is not None:
         local = [x._local if x.__class__ is GlobalTensor else x for x in leaves]
@@ -104,13 +145,44 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _autograd_helper(t: torch.Tensor, leaves) -> GlobalTensor:
-    """A plain tensor that a backward formula built (zeros to scatter into, an index):
-    the same on every rank, so it is taken as broadcast on the op's placement."""
+_implicit = 0  # open implicit_broadcast() contexts
+
+
+@contextlib.contextmanager
+def implicit_broadcast() -> Iterator[None]:
+    """Inside, a plain tensor operand of an op on GlobalTensors is taken as broadcast
+    on the op's placement (each rank must pass the same value, as DTensor's
+    ``implicit_replication``); GLOBALTENSOR_DEBUG=1 or ``gt.debug.check_consistency()``
+    verify that it is. Outside, such operands raise ValueError.
+
+    >>> pos = torch.arange(T)                 # doctest: +SKIP
+    >>> with gt.implicit_broadcast():         # doctest: +SKIP
+    ...     h = emb(pos)                      # emb's weight is a GlobalTensor
+    """
+    global _implicit
+    _implicit += 1
+    try:
+        yield
+    finally:
+        _implicit -= 1
+
+
+def _plain_as_broadcast(t: torch.Tensor, leaves, func) -> GlobalTensor:
+    """A plain operand taken as broadcast on the op's placement: inside
+    ``implicit_broadcast()``, or a tensor a backward formula built (zeros to scatter
+    into, an index), which is the same on every rank."""
     placement = next(x.placement for x in leaves if type(x) is GlobalTensor)
     layout = Layout.make(t.shape, placement, (broadcast,) * placement.ndim)
     rank = comm.get_rank()
-    return GlobalTensor(t if rank in placement else empty_local(layout, t.dtype), layout)
+    if rank not in placement:
+        return GlobalTensor(empty_local(layout, t.dtype), layout)
+    if _implicit and comm.check_mode():
+        value = t.detach().cpu().contiguous().reshape(-1)
+        comm.agree(zlib.crc32(value.view(torch.uint8).numpy().tobytes()), tuple(placement),
+                   f"{func}: a plain operand of shape {tuple(t.shape)} taken as broadcast "
+                   f"under gt.implicit_broadcast()",
+                   "hold different values: a plain operand must be the same on every rank")
+    return GlobalTensor(t.to(device_of(placement)), layout)
 
 
 _NORMAL = object()
@@ -235,7 +307,9 @@ def _check_inputs(func, leaves, gidx):
         if isinstance(x, torch.Tensor) and not isinstance(x, GlobalTensor) and x.numel() > 1:
             raise ValueError(
                 f"{func}: mixes a GlobalTensor with a plain tensor of shape {tuple(x.shape)}; "
-                f"only one-element plain tensors are allowed (use gt.to_global / gt.tensor)")
+                f"only one-element plain tensors are allowed: make it global (gt.tensor / "
+                f"gt.to_global), or run the op inside gt.implicit_broadcast() to take plain "
+                f"operands as broadcast")
     return placement
 
 
@@ -266,6 +340,7 @@ def _decide(func, leaves, spec) -> Decision:
     if rule is not None:
         per_axis = [rule(call, axis) for axis in range(placement.ndim)]
         current = [leaves[i]._layout for i in gidx]
+        weights = [PARAMETER_WEIGHT if _is_parameter(leaves[i]) else 1.0 for i in gidx]
         for combo in itertools.product(*per_axis):
             ins = [tuple(c[0][k] for c in combo) for k in range(len(gidx))]
             outs = [tuple(c[1][k] for c in combo) for k in range(len(out_tensors))]
@@ -276,8 +351,10 @@ def _decide(func, leaves, spec) -> Decision:
             except ValueError:  # e.g. a split dim that a 0-d operand does not have
                 continue
             # Any boxing at all costs a little, so "none needed" wins ties.
-            cost = sum(plan_route(cur, tgt, leaves[i].element_size()).cost + 1e-9
-                       for cur, tgt, i in zip(current, targets, gidx) if cur != tgt)
+            cost = sum((plan_route(cur, tgt, leaves[i].element_size()).cost + 1e-9) * w
+                       for cur, tgt, i, w in zip(current, targets, gidx, weights) if cur != tgt)
+            for k, o in zip(out_tensors, outs):
+                cost += _padded_partial_cost(out_leaves[k], placement, o, current, targets)
             if best is None or cost < best[0]:
                 best = (cost, targets, outs)
     fallback = best is None
@@ -311,9 +388,51 @@ def _decide(func, leaves, spec) -> Decision:
     direct = (single and not inplace and not fallback and local is None and not shortcut
               and spec.__class__ is tuple and rank in placement
               and all(leaves[i]._layout == t for i, t in zip(gidx, targets)))
+    # A non-tensor output of a meta run depends on metadata only (meta tensors hold no
+    # data), so it is every rank's answer, also where the op does not run.
+    consts = tuple(None if isinstance(o, torch.Tensor) else o for o in out_leaves)
+    by_value = local is not None or any(v.__class__ is float for v in call._named.values())
     return Decision(tuple(targets), tuple(out_layouts), dtypes, out_spec, inplace, fallback,
                     local, ctx, shortcut, tuple(gidx), single,
-                    strides, func._op if direct else None)
+                    strides, func._op if direct else None, consts, by_value)
+
+
+# Moving a parameter costs more than its bytes once: its gradient comes back the same
+# way in backward, and the parameter is moved again every step, while moving the
+# activation instead keeps the layer as annotated (a Megatron column-split weight stays
+# split; the activation is gathered).
+PARAMETER_WEIGHT = 3.0
+
+
+def _padded_partial_cost(out, placement: Placement, sbp: tuple, current: list,
+                         targets: list) -> float:
+    """What a partial output costs later when the signature makes an input partial
+    (a split or broadcast input boxed to a partial addend, for free): the cheapest
+    reduction out of it. Without it, greedy choice per op pads a batch-split activation
+    into a full-size partial (no communication now, duplicated work) and gathers the
+    weight instead of the activation, leaving a large reduction behind. Partials an op
+    makes itself (a sum over a split dim) or passes on are not charged."""
+    axes = [a for a, s in enumerate(sbp) if isinstance(s, Partial)
+            and any(isinstance(t.sbp[a], Partial) and not isinstance(c.sbp[a], Partial)
+                    for c, t in zip(current, targets))]
+    if not axes:
+        return 0.0
+    src = Layout.make(out.shape, placement, sbp)
+    size = out.element_size()
+    cost = 0.0
+    for a in axes:
+        ends = [broadcast] + [Split(d) for d in range(out.dim())
+                              if out.shape[d] >= placement.shape[a]]
+        cost += min(plan_route(src, Layout.make(out.shape, placement,
+                                                sbp[:a] + (e,) + sbp[a + 1:]), size).cost
+                    for e in ends)
+    return cost
+
+
+def _is_parameter(x: GlobalTensor) -> bool:
+    """A leaf that requires grad, or a view of one (``w.t()`` inside F.linear)."""
+    base = x._base if x._base is not None else x
+    return base.requires_grad and base.is_leaf
 
 
 def _identity(layout: Layout, dtype, rank: int) -> torch.Tensor:
@@ -341,7 +460,7 @@ def _run(func, decision: Decision, leaves, spec):
         x = leaves[i]
         layout = x._layout
         local_leaves[i] = x._local if layout is target or layout == target else \
-            box(x._local, layout, target)
+            box(x._local, layout, target, why=func)
     if inside and decision.empty_shortcut:
         # This rank holds no part of some input: it contributes the identity of each
         # (partial or empty) output, which some kernels refuse to compute from nothing.
@@ -367,16 +486,14 @@ def _run(func, decision: Decision, leaves, spec):
     else:
         out_leaves, out_spec = [None] * len(decision.out_layouts), decision.out_spec
     wrapped = []
-    for o, layout, dtype, strides in zip(out_leaves, decision.out_layouts, decision.out_dtypes,
-                                         decision.out_strides):
+    for o, layout, dtype, strides, const in zip(out_leaves, decision.out_layouts,
+                                                decision.out_dtypes, decision.out_strides,
+                                                decision.out_consts):
         if layout is not None:
             wrapped.append(GlobalTensor(o if inside else empty_local(layout, dtype), layout,
                                         strides=strides))
-        elif inside:
-            wrapped.append(o)
         else:
-            raise RuntimeError(f"{func} returns a non-tensor value, which ranks outside the "
-                               f"placement cannot compute")
+            wrapped.append(o if inside else const)
     return tree_unflatten(wrapped, out_spec)
 
 
@@ -390,7 +507,7 @@ def _inplace_via_functional(func, leaves, spec):
     result = functional(*args, **kwargs)
     if not isinstance(result, GlobalTensor):
         raise RuntimeError(f"{func}: unexpected functional result {type(result).__name__}")
-    local = box(result._local, result._layout, target._layout)
+    local = box(result._local, result._layout, target._layout, why=func)
     if comm.get_rank() in target.placement:
         target._local.copy_(local)
     return target

@@ -20,6 +20,7 @@ import contextlib
 from typing import Iterator
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import comm
 from .layout import Layout
@@ -31,6 +32,7 @@ FIRST_BUCKET_MB = 1.0  # small first bucket: communication starts early in backw
 
 _sync = True
 _serial = 0
+_serials = WeakIdKeyDictionary()  # leaf -> serial number (dropped with the leaf)
 _pending: "_Reducer | None" = None
 
 
@@ -49,12 +51,12 @@ def no_sync() -> Iterator[None]:
 def watch(leaf: GlobalTensor) -> None:
     """Make ``leaf``'s gradient end in its layout (called when a leaf is first used)."""
     global _serial
-    if getattr(leaf, "_gt_serial", None) is not None:
+    if leaf in _serials:
         return
     # A serial number, not id(): ids are reused after garbage collection and differ
     # between ranks, while serials follow the program order, the same on every rank.
     _serial += 1
-    leaf._gt_serial = _serial
+    _serials[leaf] = _serial
     leaf.register_post_accumulate_grad_hook(_after_accumulate)
 
 
@@ -96,18 +98,22 @@ def _finish() -> None:
         reducer.finish()
 
 
-_buffers: dict = {}
+# first leaf of a bucket -> {bucket key: flat buffer}; buffers die with their model.
+_buffers = WeakIdKeyDictionary()
 
 
 def _flat_buffer(items) -> torch.Tensor:
     """The bucket's gradients copied once into a flat buffer kept between steps (the
     previous step's ``.grad`` views into it are replaced by then, as in DDP)."""
-    key = tuple((leaf._gt_serial, g._local.shape, g.dtype) for leaf, g in items)
-    flat = _buffers.get(key)
+    key = tuple((_serials[leaf], g._local.shape, g.dtype) for leaf, g in items)
+    owned = _buffers.get(items[0][0])
+    if owned is None:
+        owned = _buffers[items[0][0]] = {}
+    flat = owned.get(key)
     total = sum(g._local.numel() for _, g in items)
     if flat is None:
-        flat = _buffers[key] = torch.empty(total, dtype=items[0][1].dtype,
-                                           device=items[0][1]._local.device)
+        flat = owned[key] = torch.empty(total, dtype=items[0][1].dtype,
+                                        device=items[0][1]._local.device)
     offset = 0
     for _, g in items:
         n = g._local.numel()
@@ -154,11 +160,12 @@ class _Reducer:
     def add(self, leaf, grad, axes) -> None:
         kind = (leaf.placement, grad.dtype, axes)
         nbytes = grad._local.numel() * grad.element_size()
-        self.order.append((leaf._gt_serial, kind, nbytes))
-        b = self.plan.get(leaf._gt_serial)
+        serial = _serials[leaf]
+        self.order.append((serial, kind, nbytes))
+        b = self.plan.get(serial)
         if b is not None and self.planned.get(b, (kind,))[0] == kind:
             self.planned.setdefault(b, (kind, []))[1].append((leaf, grad))
-            self.waiting[b].discard(leaf._gt_serial)
+            self.waiting[b].discard(serial)
             if not self.waiting[b]:
                 self._send(kind, self.planned.pop(b)[1])
             return
@@ -176,7 +183,9 @@ class _Reducer:
             return
         flat = _flat_buffer(items)
         # Several partial axes reduce one after another; the first runs asynchronously.
-        work = comm.all_reduce_async(flat, placement.group(rank, axes[0]))
+        work = comm.all_reduce_async(flat, placement.group(rank, axes[0]),
+                                     what=f"gradient all-reduce of {len(items)} "
+                                          f"parameter(s) on {placement}")
         self.sent.append((kind, items, flat, work))
 
     def finish(self) -> None:

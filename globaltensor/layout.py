@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+import weakref
 from functools import lru_cache
 from typing import Sequence
 
@@ -89,8 +90,12 @@ class Layout:
         """The layout, checked and normalised; equal layouts come back as one object,
         so the hot paths can compare them with ``is``."""
         shape = tuple(int(s) for s in shape)
-        layout = Layout(shape, placement, normalize(sbp, placement.ndim, len(shape)))
-        return _interned.setdefault(layout, layout)
+        nd_sbp = normalize(sbp, placement.ndim, len(shape))
+        key = (shape, placement, nd_sbp)  # not the layout: a weak dict holds keys strongly
+        found = _interned.get(key)
+        if found is None:
+            _interned[key] = found = Layout(shape, placement, nd_sbp)
+        return found
 
     def with_sbp(self, sbp) -> "Layout":
         return Layout.make(self.shape, self.placement, sbp)
@@ -127,10 +132,12 @@ class Layout:
         return len({self.local_shape(r) for r in self.placement}) == 1
 
 
-_interned: dict = {}
+# Equal layouts as one object while any is alive (weak: shapes seen once, e.g. every
+# sequence length of a run, do not accumulate).
+_interned = weakref.WeakValueDictionary()
 
 
-@lru_cache(maxsize=65536)
+@lru_cache(maxsize=16384)
 def _region(shape, pshape, sbp, coord, axes) -> Region:
     offsets, sizes = [0] * len(shape), list(shape)
     for axis in range(axes):

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import sys
+import zlib
 
 import torch
 
@@ -185,18 +188,75 @@ def is_global(t) -> bool:
     return isinstance(t, GlobalTensor)
 
 
-def box(local: torch.Tensor, src: Layout, dst: Layout) -> torch.Tensor:
-    """This rank's local tensor of ``dst``, from its local tensor of ``src``."""
+def box(local: torch.Tensor, src: Layout, dst: Layout,
+        why: object = "to_global") -> torch.Tensor:
+    """This rank's local tensor of ``dst``, from its local tensor of ``src``.
+    ``why`` (an op, "to_global", ...) names the work in logs, errors and profiles."""
     rank = comm.get_rank()
     plan = plan_route(src, dst, local.element_size())
-    if env.debug_enabled() and plan.steps:
-        _log.warning("boxing on rank %d:\n%s", rank, plan)
     if not plan.steps:
         return local
-    out = execute(plan, local, rank)
+    if _log.isEnabledFor(logging.DEBUG):
+        _log.debug("rank %d boxes for %s:\n%s", rank, why, plan)
+    work = _Boxing(why, plan, local.dtype)
+    if comm.check_mode():
+        work.check(rank)
+    with comm.activity(work):
+        out = execute(plan, local, rank)
     if rank not in dst.placement:
         return empty_local(dst, local.dtype)
     return out
+
+
+class _Boxing:
+    """One boxing run, described only when asked (errors, profiler ranges, check mode)."""
+
+    def __init__(self, why, plan, dtype):
+        self.why, self.plan, self.dtype = why, plan, dtype
+
+    def __str__(self) -> str:
+        src, dst = self.plan.src, self.plan.dst
+        steps = ", ".join(str(s) for s in self.plan.steps)
+        return (f"{self.why}: boxing {tuple(src.shape)} {self.dtype} from {src.placement} "
+                f"{src.sbp} to {dst.placement} {dst.sbp} [{steps}]")
+
+    def check(self, rank: int) -> None:
+        """Check mode: every rank of both placements must be at the same boxing, from
+        the same line of the program, before any of them communicates."""
+        src, dst = self.plan.src, self.plan.dst
+        ranks = set(src.placement) | set(dst.placement)
+        if rank not in ranks:
+            return
+        what = f"{self} (called from {_call_site()})"
+        comm.agree(zlib.crc32(what.encode()), tuple(ranks), what)
+
+
+def _call_site() -> str:
+    """file:line of the innermost frame outside globaltensor and torch."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not any(part in name for part in _INTERNAL):
+            return f"{name}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
+
+
+_INTERNAL = (os.sep + "globaltensor" + os.sep, os.sep + "torch" + os.sep, "<frozen ")
+
+
+def _configure_debug_logging() -> None:
+    # GLOBALTENSOR_DEBUG=1 shows boxing at DEBUG level on stderr; otherwise the
+    # "globaltensor" logger is the program's to configure (logging.DEBUG shows the same).
+    if env.debug_enabled() and _log.level == logging.NOTSET:
+        _log.setLevel(logging.DEBUG)
+        if not _log.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("[globaltensor %(levelname)s] %(message)s"))
+            _log.addHandler(handler)
+
+
+_configure_debug_logging()
 
 
 class _ToGlobal(torch.autograd.Function):

@@ -188,7 +188,7 @@ def check_debug_tools():
         return set() if region is None else set(range(region.offsets[0],
                                                       region.offsets[0] + region.sizes[0]))
     needed = sum(len(rows(dst, r) - rows(src, r)) for r in range(n)) * 2 * 4
-    sent = sum(gt.comm.all_gather_object(stats.bytes["send"]))
+    sent = sum(v[0] for v in gt.comm.all_gather_ints([stats.bytes["send"]]))
     assert sent == needed, (sent, needed)
     assert stats.total_calls == stats.calls["send"]  # no collective on this route
     layout_text = gt.debug.show_layout(y, file=open(os.devnull, "w"))

@@ -45,7 +45,7 @@ def max_local_bytes(layout: Layout, itemsize: int) -> int:
     return _max_local_numel(layout) * itemsize
 
 
-@lru_cache(maxsize=65536)
+@lru_cache(maxsize=4096)
 def _max_local_numel(layout: Layout) -> int:
     return max(layout.region_at(c).numel for c in _coords(layout.placement.shape))
 
@@ -109,7 +109,7 @@ def _candidates(ndim: int) -> list[SbpParallel]:
     return [broadcast, Partial("sum"), Partial("max")] + [Split(d) for d in range(ndim)]
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=2048)
 def plan_boxing(src: Layout, dst: Layout, itemsize: int = 4) -> Plan | None:
     """The cheapest same-placement plan from ``src`` to ``dst``, or None when the
     per-axis steps cannot get there (the caller then uses the general route).

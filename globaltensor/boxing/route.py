@@ -82,7 +82,7 @@ def general_plan(src: Layout, dst: Layout, itemsize: int) -> Plan:
     return best
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=2048)
 def plan_route(src: Layout, dst: Layout, itemsize: int = 4) -> Plan:
     """The cheapest plan from ``src`` to ``dst``: per-axis collectives when both are on
     one placement, or the general point-to-point route, whichever costs less."""

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from . import stats
 from .groups import get_group, init
+from .guard import Waiting, guarded
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 # Renamed in recent torch; the old name still works but warns.
@@ -30,7 +31,8 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...]
         return
     stats.record("all_gather", _nbytes(inp) * (len(ranks) - 1))
     # Flat views: backends check the output as len(ranks) chunks of the input's shape.
-    _all_gather_single(out.view(-1), inp.contiguous().view(-1), group=get_group(ranks))
+    guarded("all_gather", ranks, lambda: _all_gather_single(
+        out.view(-1), inp.contiguous().view(-1), group=get_group(ranks)))
 
 
 def all_reduce_(t: torch.Tensor, reduce: str, ranks: tuple[int, ...]) -> None:
@@ -38,7 +40,8 @@ def all_reduce_(t: torch.Tensor, reduce: str, ranks: tuple[int, ...]) -> None:
     if len(ranks) == 1:
         return
     stats.record("all_reduce", 2 * _nbytes(t) * (len(ranks) - 1) // len(ranks))
-    dist.all_reduce(t, op=_REDUCE_OPS[reduce], group=get_group(ranks))
+    guarded("all_reduce", ranks,
+            lambda: dist.all_reduce(t, op=_REDUCE_OPS[reduce], group=get_group(ranks)))
 
 
 class _Done:
@@ -46,12 +49,15 @@ class _Done:
         pass
 
 
-def all_reduce_async(t: torch.Tensor, ranks: tuple[int, ...]):
-    """Start an in-place sum all-reduce; returns a handle with ``wait()``."""
+def all_reduce_async(t: torch.Tensor, ranks: tuple[int, ...], what: str = "all_reduce"):
+    """Start an in-place sum all-reduce; returns a handle with ``wait()`` (``what`` names
+    the work in an error)."""
     if len(ranks) == 1:
         return _Done()
     stats.record("all_reduce", 2 * _nbytes(t) * (len(ranks) - 1) // len(ranks))
-    return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=get_group(ranks), async_op=True)
+    work = guarded("all_reduce", ranks, lambda: dist.all_reduce(
+        t, op=dist.ReduceOp.SUM, group=get_group(ranks), async_op=True))
+    return Waiting("all_reduce", ranks, work, what)
 
 
 def all_gather_async(out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...],
@@ -62,8 +68,9 @@ def all_gather_async(out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...
         out.view(-1).copy_(inp.reshape(-1))
         return _Done()
     stats.record("all_gather", _nbytes(inp) * (len(ranks) - 1))
-    return _all_gather_single(out.view(-1), inp.contiguous().view(-1), group=get_group(ranks),
-                              async_op=True)
+    work = guarded("all_gather", ranks, lambda: _all_gather_single(
+        out.view(-1), inp.contiguous().view(-1), group=get_group(ranks), async_op=True))
+    return Waiting("all_gather", ranks, work, what)
 
 
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int],
@@ -75,8 +82,8 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence
         return
     me = ranks.index(dist.get_rank())
     stats.record("all_to_all", (sum(in_splits) - in_splits[me]) * inp.element_size())
-    dist.all_to_all_single(out, inp, list(out_splits), list(in_splits),
-                           group=get_group(ranks))
+    guarded("all_to_all", ranks, lambda: dist.all_to_all_single(
+        out, inp, list(out_splits), list(in_splits), group=get_group(ranks)))
 
 
 def broadcast_(t: torch.Tensor, src: int, ranks: tuple[int, ...]) -> None:
@@ -85,18 +92,18 @@ def broadcast_(t: torch.Tensor, src: int, ranks: tuple[int, ...]) -> None:
         return
     if dist.get_rank() == src:
         stats.record("broadcast", _nbytes(t) * (len(ranks) - 1))
-    dist.broadcast(t, src=src, group=get_group(ranks))
+    guarded("broadcast", ranks, lambda: dist.broadcast(t, src=src, group=get_group(ranks)))
 
 
 class P2PWork:
     """Posted sends and receives; ``wait()`` blocks until all are done."""
 
-    def __init__(self, works):
-        self._works = works
+    def __init__(self, works, peers=()):
+        self._works, self._peers = works, peers
 
     def wait(self) -> None:
         for work in self._works:
-            work.wait()
+            guarded("point-to-point transfer", self._peers, work.wait)
 
     def is_completed(self) -> bool:
         """True when every message is done (never blocks)."""
@@ -114,7 +121,9 @@ def start_p2p(sends: Sequence[tuple[torch.Tensor, int]],
     ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
     for t, _ in sends:
         stats.record(kind, _nbytes(t))
-    return P2PWork(dist.batch_isend_irecv(ops))
+    peers = sorted({dist.get_rank()} | {p for _, p in sends} | {p for _, p in recvs})
+    return P2PWork(guarded("point-to-point transfer", peers,
+                           lambda: dist.batch_isend_irecv(ops)), peers)
 
 
 def batched_p2p(sends: Sequence[tuple[torch.Tensor, int]],
@@ -123,17 +132,27 @@ def batched_p2p(sends: Sequence[tuple[torch.Tensor, int]],
     start_p2p(sends, recvs, kind).wait()
 
 
-def all_gather_object(obj, ranks: tuple[int, ...] | None = None) -> list:
-    """Every member's picklable ``obj``, in member order (whole world by default)."""
+def all_gather_ints(values: Sequence[int], ranks: tuple[int, ...] | None = None) -> list:
+    """Every member's list of integers (lengths may differ), in member order (the whole
+    world by default). Integers only: nothing from a peer is unpickled."""
     init()
     if ranks is None:
         ranks = tuple(range(dist.get_world_size()))
     if len(ranks) == 1:
-        return [obj]
-    out = [None] * len(ranks)
-    stats.record("all_gather_object", 0)
-    dist.all_gather_object(out, obj, group=get_group(ranks))
-    return out
+        return [list(values)]
+    group = get_group(ranks)
+    stats.record("all_gather", 8 * (len(values) + 1) * (len(ranks) - 1))
+    n = len(ranks)
+    lengths = torch.empty(n, dtype=torch.int64)
+    guarded("all_gather", ranks, lambda: _all_gather_single(
+        lengths, torch.tensor([len(values)], dtype=torch.int64), group=group))
+    width = max(int(lengths.max()), 1)
+    mine = torch.zeros(width, dtype=torch.int64)
+    mine[:len(values)] = torch.tensor(list(values), dtype=torch.int64)
+    out = torch.empty(n * width, dtype=torch.int64)
+    guarded("all_gather", ranks, lambda: _all_gather_single(out, mine, group=group))
+    rows = out.view(n, width).tolist()
+    return [row[:k] for row, k in zip(rows, lengths.tolist())]
 
 
 _rank: int | None = None

@@ -9,8 +9,11 @@ they are broadcast.
 """
 from __future__ import annotations
 
+import zlib
+
 import torch
 
+from .. import comm
 from ..sbp import Split, broadcast, partial_max, partial_sum
 from ..tensor import GlobalTensor, from_full
 from . import register, register_decomposition
@@ -116,6 +119,16 @@ def copy_from_whole_value(dst, src, non_blocking=False):
     if not _broadcasts_to(tuple(src.shape), tuple(dst.shape)):
         raise ValueError(f"copy_: a plain source of shape {tuple(src.shape)} does not "
                          f"broadcast to the GlobalTensor's global shape {tuple(dst.shape)}")
+    if comm.check_mode() and comm.get_rank() in dst.placement:
+        # Check mode: the "whole value" must be the same on every rank of the placement
+        # (a state dict loaded from per-rank files may not be).
+        value = src.detach().cpu().contiguous()
+        fingerprint = zlib.crc32(value.reshape(-1).view(torch.uint8).numpy().tobytes()) \
+            if value.numel() else 0
+        comm.agree(fingerprint, tuple(dst.placement),
+                   f"copy_ of a plain whole value of shape {tuple(src.shape)} into a "
+                   f"GlobalTensor on {dst.placement} (e.g. load_state_dict)",
+                   "hold different values: each rank must pass the same whole value")
     return dst.copy_(from_full(src.expand(dst.shape), dst.layout_))
 
 

@@ -1,0 +1,123 @@
+"""What a collective was for, so a failure or a hang says so, and the check mode.
+
+``activity(what)`` names the work in progress (an op, a boxing plan, a gradient
+bucket); a collective that fails (a peer never joined within GLOBALTENSOR_TIMEOUT, or
+died) re-raises as ``CollectiveError`` naming that work, the collective and its ranks,
+instead of gloo's bare "Timed out waiting 5000ms for recv". While the torch profiler
+runs, the same names mark ranges in its trace.
+
+``agree(fingerprint, ranks, what)``: the check mode's exchange before communicating.
+Every involved rank contributes one integer (a hash of the plan, dtype and call site);
+if they differ, every rank raises naming the ranks that disagree.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .. import env
+
+_doing: list = []  # descriptions (str or objects with __str__), innermost last
+_checking = 0      # open check_consistency() contexts
+
+
+def check_mode() -> bool:
+    """True under GLOBALTENSOR_DEBUG=1 or inside ``gt.debug.check_consistency()``."""
+    return _checking > 0 or env.debug_enabled()
+
+
+@contextlib.contextmanager
+def checking():
+    global _checking
+    _checking += 1
+    try:
+        yield
+    finally:
+        _checking -= 1
+
+
+class CollectiveError(RuntimeError):
+    """A collective that did not complete: a peer never joined it in time, or failed."""
+
+
+class DivergenceError(RuntimeError):
+    """Ranks that must run the same communication reached different ones."""
+
+
+@contextlib.contextmanager
+def activity(what: object):
+    """Name the work that the collectives inside belong to (``what`` is formatted only
+    when needed: on an error, or for a profiler range)."""
+    _doing.append(what)
+    rf = None
+    if torch._C._autograd._profiler_enabled():
+        rf = torch.autograd.profiler.record_function(f"globaltensor: {what}")
+        rf.__enter__()
+    try:
+        yield
+    finally:
+        if rf is not None:
+            rf.__exit__(None, None, None)
+        _doing.pop()
+
+
+def describe() -> str:
+    return " <- ".join(str(w) for w in reversed(_doing)) or "a direct collective call"
+
+
+def guarded(kind: str, ranks, run: Callable):
+    """``run()``, re-raising a backend failure with what it was for."""
+    try:
+        return run()
+    except (RuntimeError, dist.DistError) as e:
+        if isinstance(e, (CollectiveError, DivergenceError)):
+            raise
+        raise collective_error(kind, ranks, e) from e
+
+
+def collective_error(kind: str, ranks, cause: BaseException) -> CollectiveError:
+    first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    return CollectiveError(
+        f"globaltensor: {kind} among ranks {list(ranks)} did not complete on rank "
+        f"{dist.get_rank()} while doing: {describe()}. A rank of the group did not join it "
+        f"within GLOBALTENSOR_TIMEOUT={env.timeout_seconds():g} s or failed (every rank of "
+        f"a placement must run the same ops: SPMD; GLOBALTENSOR_DEBUG=1 checks this before "
+        f"communicating). Backend error: {first}")
+
+
+class Waiting:
+    """A started collective's handle whose ``wait()`` names the work on failure."""
+
+    def __init__(self, kind: str, ranks, work, what: str):
+        self.kind, self.ranks, self.work, self.what = kind, ranks, work, what
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        with activity(self.what):
+            guarded(self.kind, self.ranks, self.work.wait)
+
+
+_ELSEWHERE = ("reached a different communication (another op, layout, dtype or line). "
+              "Every rank of a placement must run the same ops.")
+
+
+def agree(fingerprint: int, ranks: tuple[int, ...], what: str, differ: str = _ELSEWHERE) -> None:
+    """Raise ``DivergenceError`` on every member unless all members of ``ranks`` pass
+    the same ``fingerprint`` (sorted ``ranks``: one group whatever the order)."""
+    from .groups import get_group
+    members = tuple(sorted(ranks))
+    if len(members) == 1:
+        return
+    mine = torch.tensor([fingerprint & (2**63 - 1)], dtype=torch.int64)
+    everyone = torch.empty(len(members), dtype=torch.int64)
+    with activity(f"check mode: comparing {what}"):
+        guarded("check-mode all_gather", members, lambda: dist.all_gather_into_tensor(
+            everyone, mine, group=get_group(members)))
+    others = [r for r, f in zip(members, everyone.tolist()) if f != mine.item()]
+    if others:
+        raise DivergenceError(f"globaltensor check mode: rank {dist.get_rank()} is at {what}, "
+                              f"but ranks {others} (of {list(members)}) {differ}")

@@ -1,0 +1,147 @@
+"""Dispatch over long runs and in user programs: the decision cache stays bounded,
+layouts the dispatcher picks keep annotated weights in place, plain operands under
+``gt.implicit_broadcast()``, gradient buffers die with their model."""
+from __future__ import annotations
+
+import pytest
+
+from mp import World
+
+
+def check_cache_bounded_over_long_run():
+    # AdamW's bias corrections and a scheduler's lr are new floats every step: keyed by
+    # value they added one cache entry per parameter per step (864 -> 9384 in 2000 steps).
+    import torch
+    import globaltensor as gt
+    from globaltensor import dispatch
+    P = gt.placement("cpu", [0, 1])
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    gt.nn.to_global(m, P, gt.sbp.broadcast)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.999)
+    x = gt.randn(4, 6, placement=P, sbp=gt.sbp.split(0))
+    sizes = []
+    for step in range(1000):
+        m(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        sizes.append(len(dispatch._cache) + len(dispatch._by_value))
+    assert sizes[-1] == sizes[20], (sizes[20], sizes[-1])
+
+
+def check_cache_and_layouts_bounded_over_many_shapes():
+    import gc
+    import globaltensor as gt
+    from globaltensor import dispatch, layout
+    P = gt.placement("cpu", [0, 1])
+    saved = dispatch.CACHE_SIZE
+    dispatch.CACHE_SIZE = 64
+    try:
+        w = gt.randn(8, 8, placement=P, sbp=gt.sbp.broadcast)
+        for length in range(1, 301):  # every sequence length of a run
+            x = gt.randn(length, 8, placement=P, sbp=gt.sbp.split(0))
+            (x @ w).relu().sum()
+        assert len(dispatch._cache) <= 64 and len(dispatch._by_value) <= 64
+        # The plan caches are LRU caches of fixed size; beyond them (and the decisions
+        # kept) nothing holds a layout: the intern table kept one per shape ever seen.
+        from globaltensor.boxing import plan, route
+        route.plan_route.cache_clear()
+        plan.plan_boxing.cache_clear()
+        plan._max_local_numel.cache_clear()
+        gc.collect()
+        assert len(layout._interned) < 300, len(layout._interned)
+    finally:
+        dispatch.CACHE_SIZE = saved
+
+
+def check_gradient_buffers_die_with_their_model():
+    import gc
+    import torch
+    import globaltensor as gt
+    from globaltensor import gradsync
+    P = gt.placement("cpu", [0, 1])
+    x = gt.randn(4, 16, placement=P, sbp=gt.sbp.split(0))
+    for _ in range(5):
+        m = gt.nn.to_global(torch.nn.Linear(16, 16), P, gt.sbp.broadcast)
+        m(x).sum().backward()
+        assert m.weight.grad.sbp == (gt.sbp.broadcast,)
+    del m
+    gc.collect()
+    assert len(gradsync._buffers) == 0, len(gradsync._buffers)
+
+
+def check_megatron_layout_keeps_weights_in_place():
+    # The README's recipe: annotate parameters only. The vocab-parallel embedding's
+    # partial output reaches LayerNorm, then fc1 (column-split weight): the activation
+    # must be gathered, not the weight (which would make the layer data parallel with
+    # gathered weights, and reduce their gradients every step).
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    import globaltensor as gt
+    P, B, S = gt.placement("cpu", [0, 1]), gt.sbp.broadcast, gt.sbp.split
+    torch.manual_seed(0)
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.ln = nn.Embedding(64, 16), nn.LayerNorm(16)
+            self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    m = MLP()
+    ref = {k: v.clone() for k, v in m.state_dict().items()}
+    sbps = {"emb.weight": S(0), "fc1.weight": S(0), "fc1.bias": S(0), "fc2.weight": S(1)}
+    gt.nn.to_global(m, P, lambda name, t: sbps.get(name, B))
+    ids = torch.randint(0, 64, (64, 64))
+    h = m.ln(m.emb(gt.tensor(ids, placement=P, sbp=B)))
+    with gt.debug.comm_stats() as stats:
+        a = m.fc1(h)
+    assert a.sbp == (S(2),), a.sbp
+    assert stats.bytes["all_to_all"] == 0, stats
+    h_local = h.to_local()
+    if h.sbp != (B,):  # the activation was gathered: its bytes, nothing else
+        assert stats.bytes["all_gather"] == h_local.numel() * 4, (stats, h.sbp)
+    out = m.fc2(F.gelu(a))
+    plain = MLP()
+    plain.load_state_dict(ref)
+    want = plain.fc2(F.gelu(plain.fc1(plain.ln(plain.emb(ids)))))
+    torch.testing.assert_close(out.full(), want, rtol=1e-5, atol=1e-5)
+
+
+def check_implicit_broadcast_of_plain_operands():
+    import torch
+    import torch.nn.functional as F
+    import globaltensor as gt
+    P = gt.placement("cpu", [0, 1])
+    table = torch.randn(10, 4, generator=torch.Generator().manual_seed(1))
+    emb = gt.tensor(table, placement=P, sbp=gt.sbp.split(0))
+    pos = torch.arange(6)
+    with pytest.raises(ValueError, match="implicit_broadcast"):
+        F.embedding(pos, emb)
+    with gt.implicit_broadcast():
+        out = F.embedding(pos, emb)
+        bias = emb + torch.ones(10, 4)
+    torch.testing.assert_close(out.full(), F.embedding(pos, table))
+    torch.testing.assert_close(bias.full(), table + 1)
+    differs = torch.full((10, 4), float(gt.get_rank()))
+    with gt.implicit_broadcast(), gt.debug.check_consistency():
+        with pytest.raises(gt.debug.DivergenceError, match="plain operand"):
+            emb + differs
+
+
+CHECKS = ["check_cache_bounded_over_long_run", "check_cache_and_layouts_bounded_over_many_shapes",
+          "check_gradient_buffers_die_with_their_model",
+          "check_megatron_layout_keeps_weights_in_place",
+          "check_implicit_broadcast_of_plain_operands"]
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return World(2, __name__, CHECKS, timeout=240)
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_world2(world2, name):
+    world2.check(name)
