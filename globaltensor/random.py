@@ -110,7 +110,9 @@ def _bits(shape, region: Region, draw, streams: int, write: Callable, out: torch
     for s in range(streams):
         mult, offset, high = _keys(draw, s)
         steps = [(mult * st) & _MASK32 for st in strides]
-        tail = _tail(shape, region, range(k + 1, ndim), steps, device) if inner > 1 else None
+        # Trailing dims add their offsets even when their part is one element wide.
+        tail = _tail(shape, region, range(k + 1, ndim), steps, device) if k + 1 < ndim \
+            else None
         keyed.append((steps, tail, offset, high))
     lead = region.sizes[:k]
     size_k = region.sizes[k] if ndim else 1
