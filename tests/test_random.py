@@ -21,6 +21,8 @@ def whole(shape):
     ((2, 3, 4, 5), Region((1, 0, 2, 1), (1, 3, 2, 4))),
     ((2, 3, 9000), Region((0, 1, 100), (2, 2, 8000))),
     ((6,), Region((6,), (0,))),                        # an empty part
+    ((7, 5), Region((0, 3), (7, 1))),                  # one column: inner size 1
+    ((4, 3, 2), Region((1, 2, 1), (2, 1, 1))),
 ])
 @pytest.mark.parametrize("kind,dtype,params", [
     ("uniform", torch.float32, {}), ("normal", torch.float64, {}),
