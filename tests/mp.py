@@ -93,7 +93,8 @@ class World:
                         self._deadline = time.monotonic() + self.timeout
                 else:
                     self.errors[name] = f"rank {rank}:\n{err}"
-        except BaseException:
+        except BaseException:       # e.g. the test's own timeout: the world is over
+            self.errors.setdefault("<interrupted>", "the test process stopped waiting")
             self.close()
             raise
         if self._received == expected or self.errors:

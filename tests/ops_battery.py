@@ -3,11 +3,19 @@ them and on plain tensors, compare values, gradients and metadata; and the share
 worlds the family files (tests/test_ops_*.py) run their checks in.
 
 A family file defines ``check_*`` functions (run inside spawned processes) and gets its
-tests from ``battery_tests``. Every family runs in a world of 2 (placements of all
-ranks: [0, 1], [1, 0]) and a world of 4 (all ranks, reversed, and the 2x2 mesh, with
-fewer combinations per case: four processes share two cores). The checks of every
-collected family file share one spawned world per size, and one world runs at a time
-(a test that starts a world first lets the other finish: its duration includes that).
+tests from ``battery_tests``. Every family runs in three worlds:
+
+- a world of 2, placements of all ranks ([0, 1], [1, 0]);
+- a world of 4: all ranks, reversed, and the 2x2 mesh (fewer combinations per case:
+  four processes share two cores);
+- a world of 3 whose placements leave a rank out ([0, 1], and [2, 1] without rank 0):
+  the bystander run. A rank outside the placement runs the same program and holds
+  nothing; there its outputs and gradients must still be GlobalTensors with the
+  members' metadata, and ``.full()`` (a collective of the whole world) the right value.
+
+The checks of every collected family file share one spawned world per size, and one
+world runs at a time (a test that starts a world first lets the other finish: its
+duration includes that).
 
 Inside a check, a value, gradient or metadata mismatch is recorded and the check goes on
 with its other cases, then fails listing every mismatch (all ranks take the same path,
@@ -87,10 +95,11 @@ def nd(s, placement):
 
 
 def _coord(placement, rank):
-    """The rank's index in the placement's hierarchy (from the public ``ranks``)."""
+    """The rank's index in the placement's hierarchy (from the public ``ranks``); None
+    outside the placement."""
     ranks = placement.ranks
     if placement.ndim == 1:
-        return (ranks.index(rank),)
+        return (ranks.index(rank),) if rank in ranks else None
     for i, row in enumerate(ranks):
         if rank in row:
             return (i, row.index(rank))
@@ -110,7 +119,7 @@ def make_global(value, placement, sbp, requires_grad=False):
         local = x.to_local()
         coord = _coord(placement, rank)
         eps = 1.0
-        for axis, s in enumerate(axes):
+        for axis, s in enumerate(axes if coord is not None else ()):   # else: no part
             if s == P:
                 eps *= coord[axis] - (placement.shape[axis] - 1) / 2
         # dyadic noise: integer-valued data keeps exact sums (for ==)
@@ -130,9 +139,13 @@ def as_tuple(s):
 def placements(limit1=8, limit_rev=2, limit2=4):
     """(placement, how many sbp combinations to run on it): ``line()`` and
     ``line(reverse=True)``, and the 2x2 mesh in the world of 4. Four processes share the
-    cores: the world of 4 runs fewer combinations on each."""
+    cores: the world of 4 runs fewer combinations on each, and so does the bystander
+    world on [0, 1]."""
+    rev = [(line(reverse=True), limit_rev)] if limit_rev else []
+    if gt.get_world_size() == BYSTANDER_WORLD:     # the world of 2 runs the combinations
+        return [(line(), -(-limit1 // 2))] + rev
     if gt.get_world_size() != 4:
-        return [(line(), limit1)] + ([(line(reverse=True), limit_rev)] if limit_rev else [])
+        return [(line(), limit1)] + rev
     out = [(line(), -(-limit1 // 2))]
     if limit_rev >= 2:
         out.append((line(reverse=True), limit_rev - 1))
@@ -423,10 +436,13 @@ def battery_tests(module: str, checks: list, bystander_checks: list = ()):
     """The tests of a family file: ``checks`` (names of functions in ``module``) in the
     world of 2, the world of 4 and the bystander world of 3; ``bystander_checks`` (which
     place tensors on part of the world themselves) in the worlds of 3 and 4. Use as
-    ``test_world2, test_world4 = battery_tests(__name__, CHECKS)``."""
+    ``test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)``."""
     import pytest
 
     def tests_in(n, names):
+        # the test that starts a world first waits for the other world's remaining
+        # checks; hangs are bounded per check (CHECK_TIMEOUT, collectives sooner)
+        @pytest.mark.timeout(1800)
         @pytest.mark.parametrize("name", names)
         def test(name, request):
             _shared_worlds(n, request).check(f"{module}:{name}")
@@ -435,4 +451,5 @@ def battery_tests(module: str, checks: list, bystander_checks: list = ()):
         return test
 
     more = list(bystander_checks)
-    return tests_in(2, list(checks)), tests_in(4, list(checks) + more)
+    return tests_in(2, list(checks)), tests_in(4, list(checks) + more), \
+        tests_in(BYSTANDER_WORLD, list(checks) + more)

@@ -2,7 +2,7 @@
 scatter_add, padding, slicing backward with split gradients) and fused attention
 (batch or head split stays local; with dropout the value does not depend on the layout).
 
-Run in the shared worlds of tests/ops_battery.py (2 and 4)."""
+Run in the shared worlds of tests/ops_battery.py (2, 4, and 3 with bystanders)."""
 from __future__ import annotations
 
 import torch
@@ -83,4 +83,4 @@ def check_along_dim_and_attention():
 
 
 CHECKS = ["check_along_dim_and_attention"]
-test_world2, test_world4 = battery_tests(__name__, CHECKS)
+test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)

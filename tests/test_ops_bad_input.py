@@ -1,7 +1,7 @@
 """Bad input: operands on different placements and multi-element plain tensors raise
 ValueError naming the problem (one-element plain tensors are fine).
 
-Run in the shared worlds of tests/ops_battery.py (2 and 4)."""
+Run in the shared worlds of tests/ops_battery.py (2, 4, and 3 with bystanders)."""
 from __future__ import annotations
 
 import torch
@@ -44,4 +44,4 @@ def check_bad_input():
 
 
 CHECKS = ["check_bad_input"]
-test_world2, test_world4 = battery_tests(__name__, CHECKS)
+test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)

@@ -1,7 +1,7 @@
 """Embedding lookups (row-split, i.e. vocab-parallel, tables; padding_idx; repeated
 indices accumulate their gradient).
 
-Run in the shared worlds of tests/ops_battery.py (2 and 4)."""
+Run in the shared worlds of tests/ops_battery.py (2, 4, and 3 with bystanders)."""
 from __future__ import annotations
 
 import torch.nn.functional as F
@@ -25,4 +25,4 @@ def check_embedding():
 
 
 CHECKS = ["check_embedding"]
-test_world2, test_world4 = battery_tests(__name__, CHECKS)
+test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)

@@ -1,6 +1,6 @@
 """Factory-likes (zeros_like, new_full, empty_like, ...), clone, detach and dtype casts.
 
-Run in the shared worlds of tests/ops_battery.py (2 and 4)."""
+Run in the shared worlds of tests/ops_battery.py (2, 4, and 3 with bystanders)."""
 from __future__ import annotations
 
 import torch
@@ -71,4 +71,4 @@ def check_likes_and_casts():
 
 
 CHECKS = ["check_likes_and_casts"]
-test_world2, test_world4 = battery_tests(__name__, CHECKS)
+test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)

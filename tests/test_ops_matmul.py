@@ -1,7 +1,7 @@
 """The matmul family: @, mm, bmm, batched matmul, F.linear, addmm, baddbmm, matrix-vector;
 and the output sbp of x @ w before any boxing (DESIGN.md's matmul signatures).
 
-Run in the shared worlds of tests/ops_battery.py (2 and 4)."""
+Run in the shared worlds of tests/ops_battery.py (2, 4, and 3 with bystanders)."""
 from __future__ import annotations
 
 import torch
@@ -57,4 +57,4 @@ def check_matmul():
 
 
 CHECKS = ["check_matmul"]
-test_world2, test_world4 = battery_tests(__name__, CHECKS)
+test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)

@@ -1,7 +1,7 @@
 """Normalisation (layer_norm, group_norm, batch_norm with running stats), convolution
 and pooling.
 
-Run in the shared worlds of tests/ops_battery.py (2 and 4)."""
+Run in the shared worlds of tests/ops_battery.py (2, 4, and 3 with bystanders)."""
 from __future__ import annotations
 
 import torch.nn.functional as F
@@ -66,4 +66,4 @@ def check_norm_conv_pool():
 
 
 CHECKS = ["check_norm_conv_pool"]
-test_world2, test_world4 = battery_tests(__name__, CHECKS)
+test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)

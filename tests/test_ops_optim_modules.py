@@ -1,7 +1,7 @@
 """Optimizers (SGD, Adam foreach and for-loop, AdamW) and clip_grad_norm_ on global
 modules: the same parameters and gradients as single-process torch.
 
-Run in the shared worlds of tests/ops_battery.py (2 and 4)."""
+Run in the shared worlds of tests/ops_battery.py (2, 4, and 3 with bystanders)."""
 from __future__ import annotations
 
 import copy
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import globaltensor as gt
 
 from ops_battery import (B, S, as_tuple, battery_tests, checked, close, expect, guard,
-                         line, mesh, randn)
+                         line, mesh, randint, randn, same_on_every_rank)
 
 
 def _mlp():
@@ -100,5 +100,43 @@ def check_optimizers_and_modules():
                   lambda: _clip(name, placement, sbp, data_sbp, foreach))
 
 
+def _megatron(name, t):
+    """The MLP below in Megatron's layout: the first Linear column-split (weight and
+    bias split(0)), the second row-split (weight split(1)), the rest broadcast."""
+    return {"1.weight": S(0), "1.bias": S(0), "3.weight": S(1)}.get(name, B)
+
+
+@checked
+def check_megatron_mlp_on_ranks_0_1():
+    """Issue 10's reproduction: a Megatron MLP and its data on [0, 1] of a larger world;
+    forward, cross_entropy and backward on every rank. The ranks outside [0, 1] raised
+    (native_layer_norm_backward's None outputs) and left ranks 0 and 1 waiting."""
+    p = gt.placement("cpu", [0, 1])
+    where = f"[world {gt.get_world_size()}] Megatron MLP on [0, 1]"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(10)
+        ref = torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 32),
+                                  torch.nn.GELU(), torch.nn.Linear(32, 10))
+    model = gt.nn.to_global(copy.deepcopy(ref), p, _megatron)
+    X, Y = randn((8, 16), "megX", dtype=torch.float32), randint(10, (8,), "megY")
+
+    def forward_backward():
+        loss = F.cross_entropy(model(gt.tensor(X, placement=p, sbp=B)),
+                               gt.tensor(Y, placement=p, sbp=B))
+        loss.backward()
+        ref_loss = F.cross_entropy(ref(X), Y)
+        ref_loss.backward()
+        same_on_every_rank(f"{where} loss", [loss])
+        close(loss.full(), ref_loss.detach(), f"{where} loss", 1e-5, 1e-6)
+        same_on_every_rank(f"{where} gradients", [q.grad for q in model.parameters()])
+        for (name, got), (_, want) in zip(model.named_parameters(), ref.named_parameters()):
+            expect(got.grad.placement == p and got.grad.sbp == got.sbp,
+                   f"{where} grad of {name}: {got.grad.sbp} on {got.grad.placement.ranks}")
+            close(got.grad.full(), want.grad, f"{where} grad of {name}", 1e-5, 1e-6)
+
+    guard(where, forward_backward)
+
+
 CHECKS = ["check_optimizers_and_modules"]
-test_world2, test_world4 = battery_tests(__name__, CHECKS)
+test_world2, test_world4, test_bystanders = battery_tests(
+    __name__, CHECKS, bystander_checks=["check_megatron_mlp_on_ranks_0_1"])

@@ -1,7 +1,7 @@
 """Pointwise ops on GlobalTensors: binary ops with broadcasting, scalars and one-element
 plain operands, unary ops, where, in-place ops, comparisons.
 
-Run in the shared worlds of tests/ops_battery.py (2 and 4)."""
+Run in the shared worlds of tests/ops_battery.py (2, 4, and 3 with bystanders)."""
 from __future__ import annotations
 
 import torch
@@ -67,4 +67,4 @@ def check_pointwise():
 
 
 CHECKS = ["check_pointwise"]
-test_world2, test_world4 = battery_tests(__name__, CHECKS)
+test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)

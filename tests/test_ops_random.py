@@ -1,7 +1,7 @@
 """Dropout and random-like ops: masks placement-invariant and reproducible from
 gt.manual_seed, independent per split part, gradients through the mask.
 
-Run in the shared worlds of tests/ops_battery.py (2 and 4)."""
+Run in the shared worlds of tests/ops_battery.py (2, 4, and 3 with bystanders)."""
 from __future__ import annotations
 
 import torch
@@ -113,4 +113,4 @@ def check_dropout_and_random():
 
 
 CHECKS = ["check_dropout_and_random"]
-test_world2, test_world4 = battery_tests(__name__, CHECKS)
+test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)

@@ -2,7 +2,7 @@
 over all dims or some, keepdim, on dims smaller than the rank count; a reduced split
 dim gives a partial.
 
-Run in the shared worlds of tests/ops_battery.py (2 and 4)."""
+Run in the shared worlds of tests/ops_battery.py (2, 4, and 3 with bystanders)."""
 from __future__ import annotations
 
 import torch
@@ -54,4 +54,4 @@ def check_reductions():
 
 
 CHECKS = ["check_reductions"]
-test_world2, test_world4 = battery_tests(__name__, CHECKS)
+test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)

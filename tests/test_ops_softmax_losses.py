@@ -1,7 +1,7 @@
 """Softmax and log_softmax over every dim, cross_entropy (vocab-parallel logits, ignore_index,
 label smoothing, (N, C, d) inputs), nll_loss, mse_loss and the elementwise losses.
 
-Run in the shared worlds of tests/ops_battery.py (2 and 4)."""
+Run in the shared worlds of tests/ops_battery.py (2, 4, and 3 with bystanders)."""
 from __future__ import annotations
 
 import torch.nn.functional as F
@@ -55,4 +55,4 @@ def check_softmax_and_losses():
 
 
 CHECKS = ["check_softmax_and_losses"]
-test_world2, test_world4 = battery_tests(__name__, CHECKS)
+test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)

@@ -2,7 +2,7 @@
 permute, unsqueeze/squeeze, expand, indexing and slicing, split/chunk/unbind, cat,
 stack, contiguous.
 
-Run in the shared worlds of tests/ops_battery.py (2 and 4)."""
+Run in the shared worlds of tests/ops_battery.py (2, 4, and 3 with bystanders)."""
 from __future__ import annotations
 
 import torch
@@ -65,4 +65,4 @@ def check_views():
 
 
 CHECKS = ["check_views"]
-test_world2, test_world4 = battery_tests(__name__, CHECKS)
+test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)
