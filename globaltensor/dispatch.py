@@ -192,12 +192,32 @@ _special: dict = {}
 def _special_handler(func):
     """What runs instead of the rule path: a _foreach loop, a value op, or a
     decomposition (which may decline with NotImplemented)."""
-    if func.overloadpacket.__name__.startswith("_foreach_"):
+    if any(a.is_out for a in func._schema.arguments):
+        return _out_variant(func)
+    decomposition = lookup_decomposition(func)
+    if func.overloadpacket.__name__.startswith("_foreach_") and decomposition is None:
         return lambda *args, **kwargs: _foreach(func, args, kwargs)
     if func in _VALUE_OPS:
         return _VALUE_OPS[func]
-    decomposition = lookup_decomposition(func)
     return _NORMAL if decomposition is None else decomposition
+
+
+def _out_variant(func):
+    """``op(..., out=o)``: the functional op computed globally, then copied into ``o``,
+    which keeps its layout (the rule path would write a boxed copy of ``o``)."""
+    names = [a.name for a in func._schema.arguments if a.is_out]
+
+    def run(*args, **kwargs):
+        outs = [kwargs.pop(name) for name in names]
+        result = func.overloadpacket(*args, **kwargs)
+        results = result if isinstance(result, (tuple, list)) else (result,)
+        for o, r in zip(outs, results):
+            if tuple(o.shape) != tuple(r.shape):
+                raise ValueError(f"{func}: out= has shape {tuple(o.shape)}, the result "
+                                 f"{tuple(r.shape)}; a GlobalTensor out= is not resized")
+            o.copy_(r)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+    return run
 
 
 # _foreach ops pass as a trailing positional argument what the per-tensor op takes as

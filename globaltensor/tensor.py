@@ -158,10 +158,30 @@ class GlobalTensor(torch.Tensor):
         return to_dtensor(self)
 
     @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # A few torch functions build plain helper tensors or draw random numbers inside
+        # their kernels; they are computed from global ops instead (rules/functional.py).
+        override = _FUNCTION_OVERRIDES.get(func)
+        if override is not None:
+            out = override(*args, **(kwargs or {}))
+            if out is not NotImplemented:
+                return out
+        return super().__torch_function__(func, types, args, kwargs)
+
+    @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if _dispatcher is None:
             raise RuntimeError("globaltensor.dispatch is not loaded; import globaltensor")
         return _dispatcher(func, types, args, kwargs or {})
+
+
+_FUNCTION_OVERRIDES: dict = {}
+
+
+def override_function(func, fn) -> None:
+    """Run ``fn(*args, **kwargs)`` for the torch function ``func`` when a GlobalTensor
+    is among its arguments (``fn`` may decline with NotImplemented)."""
+    _FUNCTION_OVERRIDES[func] = fn
 
 
 def _accept_in_foreach_paths() -> None:
@@ -188,9 +208,10 @@ def is_global(t) -> bool:
     return isinstance(t, GlobalTensor)
 
 
-def box(local: torch.Tensor, src: Layout, dst: Layout,
+def box(local: torch.Tensor, src: Layout, dst: Layout, donate: bool = False,
         why: object = "to_global") -> torch.Tensor:
-    """This rank's local tensor of ``dst``, from its local tensor of ``src``.
+    """This rank's local tensor of ``dst``, from its local tensor of ``src``; with
+    ``donate``, ``local`` is a temporary that boxing may overwrite (reduce in place).
     ``why`` (an op, "to_global", ...) names the work in logs, errors and profiles."""
     rank = comm.get_rank()
     plan = plan_route(src, dst, local.element_size())
@@ -202,7 +223,7 @@ def box(local: torch.Tensor, src: Layout, dst: Layout,
     if comm.check_mode():
         work.check(rank)
     with comm.activity(work):
-        out = execute(plan, local, rank)
+        out = execute(plan, local, rank, donate)
     if rank not in dst.placement:
         return empty_local(dst, local.dtype)
     return out
@@ -303,21 +324,23 @@ def gradient_layout(layout: Layout) -> Layout:
         _broadcast() if a in layout.partial_axes else s for a, s in enumerate(layout.sbp)))
 
 
-def to_layout(x, layout: Layout) -> GlobalTensor:
+def to_layout(x, layout: Layout, donate: bool = False) -> GlobalTensor:
     """``x`` boxed to ``layout``, not recorded by autograd (gradients arrive in any
-    layout; code below autograd moves tensors with this too)."""
+    layout; code below autograd moves tensors with this too). ``donate``: ``x`` is a
+    temporary no one else holds, whose memory boxing may reuse."""
     if not isinstance(x, GlobalTensor):
         raise TypeError(f"expected a GlobalTensor, got {type(x).__name__}")
     if x._layout == layout:
         return x
-    return GlobalTensor(box(x._local, x._layout, layout), layout)
+    return GlobalTensor(box(x._local, x._layout, layout, donate), layout)
 
 
-def relayout(x: GlobalTensor, sbp, placement: Placement | None = None) -> GlobalTensor:
+def relayout(x: GlobalTensor, sbp, placement: Placement | None = None,
+             donate: bool = False) -> GlobalTensor:
     """``x`` boxed to ``sbp`` (and ``placement``) without recording autograd: for code
     that already runs below autograd, such as decompositions inside dispatch."""
     placement = x.placement if placement is None else placement
-    return to_layout(x, Layout.make(x.shape, placement, sbp))
+    return to_layout(x, Layout.make(x.shape, placement, sbp), donate)
 
 
 def wrap_local(t: torch.Tensor, layout: Layout, requires_grad: bool = False) -> GlobalTensor:

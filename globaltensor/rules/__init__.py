@@ -135,7 +135,17 @@ def lookup(func):
 
 
 def lookup_decomposition(func):
-    return _get(_DECOMPOSITIONS, func)
+    """The decomposition of an op, if any. An op without a rule that torch itself
+    defines by other ops (CompositeImplicitAutograd: linear, matmul, ... which reach
+    dispatch undecomposed under ``torch.inference_mode()``) runs as those ops, so
+    their rules apply instead of the broadcast fallback."""
+    found = _get(_DECOMPOSITIONS, func)
+    if found is None and _get(_RULES, func) is None and not _is_pointwise(func) \
+            and not func.overloadpacket.__name__.startswith("_foreach_") \
+            and torch._C._dispatch_has_kernel_for_dispatch_key(
+                func.name(), torch._C.DispatchKey.CompositeImplicitAutograd):
+        return func.decompose
+    return found
 
 
 def _is_pointwise(func) -> bool:
@@ -143,5 +153,6 @@ def _is_pointwise(func) -> bool:
     return torch.Tag.pointwise in func.tags
 
 
-from . import (along_dim, attention, conv, embedding, like, matmul, norm,  # noqa: E402,F401
-               pointwise, random, reduction, softmax, view)  # (registration)
+from . import (along_dim, attention, complex, conv, embedding, functional,  # noqa: E402,F401
+               like, matmul, norm, optim, pointwise, random, reduction, resample, softmax,
+               view)  # (registration)

@@ -1,39 +1,83 @@
-"""Fused scaled-dot-product attention (what F.scaled_dot_product_attention runs on CPU).
+"""Fused scaled-dot-product attention kernels: the CPU flash kernel, and the CUDA
+flash, memory-efficient and cuDNN kernels, forward and backward.
 
 Query, key and value are (batch, heads, sequence, head dim). Attention mixes positions
 of one sequence only, so a split on the batch or the heads dim stays local (data
-parallel, and Megatron-style head parallel); the output and the log-sum-exp it saves
-for backward keep that split. A split sequence (context parallel) is gathered.
+parallel, and Megatron-style head parallel): every tensor argument and output that
+has that dim (q, k, v, the output, the log-sum-exp, a full-size attention bias, the
+gradients) keeps the split; the others (random-state scalars, a bias broadcast over
+that dim) are broadcast. A split sequence (context parallel) is gathered. Dropout
+inside a kernel would draw per part, not as on the whole tensor, so it runs only
+broadcast; ``F.scaled_dot_product_attention`` with dropout does not reach these
+kernels (``functional.py`` computes it with placement-invariant dropout).
 """
 from __future__ import annotations
 
 import torch
 
-from ..sbp import Split, broadcast
+from ..sbp import Split, broadcast, partial_sum
+from ..tensor import GlobalTensor
 from . import register
 
 aten = torch.ops.aten
 B = broadcast
 
 
-def _batch_or_head_splits(call, n_qkv: int, n_in: int, n_out: int):
+def _sbp_of(shape, q_shape, d, right_aligned=False):
+    """Split on q's dim d for a tensor that has q's size there, broadcast for one of
+    size 1 or without that dim, None when it cannot follow the split. Masks align
+    with q from the right (they broadcast); everything else from the left."""
+    k = d - (4 - len(shape)) if right_aligned else (d if len(shape) >= 3 else -1)
+    if k < 0 or shape[k] == 1:
+        return B
+    return Split(k) if shape[k] == q_shape[d] else None
+
+
+def _input_names(call) -> list:
+    """The schema name of each GlobalTensor argument, in ``call.inputs`` order."""
+    args, kwargs = call.args_kwargs
+    names = []
+    for i, a in enumerate(call.func._schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(a.name)
+        if isinstance(value, GlobalTensor):
+            names.append(a.name)
+    return names
+
+
+def _out_sbp(call, shape, q_shape, d):
+    # A bias broadcast over the split dim gets its gradient summed over the parts.
+    if len(shape) == 4 and shape[d] == 1 and call.func.overloadpacket.__name__.endswith(
+            "_backward"):
+        return partial_sum
+    return _sbp_of(shape, q_shape, d) or B
+
+
+def attention_rule(call, axis):
+    n_in, n_out = len(call.inputs), len(call.out_shapes)
     cands = [((B,) * n_in, (B,) * n_out)]
-    if n_in != n_qkv or call.arg("dropout_p", 0.0) != 0.0:
-        # A mask would need its own (broadcastable) split, and dropout inside the kernel
-        # would draw differently per part than on the whole: both run on broadcast.
+    if call.arg("dropout_p", 0.0) != 0.0:
         return cands
+    names = _input_names(call)
+    shapes = dict(zip(names, call.in_shapes))
+    if len(names) != n_in or not {"query", "key", "value"} <= set(shapes):
+        return cands
+    q = shapes["query"]
     for d in (0, 1):
-        if len({s[d] for s in call.in_shapes}) == 1:  # grouped-query heads differ in size
-            cands.append(((Split(d),) * n_in, (Split(d),) * n_out))
+        if len({shapes[n][d] for n in ("query", "key", "value")}) != 1:
+            continue  # grouped-query attention: key/value heads differ in count
+        ins = tuple(_sbp_of(s, q, d, n in ("attn_mask", "attn_bias"))
+                    for n, s in zip(names, call.in_shapes))
+        outs = tuple(_out_sbp(call, s, q, d) for s in call.out_shapes)
+        if None not in ins:
+            cands.append((ins, outs))
     return cands
 
 
-@register(aten._scaled_dot_product_flash_attention_for_cpu)
-def flash_attention_rule(call, axis):
-    return _batch_or_head_splits(call, 3, len(call.inputs), 2)
-
-
-@register(aten._scaled_dot_product_flash_attention_for_cpu_backward)
-def flash_attention_backward_rule(call, axis):
-    # grad_out, query, key, value, out, logsumexp -> grads of query, key, value
-    return _batch_or_head_splits(call, 6, len(call.inputs), 3)
+register(aten._scaled_dot_product_flash_attention_for_cpu,
+         aten._scaled_dot_product_flash_attention_for_cpu_backward,
+         aten._scaled_dot_product_flash_attention,
+         aten._scaled_dot_product_flash_attention_backward,
+         aten._scaled_dot_product_efficient_attention,
+         aten._scaled_dot_product_efficient_attention_backward,
+         aten._scaled_dot_product_cudnn_attention,
+         aten._scaled_dot_product_cudnn_attention_backward)(attention_rule)

@@ -4,13 +4,16 @@ The table may be split by rows (vocab parallel): each rank looks up the indices 
 fall in its rows and writes zeros for the others, so the output is a partial sum and
 no index or row is gathered. Split by columns, the output is split on its last dim.
 Split indices (data parallel) give a split output and a partial-sum table gradient.
+Indices are checked against the table's global row count first: a row outside the
+table would otherwise look like a row another rank holds, and give zeros.
 """
 from __future__ import annotations
 
 import torch
 
 from ..sbp import Split, broadcast, partial_sum
-from . import register
+from . import register, register_decomposition
+from .indices import check_index_range
 
 aten = torch.ops.aten
 B, P = broadcast, partial_sum
@@ -43,6 +46,12 @@ def _embedding_local(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=Fa
 
 
 register(aten.embedding, local=_embedding_local)(embedding_rule)
+
+
+@register_decomposition(aten.embedding)
+def embedding_checks_indices(weight, indices, *args, **kwargs):
+    check_index_range(indices, weight.shape[0], "embedding")
+    return NotImplemented
 
 
 @register(aten.embedding_dense_backward)

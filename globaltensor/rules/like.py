@@ -17,6 +17,7 @@ from .. import comm
 from ..sbp import Split, broadcast, partial_max, partial_sum
 from ..tensor import GlobalTensor, from_full
 from . import register, register_decomposition
+from .pointwise import aligned_sbp
 
 aten = torch.ops.aten
 
@@ -93,7 +94,17 @@ def constant_like_rule(call, axis):
 
 @register(aten.copy_, aten.detach, aten.alias, aten.clone, aten.lift_fresh, aten.contiguous)
 def copy_rule(call, axis):
+    if len(call.inputs) == 2 and call.in_shapes[1] != call.in_shapes[0]:
+        return _broadcast_copy_cands(call)
     return _same_layout_cands(call, partials=True)
+
+
+def _broadcast_copy_cands(call):
+    """``dst.copy_(src)`` with a src that broadcasts to dst: per split of dst, the
+    source's aligned dim (or broadcast where it has size 1 or is missing)."""
+    dst, src = call.in_shapes
+    cands = [((s, s), (s,)) for s in (broadcast, partial_sum, partial_max)]
+    return cands + [((Split(d), aligned_sbp(src, dst, d)), (Split(d),)) for d in range(len(dst))]
 
 
 @register(aten._to_copy)

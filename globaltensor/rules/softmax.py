@@ -5,7 +5,9 @@ Softmax over a dim that is not split runs locally. Over a split dim it decompose
 global ops: a partial_max for the row maxima and a partial_sum for the normaliser, so
 only row statistics move, never the logits. nll_loss with logits split on the class
 dim (vocab parallel) picks each target's logit on the rank that holds it: the result
-is a partial_sum, again without gathering logits. A mean reduction divides a partial
+is a partial_sum, again without gathering logits; nll_loss2d (cross_entropy on
+(N, C, d...)) follows the same rules, with any sample dim split. Targets are checked
+against the class count (an out-of-range class would silently count as another rank's). A mean reduction divides a partial
 sum by a global count or total weight.
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ..layout import Layout
 from ..sbp import Partial, Split, broadcast, partial_sum
 from ..tensor import GlobalTensor, empty_local, relayout
 from . import register, register_decomposition
+from .indices import check_index_range
 from .pointwise import aligned_sbp
 
 aten = torch.ops.aten
@@ -67,7 +70,7 @@ def _row_stat(x, dim: int, reduce: str):
     else:
         local = x._local.sum(dim, keepdim=True)
     whole = tuple(B if a in cut else s for a, s in enumerate(partial))
-    return relayout(GlobalTensor(local, layout), whole)
+    return relayout(GlobalTensor(local, layout), whole, donate=True)
 
 
 def _softmax_decomposition(log: bool):
@@ -100,37 +103,54 @@ def log_softmax_backward_over_split_dim(grad, out, dim, input_dtype):
     return grad - out.exp() * _row_stat(grad, dim, "sum")
 
 
-# --- nll_loss ----------------------------------------------------------------------
+# --- nll_loss (2-D logits) and nll_loss2d ((N, C, H, W); cross_entropy on (N, C, d...)) --
 _NONE, _MEAN, _SUM = 0, 1, 2
 
 
-@register(aten.nll_loss_forward)
+def _sample_dims(ndim: int) -> dict:
+    """Logit dims other than the class dim (1) -> the target's matching dim."""
+    return {d: d - (d > 1) for d in range(ndim) if d != 1}
+
+
+@register(aten.nll_loss_forward, aten.nll_loss2d_forward)
 def nll_rule(call, axis):
     """(logits, target[, weight]) -> (loss, total_weight)."""
     reduction = call.arg("reduction")
-    if len(call.in_shapes[0]) != 2:
-        return [((B,) * len(call.inputs), (B, B))]
+    ndim = len(call.in_shapes[0])
     w = (B,) if len(call.inputs) == 3 else ()
-    loss_of_batch_split = Split(0) if reduction == _NONE else P
+    if ndim < 2:
+        return [((B,) * len(call.inputs), (B, B))]
     # Class split: each rank adds the logits it holds -> a partial loss per sample.
     cands = [((B, B) + w, (B, B)), ((Split(1), B) + w, (P, B))]
-    if reduction != _MEAN:  # a batch-split mean needs the global total weight
-        cands.append(((Split(0), Split(0)) + w, (loss_of_batch_split, P)))
+    if reduction != _MEAN:  # a split mean needs the global total weight (decomposition)
+        for d, t in _sample_dims(ndim).items():
+            cands.append(((Split(d), Split(t)) + w, (Split(t) if reduction == _NONE else P, P)))
     return cands
 
 
-@register_decomposition(aten.nll_loss_forward)
-def nll_mean_over_split_batch(x, target, weight, reduction, ignore_index):
-    if reduction != _MEAN or x.dim() != 2 or not _splits_dim(x, 0):
-        return NotImplemented
-    total, total_weight = aten.nll_loss_forward(x, target, weight, _SUM, ignore_index)
-    total_weight = relayout(total_weight, (B,) * len(total_weight.sbp))
-    return total / total_weight, total_weight
+def _nll_decomposition(func):
+    def decomposition(x, target, weight, reduction, ignore_index):
+        """Checks the targets (an out-of-range class would silently count as held by
+        another rank); a mean over split samples is a sum over the global weight."""
+        check_index_range(target, x.shape[1] if x.dim() > 1 else x.shape[0],
+                          "nll_loss target", ignore_index)
+        split = any(_splits_dim(x, d) for d in _sample_dims(x.dim()))
+        if reduction != _MEAN or x.dim() < 2 or not split:
+            return NotImplemented
+        total, total_weight = func(x, target, weight, _SUM, ignore_index)
+        total_weight = relayout(total_weight, (B,) * len(total_weight.sbp), donate=True)
+        return total / total_weight, total_weight
+    return decomposition
+
+
+register_decomposition(aten.nll_loss_forward)(_nll_decomposition(aten.nll_loss_forward.default))
+register_decomposition(aten.nll_loss2d_forward)(
+    _nll_decomposition(aten.nll_loss2d_forward.default))
 
 
 def _nll_parts(ctx, x, target, weight, ignore_index, logits: int = 0):
     """Per-sample (picked logit or 0, sample weight), with the class offset of x (the
-    ``logits``-th GlobalTensor input)."""
+    ``logits``-th GlobalTensor input); samples are every dim but the class dim 1."""
     n_classes = ctx.call.in_shapes[logits][1]
     region = ctx.region(logits)
     lo, size = region.offsets[1], region.sizes[1]
@@ -138,7 +158,8 @@ def _nll_parts(ctx, x, target, weight, ignore_index, logits: int = 0):
     safe = torch.where(valid, target, torch.zeros_like(target))
     mine = valid & (safe >= lo) & (safe < lo + size)
     index = (safe - lo).clamp(0, max(size - 1, 0))
-    picked = x.gather(1, index.unsqueeze(1)).squeeze(1) if size else x.new_zeros(len(target))
+    picked = x.gather(1, index.unsqueeze(1)).squeeze(1) if size else \
+        x.new_zeros(target.shape)
     picked = torch.where(mine, picked, torch.zeros_like(picked))
     w = weight[safe.clamp(0, n_classes - 1)] if weight is not None else torch.ones_like(picked)
     w = torch.where(valid, w, torch.zeros_like(w))
@@ -146,8 +167,8 @@ def _nll_parts(ctx, x, target, weight, ignore_index, logits: int = 0):
 
 
 def _nll_forward_local(ctx, x, target, weight=None, reduction=_MEAN, ignore_index=-100):
-    if x.dim() != 2:
-        return aten.nll_loss_forward(x, target, weight, reduction, ignore_index)
+    if x.dim() < 2:
+        return ctx.call.func(x, target, weight, reduction, ignore_index)
     picked, w, _, _ = _nll_parts(ctx, x, target, weight, ignore_index)
     loss = -(picked * w)
     total_weight = w.sum()
@@ -158,26 +179,27 @@ def _nll_forward_local(ctx, x, target, weight=None, reduction=_MEAN, ignore_inde
     return loss.sum() / total_weight, total_weight
 
 
-register(aten.nll_loss_forward, local=_nll_forward_local)(nll_rule)
+register(aten.nll_loss_forward, aten.nll_loss2d_forward, local=_nll_forward_local)(nll_rule)
 
 
-@register(aten.nll_loss_backward)
+@register(aten.nll_loss_backward, aten.nll_loss2d_backward)
 def nll_backward_rule(call, axis):
     """(grad, logits, target[, weight], total_weight) -> grad_logits."""
-    if len(call.in_shapes[1]) != 2:
+    ndim = len(call.in_shapes[1])
+    if ndim < 2:
         return [((B,) * len(call.inputs), (B,))]
     reduction = call.arg("reduction")
     w = (B,) if len(call.inputs) == 5 else ()
-    g_batch = Split(0) if reduction == _NONE else B
-    return [((B, B, B) + w + (B,), (B,)),
-            ((g_batch, Split(0), Split(0)) + w + (B,), (Split(0),)),
-            ((B, Split(1), B) + w + (B,), (Split(1),))]
+    cands = [((B, B, B) + w + (B,), (B,)), ((B, Split(1), B) + w + (B,), (Split(1),))]
+    for d, t in _sample_dims(ndim).items():
+        g = Split(t) if reduction == _NONE else B
+        cands.append(((g, Split(d), Split(t)) + w + (B,), (Split(d),)))
+    return cands
 
 
 def _nll_backward_local(ctx, grad, x, target, weight, reduction, ignore_index, total_weight):
-    if x.dim() != 2:
-        return aten.nll_loss_backward(grad, x, target, weight, reduction, ignore_index,
-                                      total_weight)
+    if x.dim() < 2:
+        return ctx.call.func(grad, x, target, weight, reduction, ignore_index, total_weight)
     _, w, mine, index = _nll_parts(ctx, x, target, weight, ignore_index, logits=1)
     scale = -w * grad if reduction == _NONE else -w * grad.reshape(())
     if reduction == _MEAN:
@@ -189,7 +211,8 @@ def _nll_backward_local(ctx, grad, x, target, weight, reduction, ignore_index, t
     return out
 
 
-register(aten.nll_loss_backward, local=_nll_backward_local)(nll_backward_rule)
+register(aten.nll_loss_backward, aten.nll_loss2d_backward,
+         local=_nll_backward_local)(nll_backward_rule)
 
 
 # --- elementwise losses: mse, binary cross entropy (with logits) -----------------------
