@@ -157,16 +157,11 @@ class GlobalTensor(torch.Tensor):
         from .checkpoint import to_dtensor
         return to_dtensor(self)
 
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        # A few torch functions build plain helper tensors or draw random numbers inside
-        # their kernels; they are computed from global ops instead (rules/functional.py).
-        override = _FUNCTION_OVERRIDES.get(func)
-        if override is not None:
-            out = override(*args, **(kwargs or {}))
-            if out is not NotImplemented:
-                return out
-        return super().__torch_function__(func, types, args, kwargs)
+    # No Python __torch_function__ (as DTensor): with one, every op and every property
+    # access (x.shape, x.grad) would enter Python once more (about 2x the dispatch cost).
+    # The few functions that need handling above dispatch are wrapped instead
+    # (``override_function``).
+    __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -175,13 +170,29 @@ class GlobalTensor(torch.Tensor):
         return _dispatcher(func, types, args, kwargs or {})
 
 
-_FUNCTION_OVERRIDES: dict = {}
+def override_function(namespace, name: str, fn) -> None:
+    """Make ``namespace.name`` (e.g. ``torch.nn.functional.one_hot``) run ``fn`` when a
+    GlobalTensor is among its arguments (``fn`` may decline with NotImplemented), else the
+    original. For the few functions that build plain helper tensors or draw random
+    numbers inside their kernels (``rules/functional.py``): composites of them never reach
+    ``__torch_dispatch__`` whole. Code that took the function before globaltensor was
+    imported keeps the original.
 
+    >>> override_function(torch.nn.functional, "one_hot", global_one_hot)  # doctest: +SKIP
+    """
+    original = getattr(namespace, name)
+    original = getattr(original, "__wrapped_by_globaltensor__", original)
 
-def override_function(func, fn) -> None:
-    """Run ``fn(*args, **kwargs)`` for the torch function ``func`` when a GlobalTensor
-    is among its arguments (``fn`` may decline with NotImplemented)."""
-    _FUNCTION_OVERRIDES[func] = fn
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        if any(isinstance(a, GlobalTensor) for a in args) or \
+                any(isinstance(a, GlobalTensor) for a in kwargs.values()):
+            out = fn(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        return original(*args, **kwargs)
+    wrapper.__wrapped_by_globaltensor__ = original
+    setattr(namespace, name, wrapper)
 
 
 def _accept_in_foreach_paths() -> None:

@@ -295,14 +295,21 @@ def check_out_of_range_indices_raise_everywhere():
                f"cross_entropy with an ignored target {x_sbp}")
 
 
-def check_bystanders_raise_too():
-    """Indices on ranks [0, 1] of a world of 4: the ranks outside raise as well."""
+def check_index_check_stays_on_the_placement():
+    """Indices on ranks [0, 1] of a world of 4: its members raise; the ranks outside hold
+    no index and take no part in the check (in a pipeline they run another stage)."""
     if gt.get_world_size() < 4:
         return
     part = gt.placement("cpu", [0, 1])
     w = _g(torch.randn(10, 3), S(0), placement=part)
-    with pytest.raises(IndexError):
-        F.embedding(_g(torch.tensor([3, 10]), S(0), placement=part), w)
+    ids = _g(torch.tensor([3, 10]), S(0), placement=part)
+    if gt.get_rank() in part:
+        with pytest.raises(IndexError):
+            F.embedding(ids, w)
+    else:
+        with gt.debug.comm_stats() as stats:
+            out = F.embedding(ids, w)
+        assert stats.total_calls == 0 and out.to_local().numel() == 0, stats
 
 
 def _kernel_signatures(func, *args):
@@ -365,5 +372,5 @@ CHECKS = ["check_fused_adam_and_adamw", "check_grad_scaler_fp16",
           "check_one_hot_and_embedding_bag", "check_resampling_rules", "check_metadata_queries",
           "check_clip_grad_norm_reduces_once", "check_attention_with_dropout",
           "check_attention_kernels_keep_head_split",
-          "check_out_of_range_indices_raise_everywhere", "check_bystanders_raise_too"]
+          "check_out_of_range_indices_raise_everywhere", "check_index_check_stays_on_the_placement"]
 world2, world4, test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)

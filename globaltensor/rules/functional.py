@@ -148,6 +148,6 @@ def _mask_part(mask, scores_shape, q: GlobalTensor) -> torch.Tensor:
     return mask.to_global(sbp=sbp).to_local()
 
 
-override_function(F.one_hot, one_hot)
-override_function(F.embedding_bag, embedding_bag)
-override_function(F.scaled_dot_product_attention, scaled_dot_product_attention)
+override_function(F, "one_hot", one_hot)
+override_function(F, "embedding_bag", embedding_bag)
+override_function(F, "scaled_dot_product_attention", scaled_dot_product_attention)

@@ -4,7 +4,7 @@ Plain torch raises IndexError for an index outside ``[0, size)``. On parts, an i
 outside a rank's window looks like "held by another rank", so without a check the op
 silently returns zeros. The check runs on each rank's part of the indices and takes
 the worst case across ranks with one reduction of one number (none when the indices
-are broadcast on every rank), so every rank raises together.
+are broadcast), so every rank of the placement raises together.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from .. import comm
 from ..layout import Layout
 from ..sbp import Partial, Split, broadcast
-from ..tensor import GlobalTensor
+from ..tensor import GlobalTensor, relayout
 
 
 def _excess(local: torch.Tensor, size: int, ignore_index) -> int:
@@ -27,7 +27,7 @@ def _excess(local: torch.Tensor, size: int, ignore_index) -> int:
 
 def check_index_range(indices, size: int, what: str, ignore_index=None,
                       error: type = IndexError) -> None:
-    """Raise ``error`` (IndexError, as torch) on every rank when an index (other than
+    """Raise ``error`` (IndexError, as torch) on every rank of the placement when an index (other than
     ``ignore_index``) is outside ``[0, size)``.
 
     >>> check_index_range(gt_indices, 10, "embedding")   # doctest: +SKIP
@@ -43,7 +43,11 @@ def check_index_range(indices, size: int, what: str, ignore_index=None,
                     for s in indices.sbp)
         layout = Layout.make((), placement, sbp)
         local = torch.tensor(worst, dtype=torch.int64, device=indices._local.device)
-        excess = GlobalTensor(local if inside else local.new_empty((0,)), layout).item()
+        # Reduced among the placement's ranks only: a rank outside holds no index and
+        # may be busy elsewhere (another pipeline stage); it does not raise.
+        worst_of_all = relayout(GlobalTensor(local if inside else local.new_empty((0,)), layout),
+                                (broadcast,) * placement.ndim, donate=True)
+        excess = int(worst_of_all._local) if inside else -1
     if excess > 0:
         raise error(f"{what}: index out of range: valid indices are 0..{size - 1}"
                          + (f" (or {ignore_index}, ignored)" if ignore_index is not None else ""))
