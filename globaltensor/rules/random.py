@@ -12,12 +12,13 @@ become broadcast: the region is the same, the values are whole).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .. import comm, gradsync
 from ..layout import Layout
 from ..random import local_sample, mantissa_bits, next_draw
-from ..sbp import Partial, broadcast
-from ..tensor import GlobalTensor, device_of, empty_local, relayout
+from ..sbp import Partial, Split, broadcast
+from ..tensor import GlobalTensor, device_of, empty_local, override_function, relayout
 from . import register_decomposition
 
 aten = torch.ops.aten
@@ -192,6 +193,43 @@ def native_dropout(x, p: float, train=True):
                 GlobalTensor(empty_local(mask_layout, torch.bool), mask_layout))
     mask = local_sample("bernoulli", mask_layout, draw, torch.bool, p=1 - p)
     scale = 0.0 if p == 1 else 1.0 / (1.0 - p)
-    out = x._local * mask * scale
+    # (torch.where allocates only the output; a float * bool product casts the mask)
+    out = torch.where(mask, x._local, 0.0).mul_(scale)
     return (GlobalTensor(out, x._layout, strides=strides), GlobalTensor(mask, mask_layout))
 
+
+
+def dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False):
+    """``F.dropout`` on a GlobalTensor: torch's CPU dropout is empty_like + bernoulli_ +
+    mul and keeps a float noise tensor for backward; ``native_dropout`` (the accelerator
+    path) keeps a bool mask, a quarter of it. Other cases go to torch's own."""
+    if not isinstance(input, GlobalTensor) or inplace or not training or not 0 < p < 1:
+        return NotImplemented
+    return aten.native_dropout(input, p, True)[0]
+
+
+_FEATURE_DIMS = {"dropout1d": (2, 3), "dropout2d": (3, 4), "dropout3d": (4, 5)}
+
+
+def _feature_dropout(name: str):
+    unbatched, batched = _FEATURE_DIMS[name]
+
+    def run(input, p: float = 0.5, training: bool = True, inplace: bool = False):
+        """Whole channels dropped: a mask of shape (N, C, 1, ...) drawn placement-
+        invariantly, split like the input's batch and channel dims."""
+        if not isinstance(input, GlobalTensor) or inplace or not training or not 0 < p < 1 \
+                or input.dim() not in (unbatched, batched):
+            return NotImplemented
+        lead = input.dim() - unbatched + 1     # dims of the mask that are not 1
+        shape = tuple(input.shape[:lead]) + (1,) * (input.dim() - lead)
+        sbp = tuple(s if isinstance(s, Split) and s.dim < lead else broadcast
+                    for s in input.sbp)
+        layout = Layout.make(shape, input.placement, sbp)
+        mask = local_sample("bernoulli", layout, next_draw(), input.dtype, p=1 - p)
+        return input * GlobalTensor(mask.div_(1 - p), layout)
+    return run
+
+
+override_function(F, "dropout", dropout)
+for _name in _FEATURE_DIMS:
+    override_function(F, _name, _feature_dropout(_name))
