@@ -252,8 +252,8 @@ def main(argv=None) -> None:
             got = torch.load(os.path.join(out_dir, f"{mode}.pt"))
             diffs[mode] = max((a - b).abs().max().item() for a, b in zip(got, reference))
     whole = n_params * 4 / 2 ** 20
-    print(f"\n| mode | peak memory rise per rank (MiB) | x params | step (ms) | "
-          f"vs FSDP2 | params vs 1 process |")
+    print("\n| mode | peak memory rise per rank (MiB) | x params | step (ms) | "
+          "vs FSDP2 | params vs 1 process |")
     print("|---|---|---|---|---|---|")
     for mode in modes:
         vs = f"{times[mode] / times['fsdp2']:.2f}x" if "fsdp2" in times else "n/a"

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-# torch's own default CPU seed: an unseeded program behaves like plain torch.
+# The seed before any gt.manual_seed (torch's default CPU seed, for want of another).
 _DEFAULT_SEED = 67280421310721
 _seed, _draw = _DEFAULT_SEED, 0
 

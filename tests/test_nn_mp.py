@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn.functional as F
 
 import globaltensor as gt
 

@@ -5,7 +5,6 @@ run's exactly, and the draws after the checkpointed block continue in step."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import globaltensor as gt
