@@ -34,9 +34,9 @@ import torch
 
 from . import comm, env
 from .boxing import Plan, execute
-from .boxing.route import transfer_moves
-from .boxing.steps import Transfer, identity_value
+from .boxing.steps import Transfer
 from .layout import Layout, Region
+from .parts import identity_value
 from .placement import Placement
 from .sbp import Broadcast, Partial, Split, broadcast
 from .tensor import GlobalTensor, to_layout, wrap_local
@@ -279,7 +279,7 @@ class _ChunkLayout:
 def _move(local: torch.Tensor, src, dst) -> torch.Tensor:
     """This rank's local tensor of ``dst`` from its local tensor of ``src`` (two layouts
     of one value without partial axes): the pieces travel point to point."""
-    step = Transfer(src, dst, transfer_moves(src, dst))
+    step = Transfer.between(src, dst)
     return execute(Plan(src, dst, (step,), 0.0, local.element_size(), "rechunk"), local)
 
 

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import comm, gradsync
 from .boxing import plan_route
-from .boxing.steps import identity_value
+from .parts import identity_value
 from .layout import Layout
 from .placement import Placement
 from .rules import Call, LocalCtx, flatten_args, lookup, lookup_decomposition, unflatten_args

@@ -65,7 +65,7 @@ def _from_local_fn(make):
 def _zero_non_first(local, layout: Layout, rank: int, fill) -> torch.Tensor:
     # A partial layout of a constant: the first member holds it, the others hold the
     # reduction's identity (zeros needs nothing, it is its own identity for sum).
-    from .boxing.steps import identity_value
+    from .parts import identity_value
     coord = layout.placement.coord(rank)
     for axis in layout.partial_axes:
         if coord[axis] != 0:

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from . import comm, env
-from .boxing.steps import identity_value
+from .parts import identity_value
 from .layout import Layout, Region
 from .tensor import device_of, empty_local
 

@@ -21,8 +21,9 @@ import zlib
 import torch
 
 from . import comm, env
-from .boxing import execute, local_part, plan_route
+from .boxing import execute, plan_route
 from .layout import Layout
+from .parts import local_part
 from .placement import Placement
 
 _log = logging.getLogger("globaltensor")

@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 from globaltensor import sbp as S
 from globaltensor.boxing import materialize, plan_boxing, plan_route, simulate
-from globaltensor.boxing.route import general_plan
+from globaltensor.boxing.plan import general_plan
 from globaltensor.boxing import steps as St
 from globaltensor.layout import Layout
 from globaltensor.placement import Placement

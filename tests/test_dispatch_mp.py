@@ -46,10 +46,10 @@ def check_cache_and_layouts_bounded_over_many_shapes():
         assert len(dispatch._cache) <= 64 and len(dispatch._by_value) <= 64
         # The plan caches are LRU caches of fixed size; beyond them (and the decisions
         # kept) nothing holds a layout: the intern table kept one per shape ever seen.
-        from globaltensor.boxing import plan, route
-        route.plan_route.cache_clear()
+        from globaltensor.boxing import cost, plan
+        plan.plan_route.cache_clear()
         plan.plan_boxing.cache_clear()
-        plan._max_local_numel.cache_clear()
+        cost._max_local_numel.cache_clear()
         gc.collect()
         assert len(layout._interned) < 300, len(layout._interned)
     finally:

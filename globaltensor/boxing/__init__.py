@@ -1,8 +1,8 @@
-"""Redistribution: plan (plan.py, route.py), step vocabulary (steps.py), run with
-collectives (execute.py) or on per-rank tensors in one process (simulate.py)."""
+"""Redistribution: plan (plan.py, entry ``plan_route``), the step vocabulary (steps/,
+one class per step), run with collectives (execute.py) or on per-rank tensors in one
+process (simulate.py)."""
 from .execute import execute
-from .plan import Plan, plan_boxing
-from .route import plan_route
+from .plan import Plan, plan_boxing, plan_route
 from .simulate import local_part, materialize, scatter, simulate
 
 __all__ = ["execute", "Plan", "plan_boxing", "plan_route", "local_part", "materialize",

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 
 def format_plan(plan) -> str:
-    from .plan import max_local_bytes, step_cost
     src, dst = plan.src, plan.dst
     lines = [f"boxing {tuple(src.shape)} {src.placement} {src.sbp}",
              f"    -> {dst.placement} {dst.sbp}",
@@ -13,15 +12,5 @@ def format_plan(plan) -> str:
         lines.append("  (nothing to do: layouts are equal)")
     for i, step in enumerate(plan.steps, 1):
         lines.append(f"  {i}. {step}")
-        detail = getattr(step, "detail", None)
-        if detail is not None:
-            lines.extend("       " + d for d in detail())
-            continue
-        groups = step.src.placement.groups(step.axis)
-        shown = ", ".join(str(list(g)) for g in groups[:4]) + (" ..." if len(groups) > 4 else "")
-        lines.append(f"       groups: {shown}")
-        lines.append(f"       local bytes per rank: "
-                     f"{max_local_bytes(step.src, plan.itemsize)} -> "
-                     f"{max_local_bytes(step.dst, plan.itemsize)}, "
-                     f"est. {step_cost(step, plan.itemsize) * 1e3:.3f} ms")
+        lines.extend("       " + line for line in step.describe(plan.itemsize))
     return "\n".join(lines)

@@ -1,32 +1,37 @@
-"""Planning: the cheapest sequence of steps from one layout to another.
+"""Planning: the cheapest sequence of boxing steps from one layout to another.
 
-On one placement, each step changes the sbp of one axis (DESIGN.md's table). A search
-over nd-sbp states (Dijkstra, alpha-beta cost per step) finds the cheapest valid order;
-an order is invalid when a later axis splits the dim an axis works on, or when an
-outer partial axis would be reduced before an inner partial of another kind. Plans are
-cached by (src layout, dst layout, element size).
+``plan_route`` is the entry point. On one placement, each step changes the sbp of one
+axis (DESIGN.md's table); a search over nd-sbp states (Dijkstra, each step priced by
+its own ``cost``) finds the cheapest valid order (``plan_boxing``). An order is invalid
+when a later axis splits the dim an axis works on, or when an outer partial axis would
+be reduced before an inner partial of another kind. The general route (``general_plan``)
+reduces the source's partial axes on the source placement (to a split when possible,
+so less is sent), then moves regions with one ``Transfer``; it works between any two
+placements and is the fallback on one. Plans are cached by (src, dst, element size).
 """
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..layout import Layout
-from ..sbp import Broadcast, Partial, SbpParallel, Split, broadcast
-from . import steps as S
+import torch
 
-# Alpha-beta model of one collective: seconds per message and per byte. The absolute
-# numbers matter less than their ratio; these fit gloo on loopback TCP.
-ALPHA = 30e-6
-BETA = 1.0 / 1.5e9
-# Local copies cost memory bandwidth only; keep them cheap but not free so a route
-# with fewer copies wins a tie.
-GAMMA = BETA / 20
+from ..layout import Layout
+from ..sbp import Partial, SbpParallel, Split, broadcast
+from .execute import start
+from .explain import format_plan
+from .steps import AXIS_STEPS, Handle, Transfer
 
 
 @dataclass(frozen=True, repr=False)
 class Plan:
+    """Steps from layout ``src`` to ``dst`` with their estimated cost (seconds).
+
+    >>> plan = plan_route(src, dst, itemsize=4)     # doctest: +SKIP
+    >>> out = plan.start(x_local).wait()
+    """
     src: Layout
     dst: Layout
     steps: tuple = ()
@@ -34,60 +39,44 @@ class Plan:
     itemsize: int = 4
     route: str = "same-placement"
 
+    def start(self, local: torch.Tensor, rank: int | None = None,
+              donate: bool = False) -> Handle:
+        """Start boxing this rank's ``local`` part (``execute.start``); ``wait()`` on
+        the handle gives its part of ``dst``."""
+        return start(self, local, rank, donate)
+
     def __str__(self) -> str:
-        from .explain import format_plan
         return format_plan(self)
 
     __repr__ = __str__
 
 
-def max_local_bytes(layout: Layout, itemsize: int) -> int:
-    return _max_local_numel(layout) * itemsize
+@lru_cache(maxsize=2048)
+def plan_route(src: Layout, dst: Layout, itemsize: int = 4) -> Plan:
+    """The cheapest plan from ``src`` to ``dst``: per-axis steps when both are on one
+    placement, or the general point-to-point route, whichever costs less.
+
+    >>> plan_route(Layout.make((8,), p, split(0)), Layout.make((8,), q, broadcast))  # doctest: +SKIP
+    """
+    if src.shape != dst.shape:
+        raise ValueError(f"cannot box a tensor of shape {src.shape} to shape {dst.shape}")
+    if src == dst:
+        return Plan(src, dst, (), 0.0, itemsize)
+    same = plan_boxing(src, dst, itemsize)
+    general = general_plan(src, dst, itemsize)
+    if same is not None and same.cost <= general.cost:
+        return same
+    return general
 
 
-@lru_cache(maxsize=4096)
-def _max_local_numel(layout: Layout) -> int:
-    return max(layout.region_at(c).numel for c in _coords(layout.placement.shape))
-
-
-def _coords(shape):
-    import itertools
-    return itertools.product(*map(range, shape))
-
-
-def step_cost(step: S.Step, itemsize: int) -> float:
-    n = step.src.placement.shape[step.axis]
-    b_in = max_local_bytes(step.src, itemsize)
-    b_out = max_local_bytes(step.dst, itemsize)
-    if isinstance(step, S.AllGather):
-        return ALPHA * (n - 1) + BETA * b_out * (n - 1) / n
-    if isinstance(step, S.AllReduce):
-        return 2 * ALPHA * (n - 1) + 2 * BETA * b_in * (n - 1) / n
-    if isinstance(step, (S.ReduceScatter, S.AllToAll)):
-        return ALPHA * (n - 1) + BETA * b_in * (n - 1) / n + GAMMA * b_in
-    if isinstance(step, S.Relabel):
-        return 0.0
-    return GAMMA * b_out
-
-
-def _direct_step(src: Layout, dst: Layout, axis: int):
-    """The one step that changes ``axis`` from src's sbp to dst's, or None."""
-    a, b = src.sbp[axis], dst.sbp[axis]
-    if isinstance(a, Split):
-        if isinstance(b, Broadcast):
-            return S.AllGather(axis, src, dst, a.dim)
-        if isinstance(b, Split):
-            return S.AllToAll(axis, src, dst, a.dim, b.dim)
-        return S.PadToPartial(axis, src, dst, a.dim, b.reduce)
-    if isinstance(a, Broadcast):
-        if isinstance(b, Split):
-            return S.LocalSlice(axis, src, dst, b.dim)
-        return S.ZeroNonRoot(axis, src, dst) if b.reduce == "sum" else S.Relabel(axis, src, dst)
-    if isinstance(b, Broadcast):
-        return S.AllReduce(axis, src, dst, a.reduce)
-    if isinstance(b, Split):
-        return S.ReduceScatter(axis, src, dst, b.dim, a.reduce)
-    return None  # partial_sum <-> partial_max goes through broadcast
+def _axis_step(src: Layout, dst: Layout, axis: int):
+    """The one registered step that changes ``axis`` from src's sbp to dst's, or None
+    (partial_sum <-> partial_max goes through broadcast)."""
+    for kind in AXIS_STEPS:
+        step = kind.for_axis(axis, src, dst)
+        if step is not None:
+            return step
+    return None
 
 
 def _valid(nd_sbp: tuple, axis: int, new: SbpParallel) -> bool:
@@ -114,17 +103,16 @@ def plan_boxing(src: Layout, dst: Layout, itemsize: int = 4) -> Plan | None:
     """The cheapest same-placement plan from ``src`` to ``dst``, or None when the
     per-axis steps cannot get there (the caller then uses the general route).
 
-    >>> # doctest: +SKIP
-    >>> plan_boxing(Layout.make((8,), p, split(0)), Layout.make((8,), p, broadcast))
+    >>> plan_boxing(Layout.make((8,), p, split(0)), Layout.make((8,), p, broadcast))  # doctest: +SKIP
     """
     if src.placement != dst.placement or src.shape != dst.shape:
         return None
     if src.sbp == dst.sbp:
         return Plan(src, dst, (), 0.0, itemsize)
     cands = _candidates(len(src.shape))
-    start, goal = src.sbp, dst.sbp
-    best = {start: 0.0}
-    heap = [(0.0, 0, start, ())]
+    begin, goal = src.sbp, dst.sbp
+    best = {begin: 0.0}
+    heap = [(0.0, 0, begin, ())]
     counter = 1
     while heap:
         cost, _, state, path = heapq.heappop(heap)
@@ -138,13 +126,38 @@ def plan_boxing(src: Layout, dst: Layout, itemsize: int = 4) -> Plan | None:
                 if new == state[axis] or not _valid(state, axis, new):
                     continue
                 nxt = state[:axis] + (new,) + state[axis + 1:]
-                there = Layout(src.shape, src.placement, nxt)
-                step = _direct_step(here, there, axis)
+                step = _axis_step(here, Layout(src.shape, src.placement, nxt), axis)
                 if step is None:
                     continue
-                c = cost + step_cost(step, itemsize)
+                c = cost + step.cost(itemsize)
                 if c < best.get(nxt, float("inf")) - 1e-15:
                     best[nxt] = c
                     heapq.heappush(heap, (c, counter, nxt, path + (step,)))
                     counter += 1
     return None
+
+
+def _reduced_sources(src: Layout):
+    """Source layouts without partial axes that the source can reach by itself."""
+    options = []
+    for s in src.sbp:
+        if isinstance(s, Partial):
+            options.append([broadcast] + [Split(d) for d in range(src.ndim)])
+        else:
+            options.append([s])
+    for combo in itertools.product(*options):
+        yield Layout(src.shape, src.placement, tuple(combo))
+
+
+def general_plan(src: Layout, dst: Layout, itemsize: int) -> Plan:
+    """The general route: reduce the source's partials, then one ``Transfer``."""
+    best = None
+    for mid in _reduced_sources(src):
+        pre = plan_boxing(src, mid, itemsize)
+        if pre is None:
+            continue
+        transfer = Transfer.between(mid, dst)
+        cost = pre.cost + transfer.cost(itemsize)
+        if best is None or cost < best.cost:
+            best = Plan(src, dst, pre.steps + (transfer,), cost, itemsize, "general (p2p)")
+    return best

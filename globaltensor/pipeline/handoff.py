@@ -16,25 +16,10 @@ from __future__ import annotations
 import torch
 
 from .. import comm
-from ..boxing import execute, plan_route
-from ..boxing.execute import start_transfer
-from ..boxing.plan import Plan
-from ..boxing.steps import Transfer
+from ..boxing import Plan, plan_route
+from ..boxing.steps import Handle, Transfer
 from ..layout import Layout
 from ..tensor import box, device_of
-
-
-class _Ready:
-    """A hand-off that is already complete (boxed locally)."""
-
-    def __init__(self, local: torch.Tensor):
-        self._local = local
-
-    def wait(self) -> torch.Tensor:
-        return self._local
-
-    def is_completed(self) -> bool:
-        return True
 
 
 class Handoff:
@@ -45,32 +30,30 @@ class Handoff:
     def __init__(self, src: Layout, dst: Layout, dtype: torch.dtype):
         self.src, self.dst, self.dtype = src, dst, dtype
         self.local = src.placement == dst.placement
-        self.pre = self.transfer = None
+        self.plan = self.receiving = None
         if self.local:
             return
         itemsize = torch.empty((), dtype=dtype).element_size()
-        plan = plan_route(src, dst, itemsize)
-        *pre, last = plan.steps
+        self.plan = plan_route(src, dst, itemsize)
+        *pre, last = self.plan.steps
         if not isinstance(last, Transfer) or any(isinstance(s, Transfer) for s in pre):
             raise AssertionError(f"a hand-off between placements should end in one "
-                                 f"transfer, got {plan}")
-        self.transfer = last
-        if pre:
-            self.pre = Plan(src, last.src, tuple(pre), 0.0, itemsize, plan.route)
+                                 f"transfer, got {self.plan}")
+        # The receiving ranks take part in the transfer only.
+        self.receiving = Plan(last.src, dst, (last,), last.cost(itemsize), itemsize,
+                              self.plan.route)
 
-    def send(self, local: torch.Tensor):
-        """Post this rank's part of the move of its ``local`` part of ``src``. For a
-        local hand-off the result is ready at once (the receiver is this rank)."""
+    def send(self, local: torch.Tensor) -> Handle:
+        """Post this rank's part of the move of its ``local`` part of ``src`` (the
+        source-side reduction runs first). For a local hand-off the result is ready at
+        once (the receiver is this rank)."""
         if self.local:
-            return _Ready(box(local, self.src, self.dst))
-        rank = comm.get_rank()
-        if self.pre is not None:
-            local = execute(self.pre, local, rank)
-        return start_transfer(self.transfer, local, rank)
+            return Handle.ready(box(local, self.src, self.dst))
+        return self.plan.start(local, comm.get_rank())
 
-    def receive(self):
+    def receive(self) -> Handle:
         """Post this rank's receives; ``wait()`` on the result gives its part of ``dst``."""
         assert not self.local, "a local hand-off is received from its send"
         empty = torch.empty((0,) * len(self.src.shape), dtype=self.dtype,
                             device=device_of(self.src.placement))
-        return start_transfer(self.transfer, empty, comm.get_rank())
+        return self.receiving.start(empty, comm.get_rank())

@@ -103,7 +103,7 @@ def _whole_layout(layout: Layout) -> Layout:
 
 def _identity_on_partial(local: torch.Tensor, layout: Layout) -> torch.Tensor:
     """Keep a whole value on the first member of every partial axis, identities elsewhere."""
-    from ..boxing.steps import identity_value
+    from ..parts import identity_value
     coord = layout.placement.coord(comm.get_rank())
     for axis in layout.partial_axes:
         if coord[axis] != 0:

@@ -17,7 +17,7 @@ import math
 import torch
 
 from .. import comm
-from ..boxing.steps import identity_value
+from ..parts import identity_value
 from ..layout import Layout
 from ..sbp import Partial, Split, broadcast, partial_sum
 from ..tensor import GlobalTensor, empty_local, relayout

@@ -1,0 +1,203 @@
+"""The per-axis steps that communicate: AllGather, AllReduce, ReduceScatter, AllToAll."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ... import comm
+from ...parts import reduce_values
+from ...sbp import Broadcast, Partial, Split
+from ..cost import ALPHA, BETA, GAMMA
+from .base import AxisStep, Handle, Locals, reduce_of
+
+
+@dataclass(frozen=True)
+class AllGather(AxisStep):
+    """split(dim) -> broadcast: concatenate the members' parts along ``dim``."""
+    dim: int
+    widens = True
+
+    @classmethod
+    def for_axis(cls, axis, src, dst):
+        a, b = src.sbp[axis], dst.sbp[axis]
+        if isinstance(a, Split) and isinstance(b, Broadcast):
+            return cls(axis, src, dst, a.dim)
+        return None
+
+    def cost(self, itemsize):
+        n = self.group_size
+        return ALPHA * (n - 1) + BETA * self.bytes_out(itemsize) * (n - 1) / n
+
+    def start(self, x, rank, own=False):
+        members, d = self.members(rank), self.dim
+        sizes = [self.src.local_shape(m)[d] for m in members]
+        n, biggest = len(members), max(sizes)
+        if d == 0 and min(sizes) == biggest:
+            # Even split along dim 0: the gathered buffer already is the result.
+            out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
+            comm.all_gather_into(out, x, members)
+            return Handle.ready(out)
+        if x.shape[d] < biggest:  # uneven: pad to the largest part, gather, cut out
+            pad = list(x.shape)
+            pad[d] = biggest - x.shape[d]
+            x = torch.cat([x, x.new_zeros(pad)], dim=d)
+        x = x.movedim(d, 0).contiguous()
+        gathered = x.new_empty((n,) + tuple(x.shape))
+        comm.all_gather_into(gathered, x, members)
+        parts = [gathered[k, :sizes[k]] for k in range(n)]
+        return Handle.ready(torch.cat(parts, dim=0).movedim(0, d).contiguous())
+
+    def simulate(self, locals_: Locals) -> Locals:
+        return self.by_group(locals_, lambda ms, xs: [torch.cat(xs, self.dim)] * len(ms))
+
+
+@dataclass(frozen=True)
+class AllReduce(AxisStep):
+    """partial -> broadcast: reduce the members' addends."""
+    reduce: str
+    widens = True
+
+    @classmethod
+    def for_axis(cls, axis, src, dst):
+        a, b = src.sbp[axis], dst.sbp[axis]
+        if isinstance(a, Partial) and isinstance(b, Broadcast):
+            return cls(axis, src, dst, a.reduce)
+        return None
+
+    def cost(self, itemsize):
+        n = self.group_size
+        return 2 * ALPHA * (n - 1) + 2 * BETA * self.bytes_in(itemsize) * (n - 1) / n
+
+    def start(self, x, rank, own=False):
+        out = x if own and x.is_contiguous() else x.contiguous().clone()
+        comm.all_reduce_(out, reduce_of(self.reduce, x.dtype), self.members(rank))
+        return Handle.ready(out)
+
+    def simulate(self, locals_: Locals) -> Locals:
+        def reduce(ms, xs):
+            r = reduce_values(xs, self.reduce)
+            return [r.clone() for _ in ms]
+        return self.by_group(locals_, reduce)
+
+
+@dataclass(frozen=True)
+class ReduceScatter(AxisStep):
+    """partial -> split(dim): member k gets the reduction of everyone's part k."""
+    dim: int
+    reduce: str
+    widens = True
+
+    @classmethod
+    def for_axis(cls, axis, src, dst):
+        a, b = src.sbp[axis], dst.sbp[axis]
+        if isinstance(a, Partial) and isinstance(b, Split):
+            return cls(axis, src, dst, b.dim, a.reduce)
+        return None
+
+    def cost(self, itemsize):
+        n, b_in = self.group_size, self.bytes_in(itemsize)
+        return ALPHA * (n - 1) + BETA * b_in * (n - 1) / n + GAMMA * b_in
+
+    def start(self, x, rank, own=False):
+        # An exchange of parts plus a local reduction beats gloo's reduce_scatter
+        # (DESIGN.md). Point-to-point rather than all_to_all_single: our own part never
+        # travels or is copied into the exchange buffer, and it is one operand of the
+        # sum, which writes the result in one pass (for 2 ranks a single add).
+        members, d = self.members(rank), self.dim
+        parts = self.parts(x.shape[d])
+        me = members.index(rank)
+        mine = x.narrow(d, *parts[me])
+        bufs = x.new_empty((len(members) - 1,) + tuple(mine.shape))
+        sends, recvs = [], []
+        k = 0
+        for j, m in enumerate(members):
+            if j == me:
+                continue
+            piece = x.narrow(d, *parts[j])
+            if piece.numel():
+                sends.append((piece, m))
+            if mine.numel():
+                recvs.append((bufs[k], m))
+            k += 1
+        work = comm.start_p2p(sends, recvs, kind="all_to_all")
+
+        def combine() -> torch.Tensor:
+            if not len(bufs):
+                return mine.clone()
+            op = torch.add if reduce_of(self.reduce, x.dtype) == "sum" else torch.maximum
+            out = op(mine, bufs[0], out=x.new_empty(mine.shape))  # contiguous, x's dtype
+            for buf in bufs[1:]:
+                op(out, buf, out=out)
+            return out
+        return Handle(work, combine)
+
+    def simulate(self, locals_: Locals) -> Locals:
+        def rs(ms, xs):
+            r = reduce_values(xs, self.reduce)
+            return [r.narrow(self.dim, o, s).clone() for o, s in self.parts(xs[0].shape[self.dim])]
+        return self.by_group(locals_, rs)
+
+
+@dataclass(frozen=True)
+class AllToAll(AxisStep):
+    """split(src_dim) -> split(dst_dim): member k gets part k along ``dst_dim`` of
+    every member's local, concatenated along ``src_dim``."""
+    src_dim: int
+    dst_dim: int
+
+    @classmethod
+    def for_axis(cls, axis, src, dst):
+        a, b = src.sbp[axis], dst.sbp[axis]
+        if isinstance(a, Split) and isinstance(b, Split):
+            return cls(axis, src, dst, a.dim, b.dim)
+        return None
+
+    def cost(self, itemsize):
+        n, b_in = self.group_size, self.bytes_in(itemsize)
+        return ALPHA * (n - 1) + BETA * b_in * (n - 1) / n + GAMMA * b_in
+
+    def start(self, x, rank, own=False):
+        # Point-to-point instead of all_to_all_single: our own part never travels, each
+        # outgoing part is packed once, and incoming parts land in place when contiguous
+        # (always for src_dim 0), so there is no pack/unpack of the whole tensor.
+        members, i, j = self.members(rank), self.src_dim, self.dst_dim
+        parts = self.parts(x.shape[j])
+        me = members.index(rank)
+        rows = [self.src.local_shape(m)[i] for m in members]
+        shape = list(x.shape)
+        shape[j], shape[i] = parts[me][1], sum(rows)
+        out = x.new_empty(shape)
+        sends, recvs, unpack = [], [], []
+        offset = 0
+        for k, m in enumerate(members):
+            dest = out.narrow(i, offset, rows[k])
+            offset += rows[k]
+            if k == me:
+                continue
+            piece = x.narrow(j, *parts[k])
+            if piece.numel():
+                sends.append((piece, m))
+            if not dest.numel():
+                continue
+            if dest.is_contiguous():
+                recvs.append((dest, m))
+            else:
+                buf = torch.empty(dest.shape, dtype=x.dtype, device=x.device)
+                recvs.append((buf, m))
+                unpack.append((dest, buf))
+        work = comm.start_p2p(sends, recvs, kind="all_to_all")
+        out.narrow(i, sum(rows[:me]), rows[me]).copy_(x.narrow(j, *parts[me]))
+
+        def land() -> torch.Tensor:
+            for dest, buf in unpack:
+                dest.copy_(buf)
+            return out
+        return Handle(work, land)
+
+    def simulate(self, locals_: Locals) -> Locals:
+        def a2a(ms, xs):
+            parts = self.parts(xs[0].shape[self.dst_dim])
+            return [torch.cat([x.narrow(self.dst_dim, o, s) for x in xs], self.src_dim)
+                    for o, s in parts]
+        return self.by_group(locals_, a2a)
