@@ -196,13 +196,15 @@ def check_debug_tools():
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    logging.getLogger("globaltensor").addHandler(handler)
-    os.environ["GLOBALTENSOR_DEBUG"] = "1"
+    log = logging.getLogger("globaltensor")  # GLOBALTENSOR_DEBUG=1 at start does the same
+    log.addHandler(handler)
+    level = log.level
+    log.setLevel(logging.DEBUG)
     try:
         x.to_global(sbp=gt.sbp.broadcast)
     finally:
-        del os.environ["GLOBALTENSOR_DEBUG"]
-        logging.getLogger("globaltensor").removeHandler(handler)
+        log.setLevel(level)
+        log.removeHandler(handler)
     if rank in src_p:
         assert any("AllGather" in r.getMessage() for r in records), records
 
