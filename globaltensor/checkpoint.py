@@ -36,7 +36,7 @@ from . import comm, env
 from .boxing import Plan, execute
 from .boxing.steps import Transfer
 from .layout import Layout, Region
-from .parts import identity_value
+from .parts import identity_fill, keep_on_first
 from .placement import Placement
 from .sbp import Broadcast, Partial, Split, broadcast
 from .tensor import GlobalTensor, to_layout, wrap_local
@@ -115,11 +115,9 @@ def create_chunk_list(x: GlobalTensor) -> list:
     region = layout.region(rank)
     if region is None or region.numel == 0:
         return []
-    coord = layout.placement.coord(rank)
-    for axis in layout.partial_axes:
-        if coord[axis] != 0:
-            x._local.fill_(identity_value(layout.sbp[axis].reduce, x.dtype))
-            return []
+    if identity_fill(layout, rank) is not None:
+        keep_on_first(x._local, layout, rank)  # the first members hold the value
+        return []
     return [_chunk(region)]
 
 

@@ -21,6 +21,7 @@ import torch
 
 from . import comm
 from .layout import Layout
+from .parts import keep_on_first
 from .placement import Placement
 from .random import local_sample, next_draw
 from .tensor import GlobalTensor, device_of, empty_local, from_full, wrap_local
@@ -65,12 +66,7 @@ def _from_local_fn(make):
 def _zero_non_first(local, layout: Layout, rank: int, fill) -> torch.Tensor:
     # A partial layout of a constant: the first member holds it, the others hold the
     # reduction's identity (zeros needs nothing, it is its own identity for sum).
-    from .parts import identity_value
-    coord = layout.placement.coord(rank)
-    for axis in layout.partial_axes:
-        if coord[axis] != 0:
-            return local.fill_(identity_value(layout.sbp[axis].reduce, local.dtype))
-    return local
+    return keep_on_first(local, layout, rank)
 
 
 zeros = _from_local_fn(lambda shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device))
@@ -215,7 +211,7 @@ def _derive_shape(t, placement: Placement, sbp) -> tuple[int, ...]:
     if len(dtypes) != 1:
         raise ValueError(f"from_local: local tensors have different dtypes: {sorted(map(str, dtypes))}")
     ndim = ndims.pop()
-    nd_sbp = Layout.make((1,) * ndim, placement, sbp).sbp if ndim else Layout.make((), placement, sbp).sbp
+    nd_sbp = Layout.make((1,) * ndim, placement, sbp).sbp
     shape = []
     for d in range(ndim):
         split_axes = [a for a, s in enumerate(nd_sbp) if getattr(s, "dim", None) == d]

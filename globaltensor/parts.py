@@ -57,8 +57,16 @@ def local_part(value: torch.Tensor, layout: Layout, rank: int) -> torch.Tensor:
     >>> local_part(torch.arange(4), Layout.make((4,), p, split(0)), 1)   # doctest: +SKIP
     tensor([2, 3])
     """
-    local = value[layout.region(rank).slices()].clone()
+    return keep_on_first(value[layout.region(rank).slices()].clone(), layout, rank)
+
+
+def keep_on_first(local: torch.Tensor, layout: Layout, rank: int) -> torch.Tensor:
+    """``local``, a part of a whole value, as ``rank``'s local tensor of ``layout``: kept
+    on the first member of every partial axis, filled in place with the reduction's
+    identity elsewhere (so the members' reduction is the value once).
+
+    >>> keep_on_first(torch.ones(2), Layout.make((2,), p, partial_max), 1)  # doctest: +SKIP
+    tensor([-inf, -inf])
+    """
     fill = identity_fill(layout, rank)
-    if fill is not None:
-        local.fill_(identity_value(fill, value.dtype))
-    return local
+    return local if fill is None else local.fill_(identity_value(fill, local.dtype))

@@ -24,8 +24,8 @@ from typing import Callable
 import torch
 
 from . import comm, env
-from .parts import identity_value
 from .layout import Layout, Region
+from .parts import identity_fill, keep_on_first
 from .tensor import device_of, empty_local
 
 _CHUNK = 1 << 16  # elements hashed at once: the temporaries stay in the L2 cache
@@ -307,10 +307,8 @@ def local_sample(kind: str, layout: Layout, draw: tuple[int, int], dtype: torch.
         return empty_local(layout, dtype)
     if out is None:
         out = torch.empty(region.sizes, dtype=dtype, device=device_of(layout.placement))
-    coord = layout.placement.coord(rank)
-    for axis in layout.partial_axes:
-        if coord[axis] != 0:
-            return out.fill_(identity_value(layout.sbp[axis].reduce, dtype))
+    if identity_fill(layout, rank) is not None:
+        return keep_on_first(out, layout, rank)
     return sample(kind, layout.shape, region, draw, dtype, out=out, **params)
 
 

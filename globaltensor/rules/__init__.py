@@ -3,8 +3,10 @@
 A rule takes a ``Call`` and a placement axis and returns the 1-D signatures valid on
 that axis:
 a list of ``(input sbps, output sbps)``, one sbp per GlobalTensor input and one per
-tensor output. The dispatcher combines them across axes and picks the cheapest. Rules
-never communicate.
+tensor output. The dispatcher combines them across axes and picks the cheapest. A rule
+itself does not communicate; local implementations and decompositions may (the index
+range checks reduce a flag, decompositions box through ``to_global``). Rules register
+in ``registry.py``.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-_RULES: dict = {}
+from .registry import lookup, lookup_decomposition, register  # noqa: F401 (re-exported)
 
 
 def flatten_args(args, kwargs):
@@ -92,67 +94,6 @@ class LocalCtx:
         return self.in_layouts[i].region(self.rank)
 
 
-_LOCAL: dict = {}
-_DECOMPOSITIONS: dict = {}
-
-
-def register(*funcs, local=None):
-    """Decorator: ``@register(aten.mm, ...)`` makes the function the rule of those ops
-    (an OpOverloadPacket covers every overload). ``local(ctx, *args, **kwargs)``, when
-    given, replaces the op on local tensors (for ops that need global offsets or counts)."""
-    def wrap(rule):
-        for f in funcs:
-            _RULES[f] = rule
-            if local is not None:
-                _LOCAL[f] = local
-        return rule
-    return wrap
-
-
-def register_decomposition(*funcs):
-    """Decorator: ``fn(*args, **kwargs)`` computes the op from other ops on
-    GlobalTensors (which dispatch on their own), or returns NotImplemented to use the
-    op's rule. For ops that would otherwise need the data of several ranks."""
-    def wrap(fn):
-        for f in funcs:
-            _DECOMPOSITIONS[f] = fn
-        return fn
-    return wrap
-
-
-def _get(table, func):
-    found = table.get(func)
-    return found if found is not None else table.get(func.overloadpacket)
-
-
-def lookup(func):
-    """(rule, local implementation or None) of an op; rule None means the fallback."""
-    rule = _get(_RULES, func)
-    if rule is None and _is_pointwise(func):
-        from .pointwise import pointwise_rule
-        rule = pointwise_rule
-    return rule, _get(_LOCAL, func)
-
-
-def lookup_decomposition(func):
-    """The decomposition of an op, if any. An op without a rule that torch itself
-    defines by other ops (CompositeImplicitAutograd: linear, matmul, ... which reach
-    dispatch undecomposed under ``torch.inference_mode()``) runs as those ops, so
-    their rules apply instead of the broadcast fallback."""
-    found = _get(_DECOMPOSITIONS, func)
-    if found is None and _get(_RULES, func) is None and not _is_pointwise(func) \
-            and not func.overloadpacket.__name__.startswith("_foreach_") \
-            and torch._C._dispatch_has_kernel_for_dispatch_key(
-                func.name(), torch._C.DispatchKey.CompositeImplicitAutograd):
-        return func.decompose
-    return found
-
-
-def _is_pointwise(func) -> bool:
-    import torch
-    return torch.Tag.pointwise in func.tags
-
-
 from . import (along_dim, attention, complex, conv, embedding, functional,  # noqa: E402,F401
-               like, matmul, norm, optim, pointwise, random, reduction, resample, softmax,
-               view)  # (registration)
+               like, losses, matmul, norm, optim, pointwise, random, reduction, resample,
+               softmax, view)  # (registration)

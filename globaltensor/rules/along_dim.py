@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..sbp import Split, broadcast, partial_sum
-from . import register
+from .registry import register
 from .view import _norm
 
 aten = torch.ops.aten

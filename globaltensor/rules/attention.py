@@ -17,7 +17,7 @@ import torch
 
 from ..sbp import Split, broadcast, partial_sum
 from ..tensor import GlobalTensor
-from . import register
+from .registry import register
 
 aten = torch.ops.aten
 B = broadcast

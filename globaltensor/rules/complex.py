@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..sbp import Split, broadcast, partial_sum
-from . import register, register_decomposition
+from .registry import register
 
 aten = torch.ops.aten
 B, P = broadcast, partial_sum
@@ -60,11 +60,11 @@ register(aten.view_as_complex, local=_view_as_complex_local)(view_as_complex_rul
 
 
 # Metadata queries need no layout: every rank answers from what it has.
-@register_decomposition(aten.is_pinned)
+@register(aten.is_pinned, decompose=True)
 def is_pinned(x, device=None) -> bool:
     return x._local.is_pinned()
 
 
-@register_decomposition(aten.is_same_size)
+@register(aten.is_same_size, decompose=True)
 def is_same_size(a, b) -> bool:
     return tuple(a.shape) == tuple(b.shape)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..sbp import Split, broadcast, partial_sum
-from . import register
+from .registry import register
 
 aten = torch.ops.aten
 B, P = broadcast, partial_sum

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..sbp import Split, broadcast, partial_sum
-from . import register, register_decomposition
+from .registry import register
 from .indices import check_index_range
 
 aten = torch.ops.aten
@@ -48,7 +48,7 @@ def _embedding_local(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=Fa
 register(aten.embedding, local=_embedding_local)(embedding_rule)
 
 
-@register_decomposition(aten.embedding)
+@register(aten.embedding, decompose=True)
 def embedding_checks_indices(weight, indices, *args, **kwargs):
     check_index_range(indices, weight.shape[0], "embedding")
     return NotImplemented

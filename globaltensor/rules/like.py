@@ -16,7 +16,7 @@ import torch
 from .. import comm
 from ..sbp import Split, broadcast, partial_max, partial_sum
 from ..tensor import GlobalTensor, from_full
-from . import register, register_decomposition
+from .registry import register
 from .pointwise import aligned_sbp
 
 aten = torch.ops.aten
@@ -121,7 +121,7 @@ def to_copy_rule(call, axis):
     return cands
 
 
-@register_decomposition(aten.copy_.default)
+@register(aten.copy_.default, decompose=True)
 def copy_from_whole_value(dst, src, non_blocking=False):
     """``global.copy_(plain)``: the plain tensor is the whole value, the same on every
     rank (what ``load_state_dict`` passes); each rank copies its part, no communication."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..sbp import Split, broadcast, partial_sum
-from . import register
+from .registry import register
 from .pointwise import aligned_sbp
 
 aten = torch.ops.aten

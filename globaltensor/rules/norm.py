@@ -13,7 +13,7 @@ import torch
 
 from ..sbp import Split, broadcast, partial_sum
 from ..tensor import relayout
-from . import register, register_decomposition
+from .registry import register
 
 aten = torch.ops.aten
 B, P = broadcast, partial_sum
@@ -112,7 +112,7 @@ def _stat_shape(x):
     return [1, x.shape[1]] + [1] * (x.dim() - 2)
 
 
-@register_decomposition(aten.native_batch_norm)
+@register(aten.native_batch_norm, decompose=True)
 def batch_norm_over_split_batch(x, weight, bias, running_mean, running_var, training,
                                 momentum, eps):
     if not training or not _splits_non_channel(x):
@@ -138,7 +138,7 @@ def batch_norm_over_split_batch(x, weight, bias, running_mean, running_var, trai
     return out, mean, invstd
 
 
-@register_decomposition(aten.native_batch_norm_backward)
+@register(aten.native_batch_norm_backward, decompose=True)
 def batch_norm_backward_over_split_batch(grad, x, weight, running_mean, running_var,
                                          save_mean, save_invstd, train, eps, output_mask):
     if not train or not _splits_non_channel(x):

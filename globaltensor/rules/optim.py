@@ -21,7 +21,7 @@ from ..layout import Layout
 from ..placement import Placement
 from ..sbp import Partial, Split, broadcast
 from ..tensor import GlobalTensor, relayout, to_layout
-from . import register_decomposition
+from .registry import register
 
 aten = torch.ops.aten
 
@@ -49,10 +49,10 @@ def _fused_on_parts(packet):
 
 for _name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"):
     if hasattr(aten, _name):
-        register_decomposition(getattr(aten, _name))(_fused_on_parts(getattr(aten, _name)))
+        register(getattr(aten, _name), decompose=True)(_fused_on_parts(getattr(aten, _name)))
 
 
-@register_decomposition(aten._amp_foreach_non_finite_check_and_unscale_)
+@register(aten._amp_foreach_non_finite_check_and_unscale_, decompose=True)
 def unscale_parts(grads, found_inf, inv_scale):
     """Unscale each part; found_inf becomes 1 on every rank if any rank found one."""
     if isinstance(found_inf, GlobalTensor):
@@ -68,7 +68,7 @@ def unscale_parts(grads, found_inf, inv_scale):
     return None
 
 
-@register_decomposition(aten._foreach_norm)
+@register(aten._foreach_norm, decompose=True)
 def foreach_norm(tensors, ord=2, dtype=None):
     """Norms of many tensors with one reduction per layout kind (placement and which
     axes split), not one per tensor. Partial tensors and negative orders take the

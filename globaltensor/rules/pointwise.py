@@ -10,6 +10,7 @@ import torch
 
 from ..sbp import Split, broadcast, partial_sum
 from ..tensor import GlobalTensor
+from .registry import register
 
 aten = torch.ops.aten
 
@@ -37,6 +38,7 @@ def aligned_sbp(in_shape, out_shape, d):
     return Split(k)
 
 
+@register(torch.Tag.pointwise)
 def pointwise_rule(call, axis):
     out = call.out_shapes[0]
     n_in, n_out = len(call.inputs), len(call.out_shapes)

@@ -16,10 +16,11 @@ import torch.nn.functional as F
 
 from .. import comm, gradsync
 from ..layout import Layout
+from ..parts import keep_on_first
 from ..random import local_sample, mantissa_bits, next_draw
 from ..sbp import Partial, Split, broadcast
 from ..tensor import GlobalTensor, device_of, empty_local, override_function, relayout
-from . import register_decomposition
+from .registry import register
 
 aten = torch.ops.aten
 
@@ -91,7 +92,7 @@ _INPLACE = {
     getattr(aten.random_, "from"): ("integers", _random_bounds),
 }
 for _op, (_kind, _params) in _INPLACE.items():
-    register_decomposition(_op)(_inplace(_kind, _params))
+    register(_op, decompose=True)(_inplace(_kind, _params))
 
 
 def _whole_layout(layout: Layout) -> Layout:
@@ -103,15 +104,10 @@ def _whole_layout(layout: Layout) -> Layout:
 
 def _identity_on_partial(local: torch.Tensor, layout: Layout) -> torch.Tensor:
     """Keep a whole value on the first member of every partial axis, identities elsewhere."""
-    from ..parts import identity_value
-    coord = layout.placement.coord(comm.get_rank())
-    for axis in layout.partial_axes:
-        if coord[axis] != 0:
-            return local.fill_(identity_value(layout.sbp[axis].reduce, local.dtype))
-    return local
+    return keep_on_first(local, layout, comm.get_rank())
 
 
-@register_decomposition(aten.bernoulli_.Tensor)
+@register(aten.bernoulli_.Tensor, decompose=True)
 def bernoulli_tensor_(self, p, generator=None):
     """``self.bernoulli_(p)`` with a tensor of probabilities (boxed to self's regions)."""
     if not isinstance(self, GlobalTensor) or not isinstance(p, GlobalTensor):
@@ -134,7 +130,7 @@ def _fresh(x: GlobalTensor, kind: str, dtype, generator=None, **params) -> Globa
     return GlobalTensor(local_sample(kind, layout, draw, dtype, **params), layout)
 
 
-@register_decomposition(aten.bernoulli.default)
+@register(aten.bernoulli.default, decompose=True)
 def bernoulli(self, generator=None):
     """``torch.bernoulli(probs)``: ones where a uniform value falls below the probability."""
     if not isinstance(self, GlobalTensor):
@@ -145,7 +141,7 @@ def bernoulli(self, generator=None):
     return GlobalTensor((u._local < out._local).to(self.dtype), u._layout)
 
 
-@register_decomposition(aten.bernoulli.p)
+@register(aten.bernoulli.p, decompose=True)
 def bernoulli_p(self, p=0.5, generator=None):
     if not isinstance(self, GlobalTensor):
         return NotImplemented
@@ -162,15 +158,15 @@ def _like(kind, bounds=None):
     return run
 
 
-register_decomposition(aten.rand_like.default)(_like("uniform"))
-register_decomposition(aten.randn_like.default)(_like("normal"))
-register_decomposition(aten.randint_like.default)(
+register(aten.rand_like.default, decompose=True)(_like("uniform"))
+register(aten.randn_like.default, decompose=True)(_like("normal"))
+register(aten.randint_like.default, decompose=True)(
     _like("integers", lambda high: {"low": 0, "high": high}))
-register_decomposition(aten.randint_like.low_dtype)(
+register(aten.randint_like.low_dtype, decompose=True)(
     _like("integers", lambda low, high: {"low": low, "high": high}))
 
 
-@register_decomposition(aten.native_dropout.default)
+@register(aten.native_dropout.default, decompose=True)
 def native_dropout(x, p: float, train=True):
     """Dropout drawing only this rank's part of the mask. A partial input stays partial:
     every addend meets the same mask (the mask of its whole region)."""

@@ -13,7 +13,7 @@ import math
 import torch
 
 from ..sbp import Split, broadcast, partial_max, partial_sum
-from . import register, register_decomposition
+from .registry import register
 
 aten = torch.ops.aten
 
@@ -68,7 +68,7 @@ def _local_mean(ctx, x, *args, **kwargs):
 register(aten.mean, local=_local_mean)(reduction_rule)
 
 
-@register_decomposition(aten.linalg_vector_norm)
+@register(aten.linalg_vector_norm, decompose=True)
 def vector_norm_decomposition(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     """A norm over a split dim from partial sums of |x|^p (or a partial max for inf)."""
     ndim = x.dim()

@@ -15,7 +15,7 @@ import math
 import torch
 
 from ..sbp import Split, broadcast, partial_sum
-from . import register
+from .registry import register
 
 aten = torch.ops.aten
 B, P = broadcast, partial_sum

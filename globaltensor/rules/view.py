@@ -15,7 +15,7 @@ import torch
 
 from ..layout import balanced_split
 from ..sbp import Split, broadcast, partial_max, partial_sum
-from . import register
+from .registry import register
 
 aten = torch.ops.aten
 

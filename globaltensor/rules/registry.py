@@ -1,0 +1,68 @@
+"""Which rule, local implementation and decomposition an op has (a leaf module: the
+family files register into it, dispatch looks up in it).
+
+One form registers all three:
+
+>>> @register(aten.mm, aten.bmm)                        # doctest: +SKIP
+... def matmul_rule(call, axis): ...
+>>> @register(aten.cumsum, local=_cumsum_local)         # doctest: +SKIP
+... def along_dim_rule(call, axis): ...
+>>> @register(aten.linalg_vector_norm, decompose=True)  # doctest: +SKIP
+... def _norm(x, ord=2, ...): ...
+
+A key may be an op, an ``OpOverloadPacket`` (every overload) or a ``torch.Tag``: the
+rule registered for ``torch.Tag.pointwise`` serves every pointwise op without its own.
+"""
+from __future__ import annotations
+
+import torch
+
+_RULES: dict = {}
+_LOCAL: dict = {}
+_DECOMPOSITIONS: dict = {}
+
+
+def register(*funcs, local=None, decompose: bool = False):
+    """Decorator. By default the function becomes the sbp rule of ``funcs``;
+    ``local(ctx, *args, **kwargs)``, when given, replaces the op on local tensors (for
+    ops that need global offsets or counts). With ``decompose=True`` the function
+    instead computes the op from other ops on GlobalTensors (which dispatch on their
+    own), or returns NotImplemented to use the op's rule: for ops that would otherwise
+    need the data of several ranks."""
+    def wrap(fn):
+        for f in funcs:
+            if decompose:
+                _DECOMPOSITIONS[f] = fn
+                continue
+            _RULES[f] = fn
+            if local is not None:
+                _LOCAL[f] = local
+        return fn
+    return wrap
+
+
+def _get(table, func):
+    found = table.get(func)
+    return found if found is not None else table.get(func.overloadpacket)
+
+
+def lookup(func):
+    """(rule, local implementation or None) of an op; rule None means the fallback."""
+    rule = _get(_RULES, func)
+    if rule is None and torch.Tag.pointwise in func.tags:
+        rule = _RULES.get(torch.Tag.pointwise)
+    return rule, _get(_LOCAL, func)
+
+
+def lookup_decomposition(func):
+    """The decomposition of an op, if any. An op without a rule that torch itself
+    defines by other ops (CompositeImplicitAutograd: linear, matmul, ... which reach
+    dispatch undecomposed under ``torch.inference_mode()``) runs as those ops, so
+    their rules apply instead of the broadcast fallback."""
+    found = _get(_DECOMPOSITIONS, func)
+    if found is None and _get(_RULES, func) is None and torch.Tag.pointwise not in func.tags \
+            and not func.overloadpacket.__name__.startswith("_foreach_") \
+            and torch._C._dispatch_has_kernel_for_dispatch_key(
+                func.name(), torch._C.DispatchKey.CompositeImplicitAutograd):
+        return func.decompose
+    return found
