@@ -7,8 +7,14 @@ are boxed, the op (or its local implementation) runs on local tensors, outputs a
 wrapped. Decisions are cached per (op, input layouts and dtypes, non-tensor
 arguments), so a repeated call only flattens, looks up and runs. Ops without a rule
 gather their inputs to broadcast (a warning once per op). In-place ops keep their
-first argument's layout. ``_foreach_*`` ops run element by element; some ops decompose
-into other global ops when their data spans ranks (softmax over a split dim, ...).
+first argument's layout. ``_foreach_*`` ops run as one call on the local parts when
+their per-tensor op is pointwise and the tensors at each index share a layout without
+partials (optimizer steps), else element by element (``_foreach_norm`` has its own
+decomposition: one collective for all partial norms); some ops decompose into other
+global ops when their data spans ranks (softmax over a split dim, ...).
+
+This module and tensor.py read GlobalTensor's fields (``_local``, ``_layout``) directly:
+this is the per-op hot path, where a property call per operand is measurable.
 """
 from __future__ import annotations
 
@@ -25,8 +31,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import comm, gradsync
 from .boxing import plan_route
-from .parts import identity_value
 from .layout import Layout
+from .parts import identity_value
 from .placement import Placement
 from .rules import Call, LocalCtx, flatten_args, lookup, lookup_decomposition, unflatten_args
 from .sbp import Partial, Split, broadcast
@@ -117,6 +123,16 @@ def _lookup(func, leaves, spec):
 
 
 def dispatch(func, types, args, kwargs):
+    """``__torch_dispatch__`` of GlobalTensor: ``func`` on global operands.
+
+    Special ops go first (out= variants, ``_foreach_*``, value ops, decompositions,
+    which may decline). Otherwise: plain tensor operands become broadcast where allowed
+    (``implicit_broadcast()``, backward formulas), the decision is looked up or made
+    (``_decide``), and a call that needs no boxing runs its local op directly; the rest
+    goes through ``_run``. Leaves that require grad are watched for gradient sync.
+
+    >>> (x @ w).relu()      # each op enters here once     # doctest: +SKIP
+    """
     special = _special.get(func)
     if special is None:
         special = _special[func] = _special_handler(func)
@@ -342,6 +358,15 @@ def _meta(x):
 
 
 def _decide(func, leaves, spec) -> Decision:
+    """How to run ``func`` on these operands' layouts (cached by the caller).
+
+    The op runs once on meta tensors for its output metadata; the rule's per-axis
+    signatures are combined over the placement's axes and the combination whose input
+    boxing costs least wins (parameters weigh more, padding an output to partial is
+    charged its later reduction). Without a valid signature every input is gathered
+    to broadcast (warned once per op). The decision also records the shortcuts
+    ``_run`` and ``dispatch`` may take: a direct local op, the identity output of a
+    rank holding an empty part."""
     gidx = _global_leaves(leaves)
     placement = _check_inputs(func, leaves, gidx)
     meta_leaves = [_meta(x) for x in leaves]
@@ -470,6 +495,10 @@ def _writes_first_arg(func) -> bool:
 
 
 def _run(func, decision: Decision, leaves, spec):
+    """Carry out ``decision``: box each global input to its target layout, run the op
+    (or the rule's local implementation) on this rank's parts, and wrap the outputs with
+    their layouts. A rank outside the placement computes nothing and returns empty
+    parts with the right metadata; an in-place op returns its target."""
     if decision.inplace and decision.fallback:
         return _inplace_via_functional(func, leaves, spec)
     rank = comm.get_rank()

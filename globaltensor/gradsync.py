@@ -148,7 +148,7 @@ class _Reducer:
 
     def __init__(self) -> None:
         self.plan = _plan(_last_order)
-        self.waiting: dict = {}   # planned bucket -> leaf ids not yet ready
+        self.waiting: dict = {}   # planned bucket -> leaf serials not yet ready
         for serial, b in self.plan.items():
             self.waiting.setdefault(b, set()).add(serial)
         self.planned: dict = {}   # planned bucket -> (kind, items)

@@ -127,10 +127,6 @@ class Layout:
                 else region.sizes
         return shape
 
-    def is_even(self) -> bool:
-        """True when every rank's local tensor has the same shape."""
-        return len({self.local_shape(r) for r in self.placement}) == 1
-
 
 # Equal layouts as one object while any is alive (weak: shapes seen once, e.g. every
 # sequence length of a run, do not accumulate).

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Sequence, Union
 
 __all__ = ["SbpParallel", "Split", "Broadcast", "Partial", "split", "broadcast",
-           "partial_sum", "partial_max", "normalize", "is_split", "is_partial"]
+           "partial_sum", "partial_max", "normalize"]
 
 
 class SbpParallel:
@@ -73,14 +73,6 @@ partial_sum = Partial("sum")
 partial_max = Partial("max")
 
 SbpLike = Union[SbpParallel, Sequence[SbpParallel]]
-
-
-def is_split(s: SbpParallel) -> bool:
-    return isinstance(s, Split)
-
-
-def is_partial(s: SbpParallel) -> bool:
-    return isinstance(s, Partial)
 
 
 def normalize(sbp: SbpLike, placement_ndim: int, tensor_ndim: int) -> tuple:

@@ -59,6 +59,7 @@ class GlobalTensor(torch.Tensor):
     __slots__ = ("_local", "_layout", "_key")
 
     @staticmethod
+    @torch._disable_dynamo
     def __new__(cls, local: torch.Tensor, layout: Layout, requires_grad: bool = False,
                 strides: tuple | None = None):
         # ``strides`` are global strides (contiguous unless given). Dispatch passes those
@@ -100,6 +101,7 @@ class GlobalTensor(torch.Tensor):
                 f"local_shape={tuple(self._local.shape)}{grad})")
 
     # --- conversions (all differentiable) -------------------------------------------
+    @torch._disable_dynamo
     def to_global(self, placement: Placement | None = None, sbp=None) -> "GlobalTensor":
         """Redistribute to ``placement`` / ``sbp`` (None keeps the current one).
 
@@ -118,16 +120,18 @@ class GlobalTensor(torch.Tensor):
             return self
         return _ToGlobal.apply(self, dst)
 
+    @torch._disable_dynamo
     def to_local(self) -> torch.Tensor:
         """This rank's part as a plain tensor (no elements outside the placement)."""
         return _ToLocal.apply(self)
 
+    @torch._disable_dynamo
     def full(self) -> torch.Tensor:
         """The whole value as a plain tensor on every rank of the world (a collective)."""
         everyone = Placement(self.placement.type, list(range(comm.get_world_size())))
         return self.to_global(everyone, (_broadcast(),)).to_local()
 
-    def numpy(self, *, force: bool = False):
+    def numpy(self):
         return self.full().detach().cpu().numpy()
 
     def tolist(self):
@@ -165,6 +169,7 @@ class GlobalTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
+    @torch._disable_dynamo
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if _dispatcher is None:
             raise RuntimeError("globaltensor.dispatch is not loaded; import globaltensor")
