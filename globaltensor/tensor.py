@@ -58,6 +58,9 @@ class GlobalTensor(torch.Tensor):
     _layout: Layout
     __slots__ = ("_local", "_layout", "_key")
 
+    # The runtime (construction, boxing, dispatch) is hidden from torch.compile (as
+    # DTensor's constructor is): traced, its shape-dependent decisions were baked into
+    # graphs and reused for other shapes. Compiled code runs it eagerly (graph breaks).
     @staticmethod
     @torch._disable_dynamo
     def __new__(cls, local: torch.Tensor, layout: Layout, requires_grad: bool = False,
