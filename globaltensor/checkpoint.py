@@ -77,11 +77,11 @@ def create_write_items(x: GlobalTensor, fqn: str) -> list:
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
     rank = comm.get_rank()
-    layout = _value_layout(x._layout)
-    local = x._local
+    layout = _value_layout(x.layout_)
+    local = x.local_
     stash = _stash(x)
-    if layout is not x._layout:
-        local = to_layout(x.detach(), layout)._local  # every rank: a collective
+    if layout is not x.layout_:
+        local = to_layout(x.detach(), layout).local_  # every rank: a collective
         if rank not in layout.placement or not _is_region_writer(layout, rank):
             return []  # replicas drop their copy now: only the writer offers the chunk
     region = layout.region(rank)
@@ -96,7 +96,7 @@ def create_write_items(x: GlobalTensor, fqn: str) -> list:
         local = torch.empty(x.shape, dtype=x.dtype, device=local.device)
     elif region.numel == 0:
         return []
-    if local is not x._local:
+    if local is not x.local_:
         stash[fqn] = local
     chunk = _chunk(region)
     return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
@@ -111,12 +111,12 @@ def create_chunk_list(x: GlobalTensor) -> list:
     as this planning step is the load's first touch of the tensor)."""
     _stash(x).clear()
     rank = comm.get_rank()
-    layout = x._layout
+    layout = x.layout_
     region = layout.region(rank)
     if region is None or region.numel == 0:
         return []
     if identity_fill(layout, rank) is not None:
-        keep_on_first(x._local, layout, rank)  # the first members hold the value
+        keep_on_first(x.local_, layout, rank)  # the first members hold the value
         return []
     return [_chunk(region)]
 
@@ -125,7 +125,7 @@ def get_tensor_shard(x: GlobalTensor, index) -> torch.Tensor:
     """The local tensor holding the chunk at ``index`` (a reduced copy, once, for a
     partial tensor being saved)."""
     stashed = _stash(x).pop(index.fqn, None)
-    return x._local if stashed is None else stashed
+    return x.local_ if stashed is None else stashed
 
 
 def _stash(x: GlobalTensor) -> dict:
@@ -357,15 +357,15 @@ def to_dtensor(x: GlobalTensor):
     from torch.distributed.tensor import DTensor
     mesh = _device_mesh(x.placement)
     placements = tuple(_dtensor_placement(s) for s in x.sbp)
-    chunked = _ChunkLayout(x._layout)
+    chunked = _ChunkLayout(x.layout_)
     if chunked.coincides():
         local = x.to_local()
-    elif x._layout.partial_axes:
+    elif x.layout_.partial_axes:
         # Move the reduced value, then let DTensor make its own partial (a local step).
         value = x.to_global(sbp=_without_partials(x.sbp)).to_dtensor()
         return value.redistribute(mesh, placements)
     else:
-        local = _Rechunk.apply(x.to_local(), x._layout, chunked)
+        local = _Rechunk.apply(x.to_local(), x.layout_, chunked)
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=x.shape,
                               stride=x.stride())
 

@@ -78,11 +78,11 @@ def _reducible_axes(grad: Layout, leaf: Layout):
 
 def _after_accumulate(leaf: GlobalTensor) -> None:
     grad = leaf.grad
-    if not isinstance(grad, GlobalTensor) or grad._layout == leaf._layout or not _sync:
+    if not isinstance(grad, GlobalTensor) or grad.layout_ == leaf.layout_ or not _sync:
         return
-    axes = _reducible_axes(grad._layout, leaf._layout)
+    axes = _reducible_axes(grad.layout_, leaf.layout_)
     if axes is None:  # anything but a plain partial-sum reduction: box right away
-        leaf.grad = to_layout(grad, leaf._layout)
+        leaf.grad = to_layout(grad, leaf.layout_)
         return
     global _pending
     if _pending is None:
@@ -105,19 +105,19 @@ _buffers = WeakIdKeyDictionary()
 def _flat_buffer(items) -> torch.Tensor:
     """The bucket's gradients copied once into a flat buffer kept between steps (the
     previous step's ``.grad`` views into it are replaced by then, as in DDP)."""
-    key = tuple((_serials[leaf], g._local.shape, g.dtype) for leaf, g in items)
+    key = tuple((_serials[leaf], g.local_.shape, g.dtype) for leaf, g in items)
     owned = _buffers.get(items[0][0])
     if owned is None:
         owned = _buffers[items[0][0]] = {}
     flat = owned.get(key)
-    total = sum(g._local.numel() for _, g in items)
+    total = sum(g.local_.numel() for _, g in items)
     if flat is None:
         flat = owned[key] = torch.empty(total, dtype=items[0][1].dtype,
-                                        device=items[0][1]._local.device)
+                                        device=items[0][1].local_.device)
     offset = 0
     for _, g in items:
-        n = g._local.numel()
-        flat[offset:offset + n].view(g._local.shape).copy_(g._local)
+        n = g.local_.numel()
+        flat[offset:offset + n].view(g.local_.shape).copy_(g.local_)
         offset += n
     return flat
 
@@ -159,7 +159,7 @@ class _Reducer:
 
     def add(self, leaf, grad, axes) -> None:
         kind = (leaf.placement, grad.dtype, axes)
-        nbytes = grad._local.numel() * grad.element_size()
+        nbytes = grad.local_.numel() * grad.element_size()
         serial = _serials[leaf]
         self.order.append((serial, kind, nbytes))
         b = self.plan.get(serial)
@@ -204,8 +204,8 @@ class _Reducer:
                     comm.all_reduce_(flat, "sum", placement.group(rank, axis))
             offset = 0
             for leaf, grad in items:
-                n = grad._local.numel()
-                local = flat[offset:offset + n].view_as(grad._local) if flat is not None \
-                    else grad._local
+                n = grad.local_.numel()
+                local = flat[offset:offset + n].view_as(grad.local_) if flat is not None \
+                    else grad.local_
                 offset += n
-                leaf.grad = GlobalTensor(local, leaf._layout)
+                leaf.grad = GlobalTensor(local, leaf.layout_)

@@ -97,6 +97,12 @@ class GlobalTensor(torch.Tensor):
         """The (shape, placement, sbp) triple, for internal use and debugging."""
         return self._layout
 
+    @property
+    def local_(self) -> torch.Tensor:
+        """This rank's part as stored, for internal use: unlike ``to_local()`` it adds
+        no autograd edge (empty outside the placement)."""
+        return self._local
+
     def __repr__(self, *, tensor_contents=None) -> str:
         grad = ", requires_grad=True" if self.requires_grad else ""
         return (f"GlobalTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "

@@ -7,7 +7,7 @@ first part and posts its messages, the receiver posts its receives early and wai
 only when it needs the tensor. Two stages on one placement (one worker) box locally.
 
 >>> h = Handoff(out_layout, in_layout, torch.float32)   # doctest: +SKIP
->>> work = h.send(out._local)      # on the sending stage's ranks
+>>> work = h.send(out.local_)      # on the sending stage's ranks
 >>> pending = h.receive()          # on the receiving stage's ranks, posted early
 >>> local = pending.wait()         # this rank's part of ``in_layout``
 """

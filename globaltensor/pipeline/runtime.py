@@ -166,7 +166,7 @@ class Pipeline:
         """Layouts of every hand-off for this micro-batch shape: learnt once by running
         the stages on it one after another on every rank (stage members compute, the
         others only derive metadata), without gradients and restoring buffers."""
-        key = (x0._layout, x0.dtype, None if t0 is None else (t0._layout, t0.dtype))
+        key = (x0.layout_, x0.dtype, None if t0 is None else (t0.layout_, t0.dtype))
         routes = self._routes.get(key)
         if routes is not None:
             return routes
@@ -174,20 +174,20 @@ class Pipeline:
         with torch.no_grad(), _buffers_kept(self.stages):
             for k, stage in enumerate(self.stages):
                 if k:
-                    h = h.to_global(self.placements[k], self._in_sbp(k, h._layout))
-                ins.append(h._layout)
+                    h = h.to_global(self.placements[k], self._in_sbp(k, h.layout_))
+                ins.append(h.layout_)
                 h = stage(h)
                 if not isinstance(h, GlobalTensor) or h.placement != self.placements[k]:
                     raise ValueError(f"stage {k} must return one GlobalTensor on its own "
                                      f"placement {self.placements[k]}, got {_describe(h)}")
-                outs.append(h._layout)
+                outs.append(h.layout_)
             loss = None
             if t0 is not None:
                 value = self.loss_fn(h, t0)
                 if not isinstance(value, GlobalTensor) or value.numel() != 1:
                     raise ValueError(f"loss_fn must return a one-element GlobalTensor, got "
                                      f"{_describe(value)}")
-                loss = (value * 1.0)._layout
+                loss = (value * 1.0).layout_
         dtype = h.dtype
         forward = tuple(Handoff(outs[k], ins[k + 1], dtype) for k in range(len(outs) - 1))
         backward = (None,) + tuple(
@@ -259,8 +259,8 @@ class _Run:
             leaf = self._wait(("act", k - 1, i)).detach().requires_grad_(self.train)
             inp = wrap_local(leaf, routes.ins[k])
         out = self.pipe.stages[k](inp)
-        if out._layout != routes.outs[k]:
-            raise RuntimeError(f"stage {k} returned {out._layout} for micro-batch {i}, but "
+        if out.layout_ != routes.outs[k]:
+            raise RuntimeError(f"stage {k} returned {out.layout_} for micro-batch {i}, but "
                                f"{routes.outs[k]} for the first of its shape")
         if k == self.last:
             if self.train:
@@ -278,7 +278,7 @@ class _Run:
             sent = self.sends.pop(("act", k, i), None)
             if sent is not None:
                 sent.wait()  # the next stage used it: the gradient came back
-            grad = GlobalTensor(self._wait(("grad", k + 1, i)), gradient_layout(out._layout))
+            grad = GlobalTensor(self._wait(("grad", k + 1, i)), gradient_layout(out.layout_))
             torch.autograd.backward(out, grad)
         if leaf is not None:
             g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
@@ -291,7 +291,7 @@ class _Run:
             leaf, out = self.held[(a.stage, a.mb)]
             if not self.train:
                 self.held.pop((a.stage, a.mb))
-            local = out._local.detach()
+            local = out.local_.detach()
         else:
             key, handoff = ("grad", a.stage, a.mb), self.routes[a.mb].backward[a.stage]
             local = self.held.pop(("grad", a.stage, a.mb))
@@ -386,13 +386,13 @@ def _cut(x, sizes, placement: Placement, sbp) -> list:
 @contextlib.contextmanager
 def _buffers_kept(stages):
     """Restore every buffer (batch-norm statistics) of ``stages`` on exit."""
-    kept = [(b, b._local.clone() if isinstance(b, GlobalTensor) else b.clone())
+    kept = [(b, b.local_.clone() if isinstance(b, GlobalTensor) else b.clone())
             for s in stages for b in s.buffers()]
     try:
         yield
     finally:
         for b, value in kept:
-            (b._local if isinstance(b, GlobalTensor) else b).copy_(value)
+            (b.local_ if isinstance(b, GlobalTensor) else b).copy_(value)
 
 
 __all__ = ["Pipeline"]

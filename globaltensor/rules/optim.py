@@ -30,7 +30,7 @@ def _local(t, layout: Layout | None = None):
     """A GlobalTensor's part (boxed to ``layout`` first); anything else as it is."""
     if not isinstance(t, GlobalTensor):
         return t
-    return (t if layout is None else to_layout(t, layout))._local
+    return (t if layout is None else to_layout(t, layout)).local_
 
 
 def _fused_on_parts(packet):
@@ -38,7 +38,7 @@ def _fused_on_parts(packet):
         params = args[0]
         if not all(isinstance(p, GlobalTensor) for p in params):
             return NotImplemented
-        layouts = [p._layout for p in params]
+        layouts = [p.layout_ for p in params]
         local_args = [[_local(t, layouts[i]) for i, t in enumerate(a)]
                       if isinstance(a, (list, tuple)) and len(a) == len(params) else _local(a)
                       for a in args]
@@ -63,7 +63,7 @@ def unscale_parts(grads, found_inf, inv_scale):
     world = Placement(grads[0].placement.type, list(range(comm.get_world_size())))
     anywhere = GlobalTensor(found_here.reshape(()),
                             Layout.make((), world, (Partial("max"),)))
-    reduced = relayout(anywhere, (broadcast,), donate=True)._local
+    reduced = relayout(anywhere, (broadcast,), donate=True).local_
     torch.maximum(found_inf, reduced.to(found_inf.device), out=found_inf)
     return None
 
@@ -77,7 +77,7 @@ def foreach_norm(tensors, ord=2, dtype=None):
     out: list = [None] * len(tensors)
     groups: dict = {}
     for i, t in enumerate(tensors):
-        if not isinstance(t, GlobalTensor) or t._layout.partial_axes or ord < 0 \
+        if not isinstance(t, GlobalTensor) or t.layout_.partial_axes or ord < 0 \
                 or not any(isinstance(s, Split) for s in t.sbp):
             out[i] = torch.linalg.vector_norm(t, ord, dtype=dtype)
             continue
@@ -86,7 +86,7 @@ def foreach_norm(tensors, ord=2, dtype=None):
     reduce = "max" if ord == math.inf else "sum"
     rank = comm.get_rank()
     for (placement, cut), members in groups.items():
-        parts = [tensors[i]._local for i in members]
+        parts = [tensors[i].local_ for i in members]
         inside = rank in placement
         stats = torch.stack([_local_stat(x, ord, dtype) for x in parts]) if inside else \
             torch.empty(0, dtype=dtype or parts[0].dtype, device=parts[0].device)
@@ -94,7 +94,7 @@ def foreach_norm(tensors, ord=2, dtype=None):
         total = relayout(GlobalTensor(stats, Layout.make((len(members),), placement, sbp)),
                          (broadcast,) * placement.ndim, donate=True)
         if ord not in (0.0, 1.0, math.inf):
-            total = GlobalTensor(total._local.pow(1.0 / ord), total._layout)
+            total = GlobalTensor(total.local_.pow(1.0 / ord), total.layout_)
         for i, norm in zip(members, total.unbind(0)):
             out[i] = norm
     return out

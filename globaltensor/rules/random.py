@@ -49,13 +49,13 @@ def _inplace(kind: str, params):
         draw = _draw_for(generator)
         _watch(self)
         if comm.get_rank() in self.placement:
-            local = self._local
+            local = self.local_
             dtype = torch.int64 if kind == "integers" and not local.dtype.is_floating_point \
                 else local.dtype
             if local.is_contiguous() and dtype == local.dtype:
-                local_sample(kind, self._layout, draw, dtype, out=local, **bound)
+                local_sample(kind, self.layout_, draw, dtype, out=local, **bound)
             else:
-                local.copy_(local_sample(kind, self._layout, draw, dtype, **bound))
+                local.copy_(local_sample(kind, self.layout_, draw, dtype, **bound))
         return self
     return run
 
@@ -112,20 +112,20 @@ def bernoulli_tensor_(self, p, generator=None):
     """``self.bernoulli_(p)`` with a tensor of probabilities (boxed to self's regions)."""
     if not isinstance(self, GlobalTensor) or not isinstance(p, GlobalTensor):
         return NotImplemented
-    whole = _whole_layout(self._layout)
+    whole = _whole_layout(self.layout_)
     p = relayout(p.expand(self.shape) if p.shape != self.shape else p, whole.sbp)
     draw = _draw_for(generator)
     _watch(self)
     if comm.get_rank() in self.placement:
         u = local_sample("uniform", whole, draw, torch.float64 if p.dtype == torch.float64
                          else torch.float32)
-        self._local.copy_(_identity_on_partial((u < p._local).to(self.dtype), self._layout))
+        self.local_.copy_(_identity_on_partial((u < p.local_).to(self.dtype), self.layout_))
     return self
 
 
 def _fresh(x: GlobalTensor, kind: str, dtype, generator=None, **params) -> GlobalTensor:
     """A new random tensor with ``x``'s regions (partial axes broadcast)."""
-    layout = _whole_layout(x._layout)
+    layout = _whole_layout(x.layout_)
     draw = _draw_for(generator)
     return GlobalTensor(local_sample(kind, layout, draw, dtype, **params), layout)
 
@@ -135,10 +135,10 @@ def bernoulli(self, generator=None):
     """``torch.bernoulli(probs)``: ones where a uniform value falls below the probability."""
     if not isinstance(self, GlobalTensor):
         return NotImplemented
-    out = self.to_global(sbp=_whole_layout(self._layout).sbp) if self._layout.partial_axes \
+    out = self.to_global(sbp=_whole_layout(self.layout_).sbp) if self.layout_.partial_axes \
         else self
     u = _fresh(out, "uniform", self.dtype, generator)
-    return GlobalTensor((u._local < out._local).to(self.dtype), u._layout)
+    return GlobalTensor((u.local_ < out.local_).to(self.dtype), u.layout_)
 
 
 @register(aten.bernoulli.p, decompose=True)
@@ -175,23 +175,23 @@ def native_dropout(x, p: float, train=True):
     if not 0 <= p <= 1:
         raise ValueError(f"dropout probability has to be between 0 and 1, got {p}")
     _watch(x)
-    mask_layout = _whole_layout(x._layout)
+    mask_layout = _whole_layout(x.layout_)
     strides = None if x.is_contiguous() else tuple(x.stride())
     rank = comm.get_rank()
     if train is False or p == 0:
         ones = torch.ones(mask_layout.local_shape(rank), dtype=torch.bool,
                           device=device_of(x.placement))
-        return (GlobalTensor(x._local.clone(), x._layout, strides=strides),
+        return (GlobalTensor(x.local_.clone(), x.layout_, strides=strides),
                 GlobalTensor(ones, mask_layout))
     draw = next_draw()
     if rank not in x.placement:
-        return (GlobalTensor(empty_local(x._layout, x.dtype), x._layout, strides=strides),
+        return (GlobalTensor(empty_local(x.layout_, x.dtype), x.layout_, strides=strides),
                 GlobalTensor(empty_local(mask_layout, torch.bool), mask_layout))
     mask = local_sample("bernoulli", mask_layout, draw, torch.bool, p=1 - p)
     scale = 0.0 if p == 1 else 1.0 / (1.0 - p)
     # (torch.where allocates only the output; a float * bool product casts the mask)
-    out = torch.where(mask, x._local, 0.0).mul_(scale)
-    return (GlobalTensor(out, x._layout, strides=strides), GlobalTensor(mask, mask_layout))
+    out = torch.where(mask, x.local_, 0.0).mul_(scale)
+    return (GlobalTensor(out, x.layout_, strides=strides), GlobalTensor(mask, mask_layout))
 
 
 

@@ -53,13 +53,13 @@ def _row_stat(x, dim: int, reduce: str):
     rank = comm.get_rank()
     if rank not in x.placement:
         local = empty_local(layout, x.dtype)
-    elif x._local.shape[dim] == 0:
+    elif x.local_.shape[dim] == 0:
         local = torch.full(layout.local_shape(rank), identity_value(reduce, x.dtype),
-                           dtype=x.dtype, device=x._local.device)
+                           dtype=x.dtype, device=x.local_.device)
     elif reduce == "max":
-        local = x._local.amax(dim, keepdim=True)
+        local = x.local_.amax(dim, keepdim=True)
     else:
-        local = x._local.sum(dim, keepdim=True)
+        local = x.local_.sum(dim, keepdim=True)
     whole = tuple(B if a in cut else s for a, s in enumerate(partial))
     return relayout(GlobalTensor(local, layout), whole, donate=True)
 
