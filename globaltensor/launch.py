@@ -17,7 +17,10 @@ What it adds to the agent, and why:
 - workers die with the launcher (Linux parent-death signal), even when it is SIGKILLed;
 - a worker stopped by the launcher prints where it was (``faulthandler``), so a hung
   rank shows up as the hung rank, not as its peer's failure;
-- log files are opened without following symbolic links.
+- log files are opened without following symbolic links;
+- when a worker fails, the others get ``FAILURE_GRACE_S`` to end on their own before
+  they are stopped, so ranks that fail together (a bad config) are all reported as
+  failed, with their exit codes, instead of as stopped by the launcher.
 
 Example::
 
@@ -41,7 +44,6 @@ import socket
 import sys
 import threading
 import time
-from collections import deque
 from typing import Any, NoReturn, Optional, Sequence
 
 __all__ = ["main", "parse_args"]
@@ -49,6 +51,7 @@ __all__ = ["main", "parse_args"]
 # How often the agent polls its workers. Small, so that one rank dying while the
 # others block in a collective ends the job promptly.
 MONITOR_INTERVAL_S = 0.2
+FAILURE_GRACE_S = 1.0
 LOG_TAIL_LINES = 20
 # Same id on every node: the rendezvous prefixes its TCPStore keys with it.
 RUN_ID = "globaltensor"
@@ -425,6 +428,29 @@ def _alive(pid: int) -> bool:
         return False
 
 
+# --- the agent ---------------------------------------------------------------------
+
+def _grace_agent_class():
+    """torch's LocalElasticAgent, except that a failure is reported once every worker
+    has ended or ``FAILURE_GRACE_S`` has passed (torch stops the rest at once: a rank
+    that was about to fail the same way would be reported as stopped)."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class GraceAgent(LocalElasticAgent):
+        def _monitor_workers(self, worker_group):
+            result = super()._monitor_workers(worker_group)
+            if result.state != WorkerState.FAILED or self._pcontext is None:
+                return result
+            deadline = time.monotonic() + FAILURE_GRACE_S
+            while time.monotonic() < deadline and any(
+                    _alive(pid) for pid in self._pcontext.pids().values()):
+                time.sleep(0.02)  # a poll of the workers' state, not synchronisation
+            return super()._monitor_workers(worker_group)
+
+    return GraceAgent
+
+
 # --- the failure summary -------------------------------------------------------------
 
 def _read_log(log_dir: str, rank: int) -> Optional[list[str]]:
@@ -557,10 +583,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+    from torch.distributed.launcher import api as launcher_api
     from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_DropAgentFailureLine())
     rendezvous_handler_registry.register(RDZV_BACKEND, _create_rendezvous)
+    launcher_api.LocalElasticAgent = _grace_agent_class()  # launch_agent builds the agent by this name
     config = LaunchConfig(
         min_nodes=args.nnodes,
         max_nodes=args.nnodes,

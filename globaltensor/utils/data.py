@@ -20,7 +20,7 @@ part of each batch (see ``_StreamShard``).
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.utils.data as tud
