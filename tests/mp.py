@@ -133,33 +133,87 @@ class World:
                                  f"failed: {reason})")
 
 
-def checks_in_worlds(module: str, checks, only_in_4=(), make_world=None):
-    """Fixtures and tests running ``checks`` (names of functions in ``module``) in one
-    world of 2 and one of 4 processes; ``only_in_4`` need 4 ranks. Use as
-    ``world2, world4, test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)``.
-    ``make_world(nprocs, names)`` replaces ``World`` (e.g. by one that restarts worlds)."""
+# --------------------------------------------------------------------------------------
+# session worlds: every test file's checks for a world of n run in one spawned world
+# --------------------------------------------------------------------------------------
+
+CHECK_TIMEOUT = 240         # seconds per check (collectives time out sooner: 60 s)
+
+
+class SharedWorld:
+    """Lazy ``World``s of ``n`` processes running ``names`` ("module:check") in order.
+    A world ends at its first failing check; a check that did not get to run then runs
+    in a new world together with the checks after it (so one failure does not fail the
+    rest of the session)."""
+
+    def __init__(self, n: int, names: list):
+        self.n, self.names = n, names
+        self.world: World | None = None
+
+    def check(self, name: str) -> None:
+        w = self.world
+        if w is None or name not in w.done or (w.errors and name not in w.errors
+                                               and w.done[name] != self.n):
+            if w is not None:
+                w.close()
+            w = self.world = World(self.n, "mp", self.names[self.names.index(name):],
+                                   timeout=CHECK_TIMEOUT, lazy=True)
+        w.check(name)
+
+    def wait(self) -> None:
+        """Let the current world run its remaining checks (until done or an error)."""
+        if self.world is not None:
+            self.world.wait()
+
+    def close(self) -> None:
+        if self.world is not None:
+            self.world.close()
+
+
+_SHARED: dict = {}
+
+
+def _shared_world(n: int, request) -> SharedWorld:
+    """The session's world of ``n``, made at the first request, for every check that the
+    session selected in a world of ``n`` (from any test file). One world runs at a time:
+    the others first finish what they run (their results wait for their tests)."""
+    for m, other in _SHARED.items():
+        if m != n:
+            other.wait()
+    if n not in _SHARED:
+        names = []
+        for item in request.session.items:
+            if getattr(getattr(item, "function", None), "shared_world", None) == n:
+                name = f"{item.module.__name__}:{item.callspec.params['name']}"
+                if name not in names:
+                    names.append(name)
+        _SHARED[n] = SharedWorld(n, names)
+        request.config.add_cleanup(lambda: _SHARED.pop(n).close())
+    return _SHARED[n]
+
+
+def world_test(module: str, n: int, names: list):
+    """A test parametrized over ``names`` (functions of ``module``), each run on every
+    rank of the session's world of ``n`` processes. Checks must leave no state behind
+    that a later check could see (they share the processes with other files' checks)."""
     import pytest
 
-    checks, in_4 = list(checks), list(checks) + list(only_in_4)
-    make_world = make_world or (lambda n, names: World(n, module, names))
+    # the test that starts a world first waits for the other worlds' remaining checks;
+    # hangs are bounded per check (CHECK_TIMEOUT, collectives sooner)
+    @pytest.mark.timeout(1800)
+    @pytest.mark.parametrize("name", list(names))
+    def test(name, request):
+        _shared_world(n, request).check(f"{module}:{name}")
 
-    @pytest.fixture(scope="module")
-    def world2():
-        return make_world(2, checks)
+    test.shared_world = n
+    return test
 
-    @pytest.fixture(scope="module")
-    def world4():
-        return make_world(4, in_4)
 
-    @pytest.mark.parametrize("name", checks)
-    def test_world2(world2, name):
-        world2.check(name)
-
-    @pytest.mark.parametrize("name", in_4)
-    def test_world4(world4, name):
-        world4.check(name)
-
-    return world2, world4, test_world2, test_world4
+def checks_in_worlds(module: str, checks, only_in_4=()):
+    """Tests running ``checks`` (names of functions in ``module``) in the session's
+    world of 2 and world of 4; ``only_in_4`` need 4 ranks. Use as
+    ``test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)``."""
+    return world_test(module, 2, checks), world_test(module, 4, list(checks) + list(only_in_4))
 
 
 def launch_example(script: str, nproc: int, tmp_path, *args, timeout: float = 150):

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 import globaltensor as gt
 
-from mp import World
+from mp import world_test
 
 B, P = gt.sbp.broadcast, gt.sbp.partial_sum
 S = gt.sbp.split
@@ -139,18 +139,20 @@ def as_tuple(s):
 def placements(limit1=8, limit_rev=2, limit2=4):
     """(placement, how many sbp combinations to run on it): ``line()`` and
     ``line(reverse=True)``, and the 2x2 mesh in the world of 4. Four processes share the
-    cores: the world of 4 runs fewer combinations on each, and so does the bystander
-    world on [0, 1]."""
+    cores: the world of 4 runs a quarter of the line's combinations and one reversed
+    (each collective there waits for four processes on two cores), and the bystander world (whose
+    point is that every op and its backward run on a rank outside the placement; the
+    world of 2 runs the combinations) a sample of two, and one without rank 0."""
     rev = [(line(reverse=True), limit_rev)] if limit_rev else []
-    if gt.get_world_size() == BYSTANDER_WORLD:     # the world of 2 runs the combinations
-        return [(line(), -(-limit1 // 2))] + rev
+    if gt.get_world_size() == BYSTANDER_WORLD:
+        return [(line(), min(2, limit1))] + [(p, min(1, n)) for p, n in rev]
     if gt.get_world_size() != 4:
         return [(line(), limit1)] + rev
-    out = [(line(), -(-limit1 // 2))]
+    out = [(line(), -(-limit1 // 4))]
     if limit_rev >= 2:
-        out.append((line(reverse=True), limit_rev - 1))
+        out.append((line(reverse=True), 1))
     if limit2:
-        out.append((mesh(), -(-limit2 // 4)))
+        out.append((mesh(), -(-limit2 // 8)))
     return out
 
 
@@ -370,86 +372,11 @@ def raises(label, fn, exc, match):
     fail(f"{where}: did not raise {exc.__name__}")
 
 
-
-
-# --------------------------------------------------------------------------------------
-# the shared worlds (run in the pytest process)
-# --------------------------------------------------------------------------------------
-
-CHECK_TIMEOUT = 240         # seconds per check (collectives time out sooner, see env)
-
-
-class Worlds:
-    """Lazy ``World``s of ``n`` processes running ``names`` ("module:check") in order.
-    A world ends at its first failing check; a check that did not get to run then runs
-    in a new world together with the checks after it."""
-
-    def __init__(self, n: int, names: list):
-        self.n, self.names = n, names
-        self.world: World | None = None
-
-    def check(self, name: str) -> None:
-        w = self.world
-        if w is None or name not in w.done or (w.errors and name not in w.errors
-                                               and w.done[name] != self.n):
-            if w is not None:
-                w.close()
-            w = self.world = World(self.n, __name__, self.names[self.names.index(name):],
-                                   timeout=CHECK_TIMEOUT, lazy=True,
-                                   env={"GLOBALTENSOR_TIMEOUT": "30"})
-        w.check(name)
-
-    def wait(self) -> None:
-        """Let the current world run its remaining checks (until done or an error)."""
-        if self.world is not None:
-            self.world.wait()
-
-    def close(self) -> None:
-        if self.world is not None:
-            self.world.close()
-
-
-_WORLDS: dict = {}
-
-
-def _shared_worlds(n: int, request) -> Worlds:
-    """The session's worlds of ``n``, made at the first request, for every check that
-    the session selected in a world of ``n`` (from any family file). One world runs at
-    a time: the others first finish what they run (their results wait for their tests)."""
-    for m, other in _WORLDS.items():
-        if m != n:
-            other.wait()
-    if n not in _WORLDS:
-        names = []
-        for item in request.session.items:
-            test = getattr(item, "function", None)
-            if getattr(test, "battery_world", None) == n:
-                name = f"{item.module.__name__}:{item.callspec.params['name']}"
-                if name not in names:
-                    names.append(name)
-        _WORLDS[n] = Worlds(n, names)
-        request.config.add_cleanup(lambda: _WORLDS.pop(n).close())
-    return _WORLDS[n]
-
-
 def battery_tests(module: str, checks: list, bystander_checks: list = ()):
     """The tests of a family file: ``checks`` (names of functions in ``module``) in the
-    world of 2, the world of 4 and the bystander world of 3; ``bystander_checks`` (which
-    place tensors on part of the world themselves) in the worlds of 3 and 4. Use as
-    ``test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)``."""
-    import pytest
-
-    def tests_in(n, names):
-        # the test that starts a world first waits for the other world's remaining
-        # checks; hangs are bounded per check (CHECK_TIMEOUT, collectives sooner)
-        @pytest.mark.timeout(1800)
-        @pytest.mark.parametrize("name", names)
-        def test(name, request):
-            _shared_worlds(n, request).check(f"{module}:{name}")
-
-        test.battery_world = n
-        return test
-
+    session's world of 2, world of 4 and the bystander world of 3; ``bystander_checks``
+    (which place tensors on part of the world themselves) in the worlds of 3 and 4. Use
+    as ``test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)``."""
     more = list(bystander_checks)
-    return tests_in(2, list(checks)), tests_in(4, list(checks) + more), \
-        tests_in(BYSTANDER_WORLD, list(checks) + more)
+    return world_test(module, 2, checks), world_test(module, 4, list(checks) + more), \
+        world_test(module, BYSTANDER_WORLD, list(checks) + more)

@@ -16,7 +16,7 @@ from globaltensor.boxing.simulate import scatter
 from globaltensor.layout import Layout
 from globaltensor.placement import Placement
 
-from mp import checks_in_worlds
+from mp import world_test
 
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
           torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64]
@@ -123,4 +123,4 @@ def check_int16_reductions():
 
 
 CHECKS = ["check_every_dtype_and_pair", "check_int16_reductions"]
-world2, _world4, test_world2, _test_world4 = checks_in_worlds(__name__, CHECKS)
+test_world2 = world_test(__name__, 2, CHECKS)

@@ -216,4 +216,4 @@ CHECKS = ["check_every_pair_1d", "check_full_and_numpy_everywhere",
           "check_bystanders_need_not_take_part"]
 
 
-world2, world4, test_world2, test_world4 = checks_in_worlds(__name__, CHECKS, ["check_every_pair_2d"])
+test_world2, test_world4 = checks_in_worlds(__name__, CHECKS, ["check_every_pair_2d"])

@@ -2,9 +2,8 @@
 The runtime is hidden from dynamo, so compiled code runs it eagerly (graph breaks)."""
 from __future__ import annotations
 
-import pytest
 
-from mp import World
+from mp import world_test
 
 
 def check_recompile_after_reset_keeps_values():
@@ -58,11 +57,4 @@ def check_compiled_training_step_equals_eager():
 CHECKS = ["check_recompile_after_reset_keeps_values", "check_compiled_training_step_equals_eager"]
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return World(2, __name__, CHECKS, timeout=240)
-
-
-@pytest.mark.parametrize("name", CHECKS)
-def test_world2(world2, name):
-    world2.check(name)
+test_world2 = world_test(__name__, 2, CHECKS)

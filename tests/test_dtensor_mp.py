@@ -138,4 +138,4 @@ def bad_input_raises():
 CHECKS = ["round_trip_every_layout", "local_part_shared_where_layouts_coincide",
           "uneven_split_moves_into_torch_chunk_layout", "gradients_flow_through_both_conversions",
           "bad_input_raises"]
-world2, world4, test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
+test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)

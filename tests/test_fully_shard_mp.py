@@ -146,5 +146,5 @@ def check_tensor_parallel_on_a_2d_placement():
 CHECKS = ["check_training_equals_one_process", "check_gathered_copy_is_freed_after_forward",
           "check_tied_and_meta_modules"]
 
-world2, world4, test_world2, test_world4 = checks_in_worlds(
+test_world2, test_world4 = checks_in_worlds(
     __name__, CHECKS, only_in_4=["check_tensor_parallel_on_a_2d_placement"])

@@ -131,4 +131,4 @@ def check_memory_is_the_part():
 CHECKS = ["check_memory_is_the_part", "check_values_come_from_the_first_rank",
           "check_tied_parameters_stay_one", "check_meta_modules_allocate_parts_and_init_in_place"]
 
-world2, world4, test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
+test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)

@@ -373,4 +373,4 @@ CHECKS = ["check_fused_adam_and_adamw", "check_grad_scaler_fp16",
           "check_clip_grad_norm_reduces_once", "check_attention_with_dropout",
           "check_attention_kernels_keep_head_split",
           "check_out_of_range_indices_raise_everywhere", "check_index_check_stays_on_the_placement"]
-world2, world4, test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
+test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)

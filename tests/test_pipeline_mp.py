@@ -185,4 +185,4 @@ ONLY_IN_4 = ["check_data_parallel_stage_into_tensor_parallel_stage",
 ONLY_IN_4.append("check_1f1b_one_micro_batch_cross_entropy")
 CHECKS = [name for name in dir() if name.startswith("check_") and name not in ONLY_IN_4]
 
-world2, world4, test_world2, test_world4 = checks_in_worlds(__name__, CHECKS, ONLY_IN_4)
+test_world2, test_world4 = checks_in_worlds(__name__, CHECKS, ONLY_IN_4)

@@ -60,4 +60,4 @@ def check_fork_rng_restores_the_draw_number():
 
 CHECKS = ["check_checkpoint_replays_dropout", "check_fork_rng_restores_the_draw_number"]
 
-world2, world4, test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
+test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)

@@ -210,4 +210,4 @@ CHECKS = ["check_local_generation_memory", "check_factories_are_the_generators_f
           "check_inplace_ops_and_init_are_placement_invariant",
           "check_parts_of_a_draw_are_independent", "check_dropout_values_and_gradients"]
 
-world2, world4, test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
+test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)

@@ -195,4 +195,4 @@ CHECKS = ["check_data_parallel", "check_tensor_parallel",
           "check_load_state_dict_after_to_global"]
 
 
-world2, world4, test_world2, test_world4 = checks_in_worlds(__name__, CHECKS, ["check_hybrid_2d"])
+test_world2, test_world4 = checks_in_worlds(__name__, CHECKS, ["check_hybrid_2d"])

@@ -8,7 +8,7 @@ import globaltensor as gt
 import globaltensor.utils.data  # noqa: F401  (until globaltensor/__init__ imports utils)
 from globaltensor.utils.data import DistributedSampler, GlobalDataLoader
 
-from mp import World
+from mp import world_test
 
 
 # --- the sampler, without processes ------------------------------------------------
@@ -276,12 +276,4 @@ CHECKS = ["check_iterable_dataset_is_sharded_by_rank",
           "check_loader_rejects_bad_layouts"]
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return World(2, __name__, CHECKS)
-
-
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("name", CHECKS)
-def test_world2(world2, name):
-    world2.check(name)
+test_world2 = world_test(__name__, 2, CHECKS)
