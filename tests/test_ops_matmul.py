@@ -4,6 +4,8 @@ and the output sbp of x @ w before any boxing (DESIGN.md's matmul signatures).
 Run in the shared worlds of tests/ops_battery.py (2, 4, and 3 with bystanders)."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -44,8 +46,14 @@ def check_matmul():
     case("baddbmm bias (5,2) beta/alpha",
          lambda c, x, y: torch.baddbmm(c, x, y, beta=2.0, alpha=0.5),
          [randn((5, 2), "bb2"), a, b], places=placements(6, 0, 3))
-    case("matmul (5,4)@(4,)", torch.matmul, [x, randn((4,), "mv")],
-         places=placements(6, 0, 3))
+    v = randn((4,), "mv")
+    with warnings.catch_warnings(record=True) as seen:    # mv and dot have rules
+        warnings.simplefilter("always")
+        case("matmul (5,4)@(4,)", torch.matmul, [x, v], places=placements(6, 0, 3))
+        case("torch.dot (4,).(4,)", torch.dot, [v, randn((4,), "dv")],
+             places=placements(6, 0, 3))
+    fallbacks = {str(w.message) for w in seen if "no sbp rule" in str(w.message)}
+    expect(not fallbacks, f"mv/dot fell back: {fallbacks}")
     # the output sbp before any boxing (DESIGN: matmul signatures, 1-D)
     p = line()
     for (sx, sw), so in MM_OUT.items():

@@ -1,4 +1,5 @@
-"""Matrix products: mm, addmm, bmm, baddbmm (torch.matmul, @ and F.linear reach these).
+"""Matrix products: mm, addmm, bmm, baddbmm, mv, dot (torch.matmul, @ and F.linear
+reach these).
 
 For C = A @ B with A (m, k) and B (k, n), per placement axis:
 (S0, B) -> S0 (rows), (B, S1) -> S1 (columns), (S1, S0) -> P (the contracted dim),
@@ -41,6 +42,18 @@ def _bias_sbp(bias_shape, out_shape, out_sbp):
 def product_rule(call, axis):
     batch = len(call.in_shapes[0]) - 2
     return [((a, b), (o,)) for a, b, o in _product_cands(batch)]
+
+
+@register(aten.mv)
+def matrix_vector_rule(call, axis):
+    # A (m, k) @ v (k,): rows of A give rows of the result, a split k a partial sum
+    return [((B, B), (B,)), ((Split(0), B), (Split(0),)), ((Split(1), Split(0)), (P,)),
+            ((P, B), (P,)), ((B, P), (P,))]
+
+
+@register(aten.dot)
+def dot_rule(call, axis):
+    return [((B, B), (B,)), ((Split(0), Split(0)), (P,)), ((P, B), (P,)), ((B, P), (P,))]
 
 
 @register(aten.addmm, aten.baddbmm)
