@@ -36,7 +36,8 @@ from .parts import identity_value
 from .placement import Placement
 from .rules import Call, LocalCtx, flatten_args, lookup, lookup_decomposition, unflatten_args
 from .sbp import Partial, Split, broadcast
-from .tensor import GlobalTensor, box, device_of, empty_local, install_dispatcher, relayout
+from .tensor import (GlobalTensor, box, device_of, empty_local, install_dispatcher, relayout,
+                     wrap_part)
 
 aten = torch.ops.aten
 
@@ -153,7 +154,7 @@ def dispatch(func, types, args, kwargs):
         local = [x._local if x.__class__ is GlobalTensor else x for x in leaves]
         n, names = spec
         out = op(*local[:n], **dict(zip(names, local[n:]))) if names else op(*local)
-        return GlobalTensor(out, decision.out_layouts[0], strides=decision.out_strides[0])
+        return wrap_part(out, decision.out_layouts[0], decision.out_strides[0])
     return _run(func, decision, leaves, spec)
 
 
@@ -250,7 +251,7 @@ def _foreach(func, args, kwargs):
         out = func(*local, **kwargs)
         if out is None:
             return None
-        return [GlobalTensor(o, t._layout) for o, t in zip(out, args[0])]
+        return [wrap_part(o, t._layout) for o, t in zip(out, args[0])]
     name = func.overloadpacket.__name__[len("_foreach_"):]
     base = name.rstrip("_")
     op = getattr(aten, "linalg_vector_norm" if base == "norm" else name)
@@ -528,8 +529,8 @@ def _run(func, decision: Decision, leaves, spec):
         return leaves[0]
     if decision.single:  # one tensor out: skip the pytree round trip
         layout = decision.out_layouts[0]
-        return GlobalTensor(out if inside else empty_local(layout, decision.out_dtypes[0]),
-                            layout, strides=decision.out_strides[0])
+        return wrap_part(out if inside else empty_local(layout, decision.out_dtypes[0]),
+                         layout, decision.out_strides[0])
     if inside:
         out_leaves, out_spec = tree_flatten(out)
     else:
@@ -539,8 +540,8 @@ def _run(func, decision: Decision, leaves, spec):
                                                 decision.out_dtypes, decision.out_strides,
                                                 decision.out_consts):
         if layout is not None:
-            wrapped.append(GlobalTensor(o if inside else empty_local(layout, dtype), layout,
-                                        strides=strides))
+            wrapped.append(wrap_part(o if inside else empty_local(layout, dtype), layout,
+                                     strides))
         else:
             wrapped.append(o if inside else const)
     return tree_unflatten(wrapped, out_spec)

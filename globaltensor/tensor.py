@@ -70,14 +70,7 @@ class GlobalTensor(torch.Tensor):
         # backward then computes a transposed weight's gradient in the weight's memory
         # order). They must not come from the local part: those differ between ranks,
         # and autograd would then take different paths on different ranks.
-        dtype = local.dtype
-        r = _make_wrapper(cls, layout.shape,
-                          strides=layout.strides if strides is None else strides, dtype=dtype,
-                          device=device_of(layout.placement), requires_grad=requires_grad)
-        r._local = local
-        r._layout = layout
-        r._key = (layout, dtype) if strides is None else (layout, dtype, strides)  # cache key
-        return r
+        return _wrap(cls, local, layout, requires_grad, strides)
 
     # --- metadata ----------------------------------------------------------------
     @property
@@ -183,6 +176,26 @@ class GlobalTensor(torch.Tensor):
         if _dispatcher is None:
             raise RuntimeError("globaltensor.dispatch is not loaded; import globaltensor")
         return _dispatcher(func, types, args, kwargs or {})
+
+
+def _wrap(cls, local: torch.Tensor, layout: Layout, requires_grad: bool = False,
+          strides: tuple | None = None) -> GlobalTensor:
+    """``GlobalTensor(local, layout)`` without the constructor's dynamo guard (about a
+    microsecond per call): dispatch, itself hidden from dynamo, builds every op's outputs
+    with it."""
+    dtype = local.dtype
+    r = _make_wrapper(cls, layout.shape,
+                      strides=layout.strides if strides is None else strides, dtype=dtype,
+                      device=device_of(layout.placement), requires_grad=requires_grad)
+    r._local = local
+    r._layout = layout
+    r._key = (layout, dtype) if strides is None else (layout, dtype, strides)  # cache key
+    return r
+
+
+def wrap_part(local: torch.Tensor, layout: Layout, strides: tuple | None = None) -> GlobalTensor:
+    """A GlobalTensor of this rank's ``local`` part, for code hidden from dynamo."""
+    return _wrap(GlobalTensor, local, layout, False, strides)
 
 
 def override_function(namespace, name: str, fn) -> None:
