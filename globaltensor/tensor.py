@@ -200,10 +200,10 @@ def wrap_part(local: torch.Tensor, layout: Layout, strides: tuple | None = None)
 
 def override_function(namespace, name: str, fn) -> None:
     """Make ``namespace.name`` (e.g. ``torch.nn.functional.one_hot``) run ``fn`` when a
-    GlobalTensor is among its arguments (``fn`` may decline with NotImplemented), else the
-    original. For the few functions that build plain helper tensors or draw random
-    numbers inside their kernels (``rules/functional.py``): composites of them never reach
-    ``__torch_dispatch__`` whole. Code that took the function before globaltensor was
+    GlobalTensor is among its arguments or in a list or tuple argument (``fn`` may decline
+    with NotImplemented), else the original. For the few functions that build plain
+    helper tensors or draw random numbers inside their kernels (``rules/functional.py``):
+    composites of them never reach ``__torch_dispatch__`` whole. Code that took the function before globaltensor was
     imported keeps the original.
 
     >>> override_function(torch.nn.functional, "one_hot", global_one_hot)  # doctest: +SKIP
@@ -211,10 +211,13 @@ def override_function(namespace, name: str, fn) -> None:
     original = getattr(namespace, name)
     original = getattr(original, "__wrapped_by_globaltensor__", original)
 
+    def holds_global(a) -> bool:
+        return isinstance(a, GlobalTensor) or (
+            isinstance(a, (list, tuple)) and any(isinstance(t, GlobalTensor) for t in a))
+
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
-        if any(isinstance(a, GlobalTensor) for a in args) or \
-                any(isinstance(a, GlobalTensor) for a in kwargs.values()):
+        if any(holds_global(a) for a in args) or any(holds_global(a) for a in kwargs.values()):
             out = fn(*args, **kwargs)
             if out is not NotImplemented:
                 return out

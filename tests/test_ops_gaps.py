@@ -211,9 +211,10 @@ def check_clip_grad_norm_reduces_once():
         params = [torch.nn.Parameter(_g(v, S(k % 2))) for k, v in enumerate(values)]
         for k, (p, g) in enumerate(zip(params, grads)):
             p.grad = _g(g, S(k % 2))
+        foreach = norm_type != 1.0   # the per-tensor path (foreach=False) too
         with gt.debug.comm_stats() as stats:
             total = torch.nn.utils.clip_grad_norm_(params, 0.5, norm_type=norm_type,
-                                                   foreach=True)
+                                                   foreach=foreach)
         # One all-reduce of the 16 partial norms per layout kind (split dim 0 and
         # split dim 1 both cut the placement's one axis: one kind).
         assert stats.calls["all_reduce"] == 1, f"norm {norm_type}: {stats}"

@@ -20,7 +20,7 @@ from .. import comm
 from ..layout import Layout
 from ..placement import Placement
 from ..sbp import Partial, Split, broadcast
-from ..tensor import GlobalTensor, relayout, to_layout
+from ..tensor import GlobalTensor, override_function, relayout, to_layout
 from .registry import register
 
 aten = torch.ops.aten
@@ -106,3 +106,19 @@ def _local_stat(x: torch.Tensor, ord: float, dtype) -> torch.Tensor:
         return torch.zeros((), dtype=dtype or x.dtype, device=x.device)
     norm = torch.linalg.vector_norm(x, ord, dtype=dtype)
     return norm if ord in (0.0, 1.0, math.inf) else norm.pow(ord)
+
+
+def total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    """``clip_grad_norm_`` / ``get_total_norm`` with ``foreach=False`` over GlobalTensors:
+    the per-tensor path would reduce each split gradient's norm in its own collective;
+    the ``_foreach_norm`` path gives the same values with one reduction (``foreach_norm``)."""
+    if foreach is not False:
+        return NotImplemented
+    return _get_total_norm.__wrapped_by_globaltensor__(tensors, norm_type, error_if_nonfinite,
+                                                       None)
+
+
+_clip_grad = torch.nn.utils.clip_grad
+override_function(_clip_grad, "_get_total_norm", total_norm)   # clip_grad_norm_ calls it
+_get_total_norm = _clip_grad._get_total_norm
+torch.nn.utils.get_total_norm = _get_total_norm
