@@ -18,6 +18,7 @@ from . import debug, nn, utils
 from .gradsync import no_sync
 from .dispatch import implicit_broadcast
 from . import pipeline
+from . import ps
 from . import checkpoint
 from .checkpoint import from_dtensor
 from .comm import get_rank as _comm_rank, get_world_size as _comm_world
@@ -38,4 +39,4 @@ matmul = __import__("torch").matmul
 __all__ = ["init", "get_rank", "get_world_size", "get_local_rank", "manual_seed", "placement",
            "Placement", "sbp", "GlobalTensor", "is_global", "tensor", "from_local", "to_global",
            "randn", "rand", "randint", "normal", "zeros", "ones", "full", "empty", "arange", "matmul", "debug", "nn", "no_sync", "utils",
-           "checkpoint", "from_dtensor", "pipeline", "implicit_broadcast"]
+           "checkpoint", "from_dtensor", "pipeline", "ps", "implicit_broadcast"]

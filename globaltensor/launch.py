@@ -22,9 +22,20 @@ What it adds to the agent, and why:
   they are stopped, so ranks that fail together (a bad config) are all reported as
   failed, with their exit codes, instead of as stopped by the launcher.
 
+Parameter-server jobs (``--server_num S --worker_num W``, one node): S + W processes
+run the same script; global ranks ``0..W-1`` are the workers and ``W..W+S-1`` the
+servers. Each process finds its role in ``GLOBALTENSOR_PS_ROLE`` (``server`` or
+``worker``) and its rank within the role in ``GLOBALTENSOR_PS_RANK``
+(``GLOBALTENSOR_PS_SERVER_NUM`` / ``GLOBALTENSOR_PS_WORKER_NUM`` hold the counts; see
+``globaltensor.ps``). Logs are ``serverlog.<N>`` and ``workerlog.<N>`` by role rank, and
+the failure summary names the role: ``server 1 (rank 3) exited with code 1``. Servers
+end when every worker has said it is done (``gt.ps.run_server`` returns), so a job
+whose workers all finish exits 0.
+
 Example::
 
     python -m globaltensor.launch --nproc_per_node 4 train.py --lr 0.1
+    python -m globaltensor.launch --server_num 2 --worker_num 2 train.py
     # two machines, run once on each (node_rank 0 hosts the rendezvous store):
     python -m globaltensor.launch --nnodes 2 --node_rank 0 --nproc_per_node 2 \\
         --master_addr NODE0_ADDR --master_port 29500 train.py
@@ -79,6 +90,11 @@ def _boot():
     # stuck outside a collective is then visible. chain=True still terminates.
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     os.register_at_fork(after_in_child=lambda: faulthandler.unregister(signal.SIGTERM))
+    workers = os.environ.get("GLOBALTENSOR_PS_WORKER_NUM")
+    if workers is not None:  # a parameter-server job: ranks below W are the workers
+        rank, workers = int(os.environ["RANK"]), int(workers)
+        os.environ["GLOBALTENSOR_PS_ROLE"] = "worker" if rank < workers else "server"
+        os.environ["GLOBALTENSOR_PS_RANK"] = str(rank if rank < workers else rank - workers)
     as_module = sys.argv[1] == "-m"
     target = sys.argv[2] if as_module else sys.argv[1]
     sys.argv = sys.argv[2:] if as_module else sys.argv[1:]
@@ -126,7 +142,11 @@ def _build_parser() -> argparse.ArgumentParser:
         spellings = dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"])
         p.add_argument(*spellings, dest=name, **kw)
 
-    opt("nproc_per_node", type=int, default=1, help="worker processes on this node (default 1)")
+    opt("nproc_per_node", type=int, default=None, help="worker processes on this node (default 1)")
+    opt("server_num", type=int, default=None,
+        help="parameter-server job: number of server processes (with --worker_num; one node)")
+    opt("worker_num", type=int, default=None,
+        help="parameter-server job: number of worker processes (with --server_num)")
     opt("nnodes", type=int, default=1, help="number of nodes (default 1)")
     opt("node_rank", type=int, default=0, help="rank of this node, 0..nnodes-1 (default 0)")
     opt("master_addr", default="127.0.0.1",
@@ -174,6 +194,21 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             args.rdzv_timeout = timeout_seconds()
         except ValueError as e:
             _fail(str(e))
+    args.ps = None
+    if args.server_num is not None or args.worker_num is not None:
+        servers, workers = args.server_num, args.worker_num
+        if servers is None or workers is None:
+            _fail("--server_num and --worker_num go together (a parameter-server job needs both)")
+        if servers < 1 or workers < 1:
+            _fail(f"--server_num and --worker_num must be >= 1, got {servers} and {workers}")
+        if args.nnodes != 1:
+            _fail("parameter-server jobs (--server_num/--worker_num) run on one node (--nnodes 1)")
+        if args.nproc_per_node not in (None, servers + workers):
+            _fail(f"--nproc_per_node {args.nproc_per_node} disagrees with --server_num {servers} + "
+                  f"--worker_num {workers}; leave it out")
+        args.nproc_per_node, args.ps = servers + workers, (servers, workers)
+    if args.nproc_per_node is None:
+        args.nproc_per_node = 1
     problems = [
         (args.script is None, "no script given (usage: python -m globaltensor.launch [options] script.py [args])"),
         (args.nproc_per_node < 1, f"--nproc_per_node must be >= 1, got {args.nproc_per_node}"),
@@ -190,7 +225,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
          f"script not found: {args.script!r}"),
     ]
     for rank in _node_ranks(args):
-        path = _worker_log(args.log_dir, rank)
+        path = _worker_log(args.log_dir, rank, args.ps)
         problems.append((os.path.islink(path),
                          f"{path} is a symbolic link; refusing to write the worker log through it"))
     for bad, message in problems:
@@ -209,8 +244,24 @@ def _fail(message: str, code: int = 2) -> NoReturn:
     sys.exit(code)
 
 
-def _worker_log(log_dir: str, rank: int) -> str:
-    return os.path.join(log_dir, f"workerlog.{rank}")
+def _log_name(rank: int, ps: Optional[tuple[int, int]] = None) -> str:
+    """``workerlog.<rank>``; in a parameter-server job (``ps`` = (servers, workers))
+    ``workerlog.<worker rank>`` or ``serverlog.<server rank>``."""
+    if ps is not None and rank >= ps[1]:
+        return f"serverlog.{rank - ps[1]}"
+    return f"workerlog.{rank}"
+
+
+def _who(rank: int, ps: Optional[tuple[int, int]] = None) -> str:
+    """How the summary names a rank: ``rank 3``, or ``server 1 (rank 3)`` in a PS job."""
+    if ps is None:
+        return f"rank {rank}"
+    role, role_rank = ("worker", rank) if rank < ps[1] else ("server", rank - ps[1])
+    return f"{role} {role_rank} (rank {rank})"
+
+
+def _worker_log(log_dir: str, rank: int, ps: Optional[tuple[int, int]] = None) -> str:
+    return os.path.join(log_dir, _log_name(rank, ps))
 
 
 def _open_nofollow(name: str, flags: int, dir_fd: Optional[int] = None) -> int:
@@ -223,8 +274,9 @@ def _open_nofollow(name: str, flags: int, dir_fd: Optional[int] = None) -> int:
         raise LaunchError(f"cannot open {name}: {e.strerror}") from None
 
 
-def _make_logs_specs(log_dir: str) -> Any:
-    """A LogsSpecs that sends each worker's output to <log_dir>/workerlog.<global rank>.
+def _make_logs_specs(log_dir: str, ps: Optional[tuple[int, int]] = None) -> Any:
+    """A LogsSpecs that sends each worker's output to <log_dir>/workerlog.<global rank>
+    (by role in a parameter-server job, see ``_log_name``).
 
     The agent redirects the worker's stdout (stderr is merged into it by the worker
     bootstrap) to that file and tails it to our stdout with a rank prefix. We open the
@@ -249,7 +301,7 @@ def _make_logs_specs(log_dir: str) -> Any:
             try:
                 for local_rank, env in envs.items():
                     rank = int(env["RANK"])
-                    name = f"workerlog.{rank}"
+                    name = _log_name(rank, ps)
                     attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
                     if attempt > 0 and os.path.lexists(os.path.join(log_dir, name)):
                         # Keep the log of the attempt that failed (rename moves a link, never follows it).
@@ -453,9 +505,9 @@ def _grace_agent_class():
 
 # --- the failure summary -------------------------------------------------------------
 
-def _read_log(log_dir: str, rank: int) -> Optional[list[str]]:
+def _read_log(log_dir: str, rank: int, ps: Optional[tuple[int, int]] = None) -> Optional[list[str]]:
     try:
-        fd = os.open(_worker_log(log_dir, rank), os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(_worker_log(log_dir, rank, ps), os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
         return None
     with open(fd, errors="replace") as f:
@@ -472,13 +524,14 @@ def _where_stopped(lines: list[str]) -> Optional[str]:
     return frames[0] if frames else None
 
 
-def _report_failure(error: Any, log_dir: str, ended: dict[int, float]) -> int:
+def _report_failure(error: Any, log_dir: str, ended: dict[int, float],
+                    ps: Optional[tuple[int, int]] = None) -> int:
     """Print which rank caused the failure, why, and its log tail; return our exit code.
 
     ``ended`` is {rank: when it ended} on this node (may be empty where /proc is missing).
     """
     failures = error.failures  # {global rank: ProcessFailure}, this node's workers only
-    logs = {rank: _read_log(log_dir, rank) for rank in failures}
+    logs = {rank: _read_log(log_dir, rank, ps) for rank in failures}
 
     def root_cause_key(rank: int) -> tuple[bool, bool, float]:
         # Ranks the agent stopped are collateral; a rank that said nothing explains
@@ -488,7 +541,7 @@ def _report_failure(error: Any, log_dir: str, ended: dict[int, float]) -> int:
         when = ended.get(rank)
         if when is None:
             try:
-                when = os.path.getmtime(_worker_log(log_dir, rank))
+                when = os.path.getmtime(_worker_log(log_dir, rank, ps))
             except OSError:
                 when = float(failure.timestamp)
         return failure.exitcode in _STOPPED_BY_AGENT, not logs[rank], when
@@ -503,26 +556,27 @@ def _report_failure(error: Any, log_dir: str, ended: dict[int, float]) -> int:
     early = sorted(r for r, t in ended.items() if r not in failures and t < ended.get(rank, float("inf")))
     timed_out = any(re.search(r"timed? ?out", line, re.I) for line in tail)
 
+    who = _who(rank, ps)
     out = []
     if early:
         out.append(f"globaltensor.launch: rank {', '.join(map(str, early))} exited with code 0 while other "
-                   f"ranks were still running; then rank {rank} {how}")
+                   f"ranks were still running; then {who} {how}")
         out.append("  a rank that ends early leaves its peers waiting in collectives it never joins")
     elif timed_out and stopped:
-        out.append(f"globaltensor.launch: rank {rank} {how} after a timeout; rank "
+        out.append(f"globaltensor.launch: {who} {how} after a timeout; rank "
                    f"{', '.join(map(str, stopped))} was still running then (stuck?), see where below")
-    out.append(f"globaltensor.launch: rank {rank} {how} (local_rank {first.local_rank}, pid {first.pid})")
+    out.append(f"globaltensor.launch: {who} {how} (local_rank {first.local_rank}, pid {first.pid})")
     if os.path.isfile(first.error_file):  # written by elastic's @record in the worker
         message = first.message
         out.append(f"  exception: {message.get('message') if isinstance(message, dict) else message}")
     for r in stopped:
-        where = _where_stopped(_read_log(log_dir, r) or [])
-        out.append(f"  rank {r}: still running, stopped by the launcher" + (f" in {where}" if where else ""))
+        where = _where_stopped(_read_log(log_dir, r, ps) or [])
+        out.append(f"  {_who(r, ps)}: still running, stopped by the launcher" + (f" in {where}" if where else ""))
     others = [f"{r} (exit code {failures[r].exitcode}{'' if logs[r] else ', no output'})"
               for r in sorted(failures) if r != rank and r not in stopped]
     if others:
         out.append(f"  other failed ranks on this node: {', '.join(others)}")
-    path = _worker_log(log_dir, rank)
+    path = _worker_log(log_dir, rank, ps)
     if logs[rank] is None:
         out.append(f"  (no log file at {path})")
     else:
@@ -553,6 +607,12 @@ def _print_banner(args: argparse.Namespace, omp_set: bool) -> None:
         f"  log directory   : {os.path.abspath(args.log_dir)} (workerlog.<rank>)",
         f"  command         : {target}",
     ]
+    if args.ps is not None:
+        servers, workers = args.ps
+        lines[-2] = (f"  log directory   : {os.path.abspath(args.log_dir)} "
+                     f"(workerlog.<worker rank>, serverlog.<server rank>)")
+        lines.append(f"  ps roles        : {workers} workers (ranks 0-{workers - 1}), {servers} servers "
+                     f"(ranks {workers}-{workers + servers - 1})")
     if omp_set:
         lines.append("  OMP_NUM_THREADS : set to 1 for each worker (was unset); export it to tune")
     lines.append("-------------------------------------------")
@@ -575,6 +635,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if omp_set:
         os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the workers
     os.environ["GLOBALTENSOR_LAUNCHER_PID"] = str(os.getpid())  # see _WORKER_BOOT
+    # The workers' role variables (see _WORKER_BOOT); never inherited from an outer job.
+    for var in ("GLOBALTENSOR_PS_SERVER_NUM", "GLOBALTENSOR_PS_WORKER_NUM",
+                "GLOBALTENSOR_PS_ROLE", "GLOBALTENSOR_PS_RANK"):
+        os.environ.pop(var, None)
+    if args.ps is not None:
+        os.environ["GLOBALTENSOR_PS_SERVER_NUM"], os.environ["GLOBALTENSOR_PS_WORKER_NUM"] = map(str, args.ps)
     _print_banner(args, omp_set)
     # The rank-prefixed worker lines are written from tailer threads; flush per line
     # so they show up promptly even when our stdout is a pipe.
@@ -601,7 +667,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         rdzv_configs={"rank": args.node_rank, "timeout": args.rdzv_timeout, "listen_socket": listen_socket},
         max_restarts=args.max_restarts,
         monitor_interval=MONITOR_INTERVAL_S,
-        logs_specs=_make_logs_specs(args.log_dir),
+        logs_specs=_make_logs_specs(args.log_dir, args.ps),
         log_line_prefix_template="[rank${rank}]: ",
     )
     command = ["-u", "-c", _WORKER_BOOT, *(["-m"] if args.module else []), args.script, *args.script_args]
@@ -612,7 +678,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         # doubling "$" makes that a no-op so script args arrive untouched.
         launch_agent(config, sys.executable, [a.replace("$", "$$") for a in command])
     except ChildFailedError as e:
-        sys.exit(_report_failure(e, args.log_dir, exit_times.stop()))
+        sys.exit(_report_failure(e, args.log_dir, exit_times.stop(), args.ps))
     except LaunchError as e:
         _fail(str(e), 1)
     except SignalException as e:

@@ -1,0 +1,36 @@
+"""Parameter-server training: sparse tables on servers, pulled and pushed by workers.
+
+Start a job with ``python -m globaltensor.launch --server_num 2 --worker_num 2
+train.py``: every process runs ``train.py``; servers hold the rows of the sparse
+tables (split by rows over the servers) and apply their optimizer; workers read
+batches, pull the rows their ids need, and push the rows' gradients. Dense parameters
+stay on the workers (``Optimizer``). Three modes (``Strategy``): ``sync`` (equals one
+process training on the global batch), ``async`` (no worker waits for another),
+``geo`` (local training, changes exchanged every ``k_steps`` steps).
+
+Example (``train.py``)::
+
+    import torch, torch.nn.functional as F
+    import globaltensor as gt
+
+    gt.ps.init(gt.ps.Strategy(mode="sync"))
+    if gt.ps.is_server():
+        gt.ps.run_server()
+    else:
+        emb = gt.ps.EmbeddingTable(100_000, 8, optimizer="adagrad", lr=0.05, init_std=0.1)
+        head = torch.nn.Linear(8, 1)
+        opt = gt.ps.Optimizer(head.parameters(), optimizer="adagrad", lr=0.05)
+        for ids, labels in my_shard_of_the_data():
+            loss = F.binary_cross_entropy_with_logits(head(emb(ids).sum(1)).squeeze(1), labels)
+            opt.zero_grad(); loss.backward(); opt.step()
+        gt.ps.stop_worker()
+
+Transport: ``globaltensor.comm.rpc`` (``torch.distributed.rpc``, TensorPipe). See
+``examples/wide_and_deep_ps.py``.
+"""
+from .runtime import (MODES, Strategy, init, is_server, is_worker, run_server, server_num, stop_worker,
+                      worker_num, worker_rank)
+from .table import EmbeddingTable, Optimizer
+
+__all__ = ["MODES", "Strategy", "init", "is_server", "is_worker", "run_server", "stop_worker",
+           "worker_rank", "worker_num", "server_num", "EmbeddingTable", "Optimizer"]

@@ -1,0 +1,208 @@
+"""Roles, start-up and shut-down of a parameter-server job.
+
+The launcher (``--server_num S --worker_num W``) starts S + W processes running one
+script and tells each its role in ``GLOBALTENSOR_PS_ROLE`` / ``GLOBALTENSOR_PS_RANK``:
+global ranks ``0..W-1`` are workers, ``W..W+S-1`` servers. ``init`` joins every
+process to the default process group (the workers' dense data parallelism uses a
+members-only group of the workers from it) and to the RPC world (pulls and pushes).
+
+Example (the whole script; every process runs it)::
+
+    import globaltensor as gt
+    gt.ps.init(gt.ps.Strategy(mode="sync"))
+    if gt.ps.is_server():
+        gt.ps.run_server()          # serves until every worker is done
+    else:
+        table = gt.ps.EmbeddingTable(100_000, 16, optimizer="adagrad", lr=0.05)
+        ...                         # train; see globaltensor.ps
+        gt.ps.stop_worker()         # also called at exit
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+from .. import comm
+from ..comm import rpc
+from . import server
+
+__all__ = ["Strategy", "init", "is_server", "is_worker", "run_server", "stop_worker",
+           "worker_rank", "worker_num", "server_num", "MODES"]
+
+MODES = ("sync", "async", "geo")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How workers and servers combine updates.
+
+    - ``sync``: every step, the servers apply the mean of all workers' gradients
+      once, before any worker's next pull (equals one process training on the global
+      batch); dense parameters are all-reduced among the workers.
+    - ``async``: servers apply each push when it arrives; workers never wait for each
+      other (dense parameters live on the servers too).
+    - ``geo``: each worker trains a local copy of the rows it touched (and of the dense
+      parameters) and every ``k_steps`` steps pushes the change since its last pull,
+      then pulls fresh values.
+
+    >>> Strategy(mode="geo", k_steps=10).k_steps
+    10
+    """
+
+    mode: str = "sync"
+    k_steps: int = 10
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not isinstance(self.k_steps, int) or self.k_steps < 1:
+            raise ValueError(f"k_steps must be an int >= 1, got {self.k_steps!r}")
+
+
+class _State:
+    def __init__(self) -> None:
+        self.strategy: Optional[Strategy] = None
+        self.role = ""
+        self.rank = self.servers = self.workers = 0
+        self.stopped = self.failed = False
+        self.tables: list = []         # this worker's tables, in creation order
+        self.optimizers: list = []     # this worker's dense optimizers
+        self.pending: list = []        # futures of pushes not yet answered
+        self.step = 0
+
+
+state = _State()
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        raise RuntimeError(f"{name} is not set: this is not a parameter-server job (start it "
+                           f"with python -m globaltensor.launch --server_num S --worker_num W)")
+    return int(value)
+
+
+def init(strategy: Optional[Strategy] = None) -> None:
+    """Join the job as the role the launcher gave this process (blocks until all joined).
+
+    Every process must call it, with the same strategy.
+    """
+    if state.strategy is not None:
+        return
+    strategy = strategy or Strategy()
+    role = os.environ.get("GLOBALTENSOR_PS_ROLE")
+    if role not in ("server", "worker"):
+        raise RuntimeError(f"GLOBALTENSOR_PS_ROLE is {role!r}: this is not a parameter-server job "
+                           f"(start it with python -m globaltensor.launch --server_num S --worker_num W)")
+    state.role, state.rank = role, _env_int("GLOBALTENSOR_PS_RANK")
+    state.servers = _env_int("GLOBALTENSOR_PS_SERVER_NUM")
+    state.workers = _env_int("GLOBALTENSOR_PS_WORKER_NUM")
+    comm.init()  # the default group of all processes; the workers' dense sync splits from it
+    world = state.servers + state.workers
+    if comm.get_world_size() != world:
+        raise RuntimeError(f"world of {comm.get_world_size()} processes, but {state.servers} "
+                           f"servers + {state.workers} workers")
+    if role == "server":
+        server.configure(state.rank, state.servers, state.workers)
+    # A server answers every worker from its RPC threads; sync pushes do not hold one.
+    rpc.init(comm.get_rank(), world, threads=max(8, 2 * state.workers + 2))
+    state.strategy = strategy
+    if role == "worker":
+        _watch_failures()
+        atexit.register(_at_exit)  # runs before comm's group teardown (registered earlier)
+
+
+def _watch_failures() -> None:
+    """Note an uncaught exception (the launcher's worker bootstrap and plain Python both
+    report it through sys.excepthook before exiting): a failed worker must not wait at
+    exit for its peers to finish, or the launcher would learn of the failure late."""
+    previous = sys.excepthook
+
+    def hook(*args):  # type: ignore[no-untyped-def]
+        state.failed = True
+        previous(*args)
+
+    sys.excepthook = hook
+
+
+def _at_exit() -> None:
+    if state.failed and not state.stopped:
+        state.stopped = True
+        rpc.shutdown(graceful=False)  # the launcher stops the others
+        return
+    stop_worker()
+
+
+def _need_init() -> None:
+    if state.strategy is None:
+        raise RuntimeError("call gt.ps.init(strategy) first")
+
+
+def is_server() -> bool:
+    """True in a server process (after ``init``, or from the launcher's variables)."""
+    return (state.role or os.environ.get("GLOBALTENSOR_PS_ROLE")) == "server"
+
+
+def is_worker() -> bool:
+    """True in a worker process."""
+    return (state.role or os.environ.get("GLOBALTENSOR_PS_ROLE")) == "worker"
+
+
+def worker_rank() -> int:
+    """This worker's rank among the workers (0..worker_num()-1)."""
+    _need_init()
+    if state.role != "worker":
+        raise RuntimeError("worker_rank() in a server process")
+    return state.rank
+
+
+def worker_num() -> int:
+    _need_init()
+    return state.workers
+
+
+def server_num() -> int:
+    _need_init()
+    return state.servers
+
+
+def server_rank_of(server: int) -> int:
+    """Global rank of server ``server`` (servers follow the workers)."""
+    return state.workers + server
+
+
+def run_server() -> None:
+    """Serve table shards until every worker called ``stop_worker`` (or exited), then
+    leave. Call it in server processes after ``init``."""
+    _need_init()
+    if state.role != "server":
+        raise RuntimeError("run_server() in a worker process")
+    server.serve()
+    rpc.shutdown(graceful=True)
+
+
+def wait_pending() -> None:
+    """Wait for this worker's pushes still in flight (raising the first failure)."""
+    pending, state.pending = state.pending, []
+    rpc.wait_all(pending)
+
+
+def stop_worker() -> None:
+    """Finish this worker: push what geo mode still holds, wait for pushes in flight,
+    tell the servers, leave the RPC world. Idempotent; also runs at exit."""
+    if state.role != "worker" or state.stopped or state.strategy is None:
+        return
+    state.stopped = True
+    try:
+        if state.strategy.mode == "geo":
+            for owner in state.tables + state.optimizers:
+                owner.flush()
+        wait_pending()
+    finally:
+        # Tell every server even after a failure: they must not serve forever.
+        rpc.wait_all([rpc.call_async(server_rank_of(s), server.worker_done, (state.rank,))
+                      for s in range(state.servers)])
+        rpc.shutdown(graceful=True)
