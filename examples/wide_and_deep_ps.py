@@ -197,6 +197,7 @@ def main(argv=None):
     gt.ps.init(gt.ps.Strategy(mode=args.mode, k_steps=args.k_steps))
     if gt.ps.is_server():
         gt.ps.run_server()  # until every worker is done
+        print(f"server {gt.ps.server_rank()}: every worker is done, stopping")
         return
     rank, workers = gt.ps.worker_rank(), gt.ps.worker_num()
     say = print if rank == 0 else (lambda *a, **k: None)

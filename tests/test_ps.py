@@ -63,6 +63,8 @@ def test_sync_equals_one_process_and_roles_end_cleanly(sync_run) -> None:
         "serverlog.0", "serverlog.1", "workerlog.0", "workerlog.1"]
     assert "ps roles        : 2 workers (ranks 0-1), 2 servers (ranks 2-3)" in r.stderr
     assert "worker 1:" in (tmp / "log" / "workerlog.1").read_text()
+    for s in (0, 1):
+        assert f"server {s}: every worker is done, stopping" in (tmp / "log" / f"serverlog.{s}").read_text()
     assert _auc(r.stdout) > 0.7
     _loss_falls(r.stdout)
 

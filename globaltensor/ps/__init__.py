@@ -28,9 +28,9 @@ Example (``train.py``)::
 Transport: ``globaltensor.comm.rpc`` (``torch.distributed.rpc``, TensorPipe). See
 ``examples/wide_and_deep_ps.py``.
 """
-from .runtime import (MODES, Strategy, init, is_server, is_worker, run_server, server_num, stop_worker,
-                      worker_num, worker_rank)
+from .runtime import (MODES, Strategy, init, is_server, is_worker, run_server, server_num, server_rank,
+                      stop_worker, worker_num, worker_rank)
 from .table import EmbeddingTable, Optimizer
 
 __all__ = ["MODES", "Strategy", "init", "is_server", "is_worker", "run_server", "stop_worker",
-           "worker_rank", "worker_num", "server_num", "EmbeddingTable", "Optimizer"]
+           "worker_rank", "server_rank", "worker_num", "server_num", "EmbeddingTable", "Optimizer"]

@@ -30,7 +30,7 @@ from ..comm import rpc
 from . import server
 
 __all__ = ["Strategy", "init", "is_server", "is_worker", "run_server", "stop_worker",
-           "worker_rank", "worker_num", "server_num", "MODES"]
+           "worker_rank", "server_rank", "worker_num", "server_num", "MODES"]
 
 MODES = ("sync", "async", "geo")
 
@@ -120,6 +120,12 @@ def _watch_failures() -> None:
     report it through sys.excepthook before exiting): a failed worker must not wait at
     exit for its peers to finish, or the launcher would learn of the failure late."""
     previous = sys.excepthook
+    if os.environ.get("GLOBALTENSOR_LAUNCHER_PID"):
+        # Under our launcher, skip torch.distributed's "[rankN]: " wrapper as the
+        # launcher's bootstrap does: the launcher prefixes every line already.
+        while getattr(previous, "__name__", "") == "_distributed_excepthook":
+            cells = dict(zip(previous.__code__.co_freevars, previous.__closure__ or ()))
+            previous = cells["old_hook"].cell_contents
 
     def hook(*args):  # type: ignore[no-untyped-def]
         state.failed = True
@@ -156,6 +162,14 @@ def worker_rank() -> int:
     _need_init()
     if state.role != "worker":
         raise RuntimeError("worker_rank() in a server process")
+    return state.rank
+
+
+def server_rank() -> int:
+    """This server's rank among the servers (0..server_num()-1)."""
+    _need_init()
+    if state.role != "server":
+        raise RuntimeError("server_rank() in a worker process")
     return state.rank
 
 
