@@ -92,12 +92,13 @@ def test_sync_equals_one_process_and_roles_end_cleanly(sync_run) -> None:
 @pytest.mark.timeout(150)
 def test_async_worker_does_not_wait_for_a_slow_one(tmp_path: Path) -> None:
     r = ps_launch(tmp_path / "log", EXAMPLE, "--mode", "async", "--slow_worker", "1",
-                  "--slow_factor", "2", *SGD)
+                  "--slow_factor", "3", *SGD)
     assert r.returncode == 0, r.stdout + r.stderr
     fast = _value(r"worker 0: (\d+) examples/s", r.stdout)
     slow = _value(r"worker 1: (\d+) examples/s", r.stdout)
-    # worker 1's steps take twice as long; worker 0 keeps its own pace (sync would tie them)
-    assert fast > 1.4 * slow, (fast, slow)
+    # worker 1's steps take 3x as long (it sleeps twice its step time: a ratio, so load
+    # on the machine slows both alike); worker 0 keeps its own pace (sync ties them)
+    assert fast > 2 * slow, (fast, slow)
     assert _auc(r.stdout) > 0.7
     _loss_falls(r.stdout)
 

@@ -71,7 +71,6 @@ class _State:
         self.tables: list = []         # this worker's tables, in creation order
         self.optimizers: list = []     # this worker's dense optimizers
         self.pending: list = []        # futures of pushes not yet answered
-        self.step = 0
 
 
 state = _State()

@@ -41,6 +41,8 @@ from .runtime import server_rank_of, state
 
 __all__ = ["EmbeddingTable", "Optimizer"]
 
+# async / geo: values per row of the servers' table of a worker's dense parameters
+DENSE_ROW = 256
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
@@ -241,7 +243,8 @@ class EmbeddingTable(torch.nn.Module):
         if self._rows.mode != "geo" or self._cache_ids.numel() == 0:
             return
         delta = (self._cache - self._base) / state.workers
-        self._rows.push(self._cache_ids, delta, "delta")
+        changed = (delta != 0).any(dim=1)  # rows touched since the last pull
+        self._rows.push(self._cache_ids[changed], delta[changed], "delta")
         from .runtime import wait_pending
         wait_pending()  # our own change must be in what we pull next
         fresh = self._rows.pull(self._cache_ids)
@@ -278,15 +281,26 @@ class Optimizer:
         local = torch.optim.SGD if optimizer == "sgd" else torch.optim.Adagrad
         self.local = local(self.params, lr=lr)  # sync and geo step locally
         self.numel = sum(p.numel() for p in self.params)
+        self.steps = 0
         self.flat: Optional[_Rows] = None
         if self.mode != "sync":
-            # async / geo: a flat (numel x 1) table on the servers, starting from these values
-            with torch.no_grad():
-                initial = torch.cat([p.reshape(-1) for p in self.params]).unsqueeze(1)
-            self.flat = _Rows(self.numel, 1, optimizer, lr, 0.0, 0, initial=initial)
-            self.all_ids = torch.arange(self.numel)
+            # async / geo: the parameters, flattened and cut into rows of DENSE_ROW
+            # values (zero-padded), as a table on the servers starting from these values.
+            # Whole rows of a few hundred values keep the servers' index ops few.
+            rows = -(-self.numel // DENSE_ROW)
+            initial = self._as_rows(self._flat_values())
+            self.flat = _Rows(rows, DENSE_ROW, optimizer, lr, 0.0, 0, initial=initial)
+            self.all_ids = torch.arange(rows)
             self.base = initial.clone()
         state.optimizers.append(self)
+
+    def _flat_values(self) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([p.reshape(-1) for p in self.params])
+
+    def _as_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        rows = -(-self.numel // DENSE_ROW)
+        return torch.nn.functional.pad(flat, (0, rows * DENSE_ROW - self.numel)).view(rows, DENSE_ROW)
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -297,6 +311,7 @@ class Optimizer:
                           for p in self.params])
 
     def _assign(self, flat: torch.Tensor) -> None:
+        flat = flat.reshape(-1)
         with torch.no_grad():
             offset = 0
             for p in self.params:
@@ -306,7 +321,7 @@ class Optimizer:
     def step(self) -> None:
         """One training step's update (call once per step, after ``backward``)."""
         _need_worker("gt.ps.Optimizer.step")
-        state.step += 1
+        self.steps += 1
         if self.mode == "sync":
             # Data parallelism among the workers: the mean gradient, then a local step.
             grad = self._flat_grad()
@@ -320,13 +335,14 @@ class Optimizer:
             self.local.step()
         elif self.mode == "async":
             assert self.flat is not None
-            self.flat.push(self.all_ids, self._flat_grad().unsqueeze(1), "grad")
-            self._assign(self.flat.pull(self.all_ids).squeeze(1))
+            self.flat.push(self.all_ids, self._as_rows(self._flat_grad()), "grad")
+            self._assign(self.flat.pull(self.all_ids))
         else:
             self.local.step()
-            if state.step % self.k_steps == 0:
-                for table in state.tables:
-                    table.flush()
+            if self.steps % self.k_steps == 0:
+                if state.optimizers[0] is self:  # the tables' exchange, once per step
+                    for table in state.tables:
+                        table.flush()
                 self.flush()
 
     def flush(self) -> None:
@@ -334,10 +350,9 @@ class Optimizer:
         if self.mode != "geo":
             return
         assert self.flat is not None
-        with torch.no_grad():
-            current = torch.cat([p.reshape(-1) for p in self.params]).unsqueeze(1)
+        current = self._as_rows(self._flat_values())
         self.flat.push(self.all_ids, (current - self.base) / state.workers, "delta")
         from .runtime import wait_pending
         wait_pending()
         self.base = self.flat.pull(self.all_ids)
-        self._assign(self.base.squeeze(1))
+        self._assign(self.base)
