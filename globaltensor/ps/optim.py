@@ -59,11 +59,6 @@ class RowOptimizer:
         if self.state is not None:
             self.state = torch.cat([self.state, self.state.new_zeros(rows, self.state.shape[1])])
 
-    def permute(self, order: torch.Tensor) -> None:
-        """Reorder the state's rows as the weight's were (``new[i] = old[order[i]]``)."""
-        if self.state is not None:
-            self.state = self.state[order]
-
     def apply(self, weight: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor) -> None:
         if rows.numel() == 0:
             return

@@ -169,8 +169,11 @@ class EmbeddingTable(torch.nn.Module):
         self._optimizer_kind, self._lr = optimizer, lr
         # Gives the lookup an input that requires grad, so autograd calls its backward.
         self._anchor = torch.zeros(0, requires_grad=True)
-        # geo: this worker's copy of the rows it touched (sorted ids), the values
-        # pulled last, and the local optimizer's state for them
+        # geo: this worker's copy of the rows it touched (in the order first touched),
+        # the values pulled last, the local optimizer's state for them, and each table
+        # row's position in the copy (-1: not held; 4 bytes a row, made on first use:
+        # a lookup is then one gather, where a sorted index costs two binary searches)
+        self._slot_of: Optional[torch.Tensor] = None
         self._cache_ids = torch.zeros(0, dtype=torch.int64)
         self._cache = torch.zeros(0, dim)
         self._base = torch.zeros(0, dim)
@@ -221,20 +224,19 @@ class EmbeddingTable(torch.nn.Module):
 
     def _slots(self, unique: torch.Tensor) -> torch.Tensor:
         """geo: positions of ``unique`` in the local copy, pulling the rows it lacks."""
-        slots = torch.searchsorted(self._cache_ids, unique)
-        found = slots < self._cache_ids.numel()
-        found[found.clone()] = self._cache_ids[slots[found]] == unique[found]
-        missing = unique[~found]
+        if self._slot_of is None:
+            self._slot_of = torch.full((self.num_rows,), -1, dtype=torch.int32)
+        slots = self._slot_of[unique].long()
+        missing = unique[slots < 0]  # sorted, as unique is
         if missing.numel():
             fresh = self._rows.pull(missing)
-            ids = torch.cat([self._cache_ids, missing])
-            order = torch.argsort(ids)
-            self._cache_ids = ids[order]
-            self._cache = torch.cat([self._cache, fresh])[order]
-            self._base = torch.cat([self._base, fresh])[order]
+            held = self._cache_ids.numel()
+            self._slot_of[missing] = torch.arange(held, held + missing.numel(), dtype=torch.int32)
+            self._cache_ids = torch.cat([self._cache_ids, missing])
+            self._cache = torch.cat([self._cache, fresh])
+            self._base = torch.cat([self._base, fresh])
             self._local_opt.grow(missing.numel())
-            self._local_opt.permute(order)
-            slots = torch.searchsorted(self._cache_ids, unique)
+            slots = self._slot_of[unique].long()
         return slots
 
     def flush(self) -> None:
@@ -242,13 +244,15 @@ class EmbeddingTable(torch.nn.Module):
         so that all workers' changes average), then pull fresh values of its rows."""
         if self._rows.mode != "geo" or self._cache_ids.numel() == 0:
             return
-        delta = (self._cache - self._base) / state.workers
+        order = torch.argsort(self._cache_ids)  # pushes and pulls take sorted ids
+        ids = self._cache_ids[order]
+        delta = (self._cache[order] - self._base[order]) / state.workers
         changed = (delta != 0).any(dim=1)  # rows touched since the last pull
-        self._rows.push(self._cache_ids[changed], delta[changed], "delta")
+        self._rows.push(ids[changed], delta[changed], "delta")
         from .runtime import wait_pending
         wait_pending()  # our own change must be in what we pull next
-        fresh = self._rows.pull(self._cache_ids)
-        self._cache, self._base = fresh, fresh.clone()
+        self._cache[order] = self._rows.pull(ids)
+        self._base = self._cache.clone()
 
     def weight(self) -> torch.Tensor:
         """All rows as the servers hold them now (pulls the whole table: for checks
