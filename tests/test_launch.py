@@ -226,16 +226,22 @@ def wait_for_lines(proc: subprocess.Popen, prefix: str, count: int, timeout: flo
     """The first ``count`` stdout lines of ``proc`` containing ``prefix`` (or fail at ``timeout``)."""
     import selectors
 
-    found, sel = [], selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
+    # Read the pipe's fd directly: readline() on the text stream may buffer a second
+    # line that arrived with the first, and select() on the fd would not see it again.
+    found, sel, pending = [], selectors.DefaultSelector(), ""
+    fd = proc.stdout.fileno()
+    sel.register(fd, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout
     while len(found) < count:
-        left = deadline - time.monotonic()
-        assert left > 0 and sel.select(left), f"no {count} {prefix!r} lines within {timeout} s: {found}"
-        line = proc.stdout.readline()
-        assert line, f"launcher ended before printing {count} {prefix!r} lines"
+        while "\n" not in pending:
+            left = deadline - time.monotonic()
+            assert left > 0 and sel.select(left), f"no {count} {prefix!r} lines within {timeout} s: {found}"
+            chunk = os.read(fd, 65536)
+            assert chunk, f"launcher ended before printing {count} {prefix!r} lines"
+            pending += chunk.decode(errors="replace")
+        line, pending = pending.split("\n", 1)
         if prefix in line:
-            found.append(line)
+            found.append(line + "\n")
     return found
 
 
