@@ -139,18 +139,16 @@ def as_tuple(s):
 def placements(limit1=8, limit_rev=2, limit2=4):
     """(placement, how many sbp combinations to run on it): ``line()`` and
     ``line(reverse=True)``, and the 2x2 mesh in the world of 4. Four processes share the
-    cores: the world of 4 runs a quarter of the line's combinations and one reversed
-    (each collective there waits for four processes on two cores), and the bystander world (whose
-    point is that every op and its backward run on a rank outside the placement; the
-    world of 2 runs the combinations) a sample of two, and one without rank 0."""
+    cores: the world of 4 runs an eighth of the line's combinations and no reversed line
+    (each collective there waits for four processes on two cores), and the bystander
+    world (whose point is that every op and its backward run on a rank outside the
+    placement; the world of 2 runs the combinations) one on [0, 1] and one on [2, 1]."""
     rev = [(line(reverse=True), limit_rev)] if limit_rev else []
     if gt.get_world_size() == BYSTANDER_WORLD:
-        return [(line(), min(2, limit1))] + [(p, min(1, n)) for p, n in rev]
+        return [(line(), min(1, limit1))] + [(p, min(1, n)) for p, n in rev]
     if gt.get_world_size() != 4:
         return [(line(), limit1)] + rev
-    out = [(line(), -(-limit1 // 4))]
-    if limit_rev >= 2:
-        out.append((line(reverse=True), 1))
+    out = [(line(), -(-limit1 // 8))]
     if limit2:
         out.append((mesh(), -(-limit2 // 8)))
     return out
@@ -169,7 +167,8 @@ def _choices(t):
 
 def combos(placement, inputs, limit, label, choices=None, must=()):
     """sbp per input (a tuple of two on the mesh): every combination when there are at
-    most ``limit``, else a fixed sample of ``limit`` plus the ``must`` ones."""
+    most ``limit``, else a fixed sample of ``limit`` plus, in the world of 2 (which runs
+    the combinations; the others sample), the ``must`` ones."""
     per_input = choices or [_choices(t) for t in inputs]
     if placement.ndim == 2:
         per_input = [[None] if c == [None] else list(itertools.product(c, c))
@@ -178,7 +177,7 @@ def combos(placement, inputs, limit, label, choices=None, must=()):
     if len(everything) > limit:
         rng = random.Random(seed_of(f"{label}{placement}"))
         everything = rng.sample(everything, limit)
-    for m in must:
+    for m in must if gt.get_world_size() == 2 else ():
         if placement.ndim == 1 and m not in everything:
             everything.append(m)
     return everything

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from mp import World
+from mp import World, world_test
 
 TIMEOUT = 5  # GLOBALTENSOR_TIMEOUT of the worlds below (seconds)
 
@@ -149,12 +149,8 @@ CHECKS2 = ["check_item_on_different_tensors", "check_dtype_differs_per_rank",
 
 @pytest.fixture(scope="module")
 def world4():
+    # fresh processes: in the session's world the groups [0, 1] and [2, 1] exist already
     return World(4, __name__, CHECKS3, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def world2():
-    return World(2, __name__, CHECKS2, timeout=120)
 
 
 @pytest.mark.parametrize("name", CHECKS3)
@@ -162,9 +158,7 @@ def test_world4(world4, name):
     world4.check(name)
 
 
-@pytest.mark.parametrize("name", CHECKS2)
-def test_world2(world2, name):
-    world2.check(name)
+test_world2 = world_test(__name__, 2, CHECKS2)   # in the session's world of 2
 
 
 def test_collective_that_one_rank_skips_ends_with_a_named_error():

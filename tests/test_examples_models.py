@@ -37,6 +37,8 @@ def test_parallelism_guide_on_four_ranks(tmp_path):
     first, last = _number(r"after 3 SGD steps \(loss ([\d.]+) -> ([\d.]+)\)", text)
     assert last < first
     assert "skipped" not in text
+    assert "5. pipelined training" in text      # OneFlow's PipelineGraph with gt.pipeline
+    assert "after 3 SGD steps every parameter equals plain torch on the whole batch" in text
     assert "all parts match the single-process values (4 ranks)" in text
 
 

@@ -92,7 +92,7 @@ def test_sync_equals_one_process_and_roles_end_cleanly(sync_run) -> None:
 @pytest.mark.timeout(150)
 def test_async_worker_does_not_wait_for_a_slow_one(tmp_path: Path) -> None:
     r = ps_launch(tmp_path / "log", EXAMPLE, "--mode", "async", "--slow_worker", "1",
-                  "--slow_factor", "3", *SGD)
+                  "--slow_factor", "3", "--steps", "80", *SGD)   # the slowed worker sets the pace
     assert r.returncode == 0, r.stdout + r.stderr
     fast = _value(r"worker 0: (\d+) examples/s", r.stdout)
     slow = _value(r"worker 1: (\d+) examples/s", r.stdout)
@@ -105,7 +105,8 @@ def test_async_worker_does_not_wait_for_a_slow_one(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(150)
 def test_geo_trains(tmp_path: Path) -> None:
-    r = ps_launch(tmp_path / "log", EXAMPLE, "--mode", "geo", "--k_steps", "10", *SGD)
+    r = ps_launch(tmp_path / "log", EXAMPLE, "--mode", "geo", "--k_steps", "10", "--steps", "80",
+                  *SGD)
     assert r.returncode == 0, r.stdout + r.stderr
     assert _auc(r.stdout) > 0.7
     _loss_falls(r.stdout)
