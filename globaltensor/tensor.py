@@ -194,7 +194,8 @@ def _wrap(cls, local: torch.Tensor, layout: Layout, requires_grad: bool = False,
 
 
 def wrap_part(local: torch.Tensor, layout: Layout, strides: tuple | None = None) -> GlobalTensor:
-    """A GlobalTensor of this rank's ``local`` part, for code hidden from dynamo."""
+    """``GlobalTensor(local, layout)`` for code already hidden from dynamo (dispatch):
+    no autograd edge and no check of ``local`` (unlike ``wrap_local``)."""
     return _wrap(GlobalTensor, local, layout, False, strides)
 
 
