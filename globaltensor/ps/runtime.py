@@ -122,8 +122,12 @@ def _watch_failures() -> None:
     if os.environ.get("GLOBALTENSOR_LAUNCHER_PID"):
         # Under our launcher, skip torch.distributed's "[rankN]: " wrapper as the
         # launcher's bootstrap does: the launcher prefixes every line already.
+        # (torch's wrapper keeps the hook it replaced in its closure as ``old_hook``; a
+        # torch that names it otherwise keeps its wrapper: a doubled prefix, no failure)
         while getattr(previous, "__name__", "") == "_distributed_excepthook":
             cells = dict(zip(previous.__code__.co_freevars, previous.__closure__ or ()))
+            if "old_hook" not in cells:
+                break
             previous = cells["old_hook"].cell_contents
 
     def hook(*args):  # type: ignore[no-untyped-def]
