@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import comm, gradsync
@@ -105,9 +106,9 @@ def _lookup(func, leaves, spec):
                                   for x in leaves]))
         decision = _cache.get(key)
     except TypeError:
-        return _decide(func, leaves, spec)
+        return _decide_outside_trace(func, leaves, spec)
     if decision is None:
-        decision = _decide(func, leaves, spec)
+        decision = _decide_outside_trace(func, leaves, spec)
         if decision.by_value:
             _remember(_cache, key, _BY_VALUE)
             _remember(_by_value, (key, tuple(x for x in leaves if x.__class__ is float)),
@@ -118,9 +119,18 @@ def _lookup(func, leaves, spec):
         by_value = (key, tuple(x for x in leaves if x.__class__ is float))
         decision = _by_value.get(by_value)
         if decision is None:
-            decision = _decide(func, leaves, spec)
+            decision = _decide_outside_trace(func, leaves, spec)
             _remember(_by_value, by_value, decision)
     return decision
+
+
+def _decide_outside_trace(func, leaves, spec) -> Decision:
+    """``_decide``, whose meta run stays on real meta tensors while torch.compile traces
+    (the decision depends on metadata only, and is cached for eager calls too)."""
+    if not comm.tracing():
+        return _decide(func, leaves, spec)
+    with _disable_current_modes():
+        return _decide(func, leaves, spec)
 
 
 def dispatch(func, types, args, kwargs):
@@ -144,7 +154,7 @@ def dispatch(func, types, args, kwargs):
     leaves, spec = flatten_args(args, kwargs)
     for i, x in enumerate(leaves):
         if type(x) is GlobalTensor:
-            if x.requires_grad and x.is_leaf:
+            if x.requires_grad and x.is_leaf and not comm.tracing():
                 gradsync.watch(x)
         elif isinstance(x, torch.Tensor) and x.numel() > 1 and (_implicit or _in_backward()):
             leaves[i] = _plain_as_broadcast(x, leaves, func)
@@ -193,7 +203,7 @@ def _plain_as_broadcast(t: torch.Tensor, leaves, func) -> GlobalTensor:
     rank = comm.get_rank()
     if rank not in placement:
         return GlobalTensor(empty_local(layout, t.dtype), layout)
-    if _implicit and comm.check_mode():
+    if _implicit and comm.check_mode() and not comm.tracing():
         value = t.detach().cpu().contiguous().reshape(-1)
         comm.agree(zlib.crc32(value.view(torch.uint8).numpy().tobytes()), tuple(placement),
                    f"{func}: a plain operand of shape {tuple(t.shape)} taken as broadcast "
@@ -353,8 +363,8 @@ def _check_inputs(func, leaves, gidx):
 def _meta(x):
     if isinstance(x, GlobalTensor):
         return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
-    if isinstance(x, torch.Tensor):
-        return x.to("meta")
+    if isinstance(x, torch.Tensor):  # not .to("meta"): a fake tensor would stay fake
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
     return x
 
 

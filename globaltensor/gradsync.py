@@ -25,7 +25,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import comm
 from .layout import Layout
 from .sbp import Broadcast, Partial
-from .tensor import GlobalTensor, to_layout
+from .tensor import GlobalTensor, install_leaf_watch, to_layout
 
 BUCKET_MB = 25.0
 FIRST_BUCKET_MB = 1.0  # small first bucket: communication starts early in backward
@@ -58,6 +58,9 @@ def watch(leaf: GlobalTensor) -> None:
     _serial += 1
     _serials[leaf] = _serial
     leaf.register_post_accumulate_grad_hook(_after_accumulate)
+
+
+install_leaf_watch(watch)
 
 
 def _reducible_axes(grad: Layout, leaf: Layout):

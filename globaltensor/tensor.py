@@ -28,11 +28,17 @@ from .placement import Placement
 
 _log = logging.getLogger("globaltensor")
 _dispatcher = None  # set by dispatch.py
+_watch_leaf = None  # gradsync.watch, set by gradsync.py
 
 
 def install_dispatcher(fn) -> None:
     global _dispatcher
     _dispatcher = fn
+
+
+def install_leaf_watch(fn) -> None:
+    global _watch_leaf
+    _watch_leaf = fn
 
 
 @functools.lru_cache(maxsize=None)
@@ -164,6 +170,38 @@ class GlobalTensor(torch.Tensor):
         from .checkpoint import to_dtensor
         return to_dtensor(self)
 
+    # --- traceable-subclass protocol: torch.compile sees the local part as the tensor ----
+    def __tensor_flatten__(self):
+        # The local part of a graph input keeps static sizes (a layout holds concrete
+        # shapes; the guard on it recompiles for a new one), as mark_static would make
+        # it, instead of dims made dynamic after a recompile.
+        local = self._local
+        if not hasattr(local, "_dynamo_static_indices"):
+            local._dynamo_static_indices = set(range(local.dim()))
+        if self.requires_grad and self.is_leaf and not comm.tracing():
+            # A compiled graph flattens its inputs on every call and its ops never reach
+            # dispatch, where eager code meets a parameter first: gradient sync is set
+            # up here instead.
+            _watch_leaf(self)
+        return ["_local"], (self._layout, self.requires_grad)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        layout, requires_grad = ctx
+        strides = tuple(outer_stride)
+        return _wrap(GlobalTensor, inner["_local"], layout, requires_grad,
+                     None if strides == layout.strides else strides)
+
+    def __coerce_tangent_metadata__(self):
+        # The gradient torch.compile plans for an output: where eager backward puts it.
+        return to_layout(self, gradient_layout(self._layout))
+
+    def __coerce_same_metadata_as_tangent__(self, ctx, expected_type=None):
+        # A gradient that arrives at a compiled backward in another layout than planned.
+        if expected_type is not None and expected_type is not GlobalTensor:
+            return None
+        return to_layout(self, ctx[0])
+
     # No Python __torch_function__ (as DTensor): with one, every op and every property
     # access (x.shape, x.grad) would enter Python once more (about 2x the dispatch cost).
     # The few functions that need handling above dispatch are wrapped instead
@@ -263,7 +301,7 @@ def box(local: torch.Tensor, src: Layout, dst: Layout, donate: bool = False,
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug("rank %d boxes for %s:\n%s", rank, why, plan)
     work = _Boxing(why, plan, local.dtype)
-    if comm.check_mode():
+    if comm.check_mode() and not comm.tracing():
         work.check(rank)
     with comm.activity(work):
         out = execute(plan, local, rank, donate)

@@ -2,7 +2,10 @@
 
 Each takes the member ranks of the group (ordered) and records what it moves in
 ``stats`` so ``debug.comm_stats()`` can count it. A group of one does the local
-equivalent without calling torch.distributed.
+equivalent without calling torch.distributed. While torch.compile traces, the
+collectives take their functional form (``_functional_collectives``), which a graph
+can hold, and write it into the caller's buffer (functionalization turns the copy back
+into a plain use); point-to-point transfers have no such form and refuse to trace.
 """
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from . import stats
 from .groups import get_group, init
@@ -18,6 +22,11 @@ from .guard import Waiting, guarded
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 # Renamed in recent torch; the old name still works but warns.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def tracing() -> bool:
+    """True while torch.compile traces (dynamo, AOTAutograd, make_fx over fake tensors)."""
+    return funcol._are_we_tracing()
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -29,6 +38,10 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...]
     if len(ranks) == 1:
         out.view(-1).copy_(inp.reshape(-1))
         return
+    if tracing():
+        out.view(-1).copy_(funcol.all_gather_tensor(inp.contiguous().view(-1), 0,
+                                                    get_group(ranks)))
+        return
     stats.record("all_gather", _nbytes(inp) * (len(ranks) - 1))
     # Flat views: backends check the output as len(ranks) chunks of the input's shape.
     guarded("all_gather", ranks, lambda: _all_gather_single(
@@ -38,6 +51,9 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...]
 def all_reduce_(t: torch.Tensor, reduce: str, ranks: tuple[int, ...]) -> None:
     """In-place all-reduce of a contiguous tensor with "sum" or "max"."""
     if len(ranks) == 1:
+        return
+    if tracing():
+        t.copy_(funcol.all_reduce(t, reduce, get_group(ranks)))
         return
     stats.record("all_reduce", 2 * _nbytes(t) * (len(ranks) - 1) // len(ranks))
     guarded("all_reduce", ranks,
@@ -54,6 +70,9 @@ def all_reduce_async(t: torch.Tensor, ranks: tuple[int, ...], what: str = "all_r
     the work in an error)."""
     if len(ranks) == 1:
         return _Done()
+    if tracing():
+        all_reduce_(t, "sum", ranks)
+        return _Done()
     stats.record("all_reduce", 2 * _nbytes(t) * (len(ranks) - 1) // len(ranks))
     work = guarded("all_reduce", ranks, lambda: dist.all_reduce(
         t, op=dist.ReduceOp.SUM, group=get_group(ranks), async_op=True))
@@ -66,6 +85,9 @@ def all_gather_async(out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...
     (fully_shard prefetches the next unit's parameters with it)."""
     if len(ranks) == 1:
         out.view(-1).copy_(inp.reshape(-1))
+        return _Done()
+    if tracing():
+        all_gather_into(out, inp, ranks)
         return _Done()
     stats.record("all_gather", _nbytes(inp) * (len(ranks) - 1))
     work = guarded("all_gather", ranks, lambda: _all_gather_single(
@@ -80,15 +102,38 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence
     if len(ranks) == 1:
         out.copy_(inp)
         return
+    if tracing():
+        out.copy_(funcol.all_to_all_single(inp.contiguous(), list(out_splits), list(in_splits),
+                                           get_group(ranks)))
+        return
     me = ranks.index(dist.get_rank())
     stats.record("all_to_all", (sum(in_splits) - in_splits[me]) * inp.element_size())
     guarded("all_to_all", ranks, lambda: dist.all_to_all_single(
         out, inp, list(out_splits), list(in_splits), group=get_group(ranks)))
 
 
+def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, reduce: str,
+                        ranks: tuple[int, ...]) -> None:
+    """``out`` receives the reduction of every member's chunk ``i`` of ``inp`` (contiguous,
+    ``len(ranks)`` equal chunks along dim 0), ``i`` this rank's place in ``ranks``. The
+    traced form of ReduceScatter; eager boxing exchanges parts point-to-point instead."""
+    if len(ranks) == 1:
+        out.copy_(inp)
+        return
+    if tracing():
+        out.copy_(funcol.reduce_scatter_tensor(inp.contiguous(), reduce, 0, get_group(ranks)))
+        return
+    stats.record("reduce_scatter", _nbytes(out) * (len(ranks) - 1))
+    guarded("reduce_scatter", ranks, lambda: dist.reduce_scatter_tensor(
+        out, inp.contiguous(), op=_REDUCE_OPS[reduce], group=get_group(ranks)))
+
+
 def broadcast_(t: torch.Tensor, src: int, ranks: tuple[int, ...]) -> None:
     """In-place broadcast of ``t`` from global rank ``src`` to the members."""
     if len(ranks) == 1:
+        return
+    if tracing():
+        t.copy_(funcol.broadcast(t, ranks.index(src), get_group(ranks)))
         return
     if dist.get_rank() == src:
         stats.record("broadcast", _nbytes(t) * (len(ranks) - 1))
@@ -116,6 +161,11 @@ def start_p2p(sends: Sequence[tuple[torch.Tensor, int]],
     one pair of ranks match in the order posted. Receive tensors must be contiguous."""
     if not sends and not recvs:
         return P2PWork([])
+    if tracing():
+        raise RuntimeError(
+            "globaltensor: a point-to-point transfer cannot be traced by torch.compile "
+            "(moving between placements, or the eager exchange of a reduce-scatter or "
+            "all-to-all); keep to_global across placements outside the compiled function")
     init()
     ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]

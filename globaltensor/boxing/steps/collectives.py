@@ -1,6 +1,7 @@
 """The per-axis steps that communicate: AllGather, AllReduce, ReduceScatter, AllToAll."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +109,8 @@ class ReduceScatter(AxisStep):
         members, d = self.members(rank), self.dim
         parts = self.parts(x.shape[d])
         me = members.index(rank)
+        if comm.tracing():
+            return Handle.ready(self._traced(x, members, parts, me))
         mine = x.narrow(d, *parts[me])
         bufs = x.new_empty((len(members) - 1,) + tuple(mine.shape))
         sends, recvs = [], []
@@ -132,6 +135,21 @@ class ReduceScatter(AxisStep):
                 op(out, buf, out=out)
             return out
         return Handle(work, combine)
+
+    def _traced(self, x, members, parts, me):
+        # The collective form a graph can hold: parts padded to the largest, laid
+        # end to end along dim 0, reduce-scattered.
+        d, biggest = self.dim, parts[0][1]
+        chunks = []
+        for offset, size in parts:
+            piece = x.narrow(d, offset, size).movedim(d, 0)
+            if size < biggest:
+                piece = torch.cat([piece, piece.new_zeros((biggest - size,) + piece.shape[1:])])
+            chunks.append(piece)
+        out = x.new_empty(chunks[0].shape)
+        comm.reduce_scatter_into(out, torch.cat(chunks), reduce_of(self.reduce, x.dtype),
+                                 members)
+        return out[:parts[me][1]].movedim(0, d).contiguous()
 
     def simulate(self, locals_: Locals) -> Locals:
         def rs(ms, xs):
@@ -168,6 +186,8 @@ class AllToAll(AxisStep):
         rows = [self.src.local_shape(m)[i] for m in members]
         shape = list(x.shape)
         shape[j], shape[i] = parts[me][1], sum(rows)
+        if comm.tracing():
+            return Handle.ready(self._traced(x, members, parts, rows, me, shape))
         out = x.new_empty(shape)
         sends, recvs, unpack = [], [], []
         offset = 0
@@ -195,6 +215,21 @@ class AllToAll(AxisStep):
                 dest.copy_(buf)
             return out
         return Handle(work, land)
+
+    def _traced(self, x, members, parts, rows, me, shape):
+        # The collective form a graph can hold: flat chunks in member order.
+        i, j = self.src_dim, self.dst_dim
+        inp = torch.cat([x.narrow(j, *p).reshape(-1) for p in parts])
+        pieces = []
+        for k in range(len(members)):
+            piece_shape = list(x.shape)
+            piece_shape[i], piece_shape[j] = rows[k], parts[me][1]
+            pieces.append(piece_shape)
+        out_splits = [math.prod(p) for p in pieces]
+        out = x.new_empty(sum(out_splits))
+        comm.all_to_all_single(out, inp, out_splits, [x.narrow(j, *p).numel() for p in parts],
+                               members)
+        return torch.cat([c.view(p) for c, p in zip(out.split(out_splits), pieces)], dim=i)
 
     def simulate(self, locals_: Locals) -> Locals:
         def a2a(ms, xs):
