@@ -133,6 +133,25 @@ def check_to_global_within_a_placement_is_traced():
     torch.testing.assert_close(grads[1], grads[0])
 
 
+def check_traced_boxing_equals_eager():
+    # Every same-placement change of sbp, even and uneven, traced (functional
+    # collectives: all_gather, all_reduce, all_to_all for reduce-scatter and split->split).
+    import torch
+    import globaltensor as gt
+    P = gt.placement.all("cpu")
+    S = gt.sbp
+    kinds = [S.split(0), S.split(1), S.broadcast, S.partial_sum]
+    for shape in ((5, 3), (4, 6)):
+        plain = torch.randn(shape, generator=torch.Generator().manual_seed(4))
+        for src in kinds:
+            torch._dynamo.reset()
+            f = torch.compile(lambda x: [x.to_global(sbp=dst) * 2 for dst in kinds],
+                              backend="aot_eager", fullgraph=True)
+            for dst, y in zip(kinds, f(gt.tensor(plain, placement=P, sbp=src))):
+                assert y.sbp == (dst,), (src, dst, y.sbp)
+                torch.testing.assert_close(y.full(), plain * 2, msg=lambda m: f"{src}->{dst}: {m}")
+
+
 def check_to_global_across_placements_breaks_the_graph():
     import torch
     import torch._dynamo.testing
@@ -173,7 +192,7 @@ def check_recompile_after_reset_keeps_values():
 CHECKS = ["check_data_parallel_mlp_graphs_hold_only_local_ops",
           "check_tensor_parallel_mlp_graphs_hold_local_ops_and_collectives",
           "check_data_parallel_mlp_inductor", "check_tensor_parallel_mlp_inductor",
-          "check_to_global_within_a_placement_is_traced",
+          "check_to_global_within_a_placement_is_traced", "check_traced_boxing_equals_eager",
           "check_to_global_across_placements_breaks_the_graph",
           "check_recompile_after_reset_keeps_values"]
 

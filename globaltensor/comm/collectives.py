@@ -112,22 +112,6 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence
         out, inp, list(out_splits), list(in_splits), group=get_group(ranks)))
 
 
-def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, reduce: str,
-                        ranks: tuple[int, ...]) -> None:
-    """``out`` receives the reduction of every member's chunk ``i`` of ``inp`` (contiguous,
-    ``len(ranks)`` equal chunks along dim 0), ``i`` this rank's place in ``ranks``. The
-    traced form of ReduceScatter; eager boxing exchanges parts point-to-point instead."""
-    if len(ranks) == 1:
-        out.copy_(inp)
-        return
-    if tracing():
-        out.copy_(funcol.reduce_scatter_tensor(inp.contiguous(), reduce, 0, get_group(ranks)))
-        return
-    stats.record("reduce_scatter", _nbytes(out) * (len(ranks) - 1))
-    guarded("reduce_scatter", ranks, lambda: dist.reduce_scatter_tensor(
-        out, inp.contiguous(), op=_REDUCE_OPS[reduce], group=get_group(ranks)))
-
-
 def broadcast_(t: torch.Tensor, src: int, ranks: tuple[int, ...]) -> None:
     """In-place broadcast of ``t`` from global rank ``src`` to the members."""
     if len(ranks) == 1:

@@ -137,18 +137,22 @@ class ReduceScatter(AxisStep):
         return Handle(work, combine)
 
     def _traced(self, x, members, parts, me):
-        # The collective form a graph can hold: parts padded to the largest, laid
-        # end to end along dim 0, reduce-scattered.
-        d, biggest = self.dim, parts[0][1]
+        # The form a graph can hold, as the eager exchange: parts padded to the largest
+        # and laid end to end, exchanged with one all-to-all, then summed here (on gloo
+        # twice as fast as its reduce_scatter).
+        d, n, biggest = self.dim, len(members), parts[0][1]
         chunks = []
         for offset, size in parts:
             piece = x.narrow(d, offset, size).movedim(d, 0)
             if size < biggest:
                 piece = torch.cat([piece, piece.new_zeros((biggest - size,) + piece.shape[1:])])
             chunks.append(piece)
-        out = x.new_empty(chunks[0].shape)
-        comm.reduce_scatter_into(out, torch.cat(chunks), reduce_of(self.reduce, x.dtype),
-                                 members)
+        sent = torch.cat(chunks).reshape(-1)
+        got = torch.empty_like(sent)
+        each = sent.numel() // n
+        comm.all_to_all_single(got, sent, [each] * n, [each] * n, members)
+        got = got.view((n,) + tuple(chunks[0].shape))
+        out = got.sum(0) if reduce_of(self.reduce, x.dtype) == "sum" else got.amax(0)
         return out[:parts[me][1]].movedim(0, d).contiguous()
 
     def simulate(self, locals_: Locals) -> Locals:
