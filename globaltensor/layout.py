@@ -85,6 +85,10 @@ class Layout:
                                  and self.shape == other.shape and self.sbp == other.sbp
                                  and self.placement == other.placement)
 
+    def __reduce__(self):
+        # Rebuilt through make (see Placement.__reduce__): interned, hashed here.
+        return Layout.make, (self.shape, self.placement, self.sbp)
+
     @staticmethod
     def make(shape: Sequence[int], placement: Placement, sbp) -> "Layout":
         """The layout, checked and normalised; equal layouts come back as one object,

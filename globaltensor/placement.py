@@ -129,6 +129,11 @@ class Placement:
     def __hash__(self) -> int:
         return self._hash
 
+    def __reduce__(self):
+        # Rebuilt, not copied: the cached hash is of this process (str hashes are salted
+        # per process), and torch.compile's caches pickle placements across processes.
+        return Placement, (self._type, self.ranks)
+
     def __repr__(self) -> str:
         return f'placement(type="{self._type}", ranks={self.ranks})'
 

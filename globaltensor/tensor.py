@@ -13,6 +13,7 @@ torch.Size([4, 2])
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import sys
@@ -192,6 +193,14 @@ class GlobalTensor(torch.Tensor):
         return _wrap(GlobalTensor, inner["_local"], layout, requires_grad,
                      None if strides == layout.strides else strides)
 
+    def _stable_hash_for_caching(self) -> str:
+        # torch.compile's cache key for this input: the same on every run and process.
+        # It holds the rank: a graph traced on one rank holds that rank's part offsets
+        # and groups, and ranks share the cache directory.
+        key = repr((comm.get_rank(), self._layout.shape, self._layout.placement, self._layout.sbp, self.dtype,
+                    tuple(self.stride()), tuple(self._local.shape), self.requires_grad))
+        return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+
     def __coerce_tangent_metadata__(self):
         # The gradient torch.compile plans for an output: where eager backward puts it.
         return to_layout(self, gradient_layout(self._layout))
@@ -209,7 +218,6 @@ class GlobalTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
-    @torch._disable_dynamo
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if _dispatcher is None:
             raise RuntimeError("globaltensor.dispatch is not loaded; import globaltensor")

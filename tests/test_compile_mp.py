@@ -108,6 +108,9 @@ def check_data_parallel_mlp_inductor():
 
 def check_tensor_parallel_mlp_inductor():
     _train_fullgraph(True, "inductor")
+    # Compiled again after dynamo.reset: torch's on-disk caches now answer, and a
+    # graph traced on one rank (its part offsets) must not serve the other.
+    _train_fullgraph(True, "inductor")
 
 
 def check_to_global_within_a_placement_is_traced():
