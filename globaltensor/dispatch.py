@@ -537,9 +537,10 @@ def _run(func, decision: Decision, leaves, spec):
         out = None
     if decision.inplace:
         return leaves[0]
+    like = leaves[gidx[0]]._local
     if decision.single:  # one tensor out: skip the pytree round trip
         layout = decision.out_layouts[0]
-        return wrap_part(out if inside else empty_local(layout, decision.out_dtypes[0]),
+        return wrap_part(out if inside else empty_local(layout, decision.out_dtypes[0], like),
                          layout, decision.out_strides[0])
     if inside:
         out_leaves, out_spec = tree_flatten(out)
@@ -550,7 +551,7 @@ def _run(func, decision: Decision, leaves, spec):
                                                 decision.out_dtypes, decision.out_strides,
                                                 decision.out_consts):
         if layout is not None:
-            wrapped.append(wrap_part(o if inside else empty_local(layout, dtype), layout,
+            wrapped.append(wrap_part(o if inside else empty_local(layout, dtype, like), layout,
                                      strides))
         else:
             wrapped.append(o if inside else const)

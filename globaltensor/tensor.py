@@ -48,10 +48,15 @@ def device_of(placement: Placement) -> torch.device:
     return comm.local_device(placement.type)
 
 
-def empty_local(layout: Layout, dtype: torch.dtype) -> torch.Tensor:
+def empty_local(layout: Layout, dtype: torch.dtype, like: torch.Tensor | None = None
+                ) -> torch.Tensor:
     """The local tensor of a rank outside the placement: no elements, same ndim
-    (a 0-d tensor's is shape (0,), since a 0-d tensor cannot be empty)."""
+    (a 0-d tensor's is shape (0,), since a 0-d tensor cannot be empty). Made from
+    ``like`` (an operand's local part) when given, so that while torch.compile traces
+    it is a fake tensor of the trace as the operand is."""
     shape = (0,) * layout.ndim if layout.ndim else (0,)
+    if like is not None:
+        return like.new_empty(shape, dtype=dtype, device=device_of(layout.placement))
     return torch.empty(shape, dtype=dtype, device=device_of(layout.placement))
 
 
@@ -314,7 +319,7 @@ def box(local: torch.Tensor, src: Layout, dst: Layout, donate: bool = False,
     with comm.activity(work):
         out = execute(plan, local, rank, donate)
     if rank not in dst.placement:
-        return empty_local(dst, local.dtype)
+        return empty_local(dst, local.dtype, like=local)
     return out
 
 

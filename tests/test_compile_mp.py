@@ -173,6 +173,57 @@ def check_to_global_across_placements_breaks_the_graph():
     assert out.placement == P1
 
 
+def check_rank_outside_the_placement_compiles():
+    # Rank 1 holds no part: its compiled calls give empty parts, also for a view
+    # (a micro-batch slice) whose empty part is no view of its base's.
+    import torch
+    import globaltensor as gt
+    P0 = gt.placement("cpu", [0])
+    x = gt.tensor(torch.ones(16, 3), placement=P0, sbp=gt.sbp.broadcast)
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: (x * 2).sum(1), backend="aot_eager", fullgraph=True)
+    for t in (x, x[0:4]):
+        y = f(t)
+        assert y.shape == (t.shape[0],) and y.placement == P0
+        torch.testing.assert_close(y.full(), torch.full((t.shape[0],), 6.0))
+
+
+def check_pipeline_of_compiled_stages_equals_eager():
+    import torch
+    import torch.nn.functional as F
+    import globaltensor as gt
+    P0, P1 = gt.placement("cpu", [0]), gt.placement("cpu", [1])
+
+    def stages():
+        torch.manual_seed(0)
+        s0 = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU())
+        s1 = torch.nn.Linear(32, 4)
+        return gt.nn.to_global(s0, P0, gt.sbp.broadcast), gt.nn.to_global(s1, P1, gt.sbp.broadcast)
+
+    g = torch.Generator().manual_seed(1)
+    x = gt.tensor(torch.randn(16, 16, generator=g), placement=P0, sbp=gt.sbp.broadcast)
+    y = gt.tensor(torch.randint(0, 4, (16,), generator=g), placement=P1, sbp=gt.sbp.broadcast)
+    torch._dynamo.reset()
+    results = []
+    for compiled in (False, True):
+        mods = stages()
+        if compiled:
+            mods = [torch.compile(m, backend="aot_eager", fullgraph=True) for m in mods]
+        pipe = gt.pipeline.Pipeline(mods, micro_batches=4, schedule="1f1b",
+                                    loss_fn=F.cross_entropy)
+        for _ in range(2):
+            loss = pipe.step(x, y)
+        grads = [p.grad for m in mods for p in m.parameters()]
+        results.append((loss, [None if g is None else g.local_ for g in grads]))
+    (loss_e, grads_e), (loss_c, grads_c) = results
+    torch.testing.assert_close(loss_c, loss_e)
+    assert sum(g is not None for g in grads_c) == 2  # this rank's stage's weight and bias
+    for a, b in zip(grads_e, grads_c):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(b, a)
+
+
 def check_recompile_after_reset_keeps_values():
     # Issue 14's reproduction: the second compilation (after dynamo.reset) raised
     # "cannot box a tensor of shape (9, 6) to shape (8, 6)" on 1 and 2 ranks.
@@ -197,6 +248,8 @@ CHECKS = ["check_data_parallel_mlp_graphs_hold_only_local_ops",
           "check_data_parallel_mlp_inductor", "check_tensor_parallel_mlp_inductor",
           "check_to_global_within_a_placement_is_traced", "check_traced_boxing_equals_eager",
           "check_to_global_across_placements_breaks_the_graph",
+          "check_rank_outside_the_placement_compiles",
+          "check_pipeline_of_compiled_stages_equals_eager",
           "check_recompile_after_reset_keeps_values"]
 
 
