@@ -154,7 +154,7 @@ def dispatch(func, types, args, kwargs):
     leaves, spec = flatten_args(args, kwargs)
     for i, x in enumerate(leaves):
         if type(x) is GlobalTensor:
-            if x.requires_grad and x.is_leaf and not comm.tracing():
+            if x.requires_grad and x.is_leaf:
                 gradsync.watch(x)
         elif isinstance(x, torch.Tensor) and x.numel() > 1 and (_implicit or _in_backward()):
             leaves[i] = _plain_as_broadcast(x, leaves, func)

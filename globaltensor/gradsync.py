@@ -51,7 +51,7 @@ def no_sync() -> Iterator[None]:
 def watch(leaf: GlobalTensor) -> None:
     """Make ``leaf``'s gradient end in its layout (called when a leaf is first used)."""
     global _serial
-    if leaf in _serials:
+    if leaf in _serials or comm.tracing():  # a traced leaf is a stand-in (fake tensor)
         return
     # A serial number, not id(): ids are reused after garbage collection and differ
     # between ranks, while serials follow the program order, the same on every rank.

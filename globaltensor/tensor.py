@@ -184,7 +184,7 @@ class GlobalTensor(torch.Tensor):
         local = self._local
         if not hasattr(local, "_dynamo_static_indices"):
             local._dynamo_static_indices = set(range(local.dim()))
-        if self.requires_grad and self.is_leaf and not comm.tracing():
+        if self.requires_grad and self.is_leaf:
             # A compiled graph flattens its inputs on every call and its ops never reach
             # dispatch, where eager code meets a parameter first: gradient sync is set
             # up here instead.
