@@ -80,6 +80,10 @@ def _reducible_axes(grad: Layout, leaf: Layout):
 
 
 def _after_accumulate(leaf: GlobalTensor) -> None:
+    if torch.compiler.is_compiling():
+        # Compiled autograd traces this hook; buckets need the engine's end-of-backward
+        # callback, which it lacks: the gradient is boxed right away instead.
+        return _box_now(leaf)
     grad = leaf.grad
     if not isinstance(grad, GlobalTensor) or grad.layout_ == leaf.layout_ or not _sync:
         return
@@ -92,6 +96,12 @@ def _after_accumulate(leaf: GlobalTensor) -> None:
         _pending = _Reducer()
         torch.autograd.Variable._execution_engine.queue_callback(_finish)
     _pending.add(leaf, grad, axes)
+
+
+@torch._dynamo.disable
+def _box_now(leaf: GlobalTensor) -> None:
+    if _sync and isinstance(leaf.grad, GlobalTensor) and leaf.grad.layout_ != leaf.layout_:
+        leaf.grad = to_layout(leaf.grad, leaf.layout_)
 
 
 def _finish() -> None:

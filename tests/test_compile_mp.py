@@ -224,6 +224,33 @@ def check_pipeline_of_compiled_stages_equals_eager():
             torch.testing.assert_close(b, a)
 
 
+def check_compiled_autograd_syncs_gradients():
+    # Compiled autograd traces gradient sync's hook: it boxes each gradient at once
+    # instead of bucketing (buckets need the engine's end-of-backward callback).
+    import torch
+    import torch.nn.functional as F
+    import torch._dynamo.compiled_autograd as compiled_autograd
+    import globaltensor as gt
+    P = gt.placement.all("cpu")
+    torch._dynamo.reset()
+    eager, compiled = _mlp(False), _mlp(False)
+    g = torch.Generator().manual_seed(5)
+    x = gt.tensor(torch.randn(6, 8, generator=g), placement=P, sbp=gt.sbp.split(0))
+    y = gt.tensor(torch.randint(0, 4, (6,), generator=g), placement=P, sbp=gt.sbp.split(0))
+    loss_of = torch.compile(lambda m, x, y: F.cross_entropy(m(x), y), backend="aot_eager",
+                            fullgraph=True)
+    F.cross_entropy(eager(x), y).backward()
+    with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+        loss_of(compiled, x, y).backward()
+    for pa, pb in zip(eager.parameters(), compiled.parameters()):
+        assert pb.grad.sbp == pa.grad.sbp == pa.sbp, (pb.grad.sbp, pa.sbp)
+        torch.testing.assert_close(pb.grad.full(), pa.grad.full())
+    # as_strided (which compiled autograd uses on gradients) on a split tensor
+    plain = torch.arange(12.0).view(4, 3)
+    z = gt.tensor(plain, placement=P, sbp=gt.sbp.split(0))
+    torch.testing.assert_close(z.as_strided((3, 4), (4, 1)).full(), plain.as_strided((3, 4), (4, 1)))
+
+
 def check_recompile_after_reset_keeps_values():
     # Issue 14's reproduction: the second compilation (after dynamo.reset) raised
     # "cannot box a tensor of shape (9, 6) to shape (8, 6)" on 1 and 2 ranks.
@@ -250,6 +277,7 @@ CHECKS = ["check_data_parallel_mlp_graphs_hold_only_local_ops",
           "check_to_global_across_placements_breaks_the_graph",
           "check_rank_outside_the_placement_compiles",
           "check_pipeline_of_compiled_stages_equals_eager",
+          "check_compiled_autograd_syncs_gradients",
           "check_recompile_after_reset_keeps_values"]
 
 

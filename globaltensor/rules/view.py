@@ -55,6 +55,13 @@ def permute_rule(call, axis):
     return _same_sbp(1, 1, {src: dst for dst, src in enumerate(perm)})
 
 
+@register(aten.as_strided)
+def as_strided_rule(call, axis):
+    # Sizes and strides address the global tensor's memory: only a whole copy has it
+    # (compiled autograd reshapes gradients this way; they are broadcast already).
+    return _same_sbp(1, 1, {}, partial_ok=False, max_ok=False)
+
+
 @register(aten.unsqueeze)
 def unsqueeze_rule(call, axis):
     args, _ = _args(call)
