@@ -19,6 +19,11 @@ import os
 
 import torch
 import torch.distributed as dist
+# Imported before any group exists, on purpose: its functions take ``group=group.WORLD``
+# as a default argument, evaluated at import. Imported after init (torch._dynamo imports
+# it, e.g. on the first GlobalTensor op) they would hold the default group, so _destroy
+# could not free it and its gloo threads would outlive Python (see _destroy).
+import torch.distributed.nn.functional  # noqa: F401
 from torch.distributed import distributed_c10d as c10d
 
 from .. import env
@@ -73,9 +78,12 @@ def init() -> None:
         # Also when the program made the group: outputs of transfers land on the
         # current device, which must be this rank's.
         torch.cuda.set_device(local_device("cuda"))
-    # A gloo group still alive when the interpreter finalises can abort the process
-    # (its worker threads release tensors after Python is gone). Destroy the groups,
-    # and drop our own references to them, while Python still runs; it is local.
+    # A gloo group still alive when the interpreter finalises can abort the process:
+    # a worker thread drops a finished work, whose tensors' Python objects died first,
+    # so it takes the GIL to free them; during finalisation Python ends such a thread
+    # (pthread_exit) inside a noexcept destructor: "terminate called without an active
+    # exception". Freeing the groups joins these threads; do it, and drop our own
+    # references to them, while Python still runs. It is local.
     atexit.register(_destroy)
     _ready = True
 
