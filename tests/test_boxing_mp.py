@@ -45,8 +45,12 @@ def _check_pair(shape, p, q, src_sbp, dst_sbp, seed):
 def check_every_pair_1d():
     n = gt.get_world_size()
     ranks = list(range(n))
-    for p in (gt.placement("cpu", ranks), gt.placement("cpu", ranks[::-1])):
-        for shape in ((2 * n + 1, 3), (1, n - 1)):
+    # Both member orders with both shapes on 2 ranks; on 4 (oversubscribed, slow) the
+    # uneven shape in member order and the one-row shape in reversed order.
+    for k, p in enumerate((gt.placement("cpu", ranks), gt.placement("cpu", ranks[::-1]))):
+        for j, shape in enumerate(((2 * n + 1, 3), (1, n - 1))):
+            if n > 2 and j != k:
+                continue
             for a, b in itertools.product(SBPS, SBPS):
                 _check_pair(shape, p, p, a, b, seed=zlib.crc32(f"{shape}{a}{b}".encode()))
 
