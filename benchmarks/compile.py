@@ -11,6 +11,10 @@ hand (Megatron's f/g operators; DDP's gradient all-reduce).
 
 - ``tp_block``: a transformer block (layer norms, attention, MLP) tensor parallel:
   q/k/v and fc1 column-split, proj and fc2 row-split, so each rank holds its heads.
+- ``tp_block+sbp``: the same with the residual stream annotated broadcast after each
+  add (``to_global(sbp=broadcast)``, ours only): Megatron's communication plan, which
+  DTensor picks on its own; unannotated, our per-op choice reduce-scatters for the
+  layer norm (sequence parallel) and gathers again before the next layer.
 - ``dp_mlp``: a 3-layer MLP, data parallel (broadcast parameters, batch split).
 
 Every way's loss is checked against eager GlobalTensors first. Prints the median
@@ -88,15 +92,28 @@ def _attention(q, k, v, heads):
 _HEADS_MAJOR = False
 
 
-def block_loss(p: dict, x, heads: int):
-    """A pre-norm transformer block and a loss, on global tensors."""
+def block_loss(p: dict, x, heads: int, settle: bool = False):
+    """A pre-norm transformer block and a loss, on global tensors. ``settle``: the
+    residual stream is annotated broadcast after each add (GlobalTensors only)."""
     h = F.layer_norm(x, x.shape[-1:], p["ln1.w"], p["ln1.b"])
     a = _attention(F.linear(h, p["q.w"], p["q.b"]), F.linear(h, p["k.w"], p["k.b"]),
                    F.linear(h, p["v.w"], p["v.b"]), heads)
-    x = x + F.linear(a, p["proj.w"], p["proj.b"])
+    x = _settled(x + F.linear(a, p["proj.w"], p["proj.b"]), settle)
     h = F.layer_norm(x, x.shape[-1:], p["ln2.w"], p["ln2.b"])
     x = x + F.linear(F.gelu(F.linear(h, p["fc1.w"], p["fc1.b"])), p["fc2.w"], p["fc2.b"])
-    return x.pow(2).mean()
+    return _settled(x, settle).pow(2).mean()
+
+
+def _settled(x, settle: bool):
+    # Our dispatch keeps the row-parallel output's sum partial through the residual add
+    # and reduce-scatters it for the layer norm (sequence parallel): a reduce-scatter
+    # now, an all-gather before the next column-parallel layer and more in backward.
+    # Annotating the sum broadcast gives Megatron's plan (one all-reduce), which DTensor
+    # picks on its own.
+    import globaltensor as gt
+    if settle and isinstance(x, gt.GlobalTensor):
+        return x.to_global(sbp=gt.sbp.broadcast)
+    return x
 
 
 def _mlp_params(dim: int, g: torch.Generator) -> dict:
@@ -180,7 +197,7 @@ def _setup(model: str, args, full: dict, x_full: torch.Tensor):
     n, rank = dist.get_world_size(), dist.get_rank()
     P = gt.placement.all("cpu")
     mesh = init_device_mesh("cpu", (n,))
-    tp = model == "tp_block"
+    tp = model.startswith("tp_block")
     ours_sbp = {"col": gt.sbp.split(0), "row": gt.sbp.split(1), "rep": gt.sbp.broadcast}
     dt_pl = {"col": [Shard(0)], "row": [Shard(1)], "rep": [Replicate()]}
     kind = {k: _TP.get(k, "rep") if tp else "rep" for k in full}
@@ -194,7 +211,8 @@ def _setup(model: str, args, full: dict, x_full: torch.Tensor):
     x_plain = x_full if tp else x_full.chunk(n, 0)[rank].contiguous()
 
     if tp:
-        loss_g = lambda p, x: block_loss(p, x, args.heads)             # noqa: E731
+        settle = model == "tp_block+sbp"
+        loss_g = lambda p, x: block_loss(p, x, args.heads, settle)     # noqa: E731
         loss_p = lambda p, x: plain_block_loss(p, x, args.heads // n)  # noqa: E731
     else:
         loss_g = loss_p = mlp_loss
@@ -270,8 +288,8 @@ def main(argv=None) -> None:
     if args.heads % n or args.dim % args.heads or args.batch % n:
         raise SystemExit(f"--heads and --batch must divide by {n} ranks and --dim by --heads")
     g = torch.Generator().manual_seed(0)
-    cases = {"tp_block": (_block_params(args.dim, g),
-                          torch.randn(args.batch, args.seq, args.dim, generator=g)),
+    block = (_block_params(args.dim, g), torch.randn(args.batch, args.seq, args.dim, generator=g))
+    cases = {"tp_block": block, "tp_block+sbp": block,
              "dp_mlp": (_mlp_params(args.dim, g),
                         torch.randn(args.batch * args.seq, args.dim, generator=g))}
     results = {}
@@ -282,12 +300,12 @@ def main(argv=None) -> None:
     if rank == 0:
         print(f"\n{n} processes, batch {args.batch} x seq {args.seq}, width {args.dim}, "
               f"backend {args.backend}; median ms per training step (slowest rank)")
-        head = f"{'model':<10}" + "".join(f"{w:>18}" for w in WAYS) + \
+        head = f"{'model':<14}" + "".join(f"{w:>18}" for w in WAYS) + \
             f"{'ours/DT comp':>14}{'ours/plain':>12}{'comp/eager':>12}"
         print(head)
         print("-" * len(head))
         for model, t in results.items():
-            print(f"{model:<10}" + "".join(f"{v:18.2f}" for v in t) +
+            print(f"{model:<14}" + "".join(f"{v:18.2f}" for v in t) +
                   f"{t[1] / t[3]:14.2f}{t[1] / t[4]:12.2f}{t[1] / t[0]:12.2f}")
         print("targets: compiled ours <= 1.05x compiled DTensor, <= 1.1x compiled plain")
         if args.plot:
