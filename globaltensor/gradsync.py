@@ -25,7 +25,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import comm
 from .layout import Layout
 from .sbp import Broadcast, Partial
-from .tensor import GlobalTensor, install_leaf_watch, to_layout
+from .tensor import GlobalTensor, hidden_from_dynamo, install_leaf_watch, to_layout
 
 BUCKET_MB = 25.0
 FIRST_BUCKET_MB = 1.0  # small first bucket: communication starts early in backward
@@ -98,7 +98,7 @@ def _after_accumulate(leaf: GlobalTensor) -> None:
     _pending.add(leaf, grad, axes)
 
 
-@torch._dynamo.disable
+@hidden_from_dynamo
 def _box_now(leaf: GlobalTensor) -> None:
     if _sync and isinstance(leaf.grad, GlobalTensor) and leaf.grad.layout_ != leaf.layout_:
         leaf.grad = to_layout(leaf.grad, leaf.layout_)

@@ -63,6 +63,20 @@ def empty_local(layout: Layout, dtype: torch.dtype, like: torch.Tensor | None = 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
+def hidden_from_dynamo(fn):
+    """``torch._disable_dynamo(fn)``, which imports dynamo (about 0.9 s) at its first
+    call, but calling ``fn`` as it is while dynamo is not imported: nothing can be
+    compiling then, and a process that never compiles never pays for the import."""
+    disabled = torch._disable_dynamo(fn)
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if "torch._dynamo" in sys.modules:
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return run
+
+
 class GlobalTensor(torch.Tensor):
     """A global tensor: global shape/dtype, a placement, an nd-sbp, a local part."""
 
@@ -74,7 +88,7 @@ class GlobalTensor(torch.Tensor):
     # DTensor's constructor is): traced, its shape-dependent decisions were baked into
     # graphs and reused for other shapes. Compiled code runs it eagerly (graph breaks).
     @staticmethod
-    @torch._disable_dynamo
+    @hidden_from_dynamo
     def __new__(cls, local: torch.Tensor, layout: Layout, requires_grad: bool = False,
                 strides: tuple | None = None):
         # ``strides`` are global strides (contiguous unless given). Dispatch passes those
@@ -115,7 +129,7 @@ class GlobalTensor(torch.Tensor):
                 f"local_shape={tuple(self._local.shape)}{grad})")
 
     # --- conversions (all differentiable) -------------------------------------------
-    @torch._disable_dynamo
+    @hidden_from_dynamo
     def to_global(self, placement: Placement | None = None, sbp=None) -> "GlobalTensor":
         """Redistribute to ``placement`` / ``sbp`` (None keeps the current one).
 
@@ -134,12 +148,12 @@ class GlobalTensor(torch.Tensor):
             return self
         return _ToGlobal.apply(self, dst)
 
-    @torch._disable_dynamo
+    @hidden_from_dynamo
     def to_local(self) -> torch.Tensor:
         """This rank's part as a plain tensor (no elements outside the placement)."""
         return _ToLocal.apply(self)
 
-    @torch._disable_dynamo
+    @hidden_from_dynamo
     def full(self) -> torch.Tensor:
         """The whole value as a plain tensor on every rank of the world (a collective)."""
         everyone = Placement(self.placement.type, list(range(comm.get_world_size())))
