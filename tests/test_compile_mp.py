@@ -144,7 +144,9 @@ def check_traced_boxing_equals_eager():
     P = gt.placement.all("cpu")
     S = gt.sbp
     kinds = [S.split(0), S.split(1), S.broadcast, S.partial_sum]
-    for shape in ((5, 3), (4, 6)):
+    # The reversed placement's group (ranks 1, 0) is first made while tracing (by its
+    # members only, named by its ranks, as in eager code).
+    for shape, P in (((5, 3), P), ((4, 6), P), ((5, 3), gt.placement("cpu", [1, 0]))):
         plain = torch.randn(shape, generator=torch.Generator().manual_seed(4))
         for src in kinds:
             torch._dynamo.reset()
