@@ -84,9 +84,10 @@ class GlobalTensor(torch.Tensor):
     _layout: Layout
     __slots__ = ("_local", "_layout", "_key")
 
-    # The runtime (construction, boxing, dispatch) is hidden from torch.compile (as
-    # DTensor's constructor is): traced, its shape-dependent decisions were baked into
-    # graphs and reused for other shapes. Compiled code runs it eagerly (graph breaks).
+    # Construction and the conversions are hidden from dynamo (as DTensor's constructor
+    # is): dynamo inlining them baked shape-dependent decisions into graphs reused for
+    # other shapes. Dynamo keeps such a call as one node (or breaks the graph, across
+    # placements); AOTAutograd then traces it, and every op's dispatch, on fake parts.
     @staticmethod
     @hidden_from_dynamo
     def __new__(cls, local: torch.Tensor, layout: Layout, requires_grad: bool = False,
@@ -216,7 +217,8 @@ class GlobalTensor(torch.Tensor):
         # torch.compile's cache key for this input: the same on every run and process.
         # It holds the rank: a graph traced on one rank holds that rank's part offsets
         # and groups, and ranks share the cache directory.
-        key = repr((comm.get_rank(), self._layout.shape, self._layout.placement, self._layout.sbp, self.dtype,
+        layout = self._layout
+        key = repr((comm.get_rank(), layout.shape, layout.placement, layout.sbp, self.dtype,
                     tuple(self.stride()), tuple(self._local.shape), self.requires_grad))
         return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
 
