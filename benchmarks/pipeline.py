@@ -45,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--iters", type=int, default=5, help="timed steps (median taken)")
     ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile every stage (both frameworks): no per-op dispatch")
     return ap
 
 
@@ -54,6 +56,15 @@ def _stage(width: int, layers: int, rank: int) -> torch.nn.Sequential:
     for _ in range(layers // 2):
         mods += [torch.nn.Linear(width, width), torch.nn.ReLU()]
     return torch.nn.Sequential(*mods)
+
+
+def _compiled(args, module: torch.nn.Module) -> torch.nn.Module:
+    if not args.compile:
+        return module
+    # Every case builds new stage modules over the same forward code (a recompile each,
+    # also for the no-grad shape pass): more than dynamo's default limit of 8.
+    torch._dynamo.config.recompile_limit = 64
+    return torch.compile(module, fullgraph=True)
 
 
 def _slowest(value: float) -> float:
@@ -102,7 +113,7 @@ def _compute_alone(stage, x, m: int, last: bool, iters: int = 3) -> float:
 def torch_case(args, schedule_cls):
     from torch.distributed.pipelining import PipelineStage
     rank, m = dist.get_rank(), args.micro_batches
-    stage_mod = _stage(args.width, args.layers, rank)
+    stage_mod = _compiled(args, _stage(args.width, args.layers, rank))
     stage = PipelineStage(stage_mod, rank, 2, torch.device("cpu"))
     sched = schedule_cls(stage, m, loss_fn=F.mse_loss)
     x, y = torch.randn(args.rows, args.width), torch.randn(args.rows, args.width)
@@ -125,6 +136,7 @@ def ours_case(args, schedule: str, m: int):
     stages = [_stage(args.width, args.layers, k) for k in range(2)]
     for k, s in enumerate(stages):
         gt.nn.to_global(s, gt.placement("cpu", ranks=[k]), gt.sbp.broadcast)
+    stages = [_compiled(args, s) for s in stages]
     pipe = gt.pipeline.Pipeline(stages, micro_batches=m, schedule=schedule, loss_fn=F.mse_loss)
     x, y = torch.randn(args.rows, args.width), torch.randn(args.rows, args.width)
 
@@ -159,7 +171,8 @@ def main(argv) -> None:
         return
     m = args.micro_batches
     print(f"MLP {args.layers} x Linear({args.width}, {args.width}) + ReLU in 2 stages on 2 "
-          f"ranks, batch {args.rows} rows, {m} micro-batches (gloo, CPU)")
+          f"ranks, batch {args.rows} rows, {m} micro-batches (gloo, CPU)"
+          + (", stages compiled (inductor)" if args.compile else ""))
     print(f"{'schedule':<8} {'torch ms':>9} {'ours ms':>8} {'ours/torch':>10} "
           f"{'bubble torch':>12} {'bubble ours':>11}  peak MiB per rank torch | ours")
     for j, (name, th, ou) in enumerate(rows):
