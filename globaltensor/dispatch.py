@@ -537,7 +537,7 @@ def _run(func, decision: Decision, leaves, spec):
         out = None
     if decision.inplace:
         return leaves[0]
-    like = leaves[gidx[0]]._local
+    like = None if inside else leaves[gidx[0]]._local  # empty parts are made from it
     if decision.single:  # one tensor out: skip the pytree round trip
         layout = decision.out_layouts[0]
         return wrap_part(out if inside else empty_local(layout, decision.out_dtypes[0], like),

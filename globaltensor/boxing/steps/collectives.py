@@ -13,6 +13,15 @@ from ..cost import ALPHA, BETA, GAMMA
 from .base import AxisStep, Handle, Locals, reduce_of
 
 
+def _padded(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``x`` with zeros appended along ``dim`` up to ``size`` (uneven parts made even)."""
+    if x.shape[dim] >= size:
+        return x
+    pad = list(x.shape)
+    pad[dim] = size - x.shape[dim]
+    return torch.cat([x, x.new_zeros(pad)], dim=dim)
+
+
 @dataclass(frozen=True)
 class AllGather(AxisStep):
     """split(dim) -> broadcast: concatenate the members' parts along ``dim``."""
@@ -39,10 +48,7 @@ class AllGather(AxisStep):
             out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
             comm.all_gather_into(out, x, members)
             return Handle.ready(out)
-        if x.shape[d] < biggest:  # uneven: pad to the largest part, gather, cut out
-            pad = list(x.shape)
-            pad[d] = biggest - x.shape[d]
-            x = torch.cat([x, x.new_zeros(pad)], dim=d)
+        x = _padded(x, d, biggest)  # uneven: pad to the largest part, gather, cut out
         x = x.movedim(d, 0).contiguous()
         gathered = x.new_empty((n,) + tuple(x.shape))
         comm.all_gather_into(gathered, x, members)
@@ -143,10 +149,7 @@ class ReduceScatter(AxisStep):
         d, n, biggest = self.dim, len(members), parts[0][1]
         chunks = []
         for offset, size in parts:
-            piece = x.narrow(d, offset, size).movedim(d, 0)
-            if size < biggest:
-                piece = torch.cat([piece, piece.new_zeros((biggest - size,) + piece.shape[1:])])
-            chunks.append(piece)
+            chunks.append(_padded(x.narrow(d, offset, size), d, biggest).movedim(d, 0))
         sent = torch.cat(chunks).reshape(-1)
         got = torch.empty_like(sent)
         each = sent.numel() // n
