@@ -41,7 +41,8 @@ def tensor_parallel(name, t):
 def train_and_compare(specs, schedule, micro, rows=7, steps=3, opt="adam", data_sbp=None,
                       loss_fn=F.mse_loss, widths=WIDTHS):
     """Train stages laid out by ``specs`` [(placement, sbp)] with the pipeline and the
-    whole model in plain torch, side by side; parameters and losses must agree."""
+    whole model in plain torch, side by side; parameters and losses must agree. Stages
+    on this rank alone must have run on plain tensors."""
     mods = layers(widths)
     reference = torch.nn.Sequential(*copy.deepcopy(mods))
     stages = cut(mods, len(specs))
@@ -71,6 +72,8 @@ def train_and_compare(specs, schedule, micro, rows=7, steps=3, opt="adam", data_
                                    rtol=1e-5, atol=1e-5)
     for p, q in zip(params, reference.parameters()):
         torch.testing.assert_close(p.full(), q.detach(), rtol=1e-5, atol=1e-5)
+    alone = {k for k, (placement, _) in enumerate(specs) if placement.flat_ranks == (gt.get_rank(),)}
+    assert all(r.local == alone for r in pipe._routes.values())
     # forward only: the whole batch's output, micro-batched
     x = torch.randn(rows, widths[0])
     xg = x if data_sbp is None else gt.tensor(x, placement=specs[0][0], sbp=data_sbp)
@@ -151,6 +154,69 @@ def check_timeline_picture():
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
         os.remove(path)
+
+
+class ToGlobalInside(torch.nn.Module):
+    """A layer that uses the global API in forward: its stage must stay global."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.linear(x.to_global(sbp=x.sbp))
+
+
+def check_stages_alone_on_a_rank_keep_gradient_semantics():
+    # plain-tensor stages hand gradients to .grad as torch would: accumulated over
+    # steps without zero_grad, fresh after set_to_none, none for frozen parameters,
+    # one for tied weights; split sbp on one rank is the whole tensor
+    mods = layers((4, 6, 6, 6, 3))
+    mods[4].weight = mods[2].weight
+    reference = torch.nn.Sequential(*copy.deepcopy(mods))
+    a, b = torch.nn.Sequential(*mods[:2]), torch.nn.Sequential(*mods[2:])
+    a[0].bias.requires_grad_(False)
+    reference[0].bias.requires_grad_(False)
+    gt.nn.to_global(a, P(0), B)
+    gt.nn.to_global(b, P(1), lambda name, t: S(0))
+    pipe = gt.pipeline.Pipeline([a, b], micro_batches=3, schedule="1f1b", loss_fn=F.mse_loss)
+    x, y = torch.randn(7, 4), torch.randn(7, 3)
+    for _ in range(2):  # no zero_grad in between: gradients add up
+        pipe.step(x, y)
+        F.mse_loss(reference(x), y).backward()
+    mine = {gt.get_rank()} & {0, 1}  # ranks 2 and 3 of a world of 4 hold no stage
+    assert all(r.local == mine for r in pipe._routes.values())
+    # gradients exist on the stage's rank only (torch's pipelining has the same)
+    mine = [(p, q) for p, q in zip(list(a.parameters()) + list(b.parameters()),
+                                   reference.parameters()) if gt.get_rank() in p.placement]
+    assert len(list(b.parameters())) == 5  # the tied weight counts once
+    for p, q in mine:
+        assert (p.grad is None) == (q.grad is None)
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad.to_local(), q.grad, rtol=1e-5, atol=1e-6)
+    for p, _ in mine:
+        p.grad = None
+    reference.zero_grad(set_to_none=True)
+    pipe.step(x, y)
+    F.mse_loss(reference(x), y).backward()
+    for p, q in mine:
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad.to_local(), q.grad, rtol=1e-5, atol=1e-6)
+
+
+def check_stages_that_draw_or_use_the_global_api_stay_global():
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Dropout(0.5))
+    b = ToGlobalInside(6)
+    gt.nn.to_global(a, P(0), B)
+    gt.nn.to_global(b, P(1), B)
+    pipe = gt.pipeline.Pipeline([a, b], micro_batches=2, schedule="gpipe", loss_fn=F.mse_loss)
+    x, y = torch.randn(6, 4), torch.randn(6, 6)
+    pipe.step(x, y)
+    assert all(r.local == set() for r in pipe._routes.values())
+    a.eval()  # no draws now, but the stage next to it still calls to_global
+    expected = b(a(gt.tensor(x, placement=P(0), sbp=B)).to_global(P(1), B)).full()
+    torch.testing.assert_close(pipe(x).full(), expected)
 
 
 # --- world of 4 -----------------------------------------------------------------------

@@ -26,10 +26,12 @@ from ..gradsync import no_sync
 from ..layout import Layout, balanced_split
 from ..placement import Placement
 from ..sbp import Partial, broadcast
+from ..env import get_draw
 from ..tensor import (GlobalTensor, device_of, empty_local, from_full, gradient_layout,
                       wrap_local)
 from . import schedule as S
 from .handoff import Handoff
+from .local import LocalStage, runs_locally
 from .timeline import Timeline
 
 
@@ -44,6 +46,7 @@ class _Routes:
     dtype: torch.dtype  # of the last stage's output and of the loss
     forward: tuple   # forward[k]: Handoff of stage k's output to stage k + 1's input
     backward: tuple  # backward[k]: Handoff of stage k's input gradient to stage k - 1
+    local: frozenset  # the stages this rank runs on plain tensors (see local.py)
 
 
 def _stage_placement(stage: torch.nn.Module, k: int) -> Placement:
@@ -106,6 +109,8 @@ class Pipeline:
         self._target_sbp = target_sbp
         rank = comm.get_rank()
         self.worker = next((w for w, p in enumerate(workers) if rank in p), None)
+        self._local = {k: LocalStage(s) for k, s in enumerate(stages)
+                       if runs_locally(s, self.placements[k], rank)}
         self._routes: dict = {}
         self.last_timeline = Timeline()
 
@@ -170,17 +175,21 @@ class Pipeline:
         routes = self._routes.get(key)
         if routes is not None:
             return routes
-        ins, outs, h = [], [], x0
+        ins, outs, local, h = [], [], set(), x0
         with torch.no_grad(), _buffers_kept(self.stages):
             for k, stage in enumerate(self.stages):
                 if k:
                     h = h.to_global(self.placements[k], self._in_sbp(k, h.layout_))
                 ins.append(h.layout_)
+                inp, draws = h, get_draw()
                 h = stage(h)
                 if not isinstance(h, GlobalTensor) or h.placement != self.placements[k]:
                     raise ValueError(f"stage {k} must return one GlobalTensor on its own "
                                      f"placement {self.placements[k]}, got {_describe(h)}")
                 outs.append(h.layout_)
+                if k in self._local and get_draw() == draws \
+                        and self._local[k].agrees(inp.local_, h.local_):
+                    local.add(k)
             loss = None
             if t0 is not None:
                 value = self.loss_fn(h, t0)
@@ -194,7 +203,7 @@ class Pipeline:
             Handoff(gradient_layout(ins[k]), gradient_layout(outs[k - 1]), dtype)
             for k in range(1, len(ins)))
         routes = self._routes[key] = _Routes(tuple(ins), tuple(outs), loss, dtype, forward,
-                                             backward)
+                                             backward, frozenset(local))
         return routes
 
     def _in_sbp(self, k: int, prev: Layout):
@@ -226,6 +235,10 @@ class _Run:
         self.posted = {c: 0 for c in self.channels}
         last_backward = {a.stage: a.mb for a in actions if a.kind == S.BACKWARD}
         timeline = self.pipe.last_timeline
+        local_stages = [self.pipe._local[k] for k in sorted({a.stage for a in actions})
+                        if k in self.pipe._local]
+        for stage in local_stages:
+            stage.refresh()
         for a in actions:
             self.started = time.time()  # moved past any wait for a message
             if a.kind == S.FORWARD:
@@ -241,6 +254,8 @@ class _Run:
             self._reap()
         for work in self.sends.values():
             work.wait()
+        for stage in local_stages:
+            stage.flush_grads()
 
     # --- compute ------------------------------------------------------------------
     def _wait(self, key) -> torch.Tensor:
@@ -253,15 +268,20 @@ class _Run:
     def _forward(self, k: int, i: int) -> None:
         routes = self.routes[i]
         leaf = None
-        if k == 0:
-            inp = self.xs[i]
-        else:
+        if k > 0:
             leaf = self._wait(("act", k - 1, i)).detach().requires_grad_(self.train)
-            inp = wrap_local(leaf, routes.ins[k])
-        out = self.pipe.stages[k](inp)
-        if out.layout_ != routes.outs[k]:
-            raise RuntimeError(f"stage {k} returned {out.layout_} for micro-batch {i}, but "
-                               f"{routes.outs[k]} for the first of its shape")
+        if k in routes.local:  # plain tensors in and out (the last stage's wrapped)
+            out = self.pipe._local[k](self.xs[i].local_ if k == 0 else leaf)
+            found = (tuple(out.shape), out.dtype)
+            expected = (routes.outs[k].shape, routes.dtype if k == self.last else found[1])
+            if k == self.last:
+                out = wrap_local(out, routes.outs[k])
+        else:
+            out = self.pipe.stages[k](self.xs[i] if k == 0 else wrap_local(leaf, routes.ins[k]))
+            found, expected = out.layout_, routes.outs[k]
+        if found != expected:
+            raise RuntimeError(f"stage {k} returned {found} for micro-batch {i}, but "
+                               f"{expected} for the first of its shape")
         if k == self.last:
             if self.train:
                 out = self.pipe.loss_fn(out, self.ts[i]) * self.shares[i]
@@ -278,7 +298,9 @@ class _Run:
             sent = self.sends.pop(("act", k, i), None)
             if sent is not None:
                 sent.wait()  # the next stage used it: the gradient came back
-            grad = GlobalTensor(self._wait(("grad", k + 1, i)), gradient_layout(out.layout_))
+            grad = self._wait(("grad", k + 1, i))
+            if isinstance(out, GlobalTensor):
+                grad = GlobalTensor(grad, gradient_layout(out.layout_))
             torch.autograd.backward(out, grad)
         if leaf is not None:
             g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
@@ -291,7 +313,7 @@ class _Run:
             leaf, out = self.held[(a.stage, a.mb)]
             if not self.train:
                 self.held.pop((a.stage, a.mb))
-            local = out.local_.detach()
+            local = (out.local_ if isinstance(out, GlobalTensor) else out).detach()
         else:
             key, handoff = ("grad", a.stage, a.mb), self.routes[a.mb].backward[a.stage]
             local = self.held.pop(("grad", a.stage, a.mb))
