@@ -62,9 +62,10 @@ def _spawned(rank: int, world: int, port: int, main, argv) -> None:
     main(argv)
 
 
-def launch(main, nproc: int) -> None:
+def launch(main, nproc: int, argv: list | None = None) -> None:
     """Run ``main`` in this process when a launcher started it, else spawn ``nproc``
-    processes on a free local port."""
+    processes on a free local port, each calling ``main(argv)`` (default: this
+    process's arguments)."""
     if "RANK" in os.environ:
         main(None)
         return
@@ -72,5 +73,6 @@ def launch(main, nproc: int) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_spawned, args=(nproc, port, main, sys.argv[1:]), nprocs=nproc,
+    argv = sys.argv[1:] if argv is None else argv
+    mp.start_processes(_spawned, args=(nproc, port, main, argv), nprocs=nproc,
                        start_method="spawn")

@@ -1,52 +1,61 @@
 """Pipeline parallelism: torch.distributed.pipelining vs gt.pipeline, one run.
 
     python benchmarks/pipeline.py                 # spawns 2 processes on this machine
-    python benchmarks/pipeline.py --rows 2048 --micro-batches 8 --iters 5
+    python benchmarks/pipeline.py --rows 1024 --iters 11 --plot pipeline.png
 
 The same MLP (``--width`` x ``--layers`` Linear+ReLU, cut in two equal stages, one per
 rank) trained with the same schedule and micro-batches: torch's ``PipelineStage`` with
 ``ScheduleGPipe`` / ``Schedule1F1B`` on plain modules (gloo, CPU), and ours with the
-stages made global on placements [0] and [1]. Per schedule it prints:
+stages made global on placements [0] and [1]. Two worlds are started in turn:
 
-- time per step (median of ``--iters``, slowest rank) and ours / torch;
-- bubble fraction: 1 - (this rank's compute alone) / (step time), where the compute
-  alone is the stage's forward+backward of every micro-batch timed without any
-  communication, in the same framework (largest over the ranks);
-- peak memory: the rise of resident memory (VmHWM, reset before the step) during one
-  step, per rank, with glibc returning large blocks to the system so freed
-  activations do not hide the peak. 1F1B must hold fewer micro-batches than GPipe.
-Also the step time with 1 micro-batch (ours, gpipe) for the speedup of pipelining.
+1. time: every case is built first, then timed round-robin (one step of each case in
+   turn, ``--iters`` rounds, median; slowest rank), so drift on a busy machine hits
+   all cases alike. Also each framework's step with one micro-batch, for the speedup
+   of pipelining (ideal for GPipe with 2 stages: 2m / (m + 1)). Bubble fraction:
+   1 - (this rank's compute alone) / (step time), where the compute alone is the
+   stage's forward and backward of every micro-batch without any communication, in
+   the same framework (largest over the ranks).
+2. memory: the rise of resident memory (VmHWM, reset before the step) during one
+   step, per rank, in a world whose glibc maps every block over 64 KiB, so freed
+   activations leave the resident size (that slows every step, so it is not timed).
+   1F1B must hold fewer micro-batches than GPipe.
+
+The default batch (2048 rows, micro-batches of 256) keeps the stages compute-bound:
+here 8 micro-batches of 256 rows take the compute of one batch of 2048 rows, where 8
+of 128 rows take 1.16x that of 1024 rows.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
-
-os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # freed tensors leave RSS
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from _common import launch
+from _common import bar_plot, launch, round_robin_median
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from rss import peak_rise  # noqa: E402
+
+SCHEDULES = ("gpipe", "1f1b")
 
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8, help="Linear+ReLU layers (both stages)")
-    ap.add_argument("--rows", type=int, default=1024, help="batch rows per step")
+    ap.add_argument("--rows", type=int, default=2048, help="batch rows per step")
     ap.add_argument("--micro-batches", type=int, default=8)
-    ap.add_argument("--iters", type=int, default=5, help="timed steps (median taken)")
+    ap.add_argument("--iters", type=int, default=7, help="timed rounds (median taken)")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile every stage (both frameworks): no per-op dispatch")
+    ap.add_argument("--plot", metavar="PNG", help="write the step times as a bar plot")
+    ap.add_argument("--phase", choices=("time", "memory", "both"), default="both",
+                    help=argparse.SUPPRESS)  # set per spawned world
     return ap
 
 
@@ -73,25 +82,6 @@ def _slowest(value: float) -> float:
     return t.item()
 
 
-def _median_step(step, iters: int) -> float:
-    step()
-    step()  # warm-up (shape inference, allocator)
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return _slowest(statistics.median(times))
-
-
-def _peak(step) -> float:
-    dist.barrier()
-    with peak_rise() as p:
-        step()
-    return p.mib
-
-
 def _compute_alone(stage, x, m: int, last: bool, iters: int = 3) -> float:
     """Forward+backward of ``m`` micro-batches of ``x`` through ``stage``, no messages."""
     def run():
@@ -107,15 +97,17 @@ def _compute_alone(stage, x, m: int, last: bool, iters: int = 3) -> float:
         best = min(best, time.perf_counter() - t0)
     for p in stage.parameters():
         p.grad = None
-    return best
+    return _slowest(best)
 
 
-def torch_case(args, schedule_cls):
-    from torch.distributed.pipelining import PipelineStage
-    rank, m = dist.get_rank(), args.micro_batches
+def torch_case(args, schedule: str, m: int):
+    """A step of torch's pipelining, and this rank's stage module."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    rank = dist.get_rank()
     stage_mod = _compiled(args, _stage(args.width, args.layers, rank))
     stage = PipelineStage(stage_mod, rank, 2, torch.device("cpu"))
-    sched = schedule_cls(stage, m, loss_fn=F.mse_loss)
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    sched = cls(stage, m, loss_fn=F.mse_loss)
     x, y = torch.randn(args.rows, args.width), torch.randn(args.rows, args.width)
 
     def step():
@@ -124,13 +116,11 @@ def torch_case(args, schedule_cls):
         else:
             sched.step(target=y, losses=[])
         stage_mod.zero_grad(set_to_none=False)  # the rise is activations
-    t = _median_step(step, args.iters)
-    mem = _peak(step)
-    alone = _compute_alone(stage_mod, x[:args.rows // m], m, rank == 1)
-    return t, 1 - _slowest(alone) / t, mem
+    return step, stage_mod
 
 
 def ours_case(args, schedule: str, m: int):
+    """A step of gt.pipeline, and this rank's stage module."""
     import globaltensor as gt
     rank = dist.get_rank()
     stages = [_stage(args.width, args.layers, k) for k in range(2)]
@@ -144,45 +134,92 @@ def ours_case(args, schedule: str, m: int):
         pipe.step(x, y)
         for s in stages:
             s.zero_grad(set_to_none=False)
-    t = _median_step(step, args.iters)
-    mem = _peak(step)
-    mine = stages[rank]
-    xl = gt.tensor(x[:args.rows // m], placement=gt.placement("cpu", ranks=[rank]),
-                   sbp=gt.sbp.broadcast)
-    alone = _compute_alone(mine, xl, m, rank == 1)
-    return t, 1 - _slowest(alone) / t, mem
+    return step, stages[rank]
+
+
+def _cases(args) -> dict:
+    """(framework, schedule, micro-batches) -> (step, stage module), every case built."""
+    m = args.micro_batches
+    keys = [(fw, s, m) for s in SCHEDULES for fw in ("torch", "ours")]
+    keys += [("torch", "gpipe", 1), ("ours", "gpipe", 1)]
+    make = {"torch": torch_case, "ours": ours_case}
+    return {key: make[key[0]](args, key[1], key[2]) for key in keys}
+
+
+def time_phase(args) -> None:
+    import globaltensor as gt
+    cases = _cases(args)
+    times = dict(zip(cases, round_robin_median([step for step, _ in cases.values()],
+                                               args.iters)))
+    rank, m = dist.get_rank(), args.micro_batches
+    rows = args.rows // m
+    x = torch.randn(rows, args.width)
+    alone = {"torch": _compute_alone(cases[("torch", "gpipe", m)][1], x, m, rank == 1),
+             "ours": _compute_alone(cases[("ours", "gpipe", m)][1],
+                                    gt.tensor(x, placement=gt.placement("cpu", ranks=[rank]),
+                                              sbp=gt.sbp.broadcast), m, rank == 1)}
+    if rank != 0:
+        return
+    print(f"MLP {args.layers} x Linear({args.width}, {args.width}) + ReLU in 2 stages on 2 "
+          f"ranks, batch {args.rows} rows (gloo, CPU)"
+          + (", stages compiled (inductor)" if args.compile else ""))
+    print(f"{'schedule':<8} {'micro-batches':>13} {'torch ms':>9} {'ours ms':>8} "
+          f"{'ours/torch':>10} {'bubble torch':>12} {'bubble ours':>11}")
+    for s, mb in [(s, m) for s in SCHEDULES] + [("gpipe", 1)]:
+        th, ou = times[("torch", s, mb)], times[("ours", s, mb)]
+        bubbles = (f"{1 - alone['torch'] / th:>12.0%} {1 - alone['ours'] / ou:>11.0%}"
+                   if mb == m else "")
+        print(f"{s:<8} {mb:>13} {th * 1e3:>9.1f} {ou * 1e3:>8.1f} {ou / th:>10.2f} {bubbles}")
+    speedup = {fw: times[(fw, "gpipe", 1)] / times[(fw, "gpipe", m)] for fw in ("torch", "ours")}
+    print(f"gpipe, {m} micro-batches vs 1: torch {speedup['torch']:.2f}x faster, ours "
+          f"{speedup['ours']:.2f}x (ideal {2 * m / (m + 1):.2f}x)")
+    if args.plot:
+        names = [f"{s}, {mb} mb" for s, mb in [(s, m) for s in SCHEDULES] + [("gpipe", 1)]]
+        bar_plot(args.plot, names,
+                 {fw: [times[(fw, s, mb)] * 1e3 for s, mb in [(s, m) for s in SCHEDULES]
+                       + [("gpipe", 1)]] for fw in ("torch", "ours")},
+                 "ms per step", "pipeline step, torch.distributed.pipelining vs gt.pipeline")
+
+
+def memory_phase(args) -> None:
+    cases = {key: case for key, case in _cases(args).items() if key[2] > 1}
+    rises = []
+    for step, _ in cases.values():
+        step()
+        step()  # warm-up (shape inference, allocator)
+        dist.barrier()
+        with peak_rise() as p:
+            step()
+        rises.append(p.mib)
+    every = [torch.zeros(len(rises), dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, torch.tensor(rises, dtype=torch.float64))
+    if dist.get_rank() != 0:
+        return
+    glibc = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    print(f"peak resident memory rise during one step, MiB per rank "
+          f"(MALLOC_MMAP_THRESHOLD_={glibc})")
+    print(f"{'schedule':<8} {'torch':>16} {'ours':>16}")
+    for s in SCHEDULES:
+        per = {fw: " ".join(f"{every[r][list(cases).index((fw, s, args.micro_batches))]:7.1f}"
+                            for r in range(len(every))) for fw in ("torch", "ours")}
+        print(f"{s:<8} {per['torch']:>16} {per['ours']:>16}")
 
 
 def main(argv) -> None:
     args = _parser().parse_args(argv)
     import globaltensor as gt
     gt.init()
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
-    rows = []
-    for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
-        theirs = torch_case(args, cls)
-        ours = ours_case(args, name, args.micro_batches)
-        rows.append((name, theirs, ours))
-    one = ours_case(args, "gpipe", 1)
-    mems = [torch.zeros(2 * len(rows), dtype=torch.float64) for _ in range(dist.get_world_size())]
-    mine = torch.tensor([v for _, th, ou in rows for v in (th[2], ou[2])], dtype=torch.float64)
-    dist.all_gather(mems, mine)
-    if dist.get_rank() != 0:
-        return
-    m = args.micro_batches
-    print(f"MLP {args.layers} x Linear({args.width}, {args.width}) + ReLU in 2 stages on 2 "
-          f"ranks, batch {args.rows} rows, {m} micro-batches (gloo, CPU)"
-          + (", stages compiled (inductor)" if args.compile else ""))
-    print(f"{'schedule':<8} {'torch ms':>9} {'ours ms':>8} {'ours/torch':>10} "
-          f"{'bubble torch':>12} {'bubble ours':>11}  peak MiB per rank torch | ours")
-    for j, (name, th, ou) in enumerate(rows):
-        t_mem = " ".join(f"{mems[r][2 * j]:6.1f}" for r in range(len(mems)))
-        o_mem = " ".join(f"{mems[r][2 * j + 1]:6.1f}" for r in range(len(mems)))
-        print(f"{name:<8} {th[0] * 1e3:>9.1f} {ou[0] * 1e3:>8.1f} {ou[0] / th[0]:>10.2f} "
-              f"{th[1]:>12.0%} {ou[1]:>11.0%}  {t_mem} | {o_mem}")
-    print(f"ours, gpipe, 1 micro-batch: {one[0] * 1e3:.1f} ms per step; {m} micro-batches "
-          f"are {one[0] / rows[0][2][0]:.2f}x faster")
+    if args.phase in ("time", "both"):
+        time_phase(args)
+    if args.phase in ("memory", "both"):
+        memory_phase(args)
 
 
 if __name__ == "__main__":
-    launch(main, _parser().parse_args().nproc)
+    if "RANK" in os.environ:  # under a launcher: one world, the malloc settings it has
+        launch(main, 0)
+    else:
+        args, argv = _parser().parse_args(), sys.argv[1:]
+        launch(main, args.nproc, argv + ["--phase", "time"])
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # freed tensors leave RSS
+        launch(main, args.nproc, argv + ["--phase", "memory"])
