@@ -74,6 +74,7 @@ def train_and_compare(specs, schedule, micro, rows=7, steps=3, opt="adam", data_
         torch.testing.assert_close(p.full(), q.detach(), rtol=1e-5, atol=1e-5)
     alone = {k for k, (placement, _) in enumerate(specs) if placement.flat_ranks == (gt.get_rank(),)}
     assert all(r.local == alone for r in pipe._routes.values())
+    assert all(r.local_loss == (len(specs) - 1 in alone) for r in pipe._routes.values())
     # forward only: the whole batch's output, micro-batched
     x = torch.randn(rows, widths[0])
     xg = x if data_sbp is None else gt.tensor(x, placement=specs[0][0], sbp=data_sbp)
@@ -179,13 +180,16 @@ def check_stages_alone_on_a_rank_keep_gradient_semantics():
     reference[0].bias.requires_grad_(False)
     gt.nn.to_global(a, P(0), B)
     gt.nn.to_global(b, P(1), lambda name, t: S(0))
-    pipe = gt.pipeline.Pipeline([a, b], micro_batches=3, schedule="1f1b", loss_fn=F.mse_loss)
+    def loss_fn(out, target):  # calls the global API: runs on global tensors
+        return F.mse_loss(out.to_global(sbp=out.sbp), target)
+
+    pipe = gt.pipeline.Pipeline([a, b], micro_batches=3, schedule="1f1b", loss_fn=loss_fn)
     x, y = torch.randn(7, 4), torch.randn(7, 3)
     for _ in range(2):  # no zero_grad in between: gradients add up
         pipe.step(x, y)
         F.mse_loss(reference(x), y).backward()
     mine = {gt.get_rank()} & {0, 1}  # ranks 2 and 3 of a world of 4 hold no stage
-    assert all(r.local == mine for r in pipe._routes.values())
+    assert all(r.local == mine and not r.local_loss for r in pipe._routes.values())
     # gradients exist on the stage's rank only (torch's pipelining has the same)
     mine = [(p, q) for p, q in zip(list(a.parameters()) + list(b.parameters()),
                                    reference.parameters()) if gt.get_rank() in p.placement]

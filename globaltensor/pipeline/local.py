@@ -12,7 +12,8 @@ step.
 A stage qualifies only if, on the first micro-batch of every shape, its global run
 drew no placement-invariant random values (a plain run would draw torch's instead)
 and a plain run computes the same output (so a stage that calls the global API, e.g.
-``to_global``, keeps the global path).
+``to_global``, keeps the global path). The loss after such a last stage is checked
+and run the same way.
 
 >>> stage = LocalStage(module)                       # doctest: +SKIP
 >>> stage.agrees(x.local_, module(x).local_)          # on the first micro-batch
@@ -65,16 +66,10 @@ class LocalStage:
         return functional_call(self.module, self._tensors, (x,))
 
     def agrees(self, x: torch.Tensor, expected: torch.Tensor) -> bool:
-        """Whether a plain run on ``x`` (without gradients) gives ``expected``, the
-        global run's local output; torch's random state is left as it was."""
+        """Whether a plain run on ``x`` gives ``expected``, the global run's local
+        output (see ``agrees``)."""
         self.refresh()
-        try:
-            with torch.no_grad(), torch.random.fork_rng(devices=[]):
-                out = self(x)
-            torch.testing.assert_close(out, expected, equal_nan=True)
-        except Exception:  # noqa: BLE001  any failure means: keep the global path
-            return False
-        return True
+        return agrees(self, (x,), expected)
 
     def flush_grads(self) -> None:
         """Hand the leaves' gradients to the parameters' ``.grad`` (a GlobalTensor in the
@@ -87,6 +82,21 @@ class LocalStage:
                 p.grad = GlobalTensor(g, gradient_layout(p.layout_))
             else:  # a .grad in other strides or dtype than the parameter's
                 p.grad.local_.add_(g)
+
+
+def agrees(fn, args: tuple, expected: torch.Tensor) -> bool:
+    """Whether ``fn(*args)`` on plain tensors, without gradients, gives ``expected``
+    (a global run's local result); torch's random state is left as it was.
+
+    >>> agrees(F.mse_loss, (out.local_, target.local_), loss.local_)   # doctest: +SKIP
+    """
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            out = fn(*args)
+        torch.testing.assert_close(out, expected, equal_nan=True)
+    except Exception:  # noqa: BLE001  any failure means: keep the global path
+        return False
+    return True
 
 
 def _same_kind(a: torch.Tensor, b: torch.Tensor) -> bool:

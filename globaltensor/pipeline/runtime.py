@@ -31,7 +31,7 @@ from ..tensor import (GlobalTensor, device_of, empty_local, from_full, gradient_
                       wrap_local)
 from . import schedule as S
 from .handoff import Handoff
-from .local import LocalStage, runs_locally
+from .local import LocalStage, agrees, runs_locally
 from .timeline import Timeline
 
 
@@ -47,6 +47,7 @@ class _Routes:
     forward: tuple   # forward[k]: Handoff of stage k's output to stage k + 1's input
     backward: tuple  # backward[k]: Handoff of stage k's input gradient to stage k - 1
     local: frozenset  # the stages this rank runs on plain tensors (see local.py)
+    local_loss: bool  # and the loss, after a last stage in ``local``
 
 
 def _stage_placement(stage: torch.nn.Module, k: int) -> Placement:
@@ -175,7 +176,7 @@ class Pipeline:
         routes = self._routes.get(key)
         if routes is not None:
             return routes
-        ins, outs, local, h = [], [], set(), x0
+        ins, outs, local, local_loss, h = [], [], set(), False, x0
         with torch.no_grad(), _buffers_kept(self.stages):
             for k, stage in enumerate(self.stages):
                 if k:
@@ -197,13 +198,15 @@ class Pipeline:
                     raise ValueError(f"loss_fn must return a one-element GlobalTensor, got "
                                      f"{_describe(value)}")
                 loss = (value * 1.0).layout_
+                local_loss = len(self.stages) - 1 in local and get_draw() == draws \
+                    and agrees(self.loss_fn, (h.local_, t0.local_), value.local_)
         dtype = h.dtype
         forward = tuple(Handoff(outs[k], ins[k + 1], dtype) for k in range(len(outs) - 1))
         backward = (None,) + tuple(
             Handoff(gradient_layout(ins[k]), gradient_layout(outs[k - 1]), dtype)
             for k in range(1, len(ins)))
         routes = self._routes[key] = _Routes(tuple(ins), tuple(outs), loss, dtype, forward,
-                                             backward, frozenset(local))
+                                             backward, frozenset(local), local_loss)
         return routes
 
     def _in_sbp(self, k: int, prev: Layout):
@@ -270,19 +273,22 @@ class _Run:
         leaf = None
         if k > 0:
             leaf = self._wait(("act", k - 1, i)).detach().requires_grad_(self.train)
-        if k in routes.local:  # plain tensors in and out (the last stage's wrapped)
+        if k in routes.local:  # plain tensors in and out
             out = self.pipe._local[k](self.xs[i].local_ if k == 0 else leaf)
             found = (tuple(out.shape), out.dtype)
             expected = (routes.outs[k].shape, routes.dtype if k == self.last else found[1])
-            if k == self.last:
-                out = wrap_local(out, routes.outs[k])
         else:
             out = self.pipe.stages[k](self.xs[i] if k == 0 else wrap_local(leaf, routes.ins[k]))
             found, expected = out.layout_, routes.outs[k]
         if found != expected:
             raise RuntimeError(f"stage {k} returned {found} for micro-batch {i}, but "
                                f"{expected} for the first of its shape")
-        if k == self.last:
+        if k == self.last and self.train and routes.local_loss:
+            out = self.pipe.loss_fn(out, self.ts[i].local_) * self.shares[i]
+            self.results[i] = wrap_local(out.detach(), routes.loss)
+        elif k == self.last:
+            if not isinstance(out, GlobalTensor):
+                out = wrap_local(out, routes.outs[k])
             if self.train:
                 out = self.pipe.loss_fn(out, self.ts[i]) * self.shares[i]
                 self.results[i] = out.detach()
