@@ -13,14 +13,17 @@ import torch.distributed as dist
 
 def round_robin_median(fns, iters: int, calls: int = 1, warmup: int = 3) -> list:
     """Median seconds per call of each fn; one timed batch of ``calls`` calls per fn in
-    turn, so drift on a busy machine hits all cases alike. Every rank reports its
+    turn (forwards, then backwards), so drift on a busy machine hits all cases alike. Every rank reports its
     medians and the slowest rank's are returned (it bounds a collective step)."""
     for fn in fns:
         for _ in range(warmup):
             fn()
     times = [[] for _ in fns]
-    for _ in range(iters):
-        for k, fn in enumerate(fns):
+    for it in range(iters):
+        # every other round runs backwards, so that no case always follows the same one
+        # (a case can leave caches, allocator or the peer's queue in another state)
+        for k in (range(len(fns)) if it % 2 == 0 else reversed(range(len(fns)))):
+            fn = fns[k]
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(calls):

@@ -191,18 +191,31 @@ def memory_phase(args) -> None:
         with peak_rise() as p:
             step()
         rises.append(p.mib)
+    # one micro-batch's activations: this rank's (plain) stage forward, graph kept
+    m, module = args.micro_batches, cases[("torch", "gpipe", args.micro_batches)][1]
+    x = torch.randn(args.rows // m, args.width, requires_grad=True)
+    with peak_rise() as p:
+        out = module(x)
+    rises.append(p.mib)
+    del out
     every = [torch.zeros(len(rises), dtype=torch.float64) for _ in range(dist.get_world_size())]
     dist.all_gather(every, torch.tensor(rises, dtype=torch.float64))
     if dist.get_rank() != 0:
         return
     glibc = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    ranks = range(len(every))
     print(f"peak resident memory rise during one step, MiB per rank "
           f"(MALLOC_MMAP_THRESHOLD_={glibc})")
     print(f"{'schedule':<8} {'torch':>16} {'ours':>16}")
     for s in SCHEDULES:
-        per = {fw: " ".join(f"{every[r][list(cases).index((fw, s, args.micro_batches))]:7.1f}"
-                            for r in range(len(every))) for fw in ("torch", "ours")}
+        per = {fw: " ".join(f"{every[r][list(cases).index((fw, s, m))]:7.1f}" for r in ranks)
+               for fw in ("torch", "ours")}
         print(f"{s:<8} {per['torch']:>16} {per['ours']:>16}")
+    one = [every[r][-1].item() for r in ranks]
+    gpipe = [every[r][list(cases).index(("ours", "gpipe", m))].item() for r in ranks]
+    print("one micro-batch's activations: " + " ".join(f"{v:.1f}" for v in one) + " MiB; "
+          f"1F1B bound (2 / {m} x GPipe's + one micro-batch), ours: "
+          + " ".join(f"{2 / m * g + o:.1f}" for g, o in zip(gpipe, one)))
 
 
 def main(argv) -> None:
