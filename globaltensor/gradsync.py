@@ -63,6 +63,14 @@ def watch(leaf: GlobalTensor) -> None:
 install_leaf_watch(watch)
 
 
+def has_other_hooks(leaf: torch.Tensor) -> bool:
+    """Whether gradient hooks other than ``watch``'s are registered on ``leaf`` (code
+    that computes the gradient by other means must then leave it to autograd)."""
+    others = [h for h in (getattr(leaf, "_post_accumulate_grad_hooks", None) or {}).values()
+              if h is not _after_accumulate]
+    return bool(others or getattr(leaf, "_backward_hooks", None))
+
+
 def _reducible_axes(grad: Layout, leaf: Layout):
     """Axes where the gradient is partial_sum and the leaf broadcast, if that is the
     only difference (an all-reduce over those axes); else None."""

@@ -206,6 +206,21 @@ def check_stages_alone_on_a_rank_keep_gradient_semantics():
     for p, q in mine:
         if q.grad is not None:
             torch.testing.assert_close(p.grad.to_local(), q.grad, rtol=1e-5, atol=1e-6)
+    # a parameter with a hook of its own: that step runs global, and the hook runs
+    calls = []
+
+    def doubled(g):
+        calls.append(1)
+        return g * 2
+    hooks = [b[0].bias.register_hook(doubled), reference[2].bias.register_hook(doubled)]
+    pipe.step(x, y)
+    F.mse_loss(reference(x), y).backward()
+    for p, q in mine:
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad.to_local(), q.grad, rtol=1e-5, atol=1e-6)
+    assert len(calls) == (1 + 3 if gt.get_rank() == 1 else 1)  # reference: 1 backward
+    for h in hooks:
+        h.remove()
 
 
 def check_stages_that_draw_or_use_the_global_api_stay_global():

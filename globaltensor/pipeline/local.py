@@ -13,7 +13,8 @@ A stage qualifies only if, on the first micro-batch of every shape, its global r
 drew no placement-invariant random values (a plain run would draw torch's instead)
 and a plain run computes the same output (so a stage that calls the global API, e.g.
 ``to_global``, keeps the global path). The loss after such a last stage is checked
-and run the same way.
+and run the same way. A step in which a parameter has gradient hooks of its own runs
+the stage global (the hooks see the parameter's gradient there).
 
 >>> stage = LocalStage(module)                       # doctest: +SKIP
 >>> stage.agrees(x.local_, module(x).local_)          # on the first micro-batch
@@ -25,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch.func import functional_call
 
+from ..gradsync import has_other_hooks
 from ..placement import Placement
 from ..tensor import GlobalTensor, gradient_layout
 
@@ -44,12 +46,16 @@ class LocalStage:
         self._leaves: dict = {}   # parameter name -> (parameter, plain leaf)
         self._tensors: dict = {}  # name -> plain tensor, as functional_call takes them
 
-    def refresh(self) -> None:
+    def refresh(self) -> bool:
         """Make the plain leaves match the parameters and their gradients (once per
         step: an optimizer updates parameters in place, which the leaves see; new
-        storage or a changed requires_grad makes a new leaf)."""
+        storage or a changed requires_grad makes a new leaf). False if this step must
+        run global: a parameter has gradient hooks that a plain leaf would not run."""
         tensors = {}
-        for name, p in self.module.named_parameters():
+        params = list(self.module.named_parameters())
+        if any(has_other_hooks(p) for _, p in params):
+            return False
+        for name, p in params:
             kept = self._leaves.get(name)
             local = p.local_
             if kept is None or kept[0] is not p or not _same_memory(kept[1], local) \
@@ -61,6 +67,7 @@ class LocalStage:
         for name, b in self.module.named_buffers():
             tensors[name] = b.local_ if isinstance(b, GlobalTensor) else b
         self._tensors = tensors
+        return True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return functional_call(self.module, self._tensors, (x,))
@@ -68,8 +75,7 @@ class LocalStage:
     def agrees(self, x: torch.Tensor, expected: torch.Tensor) -> bool:
         """Whether a plain run on ``x`` gives ``expected``, the global run's local
         output (see ``agrees``)."""
-        self.refresh()
-        return agrees(self, (x,), expected)
+        return self.refresh() and agrees(self, (x,), expected)
 
     def flush_grads(self) -> None:
         """Hand the leaves' gradients to the parameters' ``.grad`` (a GlobalTensor in the

@@ -22,11 +22,11 @@ from typing import Callable, Sequence
 import torch
 
 from .. import comm
+from ..env import get_draw
 from ..gradsync import no_sync
 from ..layout import Layout, balanced_split
 from ..placement import Placement
 from ..sbp import Partial, broadcast
-from ..env import get_draw
 from ..tensor import (GlobalTensor, device_of, empty_local, from_full, gradient_layout,
                       wrap_local)
 from . import schedule as S
@@ -229,6 +229,7 @@ class _Run:
         self.held: dict = {}      # (stage, mb) -> (input leaf, output or weighted loss)
         self.sends: dict = {}     # ("act"|"grad", stage, mb) -> posted send
         self.results: list = [None] * len(xs)
+        self.plain: set = set()   # stages run on plain tensors in this step
         self.rank = comm.get_rank()
 
     def execute(self, actions) -> None:
@@ -238,10 +239,9 @@ class _Run:
         self.posted = {c: 0 for c in self.channels}
         last_backward = {a.stage: a.mb for a in actions if a.kind == S.BACKWARD}
         timeline = self.pipe.last_timeline
-        local_stages = [self.pipe._local[k] for k in sorted({a.stage for a in actions})
-                        if k in self.pipe._local]
-        for stage in local_stages:
-            stage.refresh()
+        mine = {a.stage for a in actions}
+        self.plain = {k for k, stage in self.pipe._local.items()
+                      if k in mine and stage.refresh()}
         for a in actions:
             self.started = time.time()  # moved past any wait for a message
             if a.kind == S.FORWARD:
@@ -257,8 +257,8 @@ class _Run:
             self._reap()
         for work in self.sends.values():
             work.wait()
-        for stage in local_stages:
-            stage.flush_grads()
+        for k in self.plain:
+            self.pipe._local[k].flush_grads()
 
     # --- compute ------------------------------------------------------------------
     def _wait(self, key) -> torch.Tensor:
@@ -273,7 +273,8 @@ class _Run:
         leaf = None
         if k > 0:
             leaf = self._wait(("act", k - 1, i)).detach().requires_grad_(self.train)
-        if k in routes.local:  # plain tensors in and out
+        plain = k in routes.local and k in self.plain
+        if plain:  # tensors in and out
             out = self.pipe._local[k](self.xs[i].local_ if k == 0 else leaf)
             found = (tuple(out.shape), out.dtype)
             expected = (routes.outs[k].shape, routes.dtype if k == self.last else found[1])
@@ -283,7 +284,7 @@ class _Run:
         if found != expected:
             raise RuntimeError(f"stage {k} returned {found} for micro-batch {i}, but "
                                f"{expected} for the first of its shape")
-        if k == self.last and self.train and routes.local_loss:
+        if k == self.last and self.train and plain and routes.local_loss:
             out = self.pipe.loss_fn(out, self.ts[i].local_) * self.shares[i]
             self.results[i] = wrap_local(out.detach(), routes.loss)
         elif k == self.last:
