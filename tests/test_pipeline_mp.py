@@ -223,6 +223,29 @@ def check_stages_alone_on_a_rank_keep_gradient_semantics():
         h.remove()
 
 
+def check_batch_norm_in_a_plain_tensor_stage():
+    # running statistics update in place through the plain run, once per micro-batch
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.BatchNorm1d(5))
+    b = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(5, 2))
+    reference = torch.nn.Sequential(*copy.deepcopy(list(a) + list(b)))
+    gt.nn.to_global(a, P(0), B)
+    gt.nn.to_global(b, P(1), B)
+    pipe = gt.pipeline.Pipeline([a, b], micro_batches=2, schedule="1f1b", loss_fn=F.mse_loss)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    for _ in range(2):
+        pipe.step(x, y)
+        for xs, ys in zip(x.split(4), y.split(4)):
+            (F.mse_loss(reference(xs), ys) / 2).backward()
+    assert all(r.local == {gt.get_rank()} & {0, 1} for r in pipe._routes.values())
+    if gt.get_rank() == 0:
+        bn, ref_bn = a[1], reference[1]
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            torch.testing.assert_close(getattr(bn, name).to_local(), getattr(ref_bn, name))
+        torch.testing.assert_close(a[0].weight.grad.to_local(), reference[0].weight.grad,
+                                   rtol=1e-5, atol=1e-6)
+
+
 def check_stages_that_draw_or_use_the_global_api_stay_global():
     torch.manual_seed(0)
     a = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Dropout(0.5))

@@ -96,8 +96,10 @@ def agrees(fn, args: tuple, expected: torch.Tensor) -> bool:
 
     >>> agrees(F.mse_loss, (out.local_, target.local_), loss.local_)   # doctest: +SKIP
     """
+    device = expected.device  # its generator is put back too (cuda: the rank's device)
+    forked = [] if device.type == "cpu" else [device]
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with torch.no_grad(), torch.random.fork_rng(devices=forked, device_type=device.type):
             out = fn(*args)
         torch.testing.assert_close(out, expected, equal_nan=True)
     except Exception:  # noqa: BLE001  any failure means: keep the global path
