@@ -207,6 +207,9 @@ def memory_phase(args) -> None:
     ranks = range(len(every))
     print(f"peak resident memory rise during one step, MiB per rank "
           f"(MALLOC_MMAP_THRESHOLD_={glibc})")
+    if glibc is None:
+        print("  (glibc keeps freed blocks in the heap here, so these rises hide freed "
+              "activations; run without a launcher for the memory world)")
     print(f"{'schedule':<8} {'torch':>16} {'ours':>16}")
     for s in SCHEDULES:
         per = {fw: " ".join(f"{every[r][list(cases).index((fw, s, m))]:7.1f}" for r in ranks)
