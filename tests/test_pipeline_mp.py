@@ -42,7 +42,7 @@ def train_and_compare(specs, schedule, micro, rows=7, steps=3, opt="adam", data_
                       loss_fn=F.mse_loss, widths=WIDTHS):
     """Train stages laid out by ``specs`` [(placement, sbp)] with the pipeline and the
     whole model in plain torch, side by side; parameters and losses must agree. Stages
-    on this rank alone must have run on plain tensors."""
+    on this rank alone and data-parallel ones must have run on plain tensors."""
     mods = layers(widths)
     reference = torch.nn.Sequential(*copy.deepcopy(mods))
     stages = cut(mods, len(specs))
@@ -72,8 +72,13 @@ def train_and_compare(specs, schedule, micro, rows=7, steps=3, opt="adam", data_
                                    rtol=1e-5, atol=1e-5)
     for p, q in zip(params, reference.parameters()):
         torch.testing.assert_close(p.full(), q.detach(), rtol=1e-5, atol=1e-5)
-    alone = {k for k, (placement, _) in enumerate(specs) if placement.flat_ranks == (gt.get_rank(),)}
-    assert all(r.local == alone for r in pipe._routes.values())
+    # stages alone on this rank and data-parallel ones (linear and tanh treat rows
+    # independently) run on plain tensors
+    rank = gt.get_rank()
+    alone = {k for k, (placement, _) in enumerate(specs) if placement.flat_ranks == (rank,)}
+    plain = alone | {k for k, (placement, sbp) in enumerate(specs)
+                     if rank in placement and sbp is B}
+    assert all(r.local == plain for r in pipe._routes.values())
     assert all(r.local_loss == (len(specs) - 1 in alone) for r in pipe._routes.values())
     # forward only: the whole batch's output, micro-batched
     x = torch.randn(rows, widths[0])
@@ -246,6 +251,57 @@ def check_batch_norm_in_a_plain_tensor_stage():
                                    rtol=1e-5, atol=1e-6)
 
 
+def check_data_parallel_plain_stages_accumulate_and_reduce_once():
+    # data-parallel stages run on plain tensors, all but their last micro-batch: the
+    # contributions join .grad as partial sums before it (also onto a .grad kept from
+    # the previous step) and gradient sync reduces them once
+    mods = layers((4, 6, 6, 3))
+    reference = torch.nn.Sequential(*copy.deepcopy(mods))
+    a, b = torch.nn.Sequential(*mods[:2]), torch.nn.Sequential(*mods[2:])
+    everyone = P(0, 1)
+    for stage in (a, b):
+        gt.nn.to_global(stage, everyone, B)
+    pipe = gt.pipeline.Pipeline([a, b], micro_batches=3, schedule="gpipe", loss_fn=F.mse_loss)
+    x, y = torch.randn(9, 4), torch.randn(9, 3)
+    xg = gt.tensor(x, placement=everyone, sbp=S(0))
+    params = list(a.parameters()) + list(b.parameters())
+    for step in range(3):  # no zero_grad, then zero_grad(set_to_none=False)
+        if step == 2:
+            for p in params:
+                if p.grad is not None:  # None on ranks outside the stages
+                    p.grad.zero_()
+            reference.zero_grad(set_to_none=False)
+        pipe.step(xg, y)
+        F.mse_loss(reference(x), y).backward()
+        for p, q in zip(params, reference.parameters()):
+            if gt.get_rank() in everyone:  # a world of 4 has ranks outside
+                assert p.grad.sbp == (B,)
+                torch.testing.assert_close(p.grad.to_local(), q.grad, rtol=1e-5, atol=1e-6)
+    assert all(r.local == ({0, 1} if gt.get_rank() in everyone else set())
+               for r in pipe._routes.values())
+
+
+def check_data_parallel_stage_that_mixes_rows_stays_global():
+    # batch norm in training mode computes statistics over the whole micro-batch
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.BatchNorm1d(5))
+    b = torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    reference = torch.nn.Sequential(*copy.deepcopy(list(a) + list(b)))
+    everyone = P(0, 1)
+    gt.nn.to_global(a, everyone, B)
+    gt.nn.to_global(b, everyone, B)
+    pipe = gt.pipeline.Pipeline([a, b], micro_batches=2, schedule="gpipe", loss_fn=F.mse_loss)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    pipe.step(gt.tensor(x, placement=everyone, sbp=S(0)), y)
+    for xs, ys in zip(x.split(4), y.split(4)):
+        (F.mse_loss(reference(xs), ys) / 2).backward()
+    torch.testing.assert_close(a[1].running_mean.full(), reference[1].running_mean)
+    if gt.get_rank() in everyone:  # a world of 4 has ranks outside
+        assert all(r.local == {1} for r in pipe._routes.values())  # the tanh stage: plain
+        for p, q in zip(list(a.parameters()) + list(b.parameters()), reference.parameters()):
+            torch.testing.assert_close(p.grad.to_local(), q.grad, rtol=1e-5, atol=1e-6)
+
+
 def check_stages_that_draw_or_use_the_global_api_stay_global():
     torch.manual_seed(0)
     a = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Dropout(0.5))
@@ -279,12 +335,31 @@ def check_ranks_outside_every_stage_return_at_once():
     train_and_compare([(P(0), B), (P(1), B)], "1f1b", micro=2, rows=5)
 
 
+def check_data_parallel_stage_on_a_2d_placement():
+    # rows split over axis 0 only: contributions are partial over that axis
+    mesh = gt.placement("cpu", ranks=[[0, 1], [2, 3]])
+    mods = layers((4, 6, 6, 3))
+    reference = torch.nn.Sequential(*copy.deepcopy(mods))
+    a, b = torch.nn.Sequential(*mods[:2]), torch.nn.Sequential(*mods[2:])
+    for stage in (a, b):
+        gt.nn.to_global(stage, mesh, (B, B))
+    pipe = gt.pipeline.Pipeline([a, b], micro_batches=2, schedule="gpipe", loss_fn=F.mse_loss)
+    x, y = torch.randn(8, 4), torch.randn(8, 3)
+    for _ in range(2):
+        pipe.step(gt.tensor(x, placement=mesh, sbp=(S(0), B)), y)
+        F.mse_loss(reference(x), y).backward()
+    assert all(r.local == {0, 1} for r in pipe._routes.values())
+    for p, q in zip(list(a.parameters()) + list(b.parameters()), reference.parameters()):
+        torch.testing.assert_close(p.grad.full(), q.grad, rtol=1e-5, atol=1e-6)
+
+
 def check_interleaved_on_two_data_parallel_placements():
     train_and_compare([(P(0, 1), B), (P(2, 3), B), (P(0, 1), B), (P(2, 3), B)],
                       "interleaved_1f1b", micro=4, rows=12, data_sbp=S(0))
 
 
 ONLY_IN_4 = ["check_data_parallel_stage_into_tensor_parallel_stage",
+             "check_data_parallel_stage_on_a_2d_placement",
              "check_four_single_rank_stages_1f1b", "check_ranks_outside_every_stage_return_at_once",
              "check_interleaved_on_two_data_parallel_placements"]
 # Cross-entropy runs last, in the world of 4 (ranks 2 and 3 outside every stage): a loss

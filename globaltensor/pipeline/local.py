@@ -1,4 +1,4 @@
-"""Stages on one rank run on plain tensors.
+"""Stages that run on plain tensors: on one rank, or data parallel.
 
 A global tensor on a one-rank placement is its local part, whatever its sbp: every op
 computes on the part what it would compute on the whole. Such a stage can therefore
@@ -9,51 +9,70 @@ memory, and their ``.grad`` that of the parameters' ``.grad`` (autograd accumula
 into it in place); a gradient the parameter did not have yet is handed over once per
 step.
 
+A data-parallel stage (several ranks, every parameter and buffer broadcast) computes
+the same way when its module treats rows independently: each rank runs the module on
+its rows. Its leaves' gradients are then this rank's contributions: they are handed
+to the parameters' ``.grad`` as partial sums over the axes where the input is split
+just before the stage's last micro-batch, which runs global, so that gradient sync
+reduces everything once, overlapped with that backward, as in the global path.
+
 A stage qualifies only if, on the first micro-batch of every shape, its global run
 drew no placement-invariant random values (a plain run would draw torch's instead)
 and a plain run computes the same output (so a stage that calls the global API, e.g.
-``to_global``, keeps the global path). The loss after such a last stage is checked
-and run the same way. A step in which a parameter has gradient hooks of its own runs
-the stage global (the hooks see the parameter's gradient there).
+``to_global``, or mixes rows, e.g. batch norm in training, keeps the global path);
+every member of a data-parallel stage must find so. The loss after a one-rank last
+stage is checked and run the same way. A step in which a parameter has gradient hooks
+of its own runs the stage global (the hooks see the parameter's gradient there).
 
->>> stage = LocalStage(module)                       # doctest: +SKIP
+>>> stage = LocalStage(module, placement)            # doctest: +SKIP
 >>> stage.agrees(x.local_, module(x).local_)          # on the first micro-batch
 >>> out = stage(local_input); out.backward(grad)      # plain tensors
->>> stage.flush_grads()                               # into the parameters' .grad
+>>> stage.flush_grads()                               # one rank: into .grad
+>>> stage.hand_over(input_layout)                     # data parallel: as partial sums
 """
 from __future__ import annotations
+
+import itertools
 
 import torch
 from torch.func import functional_call
 
 from ..gradsync import has_other_hooks
+from ..layout import Layout
 from ..placement import Placement
+from ..sbp import Broadcast, partial_sum
 from ..tensor import GlobalTensor, gradient_layout
 
 
 def runs_locally(module: torch.nn.Module, placement: Placement, rank: int) -> bool:
     """Whether ``module`` (a stage on ``placement``) may run on plain tensors on
-    ``rank``: it is the placement's only rank, and the module is not compiled (a
-    compiled stage has no per-op dispatch to save)."""
-    return placement.flat_ranks == (rank,) and not hasattr(module, "_orig_mod")
+    ``rank``: the module is not compiled (a compiled stage has no per-op dispatch to
+    save), and ``rank`` is the placement's only rank, or a member of a data-parallel
+    stage (every parameter and buffer broadcast)."""
+    if hasattr(module, "_orig_mod") or rank not in placement:
+        return False
+    return placement.flat_ranks == (rank,) or _replicated(module)
 
 
 class LocalStage:
-    """Runs ``module`` (global on one rank) on plain tensors."""
+    """Runs ``module`` (global on ``placement``) on plain tensors."""
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, placement: Placement):
         self.module = module
+        self.shared = len(placement.flat_ranks) > 1  # data parallel
         self._leaves: dict = {}   # parameter name -> (parameter, plain leaf)
         self._tensors: dict = {}  # name -> plain tensor, as functional_call takes them
 
     def refresh(self) -> bool:
-        """Make the plain leaves match the parameters and their gradients (once per
-        step: an optimizer updates parameters in place, which the leaves see; new
-        storage or a changed requires_grad makes a new leaf). False if this step must
-        run global: a parameter has gradient hooks that a plain leaf would not run."""
+        """Make the plain leaves match the parameters (once per step: an optimizer
+        updates parameters in place, which the leaves see; new storage or a changed
+        requires_grad makes a new leaf), and on one rank their gradients. False if
+        this step must run global: a parameter has gradient hooks that a plain leaf
+        would not run, or a data-parallel stage is no longer replicated."""
         tensors = {}
         params = list(self.module.named_parameters())
-        if any(has_other_hooks(p) for _, p in params):
+        if any(has_other_hooks(p) for _, p in params) or \
+                (self.shared and not _replicated(self.module)):
             return False
         for name, p in params:
             kept = self._leaves.get(name)
@@ -62,7 +81,10 @@ class LocalStage:
                     or kept[1].requires_grad != p.requires_grad:
                 kept = self._leaves[name] = (p, local.detach().requires_grad_(p.requires_grad))
             leaf, g = kept[1], p.grad
-            leaf.grad = g.local_ if g is not None and _same_kind(g.local_, local) else None
+            # contributions of a data-parallel stage are summed over ranks later: they
+            # cannot start from the gradient every rank already holds
+            seed = g is not None and not self.shared and _same_kind(g.local_, local)
+            leaf.grad = g.local_ if seed else None
             tensors[name] = leaf
         for name, b in self.module.named_buffers():
             tensors[name] = b.local_ if isinstance(b, GlobalTensor) else b
@@ -78,8 +100,9 @@ class LocalStage:
         return self.refresh() and agrees(self, (x,), expected)
 
     def flush_grads(self) -> None:
-        """Hand the leaves' gradients to the parameters' ``.grad`` (a GlobalTensor in the
-        parameter's gradient layout) where they are not that memory already."""
+        """One rank: hand the leaves' gradients to the parameters' ``.grad`` (a
+        GlobalTensor in the parameter's gradient layout) where they are not that
+        memory already."""
         for p, leaf in self._leaves.values():
             g, leaf.grad = leaf.grad, None
             if g is None or (p.grad is not None and p.grad.local_ is g):
@@ -88,6 +111,20 @@ class LocalStage:
                 p.grad = GlobalTensor(g, gradient_layout(p.layout_))
             else:  # a .grad in other strides or dtype than the parameter's
                 p.grad.local_.add_(g)
+
+    def hand_over(self, inputs: Layout) -> None:
+        """Data parallel: add the leaves' gradients (this rank's contributions) to the
+        parameters' ``.grad`` as partial sums over the axes where the stage's input
+        layout ``inputs`` is not broadcast; gradient sync reduces them with the next
+        (global) backward's."""
+        axes = {a for a, s in enumerate(inputs.sbp) if not isinstance(s, Broadcast)}
+        for p, leaf in self._leaves.values():
+            g, leaf.grad = leaf.grad, None
+            if g is None:
+                continue
+            sbp = tuple(partial_sum if a in axes else s for a, s in enumerate(p.sbp))
+            part = GlobalTensor(g, Layout.make(p.shape, p.placement, sbp))
+            p.grad = part if p.grad is None else p.grad + part
 
 
 def agrees(fn, args: tuple, expected: torch.Tensor) -> bool:
@@ -105,6 +142,11 @@ def agrees(fn, args: tuple, expected: torch.Tensor) -> bool:
     except Exception:  # noqa: BLE001  any failure means: keep the global path
         return False
     return True
+
+
+def _replicated(module: torch.nn.Module) -> bool:
+    return all(isinstance(t, GlobalTensor) and all(isinstance(s, Broadcast) for s in t.sbp)
+               for t in itertools.chain(module.parameters(), module.buffers()))
 
 
 def _same_kind(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -110,7 +110,7 @@ class Pipeline:
         self._target_sbp = target_sbp
         rank = comm.get_rank()
         self.worker = next((w for w, p in enumerate(workers) if rank in p), None)
-        self._local = {k: LocalStage(s) for k, s in enumerate(stages)
+        self._local = {k: LocalStage(s, self.placements[k]) for k, s in enumerate(stages)
                        if runs_locally(s, self.placements[k], rank)}
         self._routes: dict = {}
         self.last_timeline = Timeline()
@@ -188,9 +188,10 @@ class Pipeline:
                     raise ValueError(f"stage {k} must return one GlobalTensor on its own "
                                      f"placement {self.placements[k]}, got {_describe(h)}")
                 outs.append(h.layout_)
-                if k in self._local and get_draw() == draws \
-                        and self._local[k].agrees(inp.local_, h.local_):
-                    local.add(k)
+                if k in self._local:
+                    plain = get_draw() == draws and self._local[k].agrees(inp.local_, h.local_)
+                    if self._agreed(k, plain):
+                        local.add(k)
             loss = None
             if t0 is not None:
                 value = self.loss_fn(h, t0)
@@ -198,8 +199,10 @@ class Pipeline:
                     raise ValueError(f"loss_fn must return a one-element GlobalTensor, got "
                                      f"{_describe(value)}")
                 loss = (value * 1.0).layout_
-                local_loss = len(self.stages) - 1 in local and get_draw() == draws \
-                    and agrees(self.loss_fn, (h.local_, t0.local_), value.local_)
+                last = self._local.get(len(self.stages) - 1)
+                local_loss = last is not None and not last.shared and \
+                    len(self.stages) - 1 in local and get_draw() == draws and \
+                    agrees(self.loss_fn, (h.local_, t0.local_), value.local_)
         dtype = h.dtype
         forward = tuple(Handoff(outs[k], ins[k + 1], dtype) for k in range(len(outs) - 1))
         backward = (None,) + tuple(
@@ -208,6 +211,13 @@ class Pipeline:
         routes = self._routes[key] = _Routes(tuple(ins), tuple(outs), loss, dtype, forward,
                                              backward, frozenset(local), local_loss)
         return routes
+
+    def _agreed(self, k: int, plain: bool) -> bool:
+        """``plain`` on every member of stage k (a data-parallel stage's members must
+        all take the same path: the global one may communicate)."""
+        if not self._local[k].shared:
+            return plain
+        return all(v for (v,) in comm.all_gather_ints([int(plain)], self.placements[k].flat_ranks))
 
     def _in_sbp(self, k: int, prev: Layout):
         if self._input_sbp[k] is not None:
@@ -230,6 +240,7 @@ class _Run:
         self.sends: dict = {}     # ("act"|"grad", stage, mb) -> posted send
         self.results: list = [None] * len(xs)
         self.plain: set = set()   # stages run on plain tensors in this step
+        self.last_backward: dict = {}  # stage -> its last micro-batch in this step
         self.rank = comm.get_rank()
 
     def execute(self, actions) -> None:
@@ -240,8 +251,9 @@ class _Run:
         last_backward = {a.stage: a.mb for a in actions if a.kind == S.BACKWARD}
         timeline = self.pipe.last_timeline
         mine = {a.stage for a in actions}
+        self.last_backward = last_backward
         self.plain = {k for k, stage in self.pipe._local.items()
-                      if k in mine and stage.refresh()}
+                      if k in mine and self.pipe._agreed(k, stage.refresh())}
         for a in actions:
             self.started = time.time()  # moved past any wait for a message
             if a.kind == S.FORWARD:
@@ -258,7 +270,8 @@ class _Run:
         for work in self.sends.values():
             work.wait()
         for k in self.plain:
-            self.pipe._local[k].flush_grads()
+            if not self.pipe._local[k].shared:
+                self.pipe._local[k].flush_grads()
 
     # --- compute ------------------------------------------------------------------
     def _wait(self, key) -> torch.Tensor:
@@ -273,11 +286,12 @@ class _Run:
         leaf = None
         if k > 0:
             leaf = self._wait(("act", k - 1, i)).detach().requires_grad_(self.train)
-        plain = k in routes.local and k in self.plain
+        plain = k in routes.local and k in self.plain and not self._syncs(k, i)
         if plain:  # tensors in and out
             out = self.pipe._local[k](self.xs[i].local_ if k == 0 else leaf)
             found = (tuple(out.shape), out.dtype)
-            expected = (routes.outs[k].shape, routes.dtype if k == self.last else found[1])
+            expected = (routes.outs[k].local_shape(self.rank),
+                        routes.dtype if k == self.last else found[1])
         else:
             out = self.pipe.stages[k](self.xs[i] if k == 0 else wrap_local(leaf, routes.ins[k]))
             found, expected = out.layout_, routes.outs[k]
@@ -297,8 +311,15 @@ class _Run:
                 self.results[i] = out
         self.held[(k, i)] = (leaf, out)
 
+    def _syncs(self, k: int, i: int) -> bool:
+        """Whether micro-batch i is the last of data-parallel stage k: it runs global,
+        and its backward reduces the gradients of every micro-batch."""
+        return self.train and self.pipe._local[k].shared and self.last_backward[k] == i
+
     def _backward(self, k: int, i: int) -> None:
         leaf, out = self.held.pop((k, i))
+        if k in self.plain and self._syncs(k, i):
+            self.pipe._local[k].hand_over(self.routes[i].ins[k])
         if k == self.last:
             torch.autograd.backward(out)
         else:
