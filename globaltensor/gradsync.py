@@ -17,6 +17,7 @@ backward outside reduces the total once.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Iterator
 
 import torch
@@ -57,7 +58,32 @@ def watch(leaf: GlobalTensor) -> None:
     # between ranks, while serials follow the program order, the same on every rank.
     _serial += 1
     _serials[leaf] = _serial
+    leaf.register_hook(_before_accumulate(leaf))
     leaf.register_post_accumulate_grad_hook(_after_accumulate)
+
+
+def _before_accumulate(leaf: GlobalTensor):
+    """A hook that, inside ``no_sync()``, gives a kept ``.grad`` (e.g. zeroed with
+    ``zero_grad(set_to_none=False)``) the incoming gradient's partial axes before
+    autograd adds to it in place: adding a partial sum to a broadcast ``.grad`` in place
+    would all-reduce it at every micro-batch. The other ranks' share of the kept value
+    becomes zero (free), and the first backward outside reduces the total once."""
+    ref = weakref.ref(leaf)
+
+    def hook(grad):
+        if _sync or torch.compiler.is_compiling() or not isinstance(grad, GlobalTensor):
+            return None
+        leaf = ref()
+        kept = None if leaf is None else leaf.grad
+        if not isinstance(kept, GlobalTensor) or kept.placement != grad.placement:
+            return None
+        sbp = tuple(g if isinstance(g, Partial) and isinstance(k, Broadcast) else k
+                    for g, k in zip(grad.sbp, kept.sbp))
+        if sbp != kept.sbp:
+            leaf.grad = to_layout(kept, Layout.make(kept.shape, kept.placement, sbp))
+        return None
+    hook._gradsync = True  # not a user's hook (see has_other_hooks)
+    return hook
 
 
 install_leaf_watch(watch)
@@ -66,9 +92,11 @@ install_leaf_watch(watch)
 def has_other_hooks(leaf: torch.Tensor) -> bool:
     """Whether gradient hooks other than ``watch``'s are registered on ``leaf`` (code
     that computes the gradient by other means must then leave it to autograd)."""
-    others = [h for h in (getattr(leaf, "_post_accumulate_grad_hooks", None) or {}).values()
-              if h is not _after_accumulate]
-    return bool(others or getattr(leaf, "_backward_hooks", None))
+    post = [h for h in (getattr(leaf, "_post_accumulate_grad_hooks", None) or {}).values()
+            if h is not _after_accumulate]
+    pre = [h for h in (getattr(leaf, "_backward_hooks", None) or {}).values()
+           if not getattr(h, "_gradsync", False)]
+    return bool(post or pre)
 
 
 def _reducible_axes(grad: Layout, leaf: Layout):

@@ -187,6 +187,20 @@ def check_gradient_accumulation_with_no_sync():
     for (n, p_), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
         assert p_.grad.sbp == p_.sbp, n
         torch.testing.assert_close(p_.grad.full(), ref.grad, rtol=1e-5, atol=1e-6, msg=n)
+    # gradients kept (zeroed, not None): accumulating into them stays local too
+    model.zero_grad(set_to_none=False)
+    reference.zero_grad(set_to_none=False)
+    with gt.debug.comm_stats() as stats:
+        with gt.no_sync():
+            F.cross_entropy(model(wrap(t1)), wrap(y1)).backward()
+            F.cross_entropy(model(wrap(t2)), wrap(y2)).backward()
+    assert stats.calls["all_reduce"] == 0 or stats.bytes["all_reduce"] < 128, stats  # losses
+    F.cross_entropy(model(wrap(t1)), wrap(y1)).backward()
+    for t, y in ((t1, y1), (t2, y2), (t1, y1)):
+        F.cross_entropy(reference(t), y).backward()
+    for (n, p_), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
+        assert p_.grad.sbp == p_.sbp, n
+        torch.testing.assert_close(p_.grad.full(), ref.grad, rtol=1e-5, atol=1e-6, msg=n)
 
 
 CHECKS = ["check_data_parallel", "check_tensor_parallel",
