@@ -217,7 +217,8 @@ class Pipeline:
         all take the same path: the global one may communicate)."""
         if not self._local[k].shared:
             return plain
-        return all(v for (v,) in comm.all_gather_ints([int(plain)], self.placements[k].flat_ranks))
+        votes = comm.all_gather_ints([int(plain)], self.placements[k].flat_ranks)
+        return all(v for (v,) in votes)
 
     def _in_sbp(self, k: int, prev: Layout):
         if self._input_sbp[k] is not None:
