@@ -61,8 +61,8 @@ def _stage_placement(stage: torch.nn.Module, k: int) -> Placement:
         raise ValueError(f"stage {k} has no parameters or buffers, so it has no placement; "
                          f"merge it into a neighbouring stage")
     if len(placements) > 1:
-        raise ValueError(f"stage {k} holds tensors on several placements {sorted(map(str, placements))}; "
-                         f"a stage lives on one placement")
+        raise ValueError(f"stage {k} holds tensors on several placements "
+                         f"{sorted(map(str, placements))}; a stage lives on one placement")
     return placements.pop()
 
 
