@@ -13,8 +13,9 @@ import torch.distributed as dist
 
 def round_robin_median(fns, iters: int, calls: int = 1, warmup: int = 3) -> list:
     """Median seconds per call of each fn; one timed batch of ``calls`` calls per fn in
-    turn (forwards, then backwards), so drift on a busy machine hits all cases alike. Every rank reports its
-    medians and the slowest rank's are returned (it bounds a collective step)."""
+    turn (forwards, then backwards), so drift on a busy machine hits all cases alike.
+    Every rank reports its medians and the slowest rank's are returned (it bounds a
+    collective step)."""
     for fn in fns:
         for _ in range(warmup):
             fn()

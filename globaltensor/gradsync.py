@@ -77,8 +77,8 @@ def _before_accumulate(leaf: GlobalTensor):
         kept = None if leaf is None else leaf.grad
         if not isinstance(kept, GlobalTensor) or kept.placement != grad.placement:
             return None
-        sbp = tuple(g if isinstance(g, Partial) and isinstance(k, Broadcast) else k
-                    for g, k in zip(grad.sbp, kept.sbp))
+        sbp = tuple(g if isinstance(g, Partial) and g.reduce == "sum" and isinstance(k, Broadcast)
+                    else k for g, k in zip(grad.sbp, kept.sbp))
         if sbp != kept.sbp:
             leaf.grad = to_layout(kept, Layout.make(kept.shape, kept.placement, sbp))
         return None

@@ -27,7 +27,8 @@ def _gloo_threads_end_in_destroy():
     assert (x * 2).full().tolist() == [2.0 * i for i in range(8)]
     import torch._dynamo  # noqa: F401  (after init: imports torch.distributed.nn.functional)
     groups._destroy()
-    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    names = [open(f"/proc/self/task/{t}/comm").read().strip()
+             for t in os.listdir("/proc/self/task")]
     left = [n for n in names if "gloo" in n]
     assert not left, f"gloo threads still running after _destroy: {left}"
 

@@ -250,7 +250,8 @@ def check_compiled_autograd_syncs_gradients():
     # as_strided (which compiled autograd uses on gradients) on a split tensor
     plain = torch.arange(12.0).view(4, 3)
     z = gt.tensor(plain, placement=P, sbp=gt.sbp.split(0))
-    torch.testing.assert_close(z.as_strided((3, 4), (4, 1)).full(), plain.as_strided((3, 4), (4, 1)))
+    torch.testing.assert_close(z.as_strided((3, 4), (4, 1)).full(),
+                               plain.as_strided((3, 4), (4, 1)))
 
 
 def check_recompile_after_reset_keeps_values():
