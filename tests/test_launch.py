@@ -395,6 +395,49 @@ def test_packaging_metadata_is_complete_and_single_sourced() -> None:
     assert "Apache License" in license_text and "END OF TERMS AND CONDITIONS" in license_text
 
 
+# Import name -> distribution name, where the two differ.
+_DISTRIBUTION_OF = {"sklearn": "scikit-learn", "functorch": "torch"}
+
+
+def _third_party_imports(*roots: Path) -> dict[str, set[str]]:
+    """{distribution: files importing it} for every non-stdlib, non-local import under ``roots``."""
+    import ast
+
+    files = [p for root in roots for p in root.rglob("*.py")]
+    local = {p.stem for p in files} | {"globaltensor"}
+    found: dict[str, set[str]] = {}
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top not in local:
+                    found.setdefault(_DISTRIBUTION_OF.get(top, top), set()).add(str(path.relative_to(REPO)))
+    return found
+
+
+def test_the_test_extra_covers_every_import_of_the_suite() -> None:
+    """`pip install -e ".[test]"` on a fresh machine installs all that the tests, the
+    examples they run and the package code they reach import (.ci/run checks it for real)."""
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    meta = read_configuration(REPO / "pyproject.toml")["project"]
+    requirements = [*meta["dependencies"], *meta["optional-dependencies"]["test"]]
+    installed = {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].lower().replace("_", "-") for r in requirements}
+    imports = _third_party_imports(REPO / "tests", REPO / "examples", REPO / "globaltensor")
+    missing = {dist: sorted(files) for dist, files in imports.items() if dist.lower() not in installed}
+    assert not missing, f"imported by the suite but not in the test extra: {missing}"
+    ci = (REPO / ".ci" / "run").read_text()
+    readme_install = 'pip install torch==2.13.0 && pip install -e ".[test]"'
+    assert readme_install in (REPO / "README.md").read_text() and readme_install in ci
+    assert re.search(r"^python3? -m venv ", ci, re.M) and "--system-site-packages" not in ci
+
+
 def _lower_bounds() -> tuple[tuple[int, ...], tuple[int, ...]]:
     from setuptools.config.pyprojecttoml import read_configuration
 
