@@ -22,7 +22,8 @@ from ..layout import Layout
 from ..sbp import Partial, SbpParallel, Split, broadcast
 from .execute import start
 from .explain import format_plan
-from .steps import AXIS_STEPS, Handle, Transfer
+from .steps import AXIS_STEPS, Handle
+from .steps.transfer import Transfer
 
 
 @dataclass(frozen=True, repr=False)
@@ -69,14 +70,18 @@ def plan_route(src: Layout, dst: Layout, itemsize: int = 4) -> Plan:
     return general
 
 
-def _axis_step(src: Layout, dst: Layout, axis: int):
-    """The one registered step that changes ``axis`` from src's sbp to dst's, or None
-    (partial_sum <-> partial_max goes through broadcast)."""
+def _axis_step(src: Layout, dst: Layout, axis: int, itemsize: int):
+    """The cheapest registered step that changes ``axis`` from src's sbp to dst's, or
+    None (partial_sum <-> partial_max goes through broadcast). Every kind that serves
+    the change is priced: a new kind competes with the existing ones on cost alone."""
+    best, best_cost = None, float("inf")
     for kind in AXIS_STEPS:
         step = kind.for_axis(axis, src, dst)
         if step is not None:
-            return step
-    return None
+            cost = step.cost(itemsize)
+            if cost < best_cost:
+                best, best_cost = step, cost
+    return best
 
 
 def _valid(nd_sbp: tuple, axis: int, new: SbpParallel) -> bool:
@@ -126,7 +131,7 @@ def plan_boxing(src: Layout, dst: Layout, itemsize: int = 4) -> Plan | None:
                 if new == state[axis] or not _valid(state, axis, new):
                     continue
                 nxt = state[:axis] + (new,) + state[axis + 1:]
-                step = _axis_step(here, Layout(src.shape, src.placement, nxt), axis)
+                step = _axis_step(here, Layout(src.shape, src.placement, nxt), axis, itemsize)
                 if step is None:
                     continue
                 c = cost + step.cost(itemsize)
