@@ -1,10 +1,8 @@
-"""What the benchmarks share: start a world, time cases round-robin, draw bars."""
+"""What the benchmarks share: time cases round-robin, draw bars (worlds are started
+with ``globaltensor.testing.spawn``)."""
 from __future__ import annotations
 
-import os
-import socket
 import statistics
-import sys
 import time
 
 import torch
@@ -57,26 +55,3 @@ def bar_plot(path: str, names, series: dict, ylabel: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path)
     print(f"plot written to {path}")
-
-
-def _spawned(rank: int, world: int, port: int, main, argv) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    main(argv)
-
-
-def launch(main, nproc: int, argv: list | None = None) -> None:
-    """Run ``main`` in this process when a launcher started it, else spawn ``nproc``
-    processes on a free local port, each calling ``main(argv)`` (default: this
-    process's arguments)."""
-    if "RANK" in os.environ:
-        main(None)
-        return
-    import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    argv = sys.argv[1:] if argv is None else argv
-    mp.start_processes(_spawned, args=(nproc, port, main, argv), nprocs=nproc,
-                       start_method="spawn")

@@ -16,7 +16,8 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from _common import bar_plot, launch, round_robin_median
+from _common import bar_plot, round_robin_median
+from globaltensor.testing import spawn
 
 
 def _dtensor_cases(n, shape):
@@ -144,4 +145,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    launch(main, 2)
+    spawn(main, 2)

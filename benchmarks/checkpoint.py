@@ -24,9 +24,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from _common import launch, round_robin_median  # noqa: E402
-from rss import peak_rise  # noqa: E402
+from _common import round_robin_median  # noqa: E402
+from globaltensor.testing import peak_rise, spawn  # noqa: E402
 
 import globaltensor as gt  # noqa: E402
 
@@ -118,4 +117,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    launch(main, int(os.environ.get("NPROC", 4)))
+    spawn(main, int(os.environ.get("NPROC", 4)))

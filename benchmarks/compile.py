@@ -31,7 +31,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-from _common import bar_plot, launch, round_robin_median
+from _common import bar_plot, round_robin_median
+from globaltensor.testing import spawn
 
 WAYS = ["ours eager", "ours compiled", "DTensor eager", "DTensor compiled", "plain compiled"]
 
@@ -316,4 +317,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    launch(main, _parser().parse_args().nproc)
+    spawn(main, _parser().parse_args().nproc)

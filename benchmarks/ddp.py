@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from _common import bar_plot, launch, round_robin_median
+from _common import bar_plot, round_robin_median
+from globaltensor.testing import spawn
 
 TARGET = 1.05
 ATOL = 1e-4  # parameters after the warmup steps (fp32, reduction order differs)
@@ -159,4 +160,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    launch(main, _parser().parse_args().nproc)
+    spawn(main, _parser().parse_args().nproc)

@@ -22,7 +22,8 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from _common import bar_plot, launch, round_robin_median
+from _common import bar_plot, round_robin_median
+from globaltensor.testing import spawn
 
 TARGET = 0.5
 
@@ -141,4 +142,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    launch(main, _parser().parse_args().nproc)
+    spawn(main, _parser().parse_args().nproc)

@@ -36,10 +36,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from _common import bar_plot, launch, round_robin_median
+from _common import bar_plot, round_robin_median
+from globaltensor.testing import peak_rise, spawn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from rss import peak_rise  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -239,9 +238,9 @@ def main(argv) -> None:
 
 if __name__ == "__main__":
     if "RANK" in os.environ:  # under a launcher: one world, the malloc settings it has
-        launch(main, 0)
+        spawn(main, 0)
     else:
         args, argv = _parser().parse_args(), sys.argv[1:]
-        launch(main, args.nproc, argv + ["--phase", "time"])
+        spawn(main, args.nproc, argv + ["--phase", "time"])
         os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # freed tensors leave RSS
-        launch(main, args.nproc, argv + ["--phase", "memory"])
+        spawn(main, args.nproc, argv + ["--phase", "memory"])

@@ -1,0 +1,237 @@
+"""Helpers for tests and benchmarks of programs on global tensors (public).
+
+- ``World(n, module, names)``: spawn a world of ``n`` processes (the launcher's
+  variables, a free port, one OpenMP thread each) that run the named check functions
+  in order and report per check; the first error on any rank ends the world at once
+  (no rank is left waiting in a collective), and a world that outlives its deadline
+  is killed.
+- ``spawn(main, n, argv)``: run ``main(argv)`` on ``n`` spawned processes (or in this
+  process when a launcher started it), for benchmarks.
+- ``free_port()``, ``peak_rise()`` (measured peak resident memory of a block) and
+  ``no_fallback(fn)`` (fails if an op ran without an sbp rule).
+
+>>> w = World(2, "my_checks", ["check_add", "check_matmul"])   # doctest: +SKIP
+>>> w.check("check_add")                                        # raises with the traceback
+>>> with peak_rise() as peak:                                   # doctest: +SKIP
+...     model = build()
+>>> peak.mib
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import time
+import traceback
+import warnings
+from typing import Callable
+
+__all__ = ["World", "free_port", "spawn", "peak_rise", "Peak", "no_fallback"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world: int, port: int, module: str, names: list, results, env: dict):
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+                       "GLOBALTENSOR_TIMEOUT": "60", **env})
+    try:
+        import importlib
+        import torch
+        torch.set_num_threads(1)
+        mod = importlib.import_module(module)
+        for name in names:
+            try:
+                if ":" in name:
+                    other, function = name.split(":")
+                    getattr(importlib.import_module(other), function)()
+                else:
+                    getattr(mod, name)()
+            except BaseException:
+                results.put((rank, name, traceback.format_exc()))
+                return
+            results.put((rank, name, None))
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+    except BaseException:
+        results.put((rank, "<setup>", traceback.format_exc()))
+
+
+class World:
+    """``nprocs`` spawned processes running the functions ``names`` of ``module`` in
+    order (a name ``"other_module:function"`` runs a function of another module),
+    reporting per check; ``check(name)`` raises AssertionError with the failing rank's
+    traceback. ``lazy=True`` returns at once and each ``check`` waits only for its own
+    reports (the deadline is then per check). ``env`` adds environment variables.
+
+    >>> World(2, "my_checks", ["check_add"]).check("check_add")    # doctest: +SKIP
+    """
+
+    def __init__(self, nprocs: int, module: str, names: list, timeout: float = 240,
+                 env: dict | None = None, lazy: bool = False):
+        self.nprocs, self.names, self.timeout, self.lazy = nprocs, list(names), timeout, lazy
+        self.errors: dict = {}
+        self.done: dict = {name: 0 for name in names}
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        port = free_port()
+        self._procs = [ctx.Process(target=_child, args=(r, nprocs, port, module, self.names,
+                                                          self._results, env or {}), daemon=True)
+                       for r in range(nprocs)]
+        self._received, self._closed = 0, False
+        for p in self._procs:
+            p.start()
+        self._deadline = time.monotonic() + timeout
+        if not lazy:
+            self._collect()
+
+    def _collect(self, until: str | None = None) -> None:
+        """Take reports until every check (or ``until``) is done on every rank, an error
+        or the deadline; then, unless waiting for ``until`` only, end the processes."""
+        expected = self.nprocs * len(self.names)
+        try:
+            while (self._received < expected and not self.errors
+                   and (until is None or self.done[until] < self.nprocs)):
+                try:
+                    rank, name, err = self._results.get(
+                        timeout=max(0.1, self._deadline - time.monotonic()))
+                except queue.Empty:
+                    self.errors["<timeout>"] = (f"world of {self.nprocs} did not finish within "
+                                                f"{self.timeout} s; checks done: {self.done}")
+                    break
+                self._received += 1
+                if err is None:
+                    self.done[name] += 1
+                    if self.lazy and self.done[name] == self.nprocs:
+                        self._deadline = time.monotonic() + self.timeout
+                else:
+                    self.errors[name] = f"rank {rank}:\n{err}"
+        except BaseException:       # e.g. the test's own timeout: the world is over
+            self.errors.setdefault("<interrupted>", "the test process stopped waiting")
+            self.close()
+            raise
+        if self._received == expected or self.errors:
+            self.close()
+
+    def wait(self) -> None:
+        """Take the reports of every remaining check (a lazy world), then end."""
+        if not self._closed:
+            self._collect()
+
+    def close(self) -> None:
+        """End the processes (those still running are killed)."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.errors and self._received == self.nprocs * len(self.names):
+            for p in self._procs:
+                p.join(max(0.1, self._deadline - time.monotonic()))
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(5)
+        self._results.close()
+
+    def check(self, name: str) -> None:
+        """Raise AssertionError unless ``name`` passed on every rank."""
+        if self.lazy and name in self.done and not self._closed:
+            self._collect(until=name)
+        if name in self.errors:
+            raise AssertionError(self.errors[name])
+        if self.done.get(name) != self.nprocs:
+            reason = "; ".join(f"{k}: {v.splitlines()[0] if v else ''}"
+                               for k, v in self.errors.items())
+            raise AssertionError(f"{name} did not run on every rank (an earlier check "
+                                 f"failed: {reason})")
+
+
+def _spawned(rank: int, world: int, port: int, main, argv) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import torch
+    torch.set_num_threads(1)
+    main(argv)
+
+
+def spawn(main: Callable, nproc: int, argv: list | None = None) -> None:
+    """Run ``main(argv)`` in this process when a launcher started it (RANK is set),
+    else on ``nproc`` spawned processes on a free local port (``argv`` defaults to
+    this process's arguments).
+
+    >>> spawn(main, 2)            # doctest: +SKIP
+    """
+    if "RANK" in os.environ:
+        main(None)
+        return
+    import torch.multiprocessing as tmp
+    argv = sys.argv[1:] if argv is None else argv
+    tmp.start_processes(_spawned, args=(nproc, free_port(), main, argv), nprocs=nproc,
+                        start_method="spawn")
+
+
+# --- memory ---------------------------------------------------------------------------
+# The kernel's high-water mark (VmHWM) is reset by writing 5 to /proc/self/clear_refs,
+# so a rise is measured, not inferred from sizes (Linux). Free heap memory goes back
+# to the OS before each block.
+
+def _status_mib(key: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+class Peak:
+    mib: float = 0.0
+
+
+@contextlib.contextmanager
+def peak_rise():
+    """``with peak_rise() as p: ...`` then ``p.mib``: peak resident memory of this
+    process during the block minus its resident memory at the start, in MiB (Linux).
+
+    >>> with peak_rise() as p:    # doctest: +SKIP
+    ...     x = torch.ones(2 ** 20)
+    >>> p.mib                     # about 4
+    """
+    import ctypes
+    import gc
+    gc.collect()
+    # free heap pages go back to the OS first: in a process that ran other checks, a
+    # block could otherwise reuse resident pages and show a rise smaller than it is
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    peak = Peak()
+    start = _status_mib("VmRSS")
+    yield peak
+    peak.mib = _status_mib("VmHWM") - start
+
+
+# --- rules ----------------------------------------------------------------------------
+
+def no_fallback(fn: Callable, what: str = ""):
+    """``fn()``, failing with AssertionError if any op inside ran without an sbp rule
+    (gathered to broadcast, "no sbp rule" warning); returns ``fn``'s result.
+
+    >>> y = no_fallback(lambda: x @ w, "matmul")     # doctest: +SKIP
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn()
+    fallbacks = [str(w.message) for w in caught if "no sbp rule" in str(w.message)]
+    assert not fallbacks, f"{what}: {fallbacks}"
+    return out
