@@ -5,8 +5,10 @@ real work: it spawns the workers, sets RANK / WORLD_SIZE / LOCAL_RANK /
 LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT, watches them and stops the rest when
 one fails. This module adds a Paddle-style front end on top of it: a start banner,
 one ``<log_dir>/workerlog.<global rank>`` file per rank (stdout and stderr
-combined, also echoed to the console as ``[rank<N>]: ...``), and a short failure
-summary that names the rank that caused the failure instead of a traceback.
+combined, also echoed to the console as ``[rank<N>]: ...``) in a directory of the
+job's own (``log/<run id>/`` by default, see ``globaltensor.launch_logs``), and a short
+failure summary that names the rank that caused the failure instead of a traceback.
+``--standalone`` and ``--nproc_per_node auto`` mean what they mean to torchrun.
 
 What it adds to the agent, and why:
 
@@ -17,7 +19,8 @@ What it adds to the agent, and why:
 - workers die with the launcher (Linux parent-death signal), even when it is SIGKILLed;
 - a worker stopped by the launcher prints where it was (``faulthandler``), so a hung
   rank shows up as the hung rank, not as its peer's failure;
-- log files are opened without following symbolic links;
+- log files are opened without following symbolic links, and a job locks its log
+  directory: a second job started there is refused instead of truncating the logs;
 - when a worker fails, the others get ``FAILURE_GRACE_S`` to end on their own before
   they are stopped, so ranks that fail together (a bad config) are all reported as
   failed, with their exit codes, instead of as stopped by the launcher.
@@ -35,6 +38,7 @@ whose workers all finish exits 0.
 Example::
 
     python -m globaltensor.launch --nproc_per_node 4 train.py --lr 0.1
+    python -m globaltensor.launch --standalone --nproc_per_node auto train.py
     python -m globaltensor.launch --server_num 2 --worker_num 2 train.py
     # two machines, run once on each (node_rank 0 hosts the rendezvous store):
     python -m globaltensor.launch --nnodes 2 --node_rank 0 --nproc_per_node 2 \\
@@ -56,6 +60,10 @@ import sys
 import threading
 import time
 from typing import Any, NoReturn, Optional, Sequence
+
+from .launch_logs import (DEFAULT_LOG_ROOT, LATEST_LINK, LaunchError, lock_log_dir, make_logs_specs, new_run_dir,
+                          read_log, worker_log)
+from .launch_logs import log_name as _log_name  # noqa: F401  (tests/test_ps.py checks the names here)
 
 __all__ = ["main", "parse_args"]
 
@@ -125,10 +133,6 @@ _boot()
 """
 
 
-class LaunchError(Exception):
-    """A problem the launcher reports in one line (exit code 1)."""
-
-
 def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m globaltensor.launch",
@@ -142,17 +146,23 @@ def _build_parser() -> argparse.ArgumentParser:
         spellings = dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"])
         p.add_argument(*spellings, dest=name, **kw)
 
-    opt("nproc_per_node", type=int, default=None, help="worker processes on this node (default 1)")
+    opt("nproc_per_node", default=None,
+        help="worker processes on this node: a number, or as torchrun auto (one per GPU, else one "
+             "per CPU core), cpu, gpu (default 1)")
     opt("server_num", type=int, default=None,
         help="parameter-server job: number of server processes (with --worker_num; one node)")
     opt("worker_num", type=int, default=None,
         help="parameter-server job: number of worker processes (with --server_num)")
     opt("nnodes", type=int, default=1, help="number of nodes (default 1)")
     opt("node_rank", type=int, default=0, help="rank of this node, 0..nnodes-1 (default 0)")
-    opt("master_addr", default="127.0.0.1",
+    opt("master_addr", default=None,
         help="address of node 0; its rendezvous store listens there only (default 127.0.0.1)")
-    opt("master_port", type=int, default=29500, help="port of the rendezvous store on node 0 (default 29500)")
-    opt("log_dir", default="log", help="directory for workerlog.<rank> files (default ./log)")
+    opt("master_port", type=int, default=None, help="port of the rendezvous store on node 0 (default 29500)")
+    p.add_argument("--standalone", action="store_true",
+                   help="one node, rendezvous on a free local port (as torchrun; overrides --master_addr/port)")
+    opt("log_dir", default=None,
+        help=f"directory for the workerlog.<rank> files; only one job at a time may write into it "
+             f"(default: a new {DEFAULT_LOG_ROOT}/<run id>/ per job, {DEFAULT_LOG_ROOT}/{LATEST_LINK} links to it)")
     opt("max_restarts", type=int, default=0, help="restarts of the worker group before giving up (default 0)")
     opt("rdzv_timeout", type=float, default=None,
         help="seconds to wait for the other nodes (default: GLOBALTENSOR_TIMEOUT, else 300)")
@@ -182,13 +192,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     # Split off the script ourselves: argparse's REMAINDER drops a "--" the script
     # may expect. Every launcher option takes one value, except these flags.
-    flags = {"-m", "--module", "-h", "--help", "--version"}
+    flags = {"-m", "--module", "-h", "--help", "--version", "--standalone"}
     i = 0
     while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
         i += 1 if ("=" in argv[i] or argv[i] in flags) else 2
     i += argv[i:i + 1] == ["--"]  # "launch [opts] -- script.py": skip the separator
     args = _build_parser().parse_args(argv[:i + 1])
     args.script_args = argv[i + 1:]
+    args.nproc_per_node = _local_world_size(args.nproc_per_node)
+    _set_master_endpoint(args)
     if args.rdzv_timeout is None:
         try:
             args.rdzv_timeout = timeout_seconds()
@@ -209,29 +221,59 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.nproc_per_node, args.ps = servers + workers, (servers, workers)
     if args.nproc_per_node is None:
         args.nproc_per_node = 1
+    log_dir = DEFAULT_LOG_ROOT if args.log_dir is None else args.log_dir  # the default's parent
     problems = [
         (args.script is None, "no script given (usage: python -m globaltensor.launch [options] script.py [args])"),
         (args.nproc_per_node < 1, f"--nproc_per_node must be >= 1, got {args.nproc_per_node}"),
         (args.nnodes < 1, f"--nnodes must be >= 1, got {args.nnodes}"),
         (not 0 <= args.node_rank < args.nnodes,
          f"--node_rank must be in [0, {args.nnodes}), got {args.node_rank}"),
-        (not 1 <= args.master_port <= 65535, f"--master_port must be in 1..65535, got {args.master_port}"),
+        (not args.standalone and not 1 <= args.master_port <= 65535,
+         f"--master_port must be in 1..65535, got {args.master_port}"),
         (args.max_restarts < 0, f"--max_restarts must be >= 0, got {args.max_restarts}"),
         (not args.rdzv_timeout > 0, f"--rdzv_timeout must be > 0 seconds, got {args.rdzv_timeout}"),
-        (os.path.islink(args.log_dir),
-         f"--log_dir {args.log_dir!r} is a symbolic link; refusing to write worker logs through it"),
-        (os.path.isfile(args.log_dir), f"--log_dir {args.log_dir!r} is a file, not a directory"),
+        (os.path.islink(log_dir),
+         f"--log_dir {log_dir!r} is a symbolic link; refusing to write worker logs through it"),
+        (os.path.isfile(log_dir), f"--log_dir {log_dir!r} is a file, not a directory"),
         (args.script is not None and not args.module and not os.path.isfile(args.script),
          f"script not found: {args.script!r}"),
     ]
-    for rank in _node_ranks(args):
-        path = _worker_log(args.log_dir, rank, args.ps)
+    for rank in _node_ranks(args) if args.log_dir is not None else ():  # a new run dir is empty
+        path = worker_log(args.log_dir, rank, args.ps)
         problems.append((os.path.islink(path),
                          f"{path} is a symbolic link; refusing to write the worker log through it"))
     for bad, message in problems:
         if bad:
             _fail(message)
     return args
+
+
+def _local_world_size(value: Optional[str]) -> Optional[int]:
+    """--nproc_per_node as torchrun reads it: a number, ``auto`` (one process per GPU when
+    there are GPUs, else one per CPU core), ``cpu`` or ``gpu``."""
+    if value is None:
+        return None
+    from torch.distributed.run import determine_local_world_size
+
+    try:
+        return determine_local_world_size(value)
+    except ValueError as e:
+        _fail(f"--nproc_per_node {value!r}: {e} (expected a number, auto, cpu or gpu)")
+
+
+def _set_master_endpoint(args: argparse.Namespace) -> None:
+    """Fill in the master endpoint; with --standalone, a free port on 127.0.0.1 (port 0
+    here: main binds the socket and reads the port the system chose)."""
+    args.master_ignored = []
+    if not args.standalone:
+        args.master_addr = "127.0.0.1" if args.master_addr is None else args.master_addr
+        args.master_port = 29500 if args.master_port is None else args.master_port
+        return
+    if args.nnodes != 1:
+        _fail(f"--standalone runs a single node; it conflicts with --nnodes {args.nnodes}")
+    # torchrun's --standalone overrides the endpoint too; the banner says they were ignored.
+    args.master_ignored = [f"--{name}" for name in ("master_addr", "master_port") if getattr(args, name) is not None]
+    args.master_addr, args.master_port = "127.0.0.1", 0
 
 
 def _node_ranks(args: argparse.Namespace) -> range:
@@ -244,83 +286,12 @@ def _fail(message: str, code: int = 2) -> NoReturn:
     sys.exit(code)
 
 
-def _log_name(rank: int, ps: Optional[tuple[int, int]] = None) -> str:
-    """``workerlog.<rank>``; in a parameter-server job (``ps`` = (servers, workers))
-    ``workerlog.<worker rank>`` or ``serverlog.<server rank>``."""
-    if ps is not None and rank >= ps[1]:
-        return f"serverlog.{rank - ps[1]}"
-    return f"workerlog.{rank}"
-
-
 def _who(rank: int, ps: Optional[tuple[int, int]] = None) -> str:
     """How the summary names a rank: ``rank 3``, or ``server 1 (rank 3)`` in a PS job."""
     if ps is None:
         return f"rank {rank}"
     role, role_rank = ("worker", rank) if rank < ps[1] else ("server", rank - ps[1])
     return f"{role} {role_rank} (rank {rank})"
-
-
-def _worker_log(log_dir: str, rank: int, ps: Optional[tuple[int, int]] = None) -> str:
-    return os.path.join(log_dir, _log_name(rank, ps))
-
-
-def _open_nofollow(name: str, flags: int, dir_fd: Optional[int] = None) -> int:
-    """os.open that refuses a symbolic link as the last component (ELOOP -> LaunchError)."""
-    try:
-        return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
-    except OSError as e:
-        if e.errno == errno.ELOOP or (e.errno == errno.ENOTDIR and dir_fd is None and os.path.islink(name)):
-            raise LaunchError(f"{name} is a symbolic link; refusing to write worker logs through it") from None
-        raise LaunchError(f"cannot open {name}: {e.strerror}") from None
-
-
-def _make_logs_specs(log_dir: str, ps: Optional[tuple[int, int]] = None) -> Any:
-    """A LogsSpecs that sends each worker's output to <log_dir>/workerlog.<global rank>
-    (by role in a parameter-server job, see ``_log_name``).
-
-    The agent redirects the worker's stdout (stderr is merged into it by the worker
-    bootstrap) to that file and tails it to our stdout with a rank prefix. We open the
-    directory and each file ourselves without following symbolic links, and hand the
-    agent ``/proc/self/fd/N``: it reopens the file we opened, whatever is planted at
-    the path meanwhile.
-    """
-    from torch.distributed.elastic.multiprocessing import LogsSpecs
-    from torch.distributed.elastic.multiprocessing.api import LogsDest
-
-    fd_dir = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
-
-    class WorkerLogSpecs(LogsSpecs):
-        @property
-        def root_log_dir(self) -> str:
-            return log_dir
-
-        def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
-            os.makedirs(log_dir, exist_ok=True)
-            dir_fd = _open_nofollow(log_dir, os.O_RDONLY | os.O_DIRECTORY)
-            dest = LogsDest()
-            try:
-                for local_rank, env in envs.items():
-                    rank = int(env["RANK"])
-                    name = _log_name(rank, ps)
-                    attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
-                    if attempt > 0 and os.path.lexists(os.path.join(log_dir, name)):
-                        # Keep the log of the attempt that failed (rename moves a link, never follows it).
-                        os.replace(name, f"{name}.attempt{attempt - 1}", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-                    fd = _open_nofollow(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, dir_fd=dir_fd)
-                    dest.stdouts[local_rank] = dest.tee_stdouts[local_rank] = f"{fd_dir}/{fd}"
-                    dest.stderrs[local_rank] = ""  # nothing left on stderr after the merge
-                    # Workers decorated with elastic's @record write their exception
-                    # here; drop a stale one so it is not mistaken for this run's.
-                    error_name = f"error.{rank}.json"
-                    if os.path.lexists(os.path.join(log_dir, error_name)):
-                        os.remove(error_name, dir_fd=dir_fd)
-                    error_file = os.path.join(log_dir, error_name)
-                    dest.error_files[local_rank] = env["TORCHELASTIC_ERROR_FILE"] = error_file
-            finally:
-                os.close(dir_fd)
-            return dest
-
-    return WorkerLogSpecs(log_dir=log_dir)
 
 
 # --- rendezvous: the store on node 0, bound to master_addr only ----------------------
@@ -505,15 +476,6 @@ def _grace_agent_class():
 
 # --- the failure summary -------------------------------------------------------------
 
-def _read_log(log_dir: str, rank: int, ps: Optional[tuple[int, int]] = None) -> Optional[list[str]]:
-    try:
-        fd = os.open(_worker_log(log_dir, rank, ps), os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    with open(fd, errors="replace") as f:
-        return f.read().splitlines()
-
-
 def _where_stopped(lines: list[str]) -> Optional[str]:
     """The innermost frame of the main thread in the traceback a stopped worker dumped
     (faulthandler lists threads newest first, so the main thread's block is the last)."""
@@ -531,7 +493,7 @@ def _report_failure(error: Any, log_dir: str, ended: dict[int, float],
     ``ended`` is {rank: when it ended} on this node (may be empty where /proc is missing).
     """
     failures = error.failures  # {global rank: ProcessFailure}, this node's workers only
-    logs = {rank: _read_log(log_dir, rank, ps) for rank in failures}
+    logs = {rank: read_log(log_dir, rank, ps) for rank in failures}
 
     def root_cause_key(rank: int) -> tuple[bool, bool, float]:
         # Ranks the agent stopped are collateral; a rank that said nothing explains
@@ -541,7 +503,7 @@ def _report_failure(error: Any, log_dir: str, ended: dict[int, float],
         when = ended.get(rank)
         if when is None:
             try:
-                when = os.path.getmtime(_worker_log(log_dir, rank, ps))
+                when = os.path.getmtime(worker_log(log_dir, rank, ps))
             except OSError:
                 when = float(failure.timestamp)
         return failure.exitcode in _STOPPED_BY_AGENT, not logs[rank], when
@@ -570,13 +532,13 @@ def _report_failure(error: Any, log_dir: str, ended: dict[int, float],
         message = first.message
         out.append(f"  exception: {message.get('message') if isinstance(message, dict) else message}")
     for r in stopped:
-        where = _where_stopped(_read_log(log_dir, r, ps) or [])
+        where = _where_stopped(read_log(log_dir, r, ps) or [])
         out.append(f"  {_who(r, ps)}: still running, stopped by the launcher" + (f" in {where}" if where else ""))
     others = [f"{r} (exit code {failures[r].exitcode}{'' if logs[r] else ', no output'})"
               for r in sorted(failures) if r != rank and r not in stopped]
     if others:
         out.append(f"  other failed ranks on this node: {', '.join(others)}")
-    path = _worker_log(log_dir, rank, ps)
+    path = worker_log(log_dir, rank, ps)
     if logs[rank] is None:
         out.append(f"  (no log file at {path})")
     else:
@@ -596,21 +558,25 @@ class _DropAgentFailureLine(logging.Filter):
 
 def _print_banner(args: argparse.Namespace, omp_set: bool) -> None:
     target = ("-m " if args.module else "") + shlex.join([args.script, *args.script_args])
+    endpoint_note = " (store listens there only)" if args.node_rank == 0 else ""
+    if args.standalone:
+        ignored = f"; {' and '.join(args.master_ignored)} ignored" if args.master_ignored else ""
+        endpoint_note = f" (--standalone: a free local port{ignored})"
+    logs = "workerlog.<rank>" if args.ps is None else "workerlog.<worker rank>, serverlog.<server rank>"
+    if args.log_dir_is_new:
+        logs += f"; {os.path.join(DEFAULT_LOG_ROOT, LATEST_LINK)} links here"
     lines = [
         "----------- globaltensor.launch -----------",
         f"  world size      : {args.nnodes * args.nproc_per_node}",
         f"  nnodes          : {args.nnodes} (this is node_rank {args.node_rank})",
         f"  nproc_per_node  : {args.nproc_per_node}",
-        f"  master endpoint : {args.master_addr}:{args.master_port}"
-        + (" (store listens there only)" if args.node_rank == 0 else ""),
+        f"  master endpoint : {args.master_addr}:{args.master_port}{endpoint_note}",
         f"  rdzv timeout    : {args.rdzv_timeout:g} s",
-        f"  log directory   : {os.path.abspath(args.log_dir)} (workerlog.<rank>)",
+        f"  log directory   : {os.path.abspath(args.log_dir)} ({logs})",
         f"  command         : {target}",
     ]
     if args.ps is not None:
         servers, workers = args.ps
-        lines[-2] = (f"  log directory   : {os.path.abspath(args.log_dir)} "
-                     f"(workerlog.<worker rank>, serverlog.<server rank>)")
         lines.append(f"  ps roles        : {workers} workers (ranks 0-{workers - 1}), {servers} servers "
                      f"(ranks {workers}-{workers + servers - 1})")
     if omp_set:
@@ -619,14 +585,27 @@ def _print_banner(args: argparse.Namespace, omp_set: bool) -> None:
     print("\n".join(lines), file=sys.stderr, flush=True)
 
 
+def _claim_port_and_log_dir(args: argparse.Namespace) -> tuple[Optional[socket.socket], int]:
+    """Bind node 0's rendezvous socket and lock this job's log directory (a new one per
+    job unless --log_dir is given), before anything starts: a busy port or a log
+    directory another job writes into is one line, not a traceback or mixed logs.
+    Returns the socket (None off node 0) and the descriptor holding the lock."""
+    listen_socket = _listen(args.master_addr, args.master_port) if args.node_rank == 0 else None
+    if args.standalone:
+        args.master_port = listen_socket.getsockname()[1]  # the free port the system chose
+    args.log_dir_is_new = args.log_dir is None
+    if args.log_dir_is_new:
+        args.log_dir = new_run_dir(DEFAULT_LOG_ROOT)
+    return listen_socket, lock_log_dir(args.log_dir, _node_ranks(args))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Entry point of ``python -m globaltensor.launch`` and ``globaltensor-launch``."""
     args = parse_args(argv)
     if os.name != "posix":
         _fail("globaltensor.launch needs a POSIX system (use torchrun elsewhere)")
     try:
-        # Bound before anything starts: a busy port is one line, not a traceback.
-        listen_socket = _listen(args.master_addr, args.master_port) if args.node_rank == 0 else None
+        listen_socket, log_lock = _claim_port_and_log_dir(args)  # log_lock: held until we exit
     except LaunchError as e:
         _fail(str(e), 1)
 
@@ -667,7 +646,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         rdzv_configs={"rank": args.node_rank, "timeout": args.rdzv_timeout, "listen_socket": listen_socket},
         max_restarts=args.max_restarts,
         monitor_interval=MONITOR_INTERVAL_S,
-        logs_specs=_make_logs_specs(args.log_dir, args.ps),
+        logs_specs=make_logs_specs(args.log_dir, args.ps),
         log_line_prefix_template="[rank${rank}]: ",
     )
     command = ["-u", "-c", _WORKER_BOOT, *(["-m"] if args.module else []), args.script, *args.script_args]

@@ -211,7 +211,9 @@ def summary(stderr: str) -> str:
                r"other failed ranks on this node: 1 \(exit code 1, no output\)"]),
 ])
 def test_summary_names_the_rank_that_caused_the_failure(tmp_path: Path, mode: str, expected: list[str]) -> None:
-    r = launch(["--nproc_per_node", "2", "--master_port", str(free_port()), "--log_dir", str(tmp_path / "log"),
+    # "quiet" runs with the default log directory: the summary reads the job's own one
+    log_args = [] if mode == "quiet" else ["--log_dir", str(tmp_path / "log")]
+    r = launch(["--nproc_per_node", "2", "--master_port", str(free_port()), *log_args,
                 str(SCRIPTS / "faults.py"), mode], cwd=tmp_path, timeout=45)
     assert r.returncode == 1, r.stdout + r.stderr
     text = summary(r.stderr)
@@ -220,6 +222,9 @@ def test_summary_names_the_rank_that_caused_the_failure(tmp_path: Path, mode: st
     assert "got through" not in r.stdout
     if mode == "quiet":
         assert "rank 1 exited" not in text
+        run_dir = (tmp_path / "log" / "latest").resolve()
+        assert f"last 1 lines of {run_dir.relative_to(tmp_path)}/workerlog.0:" in text, text
+        assert re.fullmatch(r"\d{8}-\d{6}-\d+", run_dir.name), run_dir
 
 
 def wait_for_lines(proc: subprocess.Popen, prefix: str, count: int, timeout: float) -> list[str]:
@@ -345,7 +350,7 @@ def test_log_dir_symlinks_are_refused(tmp_path: Path) -> None:
 
 def test_logs_are_opened_without_following_links(tmp_path: Path) -> None:
     """The open itself refuses links (a link planted after the up-front check)."""
-    from globaltensor.launch import LaunchError, _make_logs_specs
+    from globaltensor.launch_logs import LaunchError, make_logs_specs as _make_logs_specs
 
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
@@ -364,6 +369,161 @@ def test_logs_are_opened_without_following_links(tmp_path: Path) -> None:
     linked.symlink_to(tmp_path / "log")
     with pytest.raises(LaunchError, match="symbolic link"):
         _make_logs_specs(str(linked)).reify({0: {"RANK": "0"}})
+
+
+# --- one log directory per job; torchrun's --standalone and --nproc_per_node auto ------
+
+def start(args: list[str], cwd: Path, **env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "globaltensor.launch", *args], cwd=cwd,
+                            env=launcher_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def release(fifo: Path) -> None:
+    """Let a hold.py job end: open its FIFO for writing and close it (its read returns)."""
+    os.close(os.open(fifo, os.O_WRONLY))
+
+
+def auto_nproc() -> int:
+    """torchrun's --nproc_per_node auto: one process per GPU, else one per usable CPU core."""
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else len(os.sched_getaffinity(0))
+
+
+def banner_log_dir(stderr: str) -> Path:
+    return Path(re.search(r"log directory\s*: (\S+)", stderr).group(1))
+
+
+@pytest.mark.timeout(90)
+def test_two_standalone_jobs_in_one_directory_keep_their_own_logs(tmp_path: Path) -> None:
+    """Default settings but --standalone --nproc_per_node auto, twice at once in one cwd:
+    each job gets a free port and a log directory of its own; log/latest is the newer."""
+    jobs = {}
+    try:
+        for tag in ("A", "B"):  # B starts while A runs (A holds until released)
+            os.mkfifo(tmp_path / f"fifo{tag}")
+            jobs[tag] = start(["--standalone", "--nproc_per_node", "auto", str(SCRIPTS / "hold.py"),
+                               str(tmp_path / f"fifo{tag}")], cwd=tmp_path, JOB_TAG=tag)
+            wait_for_lines(jobs[tag], "HOLDING", 1, timeout=40)
+        for tag in ("A", "B"):
+            release(tmp_path / f"fifo{tag}")
+        outs = {tag: p.communicate(timeout=40) for tag, p in jobs.items()}
+    finally:
+        for p in jobs.values():
+            p.kill()
+    nproc, ports, dirs = auto_nproc(), set(), {}
+    for tag, (out, err) in outs.items():
+        assert jobs[tag].returncode == 0, out + err
+        assert "--standalone: a free local port" in err
+        dirs[tag] = banner_log_dir(err)
+        assert dirs[tag].parent == tmp_path / "log"
+        for rank in range(nproc):
+            lines = (dirs[tag] / f"workerlog.{rank}").read_bytes().decode().splitlines()
+            first = re.fullmatch(rf"RANK {rank} WORLD_SIZE {nproc} MASTER_PORT (\d+) JOB {tag}", lines[0])
+            assert first and lines[-1] == f"rank {rank} done", lines  # whole, and this job's only
+            ports.add(first.group(1))
+        assert f"JOB {'B' if tag == 'A' else 'A'}" not in out  # the console shows this job only
+    assert len(ports) == 2 and dirs["A"] != dirs["B"]
+    assert sorted(p.name for p in (tmp_path / "log").iterdir()) == sorted([dirs["A"].name, dirs["B"].name, "latest"])
+    assert os.readlink(tmp_path / "log" / "latest") == dirs["B"].name
+
+
+@pytest.mark.timeout(60)
+def test_an_explicit_log_dir_is_refused_while_a_job_writes_there(tmp_path: Path, capsys) -> None:
+    from globaltensor.launch import main
+    from globaltensor.launch_logs import LaunchError, lock_log_dir
+
+    log_dir, fifo = tmp_path / "shared", tmp_path / "fifo"
+    os.mkfifo(fifo)
+    job = start(["--standalone", "--log_dir", str(log_dir), str(SCRIPTS / "hold.py"), str(fifo)], cwd=tmp_path)
+    try:
+        wait_for_lines(job, "HOLDING", 1, timeout=40)
+        # a second job there (run in this process: it must stop before starting anything)
+        with pytest.raises(SystemExit) as exit_:
+            main(["--standalone", "--log_dir", str(log_dir), str(SCRIPTS / "hold.py")])
+        assert exit_.value.code == 1
+        assert f"--log_dir {log_dir} is in use by a job that is still running" in capsys.readouterr().err
+        with pytest.raises(LaunchError, match="in use"):
+            lock_log_dir(str(log_dir), range(0, 1))
+        # node 1 of a two-node job sharing the directory writes other ranks' logs: allowed
+        os.close(lock_log_dir(str(log_dir), range(1, 2)))
+        release(fifo)
+        out, err = job.communicate(timeout=30)
+    finally:
+        job.kill()
+    assert job.returncode == 0, out + err
+    assert (log_dir / "workerlog.0").read_text().splitlines()[-1] == "rank 0 done"  # untouched by the refusal
+    os.close(lock_log_dir(str(log_dir), range(0, 1)))  # the job ended: the directory is free again
+
+
+def test_new_run_dirs_are_unique_and_latest_follows(tmp_path: Path, monkeypatch, capsys) -> None:
+    from globaltensor.launch_logs import LaunchError, lock_log_dir, new_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    made = [new_run_dir("log") for _ in range(3)]  # same second, same pid
+    assert len(set(made)) == 3 and all(os.path.isdir(d) for d in made)
+    assert os.readlink("log/latest") == os.path.basename(made[-1])
+    assert sorted(os.listdir("log")) == sorted([os.path.basename(d) for d in made] + ["latest"])
+    os.remove("log/latest")
+    os.mkdir("log/latest")  # not ours to replace: the job still gets its directory
+    assert os.path.isdir(new_run_dir("log")) and "log/latest not updated" in capsys.readouterr().err
+    os.symlink(tmp_path / "victim", os.path.join(made[0], ".lock"))
+    with pytest.raises(LaunchError, match="symbolic link"):
+        lock_log_dir(made[0], range(0, 1))
+    assert not (tmp_path / "victim").exists()
+
+
+def test_default_log_root_symlink_is_refused(tmp_path: Path, monkeypatch, capsys) -> None:
+    from globaltensor.launch import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "log").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(SystemExit) as exit_:
+        main([str(SCRIPTS / "hold.py")])
+    assert exit_.value.code == 2 and "--log_dir 'log' is a symbolic link" in capsys.readouterr().err
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+OPTION_VALUES = {"nproc_per_node": "3", "nnodes": "2", "node_rank": "1", "master_addr": "10.0.0.2",
+                 "master_port": "1234", "log_dir": "mylogs", "max_restarts": "2", "rdzv_timeout": "7"}
+
+
+@pytest.mark.parametrize("spell", [lambda name: f"--{name}", lambda name: f"--{name.replace('_', '-')}"],
+                         ids=["snake_case", "kebab-case"])
+def test_every_option_takes_both_spellings(spell, tmp_path: Path, monkeypatch) -> None:
+    from globaltensor.launch import parse_args
+
+    monkeypatch.chdir(tmp_path)
+    script = str(SCRIPTS / "hold.py")
+    argv = [a for name, value in OPTION_VALUES.items() for a in (spell(name), value)]
+    args = parse_args([*argv, script, "--x"])
+    assert {name: str(getattr(args, name)) for name in OPTION_VALUES} == {
+        **OPTION_VALUES, "rdzv_timeout": "7.0"}
+    assert args.script == script and args.script_args == ["--x"]
+    equals = [f"{spell(name)}={value}" for name, value in OPTION_VALUES.items()]
+    assert vars(parse_args([*equals, script, "--x"])) == vars(args)
+    ps = parse_args([spell("server_num"), "1", spell("worker_num"), "2", "--standalone", "-m", "mod", "--y"])
+    assert (ps.ps, ps.nproc_per_node, ps.standalone, ps.module, ps.script_args) == ((1, 2), 3, True, True, ["--y"])
+
+
+def test_standalone_and_nproc_auto_are_parsed_as_torchrun(tmp_path: Path, monkeypatch, capsys) -> None:
+    from globaltensor.launch import parse_args
+
+    monkeypatch.chdir(tmp_path)
+    script = str(SCRIPTS / "hold.py")
+    args = parse_args(["--nproc_per_node", "auto", script])
+    assert args.nproc_per_node == auto_nproc() and not args.standalone
+    assert (args.master_addr, args.master_port) == ("127.0.0.1", 29500)
+    assert parse_args(["--nproc-per-node=cpu", script]).nproc_per_node == len(os.sched_getaffinity(0))
+    args = parse_args(["--standalone", "--master_addr", "10.1.1.1", "--master_port", "1234", script])
+    # the endpoint is overridden: main binds a free port (0 here) on 127.0.0.1
+    assert (args.master_addr, args.master_port, args.nnodes) == ("127.0.0.1", 0, 1)
+    assert args.master_ignored == ["--master_addr", "--master_port"]
+    for argv, message in [(["--nproc_per_node", "many", script], "--nproc_per_node 'many'"),
+                          (["--standalone", "--nnodes", "2", script], "--standalone runs a single node")]:
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert message in capsys.readouterr().err
 
 
 # --- version and packaging (#10 item 10) ---------------------------------------------

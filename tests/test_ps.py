@@ -58,9 +58,9 @@ def sync_run(tmp_path_factory):
 def test_sync_equals_one_process_and_roles_end_cleanly(sync_run) -> None:
     r, tmp = sync_run
     assert r.returncode == 0, r.stdout + r.stderr
-    # logs by role; the servers ended on their own once the workers were done
+    # logs by role (and the launcher's .lock); the servers ended on their own once the workers were done
     assert sorted(p.name for p in (tmp / "log").iterdir()) == [
-        "serverlog.0", "serverlog.1", "workerlog.0", "workerlog.1"]
+        ".lock", "serverlog.0", "serverlog.1", "workerlog.0", "workerlog.1"]
     assert "ps roles        : 2 workers (ranks 0-1), 2 servers (ranks 2-3)" in r.stderr
     assert "worker 1:" in (tmp / "log" / "workerlog.1").read_text()
     for s in (0, 1):
