@@ -273,6 +273,82 @@ def check_recompile_after_reset_keeps_values():
                 torch.testing.assert_close(g(x).full(), torch.softmax(plain, 0) + plain * 2)
 
 
+
+def _tiny_gpt(vocab_parallel: bool):
+    """nanoGPT in miniature: token and position embeddings, two pre-norm blocks
+    (causal attention, gelu MLP), a final layer norm, an lm head tied to the token
+    embedding, cross entropy. Parameters broadcast, or the token embedding (and so the
+    tied head) split by rows."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    import globaltensor as gt
+    vocab, length, width, heads = 16, 6, 8, 2
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1, self.ln_2 = nn.LayerNorm(width), nn.LayerNorm(width)
+            self.c_attn, self.c_proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+            self.c_fc, self.mlp_proj = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+        def forward(self, x):
+            b, t, c = x.shape
+            q, k, v = self.c_attn(self.ln_1(x)).split(width, dim=2)
+            q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+            return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(vocab, width), nn.Embedding(length, width)
+            self.h = nn.ModuleList([Block(), Block()])
+            self.ln_f = nn.LayerNorm(width)
+            self.lm_head = nn.Linear(width, vocab, bias=False)
+            self.lm_head.weight = self.wte.weight
+
+        def forward(self, idx, pos, targets):
+            x = self.wte(idx) + self.wpe(pos)
+            for block in self.h:
+                x = block(x)
+            logits = self.lm_head(self.ln_f(x))
+            return F.cross_entropy(logits.view(-1, vocab), targets.view(-1))
+
+    torch.manual_seed(0)
+    rows = gt.sbp.split(0) if vocab_parallel else gt.sbp.broadcast
+    model = gt.nn.to_global(GPT(), gt.placement.all("cpu"),
+                            lambda name, t: rows if name == "wte.weight" else gt.sbp.broadcast)
+    return model, vocab, length
+
+
+def check_gpt_with_embeddings_compiles_whole():
+    # F.embedding used to branch on index values ("Could not guard on data-dependent
+    # expression"): a model with an embedding did not trace as one graph.
+    import torch
+    import torch._dynamo.testing
+    import globaltensor as gt
+    P, S, B = gt.placement.all("cpu"), gt.sbp.split, gt.sbp.broadcast
+    for vocab_parallel, data_sbp in ((False, S(0)), (True, B)):
+        (eager, vocab, length), (compiled, _, _) = _tiny_gpt(vocab_parallel), \
+            _tiny_gpt(vocab_parallel)
+        g = torch.Generator().manual_seed(7)
+        idx, targets = (gt.tensor(torch.randint(0, vocab, (4, length), generator=g),
+                                  placement=P, sbp=data_sbp) for _ in range(2))
+        pos = gt.tensor(torch.arange(length), placement=P, sbp=B)
+        torch._dynamo.reset()
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        loss = torch.compile(compiled, backend=counter, fullgraph=True)(idx, pos, targets)
+        want = eager(idx, pos, targets)
+        loss.backward()
+        want.backward()
+        assert counter.frame_count == 1, counter.frame_count
+        torch.testing.assert_close(loss.full(), want.full())
+        for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+            assert b.grad.sbp == a.grad.sbp == a.sbp, (name, b.grad.sbp, a.sbp)
+            torch.testing.assert_close(b.grad.full(), a.grad.full(), msg=lambda m: f"{name}: {m}")
+
 CHECKS = ["check_data_parallel_mlp_graphs_hold_only_local_ops",
           "check_tensor_parallel_mlp_graphs_hold_local_ops_and_collectives",
           "check_data_parallel_mlp_inductor", "check_tensor_parallel_mlp_inductor",
@@ -281,7 +357,8 @@ CHECKS = ["check_data_parallel_mlp_graphs_hold_only_local_ops",
           "check_rank_outside_the_placement_compiles",
           "check_pipeline_of_compiled_stages_equals_eager",
           "check_compiled_autograd_syncs_gradients",
-          "check_recompile_after_reset_keeps_values"]
+          "check_recompile_after_reset_keeps_values",
+          "check_gpt_with_embeddings_compiles_whole"]
 
 
 test_world2 = world_test(__name__, 2, CHECKS)

@@ -29,7 +29,9 @@ def embedding_rule(call, axis):
     return cands
 
 
-def _row_window(ctx, indices, region):
+def _row_window(indices, region):
+    """Which indices fall in this rank's rows, and each one's row in the local part
+    (clamped into it for the others, whose lookups are masked out)."""
     lo, rows = region.offsets[0], region.sizes[0]
     mine = (indices >= lo) & (indices < lo + rows)
     return mine, (indices - lo).clamp(0, max(rows - 1, 0))
@@ -37,10 +39,13 @@ def _row_window(ctx, indices, region):
 
 def _embedding_local(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False,
                      sparse=False):
-    mine, local_index = _row_window(ctx, indices, ctx.region(0))
-    if bool(mine.all()):
-        return aten.embedding(weight, indices - ctx.region(0).offsets[0])
-    out = weight[local_index] if weight.shape[0] else \
+    # No branch on index values: torch.compile cannot trace one, and on a GPU reading
+    # them would wait for the device.
+    region = ctx.region(0)
+    if region.sizes[0] == ctx.call.in_shapes[0][0]:  # every row here (not row-split)
+        return aten.embedding(weight, indices)
+    mine, local_index = _row_window(indices, region)
+    out = aten.embedding(weight, local_index) if weight.shape[0] else \
         weight.new_zeros(tuple(indices.shape) + (weight.shape[1],))
     return out * mine.unsqueeze(-1).to(out.dtype)
 
@@ -68,17 +73,18 @@ def embedding_backward_rule(call, axis):
 def _embedding_backward_local(ctx, grad, indices, num_weights, padding_idx,
                               scale_grad_by_freq):
     region = ctx.out_layouts[0].region(ctx.rank)
-    lo, rows = region.offsets[0], region.sizes[0]
+    rows = region.sizes[0]
     if rows == num_weights:
         return aten.embedding_dense_backward(grad, indices, num_weights, padding_idx,
                                              scale_grad_by_freq)
-    mine = (indices >= lo) & (indices < lo + rows)
+    mine, local_index = _row_window(indices, region)
     if padding_idx >= 0:
         mine &= indices != padding_idx
-    flat = grad.reshape(-1, grad.shape[-1])
-    keep = mine.reshape(-1)
+    # Others' indices add zeros at a clamped row: no selection by value (untraceable).
+    flat = grad.reshape(-1, grad.shape[-1]) * mine.reshape(-1, 1).to(grad.dtype)
     out = grad.new_zeros(rows, grad.shape[-1])
-    out.index_add_(0, (indices.reshape(-1)[keep] - lo), flat[keep])
+    if rows:
+        out.index_add_(0, local_index.reshape(-1), flat)
     return out
 
 
