@@ -35,6 +35,9 @@ _sync = True
 _serial = 0
 _serials = WeakIdKeyDictionary()  # leaf -> serial number (dropped with the leaf)
 _pending: "_Reducer | None" = None
+# leaf -> weak references to (its kept .grad, the partial .grad that replaced it until
+# the reducing backward); see ``keep_partial``
+_kept = WeakIdKeyDictionary()
 
 
 @contextlib.contextmanager
@@ -80,13 +83,40 @@ def _before_accumulate(leaf: GlobalTensor):
         sbp = tuple(g if isinstance(g, Partial) and g.reduce == "sum" and isinstance(k, Broadcast)
                     else k for g, k in zip(grad.sbp, kept.sbp))
         if sbp != kept.sbp:
-            leaf.grad = to_layout(kept, Layout.make(kept.shape, kept.placement, sbp))
+            keep_partial(leaf, to_layout(kept, Layout.make(kept.shape, kept.placement, sbp)))
         return None
     hook._gradsync = True  # not a user's hook (see has_other_hooks)
     return hook
 
 
 install_leaf_watch(watch)
+
+
+def keep_partial(leaf: GlobalTensor, partial: GlobalTensor) -> None:
+    """Make ``partial`` (the kept ``.grad`` with partial-sum axes, to which local
+    contributions are added) ``leaf``'s ``.grad`` until a backward reduces it; then the
+    reduced gradient is written back into the kept tensor, which becomes ``.grad``
+    again: as in torch, a ``.grad`` kept (e.g. by ``zero_grad(set_to_none=False)``)
+    stays the same tensor however many backward passes add to it.
+
+    >>> keep_partial(p, p.grad + contribution)   # doctest: +SKIP
+    """
+    kept, earlier = leaf.grad, _kept.get(leaf)
+    if earlier is not None and earlier[1]() is kept:  # kept stands in for an earlier one
+        _kept[leaf] = (earlier[0], weakref.ref(partial))
+    elif isinstance(kept, GlobalTensor) and kept.layout_ == leaf.layout_:
+        _kept[leaf] = (weakref.ref(kept), weakref.ref(partial))
+    leaf.grad = partial
+
+
+def _settle(leaf: GlobalTensor, source: GlobalTensor, grad: GlobalTensor) -> None:
+    """``leaf.grad = grad`` (``source`` reduced): into the kept tensor that ``source``
+    stood in for, if that is still alive (``keep_partial``)."""
+    kept, partial = (r() for r in _kept.pop(leaf, (lambda: None, lambda: None)))
+    if kept is not None and partial is source and kept.dtype == grad.dtype:
+        kept.local_.copy_(grad.local_)
+        grad = kept
+    leaf.grad = grad
 
 
 def has_other_hooks(leaf: torch.Tensor) -> bool:
@@ -125,7 +155,7 @@ def _after_accumulate(leaf: GlobalTensor) -> None:
         return
     axes = _reducible_axes(grad.layout_, leaf.layout_)
     if axes is None:  # anything but a plain partial-sum reduction: box right away
-        leaf.grad = to_layout(grad, leaf.layout_)
+        _settle(leaf, grad, to_layout(grad, leaf.layout_))
         return
     global _pending
     if _pending is None:
@@ -136,8 +166,9 @@ def _after_accumulate(leaf: GlobalTensor) -> None:
 
 @hidden_from_dynamo
 def _box_now(leaf: GlobalTensor) -> None:
-    if _sync and isinstance(leaf.grad, GlobalTensor) and leaf.grad.layout_ != leaf.layout_:
-        leaf.grad = to_layout(leaf.grad, leaf.layout_)
+    grad = leaf.grad
+    if _sync and isinstance(grad, GlobalTensor) and grad.layout_ != leaf.layout_:
+        _settle(leaf, grad, to_layout(grad, leaf.layout_))
 
 
 def _finish() -> None:
@@ -147,28 +178,39 @@ def _finish() -> None:
         reducer.finish()
 
 
-# first leaf of a bucket -> {bucket key: flat buffer}; buffers die with their model.
+# first leaf of a bucket -> {bucket key: (flat buffer, its storage's use count alone)};
+# buffers die with their model.
 _buffers = WeakIdKeyDictionary()
 
 
+def _storage_uses(t: torch.Tensor) -> int:
+    """How many tensors (views, aliases) hold ``t``'s memory, ``t`` included."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
 def _flat_buffer(items) -> torch.Tensor:
-    """The bucket's gradients copied once into a flat buffer kept between steps (the
-    previous step's ``.grad`` views into it are replaced by then, as in DDP)."""
+    """The bucket's gradients copied once into a flat buffer kept between steps. The
+    previous step's ``.grad`` are views into it: the buffer is reused only when none of
+    them (nor any other view of it) is alive any more, as after ``zero_grad()`` when no
+    one kept a gradient; else the new gradients get new memory, so that a gradient
+    a user kept never changes (torch gives every backward after ``set_to_none`` fresh
+    gradients; DDP reuses its buckets only with ``gradient_as_bucket_view=True``)."""
     key = tuple((_serials[leaf], g.local_.shape, g.dtype) for leaf, g in items)
     owned = _buffers.get(items[0][0])
     if owned is None:
         owned = _buffers[items[0][0]] = {}
-    flat = owned.get(key)
-    total = sum(g.local_.numel() for _, g in items)
-    if flat is None:
-        flat = owned[key] = torch.empty(total, dtype=items[0][1].dtype,
-                                        device=items[0][1].local_.device)
+    flat, alone = owned.get(key, (None, 0))
+    if flat is None or _storage_uses(flat) != alone:
+        total = sum(g.local_.numel() for _, g in items)
+        flat = torch.empty(total, dtype=items[0][1].dtype, device=items[0][1].local_.device)
+        owned[key] = (flat, _storage_uses(flat))
     offset = 0
     for _, g in items:
         n = g.local_.numel()
         flat[offset:offset + n].view(g.local_.shape).copy_(g.local_)
         offset += n
     return flat
+
 
 
 # The order in which the last backward pass produced its gradients, as (leaf serial, kind,
@@ -257,4 +299,4 @@ class _Reducer:
                 local = flat[offset:offset + n].view_as(grad.local_) if flat is not None \
                     else grad.local_
                 offset += n
-                leaf.grad = GlobalTensor(local, leaf.layout_)
+                _settle(leaf, grad, GlobalTensor(local, leaf.layout_))

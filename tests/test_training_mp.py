@@ -1,5 +1,7 @@
 """Training equivalence: a small transformer-style block trained under several sbp
 layouts ends with the same parameters as single-process torch."""
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -203,10 +205,65 @@ def check_gradient_accumulation_with_no_sync():
         torch.testing.assert_close(p_.grad.full(), ref.grad, rtol=1e-5, atol=1e-6, msg=n)
 
 
+def _bucket_buffers(model):
+    """Weak references to the flat buffers gradient sync keeps for ``model``'s buckets."""
+    from globaltensor import gradsync
+    return [weakref.ref(flat) for q in model.parameters()
+            for flat, _ in gradsync._buffers.get(q, {}).values()]
+
+
+def _same_buffers(model, refs):
+    return [r() for r in refs] == [r() for r in _bucket_buffers(model)]
+
+
+def check_kept_gradients_stay():
+    # A .grad the user took stays as it was, as in torch: the next backward after
+    # zero_grad() (set_to_none) must not write into it. Gradient sync still reuses its
+    # bucket's memory when no one holds the previous gradients.
+    p = gt.placement.all("cpu")
+    torch.manual_seed(0)
+    model = gt.nn.to_global(Block(), p, gt.sbp.broadcast)  # every parameter: one bucket
+    (t1, y1), (t2, y2), (t3, y3) = _data()
+    wrap = lambda t: gt.tensor(t, placement=p, sbp=gt.sbp.split(0))  # noqa: E731
+    step = lambda t, y: F.cross_entropy(model(wrap(t)), wrap(y)).backward()  # noqa: E731
+    step(t1, y1)
+    buffers = _bucket_buffers(model)
+    assert len(buffers) == 1
+    model.zero_grad()
+    step(t2, y2)
+    assert _same_buffers(model, buffers)  # nothing kept: reused
+    kept = {n: q.grad for n, q in model.named_parameters()}
+    kept_local = {n: g.to_local() for n, g in kept.items()}
+    want = {n: (g.to_local().clone(), g.full().clone()) for n, g in kept.items()}
+    model.zero_grad()
+    step(t1, y1)
+    assert any(not torch.equal(q.grad.full(), want[n][1]) for n, q in model.named_parameters())
+    for n in kept:
+        assert torch.equal(kept[n].to_local(), want[n][0]), n
+        assert torch.equal(kept_local[n], want[n][0]), n
+        assert torch.equal(kept[n].full(), want[n][1]), n
+    # zero_grad(set_to_none=False) zeroes the same tensor in place, as torch does: a
+    # reference to it sees the zeros and then the next gradient (with no_sync too)
+    kept = {n: q.grad for n, q in model.named_parameters()}
+    model.zero_grad(set_to_none=False)
+    assert all(not g.full().any() for g in kept.values())
+    step(t3, y3)
+    for n, q in model.named_parameters():
+        assert torch.equal(kept[n].full(), q.grad.full()), n
+    model.zero_grad(set_to_none=False)
+    with gt.no_sync():
+        step(t1, y1)
+    step(t2, y2)
+    for n, q in model.named_parameters():
+        assert kept[n] is q.grad, n
+        assert torch.equal(kept[n].full(), q.grad.full()), n
+
+
+
 CHECKS = ["check_data_parallel", "check_tensor_parallel",
           "check_vocab_parallel_loss_does_not_gather_logits", "check_op_without_rule_falls_back",
           "check_gradient_accumulation_with_no_sync", "check_strides_follow_torch",
-          "check_load_state_dict_after_to_global"]
+          "check_load_state_dict_after_to_global", "check_kept_gradients_stay"]
 
 
 test_world2, test_world4 = checks_in_worlds(__name__, CHECKS, ["check_hybrid_2d"])

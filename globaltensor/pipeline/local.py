@@ -37,7 +37,7 @@ import itertools
 import torch
 from torch.func import functional_call
 
-from ..gradsync import has_other_hooks
+from ..gradsync import has_other_hooks, keep_partial
 from ..layout import Layout
 from ..placement import Placement
 from ..sbp import Broadcast, partial_sum
@@ -124,7 +124,10 @@ class LocalStage:
                 continue
             sbp = tuple(partial_sum if a in axes else s for a, s in enumerate(p.sbp))
             part = GlobalTensor(g, Layout.make(p.shape, p.placement, sbp))
-            p.grad = part if p.grad is None else p.grad + part
+            if p.grad is None:
+                p.grad = part
+            else:  # a kept .grad stays .grad once reduced, as in torch
+                keep_partial(p, p.grad + part)
 
 
 def agrees(fn, args: tuple, expected: torch.Tensor) -> bool:
