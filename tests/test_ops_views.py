@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ops_battery import battery_tests, case, checked, placements, randn
+from ops_battery import B, P, S, battery_tests, case, checked, placements, randn
 
 
 @checked
@@ -57,6 +57,12 @@ def check_views():
          places=placements(8, 1, 4))
     case("cat dim 1 (5,4)+(5,4)", lambda a, b: torch.cat([a, b], dim=1), [x, z],
          places=placements(8, 0, 4))
+    # A zero-size input among partial sums used to make the output zeros.
+    empty = randn((5, 0), "vempty")
+    for name, op in (("cat dim 1 (5,0)+(5,4)", lambda a, b: torch.cat([a, b], dim=1)),
+                     ("cat dim 1 (5,4)+(5,0)", lambda a, b: torch.cat([b, a], dim=1))):
+        case(name, op, [empty, z], choices=[[P, B, S(0)], [P, B, S(0)]], must=[(P, P)],
+             places=placements(9, 1, 4))
     case("stack dim 0", lambda a, b: torch.stack([a, b]), [x, z], places=placements(8, 1, 4))
     case("stack dim 2", lambda a, b: torch.stack((a, b), dim=2), [x, z],
          places=placements(6, 0, 3))

@@ -124,9 +124,14 @@ def cat_rule(call, axis):
     shapes = [s for s in call.in_shapes if len(s) > 1 or s != (0,)]
     ndim = len(call.out_shapes[0])
     dim = _norm(args[1] if len(args) > 1 else kwargs.get("dim", 0), ndim)
+    # An empty input makes dispatch take the output for an identity (zeros) when it is
+    # partial, but the other inputs still fill it: no partial signature then.
+    empty = any(math.prod(s) == 0 for s in call.in_shapes)
     if len(shapes) != n_in or any(len(s) != ndim for s in shapes):
-        return _same_sbp(n_in, 1, {})  # legacy empty tensors in the list
-    return _same_sbp(n_in, 1, {d: d for d in range(ndim) if d != dim})
+        # legacy empty tensors in the list
+        return _same_sbp(n_in, 1, {}, partial_ok=not empty, max_ok=not empty)
+    return _same_sbp(n_in, 1, {d: d for d in range(ndim) if d != dim},
+                     partial_ok=not empty, max_ok=not empty)
 
 
 @register(aten.stack)
