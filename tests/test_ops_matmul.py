@@ -52,6 +52,13 @@ def check_matmul():
         case("matmul (5,4)@(4,)", torch.matmul, [x, v], places=placements(6, 0, 3))
         case("torch.dot (4,).(4,)", torch.dot, [v, randn((4,), "dv")],
              places=placements(6, 0, 3))
+        # A vector on the left: torch squeezes the product in place (squeeze_), which
+        # raised "cannot box a tensor of shape (3,) to shape (1, 3)".
+        case("matmul (4,)@(4,3)", torch.matmul, [v, w], places=placements(12, 1, 6))
+        case("v @ v (4,)@(4,)", lambda a, b: a @ b, [v, randn((4,), "dv2")],
+             places=placements(6, 0, 3))
+        case("matmul (4,)@(2,4,3)", torch.matmul, [v, randn((2, 4, 3), "mw3")],
+             places=placements(6, 0, 3))
     fallbacks = {str(w.message) for w in seen if "no sbp rule" in str(w.message)}
     expect(not fallbacks, f"mv/dot fell back: {fallbacks}")
     # the output sbp before any boxing (DESIGN: matmul signatures, 1-D)

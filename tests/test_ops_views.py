@@ -48,6 +48,11 @@ def check_views():
         ("unbind(0) 3-D", lambda x: x.unbind(0), x3),
         ("t().contiguous()", lambda x: x.t().contiguous(), x),
         ("contiguous()", lambda x: x.contiguous(), x),
+        # in-place view ops change the tensor's own shape
+        ("squeeze_(1)", lambda x: (x * 1).squeeze_(1), randn((5, 1, 3), "vsq_")),
+        ("unsqueeze_(0)", lambda x: (x * 1).unsqueeze_(0), x),
+        ("t_()", lambda x: (x * 1).t_(), x),
+        ("transpose_(0,2)", lambda x: (x * 1).transpose_(0, 2), x3),
     ]
     for name, op, v in unary:
         case(name, op, [v], places=placements(4, 1, 3))

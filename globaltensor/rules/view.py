@@ -1,5 +1,6 @@
 """Views and shape ops: transpose/permute/t, view/reshape, unsqueeze/squeeze, expand,
-slice/select (and their backward), cat, stack, split/unbind, constant padding.
+slice/select (and their backward), cat, stack, split/unbind, constant padding; the
+in-place view ops (squeeze_, unsqueeze_, t_, transpose_).
 
 A split survives when the split dim keeps its identity (it may move); a dim that is
 sliced, concatenated along, squeezed or expanded cannot stay split. A reshape keeps a
@@ -12,9 +13,11 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from ..layout import balanced_split
 from ..sbp import Split, broadcast, partial_max, partial_sum
+from ..tensor import GlobalTensor
 from .registry import register
 
 aten = torch.ops.aten
@@ -97,6 +100,27 @@ def _kept_after_squeeze(call, in_shape):
         given = args[1] if isinstance(args[1], (list, tuple)) else [args[1]]
         dims = {_norm(d, ndim) for d in given if in_shape[_norm(d, ndim)] == 1}
     return [d for d in range(ndim) if d not in dims]
+
+
+def _inplace_view(func, functional):
+    """``x.squeeze_(0)`` and the other in-place view ops change a tensor's shape (torch's
+    matmul of a vector by a matrix squeezes its result in place): the GlobalTensor takes
+    the functional op's layout and part, then its wrapper's sizes and strides change as
+    torch changes a subclass's."""
+    def run(self, *args, **kwargs):
+        if not isinstance(self, GlobalTensor):
+            return NotImplemented
+        out = functional(self, *args, **kwargs)
+        self._local, self._layout, self._key = out._local, out._layout, out._key
+        return return_and_correct_aliasing(func, (self, *args), kwargs, self)
+    return run
+
+
+for _name in ("squeeze_", "unsqueeze_", "t_", "transpose_"):
+    _packet = getattr(aten, _name)
+    for _overload in _packet.overloads():
+        register(getattr(_packet, _overload), decompose=True)(
+            _inplace_view(getattr(_packet, _overload), getattr(aten, _name[:-1])))
 
 
 @register(aten.expand)
