@@ -206,19 +206,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             args.rdzv_timeout = timeout_seconds()
         except ValueError as e:
             _fail(str(e))
-    args.ps = None
-    if args.server_num is not None or args.worker_num is not None:
-        servers, workers = args.server_num, args.worker_num
-        if servers is None or workers is None:
-            _fail("--server_num and --worker_num go together (a parameter-server job needs both)")
-        if servers < 1 or workers < 1:
-            _fail(f"--server_num and --worker_num must be >= 1, got {servers} and {workers}")
-        if args.nnodes != 1:
-            _fail("parameter-server jobs (--server_num/--worker_num) run on one node (--nnodes 1)")
-        if args.nproc_per_node not in (None, servers + workers):
-            _fail(f"--nproc_per_node {args.nproc_per_node} disagrees with --server_num {servers} + "
-                  f"--worker_num {workers}; leave it out")
-        args.nproc_per_node, args.ps = servers + workers, (servers, workers)
+    _set_ps_roles(args)
     if args.nproc_per_node is None:
         args.nproc_per_node = 1
     log_dir = DEFAULT_LOG_ROOT if args.log_dir is None else args.log_dir  # the default's parent
@@ -246,6 +234,24 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         if bad:
             _fail(message)
     return args
+
+
+def _set_ps_roles(args: argparse.Namespace) -> None:
+    """``args.ps`` = (servers, workers) for a parameter-server job, else None."""
+    args.ps = None
+    if args.server_num is None and args.worker_num is None:
+        return
+    servers, workers = args.server_num, args.worker_num
+    if servers is None or workers is None:
+        _fail("--server_num and --worker_num go together (a parameter-server job needs both)")
+    if servers < 1 or workers < 1:
+        _fail(f"--server_num and --worker_num must be >= 1, got {servers} and {workers}")
+    if args.nnodes != 1:
+        _fail("parameter-server jobs (--server_num/--worker_num) run on one node (--nnodes 1)")
+    if args.nproc_per_node not in (None, servers + workers):
+        _fail(f"--nproc_per_node {args.nproc_per_node} disagrees with --server_num {servers} + "
+              f"--worker_num {workers}; leave it out")
+    args.nproc_per_node, args.ps = servers + workers, (servers, workers)
 
 
 def _local_world_size(value: Optional[str]) -> Optional[int]:
