@@ -1,7 +1,10 @@
 """Training equivalence: a small transformer-style block trained under several sbp
 layouts ends with the same parameters as single-process torch."""
+import copy
+import math
 import weakref
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -260,10 +263,47 @@ def check_kept_gradients_stay():
 
 
 
+def check_clip_grad_norm_across_placements():
+    # Two layers on two placements (no pipeline): clip_grad_norm_ over all of them gives
+    # the whole model's norm on every rank, with one all-reduce besides the reduction of
+    # the split gradients' statistics inside their placement, and clips every gradient.
+    world = gt.get_world_size()
+    first = gt.placement("cpu", list(range(world // 2)))
+    second = gt.placement("cpu", list(range(world // 2, world)))
+    rank = gt.get_rank()
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(),
+                                    torch.nn.Linear(6, 3))
+    x = torch.randn(5, 4)
+    for norm_type, foreach in ((2.0, None), (1.0, False), (math.inf, True), (3.0, None)):
+        model = copy.deepcopy(reference)
+        gt.nn.to_global(model[0], first, gt.sbp.split(0))
+        gt.nn.to_global(model[2], second, gt.sbp.broadcast)
+        h = torch.tanh(model[0](gt.tensor(x, placement=first, sbp=gt.sbp.broadcast)))
+        model[2](h.to_global(second, gt.sbp.broadcast)).square().sum().backward()
+        plain = copy.deepcopy(reference)
+        plain(x).square().sum().backward()
+        with gt.debug.comm_stats() as stats:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1, norm_type,
+                                                  foreach=foreach)
+        want = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.1, norm_type)
+        assert norm.placement == gt.placement.all("cpu"), norm.placement
+        assert abs(norm.item() - want.item()) <= 1e-5 * want.item(), (norm_type, norm, want)
+        inside = 1 if rank in first and first.size > 1 else 0  # the split layer's reduction
+        assert stats.calls["all_reduce"] == 1 + inside == stats.total_calls, (norm_type, stats)
+        for p, q in zip(model.parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad.full(), q.grad, rtol=1e-5, atol=1e-7)
+    if rank in second:  # an infinite gradient on one placement: every rank refuses
+        model[2].bias.grad.local_[0] = math.inf
+    with pytest.raises(RuntimeError, match="non-finite"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1, error_if_nonfinite=True)
+
+
 CHECKS = ["check_data_parallel", "check_tensor_parallel",
           "check_vocab_parallel_loss_does_not_gather_logits", "check_op_without_rule_falls_back",
           "check_gradient_accumulation_with_no_sync", "check_strides_follow_torch",
-          "check_load_state_dict_after_to_global", "check_kept_gradients_stay"]
+          "check_load_state_dict_after_to_global", "check_kept_gradients_stay",
+          "check_clip_grad_norm_across_placements"]
 
 
 test_world2, test_world4 = checks_in_worlds(__name__, CHECKS, ["check_hybrid_2d"])

@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -19,8 +20,9 @@ import torch
 from .. import comm
 from ..layout import Layout
 from ..placement import Placement
-from ..sbp import Partial, Split, broadcast
-from ..tensor import GlobalTensor, override_function, relayout, to_layout
+from ..sbp import Broadcast, Partial, Split, broadcast
+from ..tensor import (GlobalTensor, device_of, override_function, relayout, to_layout,
+                      wrap_local)
 from .registry import register
 
 aten = torch.ops.aten
@@ -109,16 +111,95 @@ def _local_stat(x: torch.Tensor, ord: float, dtype) -> torch.Tensor:
 
 
 def total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-    """``clip_grad_norm_`` / ``get_total_norm`` with ``foreach=False`` over GlobalTensors:
-    the per-tensor path would reduce each split gradient's norm in its own collective;
-    the ``_foreach_norm`` path gives the same values with one reduction (``foreach_norm``)."""
-    if foreach is not False:
-        return NotImplemented
-    return _get_total_norm.__wrapped_by_globaltensor__(tensors, norm_type, error_if_nonfinite,
-                                                       None)
+    """``clip_grad_norm_`` / ``get_total_norm`` over GlobalTensors. On one placement:
+    torch's own code, whose ``_foreach_norm`` reduces every split tensor's statistic in
+    one collective (``foreach_norm``; also for ``foreach=False``, whose per-tensor path
+    would reduce each in its own). On several placements (pipeline stages): each
+    tensor's norm on its placement, then one all-reduce of them all among every rank of
+    the world, so the result is a 0-d broadcast GlobalTensor on the world: every rank
+    reads it and clips by it (a collective: call it on every rank).
+
+    >>> norm = torch.nn.utils.clip_grad_norm_(stage0_params + stage1_params, 1.0)  # doctest: +SKIP
+    >>> norm.item()          # the whole model's norm, on every rank              # doctest: +SKIP
+    """
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    original = _get_total_norm.__wrapped_by_globaltensor__
+    if len({t.placement for t in tensors if isinstance(t, GlobalTensor)}) > 1:
+        return _total_across_placements(tensors, float(norm_type), error_if_nonfinite)
+    return original(tensors, norm_type, error_if_nonfinite, None if foreach is False else foreach)
+
+
+def _total_across_placements(tensors, ord: float, error_if_nonfinite: bool) -> GlobalTensor:
+    """The norm of the norms of ``tensors`` (GlobalTensors on several placements, or
+    plain ones), as torch computes it, on every rank: the first rank of each tensor's
+    placement contributes its norm, the other ranks zeros, to one all-reduce."""
+    glob = [t for t in tensors if isinstance(t, GlobalTensor)]
+    world = Placement.all(glob[0].placement.type)
+    norms = {id(t): relayout(n, (broadcast,) * n.placement.ndim)
+             for t, n in zip(glob, foreach_norm(glob, ord))}
+    dtype = functools.reduce(torch.promote_types, (n.dtype for n in norms.values()))
+    mine = torch.zeros(len(tensors), dtype=dtype, device=device_of(world))
+    rank = comm.get_rank()
+    for i, t in enumerate(tensors):
+        if not isinstance(t, GlobalTensor):  # the same whole value on every rank
+            if rank == world.flat_ranks[0]:
+                mine[i] = torch.linalg.vector_norm(t, ord)
+        elif rank == t.placement.flat_ranks[0]:
+            mine[i] = norms[id(t)].local_
+    every = relayout(GlobalTensor(mine, Layout.make(mine.shape, world, (Partial("sum"),))),
+                     (broadcast,), donate=True).local_
+    total = torch.linalg.vector_norm(every, ord)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"The total norm of order {ord} for gradients from `parameters` is non-finite, "
+            f"so it cannot be clipped. To disable this error and scale the gradients by "
+            f"the non-finite norm anyway, set `error_if_nonfinite=False`")
+    return GlobalTensor(total, Layout.make((), world, (broadcast,)))
+
+
+def clip_grads_with_norm(parameters, max_norm, total_norm, foreach=None):
+    """``clip_grads_with_norm_`` (and ``clip_grad_norm_``'s clipping step) with gradients
+    on several placements, or on another placement than ``total_norm``: torch's own
+    clipping runs once per placement, with ``total_norm`` there (taken from this rank's
+    copy where it holds the whole value, else boxed)."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    original = _clip_grads_with_norm_.__wrapped_by_globaltensor__
+    groups: dict = {}
+    for p in params:
+        g = p.grad
+        if g is not None:
+            groups.setdefault(g.placement if isinstance(g, GlobalTensor) else None, []).append(p)
+    here = total_norm.placement if isinstance(total_norm, GlobalTensor) else None
+    if set(groups) <= {here}:
+        return original(params, max_norm, total_norm, foreach)
+    for placement, members in groups.items():
+        original(members, max_norm, _norm_on(total_norm, placement), foreach)
+    return None
+
+
+def _norm_on(norm, placement: Placement | None):
+    """``norm`` (a 0-d tensor) where gradients on ``placement`` (None: plain ones) can
+    use it: a plain norm as it is (the same on every rank); a GlobalTensor's copy on
+    this rank when every rank of ``placement`` holds the whole value, else boxed."""
+    if not isinstance(norm, GlobalTensor):
+        return norm
+    whole = all(isinstance(s, Broadcast) for s in norm.sbp)
+    if placement is None:
+        if not whole or comm.get_rank() not in norm.placement:
+            raise ValueError(f"plain gradients cannot be clipped on rank {comm.get_rank()} "
+                             f"by a total norm it does not hold whole ({norm.placement}, "
+                             f"{norm.sbp})")
+        return norm.local_
+    layout = Layout.make((), placement, (broadcast,) * placement.ndim)
+    if whole and set(placement.flat_ranks) <= set(norm.placement.flat_ranks):
+        return wrap_local(norm.local_, layout)
+    return to_layout(relayout(norm, (broadcast,) * norm.placement.ndim), layout)
 
 
 _clip_grad = torch.nn.utils.clip_grad
 override_function(_clip_grad, "_get_total_norm", total_norm)   # clip_grad_norm_ calls it
+override_function(_clip_grad, "_clip_grads_with_norm_", clip_grads_with_norm)
 _get_total_norm = _clip_grad._get_total_norm
+_clip_grads_with_norm_ = _clip_grad._clip_grads_with_norm_
 torch.nn.utils.get_total_norm = _get_total_norm
+torch.nn.utils.clip_grads_with_norm_ = _clip_grads_with_norm_
