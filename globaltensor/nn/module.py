@@ -6,6 +6,8 @@ pieces, a scatter, not a broadcast of the whole). A module on the meta device ha
 values: each rank allocates only its part, and ``reset_parameters()`` or
 ``torch.nn.init.*_`` then fill it (random values are generated locally). A tensor held
 by several modules (tied weights) becomes one GlobalTensor held by all of them.
+Every converted module runs its forward inside ``gt.implicit_broadcast()``, so the plain
+tensors a forward builds (position ids, masks) count as broadcast.
 """
 from __future__ import annotations
 
@@ -14,10 +16,12 @@ from typing import Callable, Iterator, Union
 import torch
 
 from .. import comm
+from ..dispatch import implicit_broadcast
 from ..layout import Layout
 from ..placement import Placement
 from ..sbp import broadcast
 from ..tensor import GlobalTensor, device_of, empty_local, to_layout
+from .meta import check_meta_buffers
 
 SbpChoice = Union[object, Callable[[str, torch.Tensor], object]]
 
@@ -39,7 +43,10 @@ def to_global(module: torch.nn.Module, placement: Placement, sbp: SbpChoice) -> 
     rank (each rank receives only its part), or, for a module on the meta device,
     uninitialised (each rank allocates only its part; call ``reset_parameters()`` or
     ``torch.nn.init`` next). ``sbp`` is one sbp (or tuple) for all, or a callable
-    ``(qualified name, tensor) -> sbp``. Tied tensors stay one tensor. Returns ``module``.
+    ``(qualified name, tensor) -> sbp``. Tied tensors stay one tensor. Its forward (and
+    that of every submodule) then takes the plain tensors it builds, e.g.
+    ``torch.arange`` position ids or masks, as broadcast (``gt.implicit_broadcast()``).
+    Returns ``module``.
 
     >>> gt.nn.to_global(model, p, lambda name, t: gt.sbp.split(0) if name == "0.weight"
     ...                 else gt.sbp.broadcast)                          # doctest: +SKIP
@@ -56,6 +63,7 @@ def to_global(module: torch.nn.Module, placement: Placement, sbp: SbpChoice) -> 
     # Check every layout first: bad input raises on every rank before any communication.
     converted: dict = {}   # id(old tensor) -> (old tensor, layout)
     slots = list(tensor_slots(module))
+    check_meta_buffers(module, slots)
     for qualified, _, _, _, t in slots:
         if id(t) not in converted:
             converted[id(t)] = (t, Layout.make(t.shape, placement, choose(qualified, t)))
@@ -66,7 +74,38 @@ def to_global(module: torch.nn.Module, placement: Placement, sbp: SbpChoice) -> 
         converted[key] = (t, value)
     for _, sub, kind, name, t in slots:
         getattr(sub, kind)[name] = converted[id(t)][1]
+    for sub in module.modules():
+        forward_in_implicit_broadcast(sub)
     return module
+
+
+def forward_in_implicit_broadcast(module: torch.nn.Module) -> None:
+    """Run ``module``'s forward inside ``gt.implicit_broadcast()`` (hooks registered once;
+    the scope closes when forward returns or raises). SPMD code builds the same plain
+    tensors on every rank; ``gt.debug.check_consistency()`` verifies that it does."""
+    if _open_scope not in module._forward_pre_hooks.values():
+        module.register_forward_pre_hook(_open_scope, prepend=True)
+        module.register_forward_hook(_close_scope, always_call=True)
+
+
+# (module, entered implicit_broadcast context) of every forward running now, innermost last
+_scopes: list = []
+
+
+def _open_scope(module, args):
+    # Compiled code skips the scope: dynamo would defer the counter change past the
+    # trace that reads it (wrap the compiled call in gt.implicit_broadcast() instead).
+    if not torch.compiler.is_compiling():
+        scope = implicit_broadcast()
+        scope.__enter__()
+        _scopes.append((module, scope))
+
+
+def _close_scope(module, args, output):
+    # Runs also when forward raised, or when a pre-hook ran before ours raised: then
+    # the innermost scope is not this module's and stays open for its own module.
+    if _scopes and _scopes[-1][0] is module:
+        _scopes.pop()[1].__exit__(None, None, None)
 
 
 def globalize(t: torch.Tensor, layout: Layout) -> GlobalTensor:
