@@ -173,6 +173,21 @@ class GlobalTensor(torch.Tensor):
         from .checkpoint import DCP_HINT
         raise TypeError(f"a GlobalTensor cannot be pickled: {DCP_HINT}")
 
+    # No storage of its own: code outside torch reading raw memory (safetensors,
+    # save_pretrained) gets an error pointing to gt.nn.full_state_dict instead of an
+    # invalid storage; torch itself (deepcopy, torch.compile) handles wrapper subclasses.
+    def untyped_storage(self):
+        from .nn.state import raw_memory
+        return raw_memory("untyped_storage", super().untyped_storage)
+
+    def storage(self):
+        from .nn.state import raw_memory
+        return raw_memory("storage", super().storage)
+
+    def data_ptr(self):
+        from .nn.state import raw_memory
+        return raw_memory("data_ptr", super().data_ptr)
+
     # --- torch.distributed.checkpoint's tensor-subclass protocol, and DTensor ----------
     def __create_write_items__(self, fqn: str, object) -> list:
         from .checkpoint import create_write_items
