@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import comm, gradsync
+from .advice import dtensor_operand_error, is_dtensor
 from .boxing import plan_route
 from .layout import Layout
 from .parts import identity_value
@@ -83,8 +84,8 @@ def _key_of(leaf):
         # Learning rates, bias corrections, scales: new values every step; keying on the
         # value grew the cache by one entry per parameter per step.
         return float
-    if isinstance(leaf, torch.Tensor):
-        return "t", tuple(leaf.shape), leaf.dtype, leaf.device.type
+    if isinstance(leaf, torch.Tensor):  # its class: a DTensor is refused, a plain one not
+        return "t", leaf.__class__, tuple(leaf.shape), leaf.dtype, leaf.device.type
     if isinstance(leaf, list):
         return tuple(leaf)  # sizes and dims; a list holding anything unhashable raises
     if isinstance(leaf, (dict, set)):
@@ -198,6 +199,8 @@ def _plain_as_broadcast(t: torch.Tensor, leaves, func) -> GlobalTensor:
     """A plain operand taken as broadcast on the op's placement: inside
     ``implicit_broadcast()``, or a tensor a backward formula built (zeros to scatter
     into, an index), which is the same on every rank."""
+    if is_dtensor(t):
+        raise dtensor_operand_error(func)
     placement = next(x.placement for x in leaves if type(x) is GlobalTensor)
     layout = Layout.make(t.shape, placement, (broadcast,) * placement.ndim)
     rank = comm.get_rank()
@@ -351,6 +354,8 @@ def _check_inputs(func, leaves, gidx):
                 f"{func}: inputs are on different placements ({placement} and "
                 f"{leaves[i].placement}); move them onto one with x.to_global(placement=...)")
     for x in leaves:
+        if isinstance(x, torch.Tensor) and not isinstance(x, GlobalTensor) and is_dtensor(x):
+            raise dtensor_operand_error(func)
         if isinstance(x, torch.Tensor) and not isinstance(x, GlobalTensor) and x.numel() > 1:
             raise ValueError(
                 f"{func}: mixes a GlobalTensor with a plain tensor of shape {tuple(x.shape)}; "
