@@ -11,7 +11,9 @@ first argument's layout. ``_foreach_*`` ops run as one call on the local parts w
 their per-tensor op is pointwise and the tensors at each index share a layout without
 partials (optimizer steps), else element by element (``_foreach_norm`` has its own
 decomposition: one collective for all partial norms); some ops decompose into other
-global ops when their data spans ranks (softmax over a split dim, ...).
+global ops when their data spans ranks (softmax over a split dim, ...). A 0-d output
+that the chosen signature makes partial (a loss, ``x.sum()`` over split rows) is
+reduced to broadcast at once, outside backward, so any one rank can read it.
 
 This module and tensor.py read GlobalTensor's fields (``_local``, ``_layout``) directly:
 this is the per-op hot path, where a property call per operand is measurable.
@@ -30,7 +32,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import comm, gradsync
+from . import comm, gradsync, reads
 from .advice import dtensor_operand_error, is_dtensor
 from .boxing import plan_route
 from .layout import Layout
@@ -38,8 +40,8 @@ from .parts import identity_value
 from .placement import Placement
 from .rules import Call, LocalCtx, flatten_args, lookup, lookup_decomposition, unflatten_args
 from .sbp import Partial, Split, broadcast
-from .tensor import (GlobalTensor, box, device_of, empty_local, install_dispatcher, relayout,
-                     wrap_part)
+from .tensor import (GlobalTensor, box, device_of, empty_local, gradient_layout,
+                     install_dispatcher, wrap_part)
 
 aten = torch.ops.aten
 
@@ -63,6 +65,8 @@ class Decision:
     out_consts: tuple = ()    # per output leaf: its value from the meta run when it is not
                               # a tensor (None gradients, sizes): what ranks outside give
     by_value: bool = False    # depends on the values of float arguments, not only types
+    reduced: tuple = ()       # per output leaf: the partial layout a 0-d output is computed
+                              # in before it is reduced to broadcast (None: it is not)
 
 
 # Decisions by (op, argument spec, per leaf: a GlobalTensor's layout and dtype, a plain
@@ -324,21 +328,12 @@ def _foreach_is_local(func, args) -> bool:
     return True
 
 
-def _whole(x: GlobalTensor) -> torch.Tensor:
-    """The whole value on every rank of the world: a collective unless ``x`` is already
-    broadcast to every rank (a property of the layout, so all ranks agree on it)."""
-    everyone = Placement(x.placement.type, list(range(comm.get_world_size())))
-    nd_b = (broadcast,) * x.placement.ndim
-    if x.sbp == nd_b and x.placement.size == everyone.size:
-        return x._local
-    return relayout(x, (broadcast,), everyone)._local
-
-
-# Ops that return a Python value: every rank of the world gets the global answer.
+# Ops that return a Python value (``reads.py``): a broadcast tensor's copy on this rank,
+# else gathered by the ranks of its placement.
 _VALUE_OPS = {
-    aten._local_scalar_dense.default: lambda x: _whole(x).item(),
-    aten.equal.default: lambda a, b: a.shape == b.shape and bool(_whole(a).equal(_whole(b))),
-    aten.is_nonzero.default: lambda x: bool(_whole(x).item()),
+    aten._local_scalar_dense.default: lambda x: reads.item(x, "float(x) (or int(x))"),
+    aten.equal.default: reads.equal,
+    aten.is_nonzero.default: lambda x: bool(reads.item(x, "bool(x) (or `if x:`)")),
 }
 
 
@@ -434,6 +429,7 @@ def _decide(func, leaves, spec) -> Decision:
     out_layouts = [None] * len(out_leaves)
     for i, s in zip(out_tensors, outs):
         out_layouts[i] = Layout.make(out_leaves[i].shape, placement, s)
+    reduced = _reduced_scalars(func, out_layouts, inplace)
     dtypes = tuple(getattr(o, "dtype", None) for o in out_leaves)
     rank = comm.get_rank()
     shortcut = (not inplace and all(isinstance(o, torch.Tensor) for o in out_leaves)
@@ -447,15 +443,34 @@ def _decide(func, leaves, spec) -> Decision:
         dataclasses.replace(call, inputs=[meta_leaves[i] for i in gidx], leaves=meta_leaves),
         tuple(targets), tuple(l for l in out_layouts if l is not None), rank)
     direct = (single and not inplace and not fallback and local is None and not shortcut
-              and spec.__class__ is tuple and rank in placement
+              and not reduced and spec.__class__ is tuple and rank in placement
               and all(leaves[i]._layout == t for i, t in zip(gidx, targets)))
     # A non-tensor output of a meta run depends on metadata only (meta tensors hold no
     # data), so it is every rank's answer, also where the op does not run.
     consts = tuple(None if isinstance(o, torch.Tensor) else o for o in out_leaves)
     by_value = local is not None or any(v.__class__ is float for v in call._named.values())
+    if reduced:
+        out_layouts = [l if r is None else gradient_layout(l)
+                       for l, r in zip(out_layouts, reduced)]
     return Decision(tuple(targets), tuple(out_layouts), dtypes, out_spec, inplace, fallback,
                     local, ctx, shortcut, tuple(gidx), single,
-                    strides, func._op if direct else None, consts, by_value)
+                    strides, func._op if direct else None, consts, by_value, reduced)
+
+
+def _reduced_scalars(func, out_layouts: list, inplace: bool) -> tuple:
+    """Which outputs are 0-d partials (a loss, ``x.sum()`` over split rows), reduced to
+    broadcast as soon as the op made them: their layouts, per output leaf (None for the
+    others), or () when there are none. A broadcast scalar reads without communication
+    on any one rank (``if rank == 0: log(loss.item())``), where a partial one needs every
+    rank of the placement; reducing it costs one tiny all-reduce, which its first read
+    would have run anyway. Not for views or in-place ops, which must keep their base's
+    or target's layout (and memory)."""
+    if inplace or not any(l is not None and not l.shape and l.partial_axes for l in out_layouts):
+        return ()
+    if any(r.alias_info is not None for r in func._schema.returns):
+        return ()
+    return tuple(l if l is not None and not l.shape and l.partial_axes else None
+                 for l in out_layouts)
 
 
 # Moving a parameter costs more than its bytes once: its gradient comes back the same
@@ -529,8 +544,9 @@ def _run(func, decision: Decision, leaves, spec):
     if inside and decision.empty_shortcut:
         # This rank holds no part of some input: it contributes the identity of each
         # (partial or empty) output, which some kernels refuse to compute from nothing.
-        out = tree_unflatten([_identity(layout, dtype, rank)
-                              for layout, dtype in zip(decision.out_layouts, decision.out_dtypes)],
+        computed = decision.reduced or decision.out_layouts
+        out = tree_unflatten([_identity(r or layout, dtype, rank) for layout, r, dtype
+                              in zip(decision.out_layouts, computed, decision.out_dtypes)],
                              decision.out_spec)
     elif inside:
         args, kwargs = unflatten_args(local_leaves, spec)
@@ -543,6 +559,8 @@ def _run(func, decision: Decision, leaves, spec):
     if decision.inplace:
         return leaves[0]
     like = None if inside else leaves[gidx[0]]._local  # empty parts are made from it
+    if decision.reduced:
+        return _wrap_reduced(func, decision, out, inside, like)
     if decision.single:  # one tensor out: skip the pytree round trip
         layout = decision.out_layouts[0]
         return wrap_part(out if inside else empty_local(layout, decision.out_dtypes[0], like),
@@ -561,6 +579,48 @@ def _run(func, decision: Decision, leaves, spec):
         else:
             wrapped.append(o if inside else const)
     return tree_unflatten(wrapped, out_spec)
+
+
+def _wrap_reduced(func, decision: Decision, out, inside: bool, like):
+    """The outputs of a decision with 0-d partial outputs, those reduced to broadcast:
+    one all-reduce per (layout, dtype) among them. In backward they stay partial: there
+    a scalar's partial gradient (of a 0-d parameter) joins the bucketed gradient sync,
+    or stays local under ``no_sync()``, as any other."""
+    if inside:
+        out_leaves = [out] if decision.single else tree_flatten(out)[0]
+    else:
+        out_leaves = [None] * len(decision.out_layouts)
+    layouts = list(decision.out_layouts)
+    if _in_backward():
+        layouts = [layout if r is None else r for layout, r in zip(layouts, decision.reduced)]
+    elif inside:
+        together: dict = {}
+        for k, r in enumerate(decision.reduced):
+            if r is not None:
+                together.setdefault((r, decision.out_dtypes[k]), []).append(k)
+        for (src, _), ks in together.items():
+            for k, local in zip(ks, _reduce_together([out_leaves[k] for k in ks], src, func)):
+                out_leaves[k] = local
+    wrapped = []
+    for o, layout, dtype, strides, const in zip(out_leaves, layouts, decision.out_dtypes,
+                                                decision.out_strides, decision.out_consts):
+        if layout is None:
+            wrapped.append(o if inside else const)
+        else:
+            wrapped.append(wrap_part(o if inside else empty_local(layout, dtype, like), layout,
+                                     strides))
+    return wrapped[0] if decision.single else tree_unflatten(wrapped, decision.out_spec)
+
+
+def _reduce_together(scalars: list, src: Layout, why) -> list:
+    """0-d partial parts of one layout and dtype, reduced to broadcast in one collective."""
+    dst = gradient_layout(src)
+    if len(scalars) == 1:
+        return [box(scalars[0], src, dst, donate=True, why=why)]
+    n = len(scalars)
+    stacked = box(torch.stack(scalars), Layout.make((n,), src.placement, src.sbp),
+                  Layout.make((n,), dst.placement, dst.sbp), donate=True, why=why)
+    return [stacked[k] for k in range(n)]  # selects: unbind would trace as getitem calls
 
 
 def _inplace_via_functional(func, leaves, spec):

@@ -40,16 +40,28 @@ def get_local_rank() -> int:
     return _int_var("LOCAL_RANK", 0)
 
 
-def timeout_seconds() -> float:
-    """Collective timeout, ``GLOBALTENSOR_TIMEOUT`` seconds (default 300)."""
-    value = os.environ.get("GLOBALTENSOR_TIMEOUT", "300")
+def _seconds_var(name: str, default: str) -> float:
+    value = os.environ.get(name, default)
     try:
         seconds = float(value)
     except ValueError:
-        raise ValueError(f"GLOBALTENSOR_TIMEOUT={value!r} is not a number of seconds") from None
+        raise ValueError(f"{name}={value!r} is not a number of seconds") from None
     if seconds <= 0:
-        raise ValueError(f"GLOBALTENSOR_TIMEOUT must be positive, got {value!r}")
+        raise ValueError(f"{name} must be positive, got {value!r}")
     return seconds
+
+
+def timeout_seconds() -> float:
+    """Collective timeout, ``GLOBALTENSOR_TIMEOUT`` seconds (default 300)."""
+    return _seconds_var("GLOBALTENSOR_TIMEOUT", "300")
+
+
+def read_timeout_seconds() -> float:
+    """How long the ranks of a read that communicates (``x.item()`` of a split tensor)
+    wait for each other before it fails: ``GLOBALTENSOR_READ_TIMEOUT`` seconds
+    (default 10). A read called on some ranks only then fails in seconds, not after
+    the collective timeout; a rank that reaches the read later than this fails too."""
+    return _seconds_var("GLOBALTENSOR_READ_TIMEOUT", "10")
 
 
 def debug_enabled() -> bool:

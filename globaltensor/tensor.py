@@ -160,14 +160,25 @@ class GlobalTensor(torch.Tensor):
         everyone = Placement(self.placement.type, list(range(comm.get_world_size())))
         return self.to_global(everyone, (_broadcast(),)).to_local()
 
-    def numpy(self):
-        return self.full().detach().cpu().numpy()
+    # Reads (``reads.py``): a broadcast tensor's copy here, without communication.
+    def numpy(self, *, force: bool = False):
+        from .reads import numpy
+        return numpy(self, force)
 
     def tolist(self):
-        return self.full().tolist()
+        from .reads import tolist
+        return tolist(self)
 
     def item(self):
-        return self.full().item()
+        from .reads import item
+        return item(self)
+
+    def __format__(self, format_spec: str) -> str:
+        # As torch's for a 0-d tensor (f"{loss:.4f}"), which skips subclasses.
+        if self.dim() == 0 and format_spec:
+            from .reads import item
+            return format(item(self, f"f\"{{x:{format_spec}}}\""), format_spec)
+        return object.__format__(self, format_spec)
 
     def __reduce_ex__(self, protocol):
         from .checkpoint import DCP_HINT

@@ -4,10 +4,11 @@ from .collectives import (all_gather_async, all_gather_into, all_gather_ints, al
                           tracing)
 from .groups import get_group, init, local_device
 from .guard import CollectiveError, DivergenceError, activity, agree, check_mode, checking
+from .meet import meet
 from .stats import CommCounter
 
 __all__ = ["all_gather_async", "all_gather_into", "all_gather_ints", "all_reduce_", "all_reduce_async",
            "all_to_all_single", "batched_p2p", "broadcast_", "start_p2p",
            "tracing", "get_rank",
            "get_world_size", "get_group", "init", "local_device", "CommCounter", "CollectiveError", "DivergenceError",
-           "activity", "agree", "check_mode", "checking"]
+           "activity", "agree", "check_mode", "checking", "meet"]

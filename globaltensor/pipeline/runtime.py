@@ -118,8 +118,8 @@ class Pipeline:
     # --- public -------------------------------------------------------------------
     def step(self, x, target) -> GlobalTensor:
         """Forward and backward of every micro-batch in schedule order; parameter
-        ``.grad`` accumulates the gradient of the whole batch's loss. Returns that loss
-        (a GlobalTensor on the last stage's placement)."""
+        ``.grad`` accumulates the gradient of the whole batch's loss. Returns that loss,
+        broadcast on every rank of the pipeline (each reads it without communication)."""
         if self.loss_fn is None:
             raise ValueError("Pipeline.step needs a loss_fn")
         if _rows(target) != _rows(x):
@@ -161,8 +161,14 @@ class Pipeline:
         if train:  # the summed loss; ranks without it build its metadata
             layout = routes[-1].loss
             if comm.get_rank() in layout.placement:
-                return functools.reduce(torch.add, results)
-            return GlobalTensor(empty_local(layout, routes[-1].dtype), layout)
+                loss = functools.reduce(torch.add, results)
+            else:
+                loss = GlobalTensor(empty_local(layout, routes[-1].dtype), layout)
+            # to every rank of the pipeline, so that each can read it without
+            # communication: `if rank == 0: log(loss.item())` with rank 0 in stage 0
+            everyone = Placement(layout.placement.type,
+                                 sorted({r for p in self.workers for r in p.flat_ranks}))
+            return loss.to_global(everyone, broadcast)
         outs = results if results is not None and comm.get_rank() in self.placements[-1] \
             else [GlobalTensor(empty_local(r.outs[-1], r.dtype), r.outs[-1])
                   for r in routes]
