@@ -174,8 +174,21 @@ def check_read_needs_only_the_ranks_holding_its_parts():
             assert x.tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
+def check_ops_that_read_values_run_on_ranks_outside():
+    # F.one_hot counts the classes from the values; ranks 2 and 3, outside the
+    # placement, run the op too and need the count for the output shape
+    import torch
+    import torch.nn.functional as F
+    import globaltensor as gt
+    idx = gt.tensor(torch.tensor([0, 3, 1]), placement=gt.placement("cpu", [0, 1]),
+                    sbp=gt.sbp.split(0))
+    out = F.one_hot(idx)
+    assert out.shape == (3, 4), out.shape
+
+
 CHECKS = ["check_loss_is_broadcast_and_read_on_one_rank", "check_broadcast_reads_on_one_rank",
           "check_split_read_on_some_ranks_fails_fast", "check_read_after_the_others_gave_up_fails",
           "check_pipeline_loss_read_on_rank_0"]
 test_world2, test_world4 = checks_in_worlds(__name__, CHECKS,
-                                            ["check_read_needs_only_the_ranks_holding_its_parts"])
+                                            ["check_read_needs_only_the_ranks_holding_its_parts",
+                                             "check_ops_that_read_values_run_on_ranks_outside"])

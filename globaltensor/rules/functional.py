@@ -34,7 +34,9 @@ def one_hot(indices, num_classes: int = -1):
     if not isinstance(indices, GlobalTensor):
         return NotImplemented
     if num_classes < 0:
-        num_classes = int(indices.max().item()) + 1
+        # every rank learns the count, also one outside the placement (SPMD: the op
+        # runs there too and needs the output shape): full(), not a read
+        num_classes = int(indices.max().full().item()) + 1
     check_index_range(indices, num_classes, "one_hot", error=RuntimeError)
     classes = _whole(torch.arange(num_classes), indices)
     return (indices.unsqueeze(-1) == classes).long()
