@@ -110,7 +110,8 @@ def _local_stat(x: torch.Tensor, ord: float, dtype) -> torch.Tensor:
     return norm if ord in (0.0, 1.0, math.inf) else norm.pow(ord)
 
 
-def total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+def total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+               foreach: bool | None = None) -> torch.Tensor:
     """``clip_grad_norm_`` / ``get_total_norm`` over GlobalTensors. On one placement:
     torch's own code, whose ``_foreach_norm`` reduces every split tensor's statistic in
     one collective (``foreach_norm``; also for ``foreach=False``, whose per-tensor path
@@ -157,7 +158,8 @@ def _total_across_placements(tensors, ord: float, error_if_nonfinite: bool) -> G
     return GlobalTensor(total, Layout.make((), world, (broadcast,)))
 
 
-def clip_grads_with_norm(parameters, max_norm, total_norm, foreach=None):
+def clip_grads_with_norm(parameters, max_norm: float, total_norm: torch.Tensor,
+                         foreach: bool | None = None) -> None:
     """``clip_grads_with_norm_`` (and ``clip_grad_norm_``'s clipping step) with gradients
     on several placements, or on another placement than ``total_norm``: torch's own
     clipping runs once per placement, with ``total_norm`` there (taken from this rank's
