@@ -350,7 +350,7 @@ def test_log_dir_symlinks_are_refused(tmp_path: Path) -> None:
 
 def test_logs_are_opened_without_following_links(tmp_path: Path) -> None:
     """The open itself refuses links (a link planted after the up-front check)."""
-    from globaltensor.launch_logs import LaunchError, make_logs_specs as _make_logs_specs
+    from globaltensor.launch.logs import LaunchError, make_logs_specs as _make_logs_specs
 
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
@@ -430,7 +430,7 @@ def test_two_standalone_jobs_in_one_directory_keep_their_own_logs(tmp_path: Path
 @pytest.mark.timeout(60)
 def test_an_explicit_log_dir_is_refused_while_a_job_writes_there(tmp_path: Path, capsys) -> None:
     from globaltensor.launch import main
-    from globaltensor.launch_logs import LaunchError, lock_log_dir
+    from globaltensor.launch.logs import LaunchError, lock_log_dir
 
     log_dir, fifo = tmp_path / "shared", tmp_path / "fifo"
     os.mkfifo(fifo)
@@ -456,7 +456,7 @@ def test_an_explicit_log_dir_is_refused_while_a_job_writes_there(tmp_path: Path,
 
 
 def test_new_run_dirs_are_unique_and_latest_follows(tmp_path: Path, monkeypatch, capsys) -> None:
-    from globaltensor.launch_logs import LaunchError, lock_log_dir, new_run_dir
+    from globaltensor.launch.logs import LaunchError, lock_log_dir, new_run_dir
 
     monkeypatch.chdir(tmp_path)
     made = [new_run_dir("log") for _ in range(3)]  # same second, same pid
@@ -524,6 +524,97 @@ def test_standalone_and_nproc_auto_are_parsed_as_torchrun(tmp_path: Path, monkey
         with pytest.raises(SystemExit):
             parse_args(argv)
         assert message in capsys.readouterr().err
+
+
+# --- the launcher package: one room per concern ----------------------------------------
+
+def test_a_new_option_is_one_row_of_the_table_in_cli(tmp_path: Path, monkeypatch) -> None:
+    """The parser, both spellings and the split between the launcher's arguments and the
+    script's come from cli.OPTIONS: a new flag does not swallow the script as its value."""
+    from globaltensor.launch import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "OPTIONS", (*cli.OPTIONS, cli.Option("dry_run", "only print", flag=True),
+                                         cli.Option("retry_after", "seconds", type=float, default=1.0)))
+    script = str(SCRIPTS / "hold.py")
+    args = cli.parse_args(["--dry-run", "--retry_after", "2.5", script, "--dry_run"])
+    assert (args.dry_run, args.retry_after, args.script, args.script_args) == (True, 2.5, script, ["--dry_run"])
+    args = cli.parse_args(["--retry-after=4", script])
+    assert (args.dry_run, args.retry_after, args.script_args) == (False, 4.0, [])
+    assert "--dry_run, --dry-run" in cli.build_parser().format_help()
+
+
+def test_every_launcher_option_is_in_the_readme_table() -> None:
+    """README's launcher table lists every option of the parser, and nothing else (the
+    dash spellings are covered by one sentence there)."""
+    from globaltensor.launch.cli import build_parser
+
+    section = (REPO / "README.md").read_text().split("<!-- launching:start -->")[1].split("<!-- launching:end -->")[0]
+    documented = {name for row in section.splitlines() if row.startswith("| `")
+                  for name in re.findall(r"`(-[^`]+)`", row.split("|")[1])}
+    options = {spelling for action in build_parser()._actions for spelling in action.option_strings
+               if "-" not in spelling.lstrip("-")} - {"-h", "--help"}
+    assert options == documented, (f"not in the README table: {sorted(options - documented)}; "
+                                   f"in the table, not an option: {sorted(documented - options)}")
+
+
+def test_worker_boot_runs_the_target_as_python_would(tmp_path: Path) -> None:
+    """launch/boot.py alone (no agent, no torch): stderr merged into stdout in order, the
+    script's argv and sys.path[0], the parameter-server role, nothing imported before the
+    script, exit codes, and a traceback that starts at the script."""
+    from globaltensor.launch import boot
+
+    (tmp_path / "prog.py").write_text(
+        "import os, sys\n"
+        "print('argv', sys.argv[1:], sys.path[0] == os.path.dirname(os.path.abspath(__file__)), flush=True)\n"
+        "print('role', os.environ.get('GLOBALTENSOR_PS_ROLE'), os.environ.get('GLOBALTENSOR_PS_RANK'),\n"
+        "      file=sys.stderr, flush=True)\n"
+        "print('loaded', sorted({'torch', 'globaltensor'} & set(sys.modules)), flush=True)\n"
+        "def fails():\n"
+        "    raise ValueError('from prog')\n"
+        "if sys.argv[1] == 'raise':\n"
+        "    fails()\n"
+        "sys.exit(int(sys.argv[1]))\n")
+    env = {**os.environ, "GLOBALTENSOR_LAUNCHER_PID": str(os.getpid()), "RANK": "3",
+           "GLOBALTENSOR_PS_WORKER_NUM": "2"}
+    r = subprocess.run([sys.executable, "-u", boot.__file__, str(tmp_path / "prog.py"), "raise", "a$b"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
+    assert (r.returncode, r.stderr) == (1, ""), r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[:4] == ["argv ['raise', 'a$b'] True", "role server 1", "loaded []",
+                         "Traceback (most recent call last):"], r.stdout
+    assert 'prog.py", line 9, in <module>' in lines[4] and lines[-1] == "ValueError: from prog", r.stdout
+    assert "boot.py" not in r.stdout and "runpy" not in r.stdout, r.stdout
+    del env["GLOBALTENSOR_PS_WORKER_NUM"]
+    r = subprocess.run([sys.executable, "-u", boot.__file__, "-m", "prog", "7"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 7 and r.stdout.splitlines() == ["argv ['7'] True", "role None None", "loaded []"], r
+
+
+def launcher_shape_problems(root: Path) -> list[str]:
+    """Where the launcher's modules break the package's promise: a file over 450 lines, a
+    function over 60, torch or the rest of globaltensor imported at module import."""
+    import ast
+
+    problems = []
+    for path in sorted(root.glob("*.py")):
+        text = path.read_text()
+        if len(text.splitlines()) > 450:
+            problems.append(f"{path.name}: {len(text.splitlines())} lines")
+        tree = ast.parse(text)
+        problems += [f"{path.name}:{node.name}: {node.end_lineno - node.lineno + 1} lines" for node in ast.walk(tree)
+                     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                     and node.end_lineno - node.lineno + 1 > 60]
+        for node in tree.body:  # module level: what importing the launcher costs
+            if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "torch" for a in node.names):
+                problems.append(f"{path.name}: imports torch at module level")
+            if isinstance(node, ast.ImportFrom) and (node.level >= 2 or (node.module or "").startswith("torch")):
+                problems.append(f"{path.name}: imports {'.' * node.level}{node.module or ''} at module level")
+    return problems
+
+
+def test_the_launcher_package_keeps_its_shape() -> None:
+    assert launcher_shape_problems(REPO / "globaltensor" / "launch") == []
 
 
 # --- version and packaging (#10 item 10) ---------------------------------------------
@@ -622,7 +713,7 @@ def test_the_stated_lower_bounds_hold() -> None:
     assert tuple(int(x) for x in torch.__version__.split(".")[:2]) >= torch_min
     assert hasattr(torch.ops.aten, "_safe_softmax")  # torch 2.5: rules/softmax.py
     assert "device_id" in inspect.signature(dist.init_process_group).parameters  # 2.3: comm/
-    from torch.distributed.elastic.multiprocessing import LogsSpecs  # noqa: F401  (2.3: launch.py)
-    assert "master_listen_fd" in (torch.distributed.TCPStore.__init__.__doc__ or "")  # launch.py
+    from torch.distributed.elastic.multiprocessing import LogsSpecs  # noqa: F401  (2.3: launch/logs.py)
+    assert "master_listen_fd" in (torch.distributed.TCPStore.__init__.__doc__ or "")  # launch/rendezvous.py
     for path in sorted((REPO / "globaltensor").rglob("*.py")):
         ast.parse(path.read_text(), filename=str(path), feature_version=python_min)

@@ -1,10 +1,12 @@
 """Where a launcher job's log files go, how they are opened, and how they are read back.
 
-Part of the launcher (``globaltensor.launch``). By default each job writes into a new
-directory of its own, ``log/<run id>/`` (``log/latest`` links to the newest); an
-explicit ``--log_dir`` is used as given. Either way the job locks the directory for
-its whole life, so a second job cannot truncate the first one's logs and interleave
-its lines with them. Every file is opened without following symbolic links.
+Part of the launcher (``globaltensor.launch``), and the bottom of its layers: it imports
+the standard library only (torch's elastic LogsSpecs where one is built). By default
+each job writes into a new directory of its own, ``log/<run id>/`` (``log/latest``
+links to the newest); an explicit ``--log_dir`` is used as given. Either way the job
+locks the directory for its whole life, so a second job cannot truncate the first one's
+logs and interleave its lines with them. Every file is opened without following
+symbolic links.
 
 Example::
 
@@ -31,6 +33,16 @@ class LaunchError(Exception):
     """A problem the launcher reports in one line (exit code 1)."""
 
 
+def say(message: str) -> None:
+    """Print one of the launcher's own lines (``globaltensor.launch: ...``) on stderr.
+
+    Flushed at once: the workers' output and ours share the console.
+
+    >>> say("node 1: waiting")  # doctest: +SKIP
+    """
+    print(f"globaltensor.launch: {message}", file=sys.stderr, flush=True)
+
+
 def log_name(rank: int, ps: Optional[tuple[int, int]] = None) -> str:
     """``workerlog.<rank>``; in a parameter-server job (``ps`` = (servers, workers))
     ``workerlog.<worker rank>`` or ``serverlog.<server rank>``.
@@ -44,6 +56,11 @@ def log_name(rank: int, ps: Optional[tuple[int, int]] = None) -> str:
 
 
 def worker_log(log_dir: str, rank: int, ps: Optional[tuple[int, int]] = None) -> str:
+    """The path of a rank's log file in ``log_dir`` (see ``log_name``).
+
+    >>> worker_log("log/run", 3)
+    'log/run/workerlog.3'
+    """
     return os.path.join(log_dir, log_name(rank, ps))
 
 
@@ -82,8 +99,7 @@ def new_run_dir(root: str = DEFAULT_LOG_ROOT) -> str:
             os.replace(new_link, LATEST_LINK, src_dir_fd=root_fd, dst_dir_fd=root_fd)
         except OSError as e:  # e.g. a directory named "latest": leave it, the job runs on
             os.unlink(new_link, dir_fd=root_fd)
-            print(f"globaltensor.launch: {os.path.join(root, LATEST_LINK)} not updated "
-                  f"({e.strerror})", file=sys.stderr, flush=True)
+            say(f"{os.path.join(root, LATEST_LINK)} not updated ({e.strerror})")
     finally:
         os.close(root_fd)
     return os.path.join(root, run_id)

@@ -1,0 +1,187 @@
+"""What the launcher tells the user: the start banner and, when a job fails, a summary
+that names the rank that caused the failure instead of a traceback.
+
+The summary reads the failed ranks' logs (``logs``) and when each rank ended
+(``agent.ExitTimes``): ranks the agent stopped are collateral, a rank that said nothing
+explains nothing, and among the rest the first to end caused the others to fail.
+
+Example::
+
+    try:
+        launch_agent(config, sys.executable, command)
+    except ChildFailedError as e:
+        sys.exit(report_failure(e, args.log_dir, exit_times.stop(), args.ps))
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import shlex
+import signal
+import sys
+from typing import Any, Optional
+
+from .logs import DEFAULT_LOG_ROOT, LATEST_LINK, read_log, worker_log
+
+__all__ = ["LOG_TAIL_LINES", "DropAgentFailureLine", "print_banner", "report_failure", "where_stopped", "who"]
+
+LOG_TAIL_LINES = 20
+STOPPED_BY_AGENT = {-signal.SIGTERM, -signal.SIGKILL}
+
+Roles = Optional[tuple[int, int]]  # (servers, workers) of a parameter-server job, else None
+
+
+def who(rank: int, ps: Roles = None) -> str:
+    """How the summary names a rank: ``rank 3``, or ``server 1 (rank 3)`` in a PS job.
+
+    >>> who(3), who(3, (2, 3))
+    ('rank 3', 'server 0 (rank 3)')
+    """
+    if ps is None:
+        return f"rank {rank}"
+    role, role_rank = ("worker", rank) if rank < ps[1] else ("server", rank - ps[1])
+    return f"{role} {role_rank} (rank {rank})"
+
+
+def where_stopped(lines: list[str]) -> Optional[str]:
+    """The innermost frame of the main thread in the traceback a stopped worker dumped
+    (faulthandler lists threads newest first, so the main thread's block is the last).
+
+    >>> where_stopped(['Current thread 0x1 (most recent call first):',
+    ...                '  File "t.py", line 3 in stuck', '  File "t.py", line 9 in <module>'])
+    'File "t.py", line 3 in stuck'
+    """
+    header = max((i for i, line in enumerate(lines) if line.endswith("(most recent call first):")), default=None)
+    if header is None:
+        return None
+    frames = [line.strip() for line in lines[header + 1:] if line.strip().startswith("File ")]
+    return frames[0] if frames else None
+
+
+def report_failure(error: Any, log_dir: str, ended: dict[int, float], ps: Roles = None) -> int:
+    """Print which rank caused the failure, why, and its log tail; return our exit code.
+
+    ``error`` is elastic's ChildFailedError (``failures``: {global rank: ProcessFailure},
+    this node's workers only); ``ended`` is {rank: when it ended} on this node (may be
+    empty where /proc is missing). The exit code is the failed rank's, 1 for a signal.
+    """
+    failures = error.failures
+    logs = {rank: read_log(log_dir, rank, ps) for rank in failures}
+    rank = _root_cause(failures, logs, ended, log_dir, ps)
+    first = failures[rank]
+    how = (f"was killed by signal {first.signal_name()}" if first.exitcode < 0
+           else f"exited with code {first.exitcode}")
+    tail = (logs[rank] or [])[-LOG_TAIL_LINES:]
+    stopped = sorted(r for r in failures if r != rank and failures[r].exitcode in STOPPED_BY_AGENT)
+    out = _cause_lines(rank, how, tail, stopped, failures, ended, ps)
+    out.append(f"globaltensor.launch: {who(rank, ps)} {how} (local_rank {first.local_rank}, pid {first.pid})")
+    if os.path.isfile(first.error_file):  # written by elastic's @record in the worker
+        message = first.message
+        out.append(f"  exception: {message.get('message') if isinstance(message, dict) else message}")
+    out += _other_rank_lines(rank, stopped, failures, logs, log_dir, ps)
+    path = worker_log(log_dir, rank, ps)
+    if logs[rank] is None:
+        out.append(f"  (no log file at {path})")
+    else:
+        out.append(f"  last {len(tail)} lines of {path}:")
+        out.extend(f"    {line.rstrip()}" for line in tail)
+    print("\n".join(out), file=sys.stderr, flush=True)
+    return first.exitcode if 0 < first.exitcode < 256 else 1
+
+
+def _root_cause(failures: dict[int, Any], logs: dict[int, Optional[list[str]]], ended: dict[int, float],
+                log_dir: str, ps: Roles) -> int:
+    """The failed rank the summary names: ranks the agent stopped are collateral; a rank
+    that said nothing explains nothing; among the rest, the first to end caused the
+    others to fail (a peer of a dead rank fails *afterwards*, e.g. gloo "connection
+    closed"). Without /proc, a log's last write stands in for the end time."""
+    def key(rank: int) -> tuple[bool, bool, float]:
+        failure = failures[rank]
+        when = ended.get(rank)
+        if when is None:
+            try:
+                when = os.path.getmtime(worker_log(log_dir, rank, ps))
+            except OSError:
+                when = float(failure.timestamp)
+        return failure.exitcode in STOPPED_BY_AGENT, not logs[rank], when
+
+    return min(failures, key=key)
+
+
+def _cause_lines(rank: int, how: str, tail: list[str], stopped: list[int], failures: dict[int, Any],
+                 ended: dict[int, float], ps: Roles) -> list[str]:
+    """The summary's opening, when the failed rank is not the whole story: a rank that
+    ended (code 0) before the failure left its peers waiting for it; a timeout while
+    other ranks still ran points at those ranks (stuck?)."""
+    early = sorted(r for r, t in ended.items() if r not in failures and t < ended.get(rank, float("inf")))
+    if early:
+        return [f"globaltensor.launch: rank {', '.join(map(str, early))} exited with code 0 while other "
+                f"ranks were still running; then {who(rank, ps)} {how}",
+                "  a rank that ends early leaves its peers waiting in collectives it never joins"]
+    if stopped and any(re.search(r"timed? ?out", line, re.I) for line in tail):
+        return [f"globaltensor.launch: {who(rank, ps)} {how} after a timeout; rank "
+                f"{', '.join(map(str, stopped))} was still running then (stuck?), see where below"]
+    return []
+
+
+def _other_rank_lines(rank: int, stopped: list[int], failures: dict[int, Any],
+                      logs: dict[int, Optional[list[str]]], log_dir: str, ps: Roles) -> list[str]:
+    """Where each rank the launcher stopped was, and the other failed ranks' exit codes."""
+    out = []
+    for r in stopped:
+        where = where_stopped(read_log(log_dir, r, ps) or [])
+        out.append(f"  {who(r, ps)}: still running, stopped by the launcher" + (f" in {where}" if where else ""))
+    others = [f"{r} (exit code {failures[r].exitcode}{'' if logs[r] else ', no output'})"
+              for r in sorted(failures) if r != rank and r not in stopped]
+    if others:
+        out.append(f"  other failed ranks on this node: {', '.join(others)}")
+    return out
+
+
+class DropAgentFailureLine(logging.Filter):
+    """Hide the agent's "failed (exitcode: N) ... of binary" line: our summary says
+    the same with the global rank, and the binary name would mislead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed (exitcode")
+
+
+def print_banner(args: argparse.Namespace, omp_set: bool) -> None:
+    """Print the start banner on stderr: world size, nodes, master endpoint, rendezvous
+    timeout, log directory, the command, the parameter-server roles, OMP_NUM_THREADS."""
+    target = ("-m " if args.module else "") + shlex.join([args.script, *args.script_args])
+    lines = [
+        "----------- globaltensor.launch -----------",
+        f"  world size      : {args.nnodes * args.nproc_per_node}",
+        f"  nnodes          : {args.nnodes} (this is node_rank {args.node_rank})",
+        f"  nproc_per_node  : {args.nproc_per_node}",
+        f"  master endpoint : {args.master_addr}:{args.master_port}{_endpoint_note(args)}",
+        f"  rdzv timeout    : {args.rdzv_timeout:g} s",
+        f"  log directory   : {os.path.abspath(args.log_dir)} ({_logs_note(args)})",
+        f"  command         : {target}",
+    ]
+    if args.ps is not None:
+        servers, workers = args.ps
+        lines.append(f"  ps roles        : {workers} workers (ranks 0-{workers - 1}), {servers} servers "
+                     f"(ranks {workers}-{workers + servers - 1})")
+    if omp_set:
+        lines.append("  OMP_NUM_THREADS : set to 1 for each worker (was unset); export it to tune")
+    lines.append("-------------------------------------------")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def _endpoint_note(args: argparse.Namespace) -> str:
+    if args.standalone:
+        ignored = f"; {' and '.join(args.master_ignored)} ignored" if args.master_ignored else ""
+        return f" (--standalone: a free local port{ignored})"
+    return " (store listens there only)" if args.node_rank == 0 else ""
+
+
+def _logs_note(args: argparse.Namespace) -> str:
+    logs = "workerlog.<rank>" if args.ps is None else "workerlog.<worker rank>, serverlog.<server rank>"
+    if args.log_dir_is_new:
+        logs += f"; {os.path.join(DEFAULT_LOG_ROOT, LATEST_LINK)} links here"
+    return logs
