@@ -40,9 +40,7 @@ def meta_init() -> Iterator[None]:
     def register_on_meta(module, name, param):
         if param is not None and param.device.type != "meta" \
                 and not isinstance(param, torch.nn.parameter.UninitializedParameter):
-            # a Parameter subclass keeps its class and its attributes
-            kwargs = {**vars(param), "requires_grad": param.requires_grad}
-            param = type(param)(param.detach().to("meta"), **kwargs)
+            param = _on_meta(param)
         original(module, name, param)
 
     torch.nn.Module.register_parameter = register_on_meta
@@ -50,6 +48,17 @@ def meta_init() -> Iterator[None]:
         yield
     finally:
         torch.nn.Module.register_parameter = original
+
+
+def _on_meta(param: torch.nn.Parameter) -> torch.nn.Parameter:
+    """``param`` on the meta device, with its class and its attributes."""
+    data = param.detach().to("meta")
+    if type(param) is torch.nn.Parameter:
+        meta = torch.nn.Parameter(data, param.requires_grad)
+        meta.__dict__.update(vars(param))
+        return meta
+    # subclasses (quantised weights, ...) take their attributes as keyword arguments
+    return type(param)(data, **{**vars(param), "requires_grad": param.requires_grad})
 
 
 def _refilled_buffers(module: torch.nn.Module) -> set:

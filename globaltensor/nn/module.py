@@ -88,7 +88,9 @@ def forward_in_implicit_broadcast(module: torch.nn.Module) -> None:
         module.register_forward_hook(_close_scope, always_call=True)
 
 
-# (module, entered implicit_broadcast context) of every forward running now, innermost last
+# (module, the implicit_broadcast context it entered or None) of every converted forward
+# running now, innermost last. Only the outermost enters one: the forwards it calls run
+# inside it, and skip the context's cost (a few microseconds per module call).
 _scopes: list = []
 
 
@@ -96,16 +98,19 @@ def _open_scope(module, args):
     # Compiled code skips the scope: dynamo would defer the counter change past the
     # trace that reads it (wrap the compiled call in gt.implicit_broadcast() instead).
     if not torch.compiler.is_compiling():
-        scope = implicit_broadcast()
-        scope.__enter__()
+        scope = None if _scopes else implicit_broadcast()
+        if scope is not None:
+            scope.__enter__()
         _scopes.append((module, scope))
 
 
 def _close_scope(module, args, output):
     # Runs also when forward raised, or when a pre-hook ran before ours raised: then
-    # the innermost scope is not this module's and stays open for its own module.
+    # the innermost entry is not this module's and stays for its own module.
     if _scopes and _scopes[-1][0] is module:
-        _scopes.pop()[1].__exit__(None, None, None)
+        scope = _scopes.pop()[1]
+        if scope is not None:
+            scope.__exit__(None, None, None)
 
 
 def globalize(t: torch.Tensor, layout: Layout) -> GlobalTensor:
