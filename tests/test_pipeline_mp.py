@@ -4,6 +4,7 @@ uneven micro-batches, 2-4 stages, SGD and Adam), forward-only calls, idle ranks,
 errors, and the timeline picture."""
 import copy
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -318,6 +319,63 @@ def check_stages_that_draw_or_use_the_global_api_stay_global():
     a.eval()  # no draws now, but the stage next to it still calls to_global
     expected = b(a(gt.tensor(x, placement=P(0), sbp=B)).to_global(P(1), B)).full()
     torch.testing.assert_close(pipe(x).full(), expected)
+
+
+def check_the_code_of_a_plain_step_runs_on_every_rank_after_pipe_step():
+    # After pipe.step every rank runs what it would run after loss.backward():
+    # clip_grad_norm_ over every stage's parameters (the whole model's norm, on every
+    # rank), optimizers, zero_grad, get_state_dict and dcp.save/load. On a rank outside
+    # a stage, that stage's .grad are empty GlobalTensors, as a backward leaves them.
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    import torch.distributed.checkpoint as dcp
+    if gt.get_world_size() == 2:
+        specs = [(P(0), B), (P(1), B)]
+    else:  # tensor-parallel first stage; rank 3 holds no stage
+        specs = [(P(0, 1), tensor_parallel), (P(2), B)]
+    mods = layers((4, 6, 6, 3))
+    reference = torch.nn.Sequential(*copy.deepcopy(mods))
+    stages = cut(mods, 2)
+    for stage, (placement, sbp) in zip(stages, specs):
+        gt.nn.to_global(stage, placement, sbp)
+    pipe = gt.pipeline.Pipeline(stages, micro_batches=2, schedule="1f1b", loss_fn=F.mse_loss)
+    model = torch.nn.ModuleList(stages)
+    torch.manual_seed(3)
+    batches = [(torch.randn(6, 4), torch.randn(6, 3)) for _ in range(4)]
+    optimizers = [lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9),
+                  lambda ps: torch.optim.AdamW(ps, lr=0.05, foreach=True),
+                  lambda ps: torch.optim.AdamW(ps, lr=0.05, foreach=False)]
+    for make, (x, y) in zip(optimizers, batches):  # one step with each
+        opt, ref_opt = make(model.parameters()), make(reference.parameters())
+        pipe.step(x, y)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        F.mse_loss(reference(x), y).backward()
+        want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+        assert abs(norm.item() - want.item()) <= 1e-5 * want.item(), (norm, want)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert p.grad is not None and p.grad.layout_ == p.layout_
+            torch.testing.assert_close(p.grad.full(), q.grad, rtol=1e-5, atol=1e-7)
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.full(), q.detach(), rtol=1e-5, atol=1e-6)
+    # the last optimizer's state is saved and loaded on every rank
+    path = os.path.join(tempfile.gettempdir(), f"gt_pipe_ckpt_{os.environ['MASTER_PORT']}")
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    saved = [p.full().clone() for p in model.parameters()]
+    pipe.step(*batches[3])
+    opt.step()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    for p, value in zip(model.parameters(), saved):
+        torch.testing.assert_close(p.full(), value, rtol=0, atol=0)
+        assert float(opt.state[p]["step"]) == 1
+    torch.distributed.barrier()  # every rank has read the checkpoint
+    if gt.get_rank() == 0:
+        shutil.rmtree(path)
 
 
 # --- world of 4 -----------------------------------------------------------------------

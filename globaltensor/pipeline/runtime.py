@@ -158,8 +158,9 @@ class Pipeline:
             results = run.results
         else:
             results = None
-        if train:  # the summed loss; ranks without it build its metadata
-            layout = routes[-1].loss
+        if train:
+            self._grads_outside_stages()
+            layout = routes[-1].loss  # the summed loss; ranks without it build its metadata
             if comm.get_rank() in layout.placement:
                 loss = functools.reduce(torch.add, results)
             else:
@@ -173,6 +174,19 @@ class Pipeline:
             else [GlobalTensor(empty_local(r.outs[-1], r.dtype), r.outs[-1])
                   for r in routes]
         return outs[0] if m == 1 else torch.cat(outs, dim=0)
+
+    def _grads_outside_stages(self) -> None:
+        """On a rank outside a stage, give its trainable parameters the ``.grad`` that a
+        backward without pipeline leaves there: a GlobalTensor in the parameter's layout
+        with an empty part. The code that follows a step (``clip_grad_norm_`` over every
+        stage, optimizers, ``zero_grad``, checkpoints) then runs the same on every rank."""
+        rank = comm.get_rank()
+        for stage, placement in zip(self.stages, self.placements):
+            if rank in placement:
+                continue
+            for p in stage.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = GlobalTensor(empty_local(p.layout_, p.dtype), p.layout_)
 
     def _routes_for(self, x0: GlobalTensor, t0) -> _Routes:
         """Layouts of every hand-off for this micro-batch shape: learnt once by running
