@@ -158,7 +158,10 @@ def from_local(t: torch.Tensor, placement: Placement = None, sbp=None, shape=Non
     """A GlobalTensor whose part on this rank is ``t`` (for a partial sbp: this rank's
     full-shape addend). Differentiable in ``t``. ``shape=None`` derives the global
     shape from every rank's local shape (a collective); parts that do not fit the sbp
-    raise ``ValueError`` on every rank.
+    raise ``ValueError`` on every rank. On a rank outside the placement ``t`` is a
+    placeholder: with ``shape=None`` the tensor takes the members' dtype there; with a
+    given shape nothing is exchanged, so the placeholder must have the members' dtype
+    (``torch.empty(0, dtype=...)``).
 
     >>> x = gt.from_local(torch.ones(2, 3), placement=p, sbp=gt.sbp.split(0))  # doctest: +SKIP
     >>> x.shape   # with 2 ranks                                                # doctest: +SKIP
@@ -175,7 +178,11 @@ def from_local(t: torch.Tensor, placement: Placement = None, sbp=None, shape=Non
     rank = comm.get_rank()
     inside = rank in placement
     if shape is None:
-        shape = _derive_shape(t if inside else None, placement, sbp)
+        shape, dtype = _derive_shape(t if inside else None, placement, sbp)
+        if not inside:
+            # A rank outside holds nothing: its argument is a placeholder, and the
+            # tensor takes the members' dtype (learnt from the exchange) on every rank.
+            t = t.new_empty((0,), dtype=dtype)
     layout = _layout(_size((shape,)), placement, sbp)
     if inside:
         want = layout.local_shape(rank)
@@ -192,17 +199,34 @@ def from_local(t: torch.Tensor, placement: Placement = None, sbp=None, shape=Non
 _DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
 
 
-def _exchange_shapes(t, placement: Placement) -> dict:
-    """rank -> (local shape, dtype) of every member, as integers over the whole world."""
-    mine = [] if t is None else [_DTYPES.index(t.dtype), *t.shape]
+def members_metadata(tensors: Sequence[torch.Tensor] | None, placement: Placement) -> dict:
+    """rank -> [(shape, dtype) of each of its ``tensors``] for every member of
+    ``placement``, known on every rank of the world afterwards: one small all-gather of
+    integers over the world (a collective: every rank calls it; ranks outside the
+    placement pass None). For what ranks outside cannot know by themselves.
+
+    >>> members_metadata([out], p)[p.ranks[0]]   # [((3, 2), torch.int64)]  # doctest: +SKIP
+    """
+    mine = [] if tensors is None else \
+        [v for t in tensors for v in (_DTYPES.index(t.dtype), t.dim(), *t.shape)]
     everyone = comm.all_gather_ints(mine)
-    return {r: (tuple(everyone[r][1:]), _DTYPES[everyone[r][0]]) for r in placement}
+    out = {}
+    for r in placement:
+        ints, found = everyone[r], []
+        while ints:
+            dtype, ndim = _DTYPES[ints[0]], ints[1]
+            found.append((tuple(ints[2:2 + ndim]), dtype))
+            ints = ints[2 + ndim:]
+        out[r] = found
+    return out
 
 
-def _derive_shape(t, placement: Placement, sbp) -> tuple[int, ...]:
-    """The global shape from every rank's local shape; all ranks check all parts so
-    they raise together instead of some waiting in a later collective."""
-    parts = _exchange_shapes(t, placement)
+def _derive_shape(t, placement: Placement, sbp) -> tuple[tuple[int, ...], torch.dtype]:
+    """The global shape (and the members' dtype) from every rank's local tensor; all
+    ranks check all parts so they raise together instead of some waiting in a later
+    collective."""
+    parts = {r: found[0] for r, found in
+             members_metadata(None if t is None else [t], placement).items()}
     ndims = {len(s) for s, _ in parts.values()}
     if len(ndims) != 1:
         raise ValueError(f"from_local: local tensors have different numbers of dims: "
@@ -230,7 +254,7 @@ def _derive_shape(t, placement: Placement, sbp) -> tuple[int, ...]:
                          f"(derived global shape {shape}); mismatched ranks: "
                          + ", ".join(f"rank {r} has {s}, expected {layout.local_shape(r)}"
                                      for r, s in sorted(bad.items())))
-    return shape
+    return shape, dtypes.pop()
 
 
 def to_global(t: torch.Tensor, placement: Placement = None, sbp=None) -> GlobalTensor:

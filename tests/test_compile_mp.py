@@ -349,6 +349,28 @@ def check_gpt_with_embeddings_compiles_whole():
             assert b.grad.sbp == a.grad.sbp == a.sbp, (name, b.grad.sbp, a.sbp)
             torch.testing.assert_close(b.grad.full(), a.grad.full(), msg=lambda m: f"{name}: {m}")
 
+
+def check_data_dependent_ops_break_the_graph():
+    # x[mask], nonzero and unique cannot be traced (their output shape depends on the
+    # values): dynamo breaks the graph there, as for plain tensors, and they run eagerly.
+    import torch
+    import globaltensor as gt
+    P = gt.placement.all("cpu")
+    plain = torch.arange(12.0).view(4, 3)
+
+    def f(x):
+        return (x[x > 4] * 2).sum() + torch.nonzero(x > 4).sum() + torch.unique(x.detach()).sum()
+
+    torch._dynamo.reset()
+    x = gt.tensor(plain, placement=P, sbp=gt.sbp.split(0), requires_grad=True)
+    out = torch.compile(f, backend="aot_eager")(x)
+    out.backward()
+    want = plain.clone().requires_grad_()
+    f(want).backward()
+    torch.testing.assert_close(out.full(), f(plain))
+    torch.testing.assert_close(x.grad.full(), want.grad)
+    assert x.grad.sbp == x.sbp
+
 CHECKS = ["check_data_parallel_mlp_graphs_hold_only_local_ops",
           "check_tensor_parallel_mlp_graphs_hold_local_ops_and_collectives",
           "check_data_parallel_mlp_inductor", "check_tensor_parallel_mlp_inductor",
@@ -358,7 +380,8 @@ CHECKS = ["check_data_parallel_mlp_graphs_hold_only_local_ops",
           "check_pipeline_of_compiled_stages_equals_eager",
           "check_compiled_autograd_syncs_gradients",
           "check_recompile_after_reset_keeps_values",
-          "check_gpt_with_embeddings_compiles_whole"]
+          "check_gpt_with_embeddings_compiles_whole",
+          "check_data_dependent_ops_break_the_graph"]
 
 
 test_world2 = world_test(__name__, 2, CHECKS)

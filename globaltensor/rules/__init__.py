@@ -94,6 +94,6 @@ class LocalCtx:
         return self.in_layouts[i].region(self.rank)
 
 
-from . import (along_dim, attention, complex, conv, embedding, functional,  # noqa: E402,F401
-               like, losses, matmul, norm, optim, pointwise, random, reduction, resample,
-               softmax, view)  # (registration)
+from . import (along_dim, attention, complex, conv, data_dependent,  # noqa: E402,F401
+               embedding, functional, like, losses, matmul, norm, optim, pointwise, random,
+               reduction, resample, softmax, view)  # (registration)

@@ -34,7 +34,9 @@ def _draw_for(generator) -> tuple[int, int]:
     return int(torch.randint(1 << 62, (1,), generator=generator)), -1
 
 
-def _watch(*tensors) -> None:
+def watch_leaves(*tensors) -> None:
+    """Gradient sync watches the leaves among ``tensors`` that require grad, as dispatch
+    does for an op's operands (decompositions that run ops on the parts skip it)."""
     for t in tensors:
         if isinstance(t, GlobalTensor) and t.requires_grad and t.is_leaf:
             gradsync.watch(t)
@@ -47,7 +49,7 @@ def _inplace(kind: str, params):
             return NotImplemented
         bound = params(self, *args, **kwargs)
         draw = _draw_for(generator)
-        _watch(self)
+        watch_leaves(self)
         if comm.get_rank() in self.placement:
             local = self.local_
             dtype = torch.int64 if kind == "integers" and not local.dtype.is_floating_point \
@@ -115,7 +117,7 @@ def bernoulli_tensor_(self, p, generator=None):
     whole = _whole_layout(self.layout_)
     p = relayout(p.expand(self.shape) if p.shape != self.shape else p, whole.sbp)
     draw = _draw_for(generator)
-    _watch(self)
+    watch_leaves(self)
     if comm.get_rank() in self.placement:
         u = local_sample("uniform", whole, draw, torch.float64 if p.dtype == torch.float64
                          else torch.float32)
@@ -174,7 +176,7 @@ def native_dropout(x, p: float, train=True):
         return NotImplemented
     if not 0 <= p <= 1:
         raise ValueError(f"dropout probability has to be between 0 and 1, got {p}")
-    _watch(x)
+    watch_leaves(x)
     mask_layout = _whole_layout(x.layout_)
     strides = None if x.is_contiguous() else tuple(x.stride())
     rank = comm.get_rank()

@@ -1,0 +1,155 @@
+"""Ops whose output shape depends on the values: boolean-mask indexing ``x[mask]``,
+``nonzero`` (and ``argwhere``, ``where(cond)``, ``nonzero(as_tuple=True)``, which reach
+it), ``masked_select``, ``unique`` / ``unique_consecutive`` (whole or along a dim),
+``bincount``, ``repeat_interleave`` with a tensor of repeats; and mask assignment
+``x[mask] = v`` (``index_put_`` with a boolean mask), whose shape is known.
+
+Dispatch infers output shapes on meta tensors, which cannot run these ops. They run
+here instead: every input is gathered to broadcast on the op's placement, each member
+runs the op on the whole values (so every member computes the same result) and the
+result is broadcast, with the shape of that run. A split result would need the parts'
+sizes and a re-balancing on top of them (split parts are balanced); the gathered inputs
+are the cost. Ranks outside the placement learn the outputs' shapes from the members
+with one small all-gather of integers over the world (as ``from_local`` with
+``shape=None`` does), so, like ``.item()``, these ops are called on every rank when the
+placement leaves some out. Gradients come from torch's own formulas (``index_put``,
+``masked_scatter``), which dispatch runs like any op.
+
+``x[mask] = v`` with a scalar ``v`` and ``mask`` covering ``x``'s leading dims keeps
+``x``'s split (each rank sets its own elements); other assignments gather.
+"""
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+from .. import comm
+from ..factory import members_metadata
+from ..layout import Layout
+from ..sbp import Split, broadcast
+from ..tensor import (GlobalTensor, device_of, empty_local, hidden_from_dynamo, relayout,
+                      wrap_part)
+from . import flatten_args, unflatten_args
+from .random import watch_leaves
+from .registry import register
+
+aten = torch.ops.aten
+
+_MASK_DTYPES = (torch.bool, torch.uint8)
+
+
+@hidden_from_dynamo
+def run_on_whole_values(func, args, kwargs):
+    """``func`` on the whole values of its operands, gathered to broadcast; the outputs
+    broadcast with the shapes of the real run (on every rank of the world).
+
+    Hidden from dynamo: after the graph break such an op causes, it runs eagerly, and
+    dynamo would otherwise compile the frames it calls (``comm.tracing()`` included,
+    which compiled says True).
+
+    >>> run_on_whole_values(aten.nonzero.default, (mask,), {})   # doctest: +SKIP
+    """
+    if comm.tracing():
+        # What fake tensors raise for such an op in plain torch: dynamo breaks the
+        # graph there and the op runs eagerly.
+        raise DynamicOutputShapeException(func)
+    leaves, spec = flatten_args(args, kwargs)
+    placement = _placement_of(func, leaves)
+    everywhere = (broadcast,) * placement.ndim
+    # Plain operands first: one that is not allowed raises before any communication.
+    leaves = [_as_dispatch_takes_it(x, placement) if isinstance(x, torch.Tensor)
+              and not isinstance(x, GlobalTensor) and x.numel() > 1 else x for x in leaves]
+    for i, x in enumerate(leaves):
+        if isinstance(x, GlobalTensor):
+            watch_leaves(x)
+            leaves[i] = relayout(x, everywhere).local_
+    inside = comm.get_rank() in placement
+    n_out = len(func._schema.returns)
+    outs = None
+    if inside:
+        local_args, local_kwargs = unflatten_args(leaves, spec)
+        out = func(*local_args, **local_kwargs)
+        outs = [out] if n_out == 1 else list(out)
+    if placement.size < comm.get_world_size():
+        shapes = members_metadata(outs, placement)[next(iter(placement))]
+    else:
+        shapes = [(tuple(o.shape), o.dtype) for o in outs]
+    results = []
+    for k, (shape, dtype) in enumerate(shapes):
+        layout = Layout.make(shape, placement, everywhere)
+        results.append(wrap_part(outs[k] if inside else empty_local(layout, dtype), layout))
+    return results[0] if n_out == 1 else tuple(results)
+
+
+def _placement_of(func, leaves):
+    placements = {x.placement for x in leaves if isinstance(x, GlobalTensor)}
+    if len(placements) != 1:
+        raise ValueError(f"{func}: inputs are on different placements "
+                         f"({', '.join(map(str, placements))}); move them onto one with "
+                         f"x.to_global(placement=...)")
+    return placements.pop()
+
+
+def _as_dispatch_takes_it(t: torch.Tensor, placement) -> GlobalTensor:
+    """A plain operand of more than one element, taken as dispatch takes one (broadcast
+    inside ``gt.implicit_broadcast()`` and in backward, else its ValueError): through
+    an op that dispatch runs, a product with a broadcast one."""
+    layout = Layout.make((), placement, (broadcast,) * placement.ndim)
+    one = torch.ones((), dtype=t.dtype, device=device_of(placement)) \
+        if comm.get_rank() in placement else empty_local(layout, t.dtype)
+    return aten.mul.Tensor(t, GlobalTensor(one, layout))
+
+
+def _whole(func):
+    def run(*args, **kwargs):
+        return run_on_whole_values(func, args, kwargs)
+    return run
+
+
+for _op in (aten.nonzero.default, aten.masked_select.default, aten._unique2.default,
+            aten._unique.default, aten.unique_dim.default, aten.unique_consecutive.default,
+            aten.unique_dim_consecutive.default, aten.bincount.default,
+            aten.repeat_interleave.Tensor):
+    register(_op, decompose=True)(_whole(_op))
+
+
+def _has_mask(indices) -> bool:
+    return any(isinstance(i, torch.Tensor) and i.dtype in _MASK_DTYPES for i in indices)
+
+
+@register(aten.index.Tensor, decompose=True)
+def index_with_mask(x, indices):
+    """``x[mask]`` (a boolean index among the indices); integer indices take the rule
+    path."""
+    if not _has_mask(indices):
+        return NotImplemented
+    return run_on_whole_values(aten.index.Tensor, (x, indices), {})
+
+
+@register(aten.masked_scatter)
+def masked_scatter_rule(call, axis):
+    """The backward of ``masked_select``: its source's elements go to the mask's places in
+    order, so which element lands where depends on the whole mask: broadcast only."""
+    return [((broadcast,) * len(call.inputs), (broadcast,))]
+
+
+@register(aten.index_put, aten.index_put_, aten._index_put_impl_)
+def index_put_rule(call, axis):
+    """``x[mask] = v``: broadcast; and, for one mask over ``x``'s leading dims and a
+    scalar ``v``, any split of ``x`` (the mask split alike over the dims it covers)."""
+    cands = [((broadcast,) * len(call.inputs), (broadcast,))]
+    indices, values = call.arg("indices"), call.arg("values")
+    masks = [i for i in indices if i is not None]
+    x_shape = call.in_shapes[0]
+    if len(masks) != 1 or indices[0] is None or masks[0].dtype not in _MASK_DTYPES \
+            or values.numel() != 1 or tuple(masks[0].shape) != x_shape[:masks[0].dim()]:
+        return cands
+    covered = masks[0].dim()
+    value_sbp = (broadcast,) if isinstance(values, GlobalTensor) else ()
+    for d in range(len(x_shape)):
+        mask_sbp = Split(d) if d < covered else broadcast
+        if isinstance(masks[0], GlobalTensor):
+            cands.append(((Split(d), mask_sbp) + value_sbp, (Split(d),)))
+        else:
+            cands.append(((Split(d),) + value_sbp, (Split(d),)))
+    return cands
