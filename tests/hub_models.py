@@ -71,8 +71,8 @@ class GPT2Attention(nn.Module):
         super().__init__()
         self.c_attn, self.c_proj = Conv1D(3 * C, C), Conv1D(C, C)
         # nanoGPT's causal mask, a buffer made in __init__
-        self.register_buffer("bias", torch.tril(torch.ones(T, T, dtype=torch.bool)).view(1, 1, T, T),
-                             persistent=False)
+        causal = torch.tril(torch.ones(T, T, dtype=torch.bool)).view(1, 1, T, T)
+        self.register_buffer("bias", causal, persistent=False)
 
     def forward(self, x):
         _, t, _ = x.size()
@@ -166,7 +166,8 @@ class LlamaLayer(nn.Module):
         super().__init__()
         self.input_layernorm, self.self_attn = RMSNorm(), LlamaAttention()
         self.post_attention_layernorm = RMSNorm()
-        self.gate_proj, self.up_proj = nn.Linear(C, 2 * C, bias=False), nn.Linear(C, 2 * C, bias=False)
+        self.gate_proj = nn.Linear(C, 2 * C, bias=False)
+        self.up_proj = nn.Linear(C, 2 * C, bias=False)
         self.down_proj = nn.Linear(2 * C, C, bias=False)
 
     def forward(self, x):

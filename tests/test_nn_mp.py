@@ -155,7 +155,9 @@ class _Masked(torch.nn.Module):
 
 
 def _masked_layout(name, t):
-    return S(0) if name in ("emb.weight", "qkv.weight") else (gt.sbp.partial_sum if name == "qkv.bias" else B)
+    if name in ("emb.weight", "qkv.weight"):
+        return S(0)
+    return gt.sbp.partial_sum if name == "qkv.bias" else B
 
 
 def check_full_state_dict_on_the_ranks_asked():
@@ -197,12 +199,13 @@ def check_full_state_dict_on_the_ranks_asked():
 
 
 def check_saving_for_other_tools():
-    safetensors = pytest.importorskip("safetensors.torch")
     import os
     import tempfile
+    import safetensors.torch as safetensors     # in the test extra
     p = gt.placement.all("cpu")
     torch.manual_seed(0)
-    plain = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.BatchNorm1d(9), torch.nn.Linear(9, 5))
+    plain = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.BatchNorm1d(9),
+                                torch.nn.Linear(9, 5))
     model = gt.nn.to_global(copy.deepcopy(plain), p, lambda name, t: S(0) if t.dim() == 2 else B)
     with pytest.raises(TypeError, match=r"safetensors\.torch\.storage_ptr\(\) called "
                        r"GlobalTensor\.storage\(\).*gt\.nn\.full_state_dict"):
