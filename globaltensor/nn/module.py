@@ -42,8 +42,11 @@ def to_global(module: torch.nn.Module, placement: Placement, sbp: SbpChoice) -> 
     same global shape on ``placement``. Its value is the one on the placement's first
     rank (each rank receives only its part), or, for a module on the meta device,
     uninitialised (each rank allocates only its part; call ``reset_parameters()`` or
-    ``torch.nn.init`` next). ``sbp`` is one sbp (or tuple) for all, or a callable
-    ``(qualified name, tensor) -> sbp``. Tied tensors stay one tensor. Its forward (and
+    ``torch.nn.init`` next); a meta buffer that no ``reset_parameters()`` fills again
+    (a causal mask: anything but batch-norm statistics) raises ValueError naming it:
+    build such modules under ``gt.nn.meta_init()``. ``sbp`` is one sbp (or tuple) for
+    all, or a callable ``(qualified name, tensor) -> sbp``. Tied tensors stay one
+    tensor. Its forward (and
     that of every submodule) then takes the plain tensors it builds, e.g.
     ``torch.arange`` position ids or masks, as broadcast (``gt.implicit_broadcast()``).
     Returns ``module``.
