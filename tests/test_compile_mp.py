@@ -219,7 +219,8 @@ def check_pipeline_of_compiled_stages_equals_eager():
         results.append((loss, [None if g is None else g.local_ for g in grads]))
     (loss_e, grads_e), (loss_c, grads_c) = results
     torch.testing.assert_close(loss_c, loss_e)
-    assert sum(g is not None for g in grads_c) == 2  # this rank's stage's weight and bias
+    # this rank's stage's weight and bias (the other stage's .grad is an empty part here)
+    assert sum(g is not None and g.numel() > 0 for g in grads_c) == 2
     for a, b in zip(grads_e, grads_c):
         assert (a is None) == (b is None)
         if a is not None:
