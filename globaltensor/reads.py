@@ -1,13 +1,16 @@
 """Reading a GlobalTensor's value into Python: ``x.item()``, ``float(x)``, ``int(x)``,
 ``bool(x)``, ``x.tolist()``, ``x.numpy()``, ``torch.equal``, ``f"{x:.4f}"``.
 
-A rank that holds the whole value (a broadcast tensor, on a rank of its placement)
-reads its own copy: no communication, so ``if rank == 0: log(loss.item())`` works
-(dispatch makes the scalar result of a reduction broadcast). A split or partial
-tensor is gathered among the ranks whose parts make up this rank's value; they first
-meet briefly (``comm.meet``), so a read called on some of them only fails within
+A read gives the whole value on every rank that calls it, as ``x.full()`` does. When
+``x`` is broadcast on every rank of the world (a loss: dispatch makes the scalar result
+of a reduction broadcast) each rank already holds it and reads its own copy, with no
+communication: ``if rank == 0: log(loss.item())`` works. Otherwise the read is a
+collective of the whole world, also of the ranks outside the placement, which run the
+same program and need the value as much (torch's ``trunc_normal_`` tests values in a
+loop; ``x.numpy()`` is ``x.full()`` as numpy). Its ranks first meet briefly
+(``comm.meet``), so a read called on some ranks only fails within
 GLOBALTENSOR_READ_TIMEOUT seconds, naming the call, instead of hanging in its
-collective. A rank outside the placement holds nothing to read and raises at once.
+collective. On a rank of a broadcast tensor's placement, ``x.to_local()`` is its copy.
 
 >>> loss = F.cross_entropy(logits, target)   # logits, target split(0)  # doctest: +SKIP
 >>> if gt.get_rank() == 0:                                               # doctest: +SKIP
@@ -15,62 +18,47 @@ collective. A rank outside the placement holds nothing to read and raises at onc
 """
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from . import comm
-from .layout import Layout
+from .placement import Placement
 from .sbp import Broadcast, broadcast
 from .tensor import GlobalTensor, _call_site, relayout
 
 
 def whole_value(x: GlobalTensor, call: str) -> torch.Tensor:
     """``x``'s whole value on this rank as a plain tensor, for the read ``call`` (e.g.
-    "x.item()"): the local copy when ``x`` is broadcast here, else gathered from the
-    ranks holding its parts (who must all read it too).
+    "x.item()"): the local copy when ``x`` is broadcast on every rank, else gathered
+    from the ranks holding its parts by every rank of the world (who must all read it).
 
     >>> whole_value(loss, "x.item()").item()      # doctest: +SKIP
     """
     layout = x._layout
     placement = layout.placement
-    rank = comm.get_rank()
-    if rank not in placement:
-        raise RuntimeError(
-            f"{call} on rank {rank}, which holds no part of x (its placement is "
-            f"{placement}, sbp {layout.sbp}): read it on a rank of its placement, or bring "
-            f"it here first, on every rank: x.to_global(placement=gt.placement.all("
-            f"\"{placement.type}\"), sbp=gt.sbp.broadcast), or x.full()")
-    if all(s.__class__ is Broadcast for s in layout.sbp):
+    world = comm.get_world_size()
+    broadcast_here = all(s.__class__ is Broadcast for s in layout.sbp)
+    if broadcast_here and placement.size == world:
         return x._local
+    everyone = tuple(range(world))
     if not comm.tracing():  # a traced read runs on every rank by construction
-        readers = _readers(layout, rank)
-        read = (f"{call} of a {x.dtype} {tuple(x.shape)} tensor with sbp {layout.sbp} on "
-                f"{placement}, called from {_call_site()}")
-        comm.meet(readers, call, read, _advice(call, readers))
-    return relayout(x, (broadcast,) * placement.ndim)._local
+        same = f"a {x.dtype} {tuple(x.shape)} tensor with sbp {layout.sbp} on {placement}"
+        read = f"{call} of {same}, called from {_call_site()}"
+        comm.meet(everyone, call, read, _advice(call, layout.placement, broadcast_here), same)
+    return relayout(x, (broadcast,), Placement(placement.type, list(everyone)))._local
 
 
-def _readers(layout: Layout, rank: int) -> tuple[int, ...]:
-    """The ranks whose parts make up ``rank``'s whole value: those that differ from it
-    only along the axes that are not broadcast (they gather along those axes)."""
-    placement = layout.placement
-    coord = placement.coord(rank)
-    axes = [a for a, s in enumerate(layout.sbp) if s.__class__ is not Broadcast]
-    ranks = []
-    for values in itertools.product(*(range(placement.shape[a]) for a in axes)):
-        here = list(coord)
-        for a, v in zip(axes, values):
-            here[a] = v
-        ranks.append(placement.rank_at(here))
-    return tuple(ranks)
-
-
-def _advice(call: str, readers: tuple[int, ...]) -> str:
-    return (f"A read of a split or partial tensor gathers it: call {call} on every one of "
-            f"ranks {list(readers)}, or make the tensor broadcast first, on every one of "
-            f"them (y = x.to_global(sbp=gt.sbp.broadcast)); then reading y needs no "
-            f"communication, on any rank of its placement.")
+def _advice(call: str, placement: Placement, broadcast_here: bool) -> str:
+    whole = placement.size == comm.get_world_size()
+    move = "sbp=gt.sbp.broadcast" if whole else \
+        f"placement=gt.placement.all(\"{placement.type}\"), sbp=gt.sbp.broadcast"
+    text = (f"Reading a tensor that is not broadcast on every rank is a collective of the "
+            f"whole world: call {call} on every rank, or make the tensor broadcast on every "
+            f"rank first (y = x.to_global({move}), called on every rank); then reading y "
+            f"needs no communication, on any one rank.")
+    if broadcast_here:
+        text += (" On a rank of its placement, which holds the whole value, x.to_local() "
+                 "is that copy, without communication.")
+    return text
 
 
 def item(x: GlobalTensor, call: str = "x.item()"):

@@ -1,6 +1,7 @@
 """Reading values on one rank: a loss (the scalar result of a reduction over split rows)
-is broadcast, so ``if rank == 0: log(loss.item())`` reads its copy with no
-communication; reads of split tensors called on some ranks only fail within
+is broadcast on every rank, so ``if rank == 0: log(loss.item())`` reads its copy with no
+communication; other reads are collectives of the whole world (also of the ranks outside
+the placement, which get the value too); called on some ranks only they fail within
 GLOBALTENSOR_READ_TIMEOUT (1 s here) naming the call, and leave the world working."""
 from __future__ import annotations
 
@@ -56,6 +57,8 @@ def check_loss_is_broadcast_and_read_on_one_rank():
         assert abs(_no_communication(loss.item) - want.item()) < 1e-5
         assert abs(_no_communication(lambda: float(loss)) - want.item()) < 1e-5
         assert _no_communication(lambda: f"{loss:.4f}") == f"{want.item():.4f}"
+        assert _no_communication(loss.tolist) == _no_communication(loss.numpy).item()
+        assert _no_communication(lambda: bool(loss)) is True
     loss.backward()
     want.backward()
     for p, q in zip(model.parameters(), reference.parameters()):
@@ -72,35 +75,60 @@ def check_loss_is_broadcast_and_read_on_one_rank():
                                        msg=name)
 
 
-def check_broadcast_reads_on_one_rank():
+def check_reads_of_a_sub_placement_reach_every_rank():
+    # ranks outside the placement run the same program and get the value too (torch's
+    # trunc_normal_ tests values in a loop on every rank); on its own rank, to_local()
+    # is a broadcast tensor's copy
     import torch
     import globaltensor as gt
     v = torch.arange(6.0).reshape(2, 3)
-    whole = gt.tensor(v, placement=gt.placement.all("cpu"), sbp=gt.sbp.broadcast)
     last = gt.get_world_size() - 1
     alone = gt.tensor(v, placement=gt.placement("cpu", [last]), sbp=gt.sbp.broadcast)
-    if gt.get_rank() == last:  # any placement: a rank of it reads its copy
-        for x in (whole, alone):
-            assert _no_communication(x.tolist) == v.tolist()
-            assert (_no_communication(x.numpy) == v.numpy()).all()
-            assert _no_communication(lambda: float(x[1, 2])) == 5.0
-            assert _no_communication(lambda: bool(x[0, 1])) is True
-    elif gt.get_rank() == 0:  # holds nothing of `alone`: says so at once
-        for read, call in ((alone.tolist, "x.tolist()"), (lambda: float(alone[0, 0]), "float(x)")):
-            with pytest.raises(RuntimeError, match=r"holds no part .*x\.full\(\)") as info:
-                read()
-            assert call in str(info.value), info.value
+    assert alone.tolist() == v.tolist() and float(alone[1, 2]) == 5.0
+    assert torch.equal(torch.from_numpy(alone.numpy()), v)
+    if gt.get_rank() == last:
+        assert _no_communication(lambda: alone.to_local().tolist()) == v.tolist()
+    with _read_timeout(READ_TIMEOUT):
+        if gt.get_rank() == last:  # its own rank alone: the others never come
+            with pytest.raises(gt.debug.CollectiveError, match=r"x\.tolist\(\) on rank .* "
+                               r"needs every rank .*x\.to_local\(\) is that copy"):
+                alone.tolist()
+        _everyone_waits_here()
+
+
+def _everyone_waits_here():
+    """A collective of the world: the ranks that went on wait here, reading nothing, until
+    the one reading alone gave up."""
+    import globaltensor as gt
+    gt.ones(gt.get_world_size(), placement=gt.placement.all("cpu"),
+            sbp=gt.sbp.split(0)).to_global(sbp=gt.sbp.broadcast)
+
+
+def check_reads_of_different_tensors_raise():
+    # rank 0 reads x, the others y: they meet, see it, and all raise (their gathers
+    # would have paired up)
+    import torch
+    import globaltensor as gt
+    P = gt.placement.all("cpu")
+    x = gt.tensor(torch.arange(4.0), placement=P, sbp=gt.sbp.split(0))
+    y = gt.tensor(torch.ones(2, 3), placement=P, sbp=gt.sbp.split(1))
+    with pytest.raises(gt.debug.DivergenceError, match=r"ranks \[0\] read a torch.float32 "
+                       r"\(4,\) tensor .*ranks \[1.*\] read a torch.float32 \(2, 3\)"):
+        if gt.get_rank() == 0:
+            x.tolist()
+        else:
+            y.tolist()
+    assert x.tolist() == [0.0, 1.0, 2.0, 3.0] and y.tolist() == [[1.0] * 3] * 2
 
 
 def check_split_read_on_some_ranks_fails_fast():
     import torch
     import globaltensor as gt
-    P = gt.placement("cpu", [0, 1])
-    rank = gt.get_rank()
+    P = gt.placement.all("cpu")
     x = gt.tensor(torch.arange(4.0), placement=P, sbp=gt.sbp.split(0))
     one = gt.tensor([5.0], placement=P, sbp=gt.sbp.split(0))  # one element, rank 0 holds it
     with _read_timeout(READ_TIMEOUT):
-        if rank == 0:
+        if gt.get_rank() == 0:
             for read, call in ((x.tolist, "x.tolist()"), (x.numpy, "x.numpy()"),
                                (one.item, "x.item()"), (lambda: float(one), "float(x)")):
                 start = time.monotonic()
@@ -109,49 +137,49 @@ def check_split_read_on_some_ranks_fails_fast():
                 took = time.monotonic() - start
                 text = str(info.value)
                 assert took < READ_TIMEOUT + 2, (call, took)
-                for words in (call, "GLOBALTENSOR_READ_TIMEOUT", "[0, 1]",
+                everyone = str(list(range(gt.get_world_size())))
+                for words in (call, "GLOBALTENSOR_READ_TIMEOUT", everyone,
                               "x.to_global(sbp=gt.sbp.broadcast)"):
                     assert words in text, (words, text)
-        # The world still works: a collective, then reads on both ranks.
-        if rank in P:
-            assert x.to_global(sbp=gt.sbp.broadcast).to_local().tolist() == [0.0, 1.0, 2.0, 3.0]
-            assert x.tolist() == [0.0, 1.0, 2.0, 3.0] and one.item() == 5.0
+        # The world still works: a collective, then reads on every rank.
+        assert x.to_global(sbp=gt.sbp.broadcast).to_local().tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert x.tolist() == [0.0, 1.0, 2.0, 3.0] and one.item() == 5.0
 
 
 def check_read_after_the_others_gave_up_fails():
-    # Rank 1 reaches the read rank 0 gave up on: it raises too, rather than pairing its
-    # gather with rank 0's next read.
+    # The other ranks reach the read rank 0 gave up on: they raise too, rather than
+    # pairing their gather with rank 0's next read.
     import torch
     import globaltensor as gt
-    P = gt.placement("cpu", [0, 1])
-    rank = gt.get_rank()
+    P = gt.placement.all("cpu")
     x = gt.tensor(torch.arange(4.0), placement=P, sbp=gt.sbp.split(0))
 
     def read():
         return x.tolist()
 
     with _read_timeout(READ_TIMEOUT):
-        if rank == 0:
+        if gt.get_rank() == 0:
             with pytest.raises(gt.debug.CollectiveError, match="not all of them called it"):
                 read()
-        if rank in P:
-            x.to_global(sbp=gt.sbp.broadcast)  # rank 1 waits here until rank 0 gave up
-        if rank == 1:
+        x.to_global(sbp=gt.sbp.broadcast)  # the others wait here until rank 0 gave up
+        if gt.get_rank() != 0:
             with pytest.raises(gt.debug.CollectiveError, match="came after rank 0 stopped"):
                 read()
-        if rank in P:
-            assert read() == [0.0, 1.0, 2.0, 3.0]
+        assert read() == [0.0, 1.0, 2.0, 3.0]
 
 
 def check_pipeline_loss_read_on_rank_0():
-    # rank 0 runs the first stage: the loss comes to every rank of the pipeline
+    # rank 0 runs the first stage (a stage per rank): the loss comes to every rank of the
+    # pipeline
+    import copy
     import torch
     import torch.nn.functional as F
     import globaltensor as gt
     torch.manual_seed(0)
-    layers = [torch.nn.Linear(4, 6), torch.nn.Linear(6, 2)]
-    reference = torch.nn.Sequential(*[torch.nn.Linear(4, 6), torch.nn.Linear(6, 2)])
-    reference.load_state_dict(torch.nn.Sequential(*layers).state_dict())
+    n = gt.get_world_size()
+    layers = [torch.nn.Linear(4, 6)] + [torch.nn.Linear(6, 6) for _ in range(n - 2)] + \
+        [torch.nn.Linear(6, 2)]
+    reference = copy.deepcopy(torch.nn.Sequential(*layers))
     stages = [gt.nn.to_global(m, gt.placement("cpu", [k]), gt.sbp.broadcast)
               for k, m in enumerate(layers)]
     pipe = gt.pipeline.Pipeline(stages, micro_batches=2, loss_fn=F.mse_loss)
@@ -162,33 +190,9 @@ def check_pipeline_loss_read_on_rank_0():
         assert abs(_no_communication(loss.item) - want) < 1e-5
 
 
-def check_read_needs_only_the_ranks_holding_its_parts():
-    # split along axis 0 of a 2-D placement: ranks 0 and 2 hold the parts of rank 0's
-    # value; they read, ranks 1 and 3 do not
-    import torch
-    import globaltensor as gt
-    mesh = gt.placement("cpu", [[0, 1], [2, 3]])
-    x = gt.tensor(torch.arange(4.0), placement=mesh, sbp=(gt.sbp.split(0), gt.sbp.broadcast))
-    with _read_timeout(30):  # a generous bound: it must not be needed
-        if gt.get_rank() in (0, 2):
-            assert x.tolist() == [0.0, 1.0, 2.0, 3.0]
-
-
-def check_ops_that_read_values_run_on_ranks_outside():
-    # F.one_hot counts the classes from the values; ranks 2 and 3, outside the
-    # placement, run the op too and need the count for the output shape
-    import torch
-    import torch.nn.functional as F
-    import globaltensor as gt
-    idx = gt.tensor(torch.tensor([0, 3, 1]), placement=gt.placement("cpu", [0, 1]),
-                    sbp=gt.sbp.split(0))
-    out = F.one_hot(idx)
-    assert out.shape == (3, 4), out.shape
-
-
-CHECKS = ["check_loss_is_broadcast_and_read_on_one_rank", "check_broadcast_reads_on_one_rank",
+CHECKS = ["check_loss_is_broadcast_and_read_on_one_rank",
+          "check_reads_of_a_sub_placement_reach_every_rank",
           "check_split_read_on_some_ranks_fails_fast", "check_read_after_the_others_gave_up_fails",
+          "check_reads_of_different_tensors_raise",
           "check_pipeline_loss_read_on_rank_0"]
-test_world2, test_world4 = checks_in_worlds(__name__, CHECKS,
-                                            ["check_read_needs_only_the_ranks_holding_its_parts",
-                                             "check_ops_that_read_values_run_on_ranks_outside"])
+test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)

@@ -7,9 +7,11 @@ meet through the store (no collective), waiting GLOBALTENSOR_READ_TIMEOUT (10 s)
 most; a rank that waits in vain cancels the meeting and raises, naming the read. The
 ranks that never came called nothing, so they are not left in a broken collective.
 
-A meeting is a numbered round per group of ranks: each arrival increments the round's
-count; the last arrival marks it "go", a rank that waited too long marks it cancelled
-(one atomic compare-and-set decides between the two). A rank that did not take part in
+A meeting is a numbered round per group of ranks: each arrival notes what it reads (the
+tensor's layout and dtype) and increments the round's count; the last arrival marks it
+"go", or "differ" when the ranks read different tensors (they all raise
+``DivergenceError`` instead of pairing their gathers), and a rank that waited too long
+marks it cancelled (one atomic compare-and-set decides). A rank that did not take part in
 a cancelled read finds that round cancelled at its next read, and moves to the next
 round, where the others are. The rank that cancels records what it was reading (the
 call, the layout and the program line): a rank that finds a cancelled round of that
@@ -24,20 +26,22 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from .. import env
-from .guard import CollectiveError
+from .guard import CollectiveError, DivergenceError
 from .groups import init
 
 _GO = b"go"
 _CANCEL = "cancel|"
+_DIFFER = "differ|"
 _round: dict[tuple[int, ...], int] = {}    # the next round this rank meets in, per group
 _cleaned: dict[tuple[int, ...], int] = {}  # rounds below this are deleted from the store
 
 
-def meet(ranks: tuple[int, ...], what: str, read: str, advice: str) -> None:
+def meet(ranks: tuple[int, ...], what: str, read: str, advice: str, same: str = "") -> None:
     """Return once every rank of ``ranks`` has reached this read (``what``: the call,
-    e.g. "x.item()"; ``read``: a description of the read that tells two reads apart);
-    raise ``CollectiveError`` naming ``what`` and giving ``advice`` when they do not
-    all arrive within GLOBALTENSOR_READ_TIMEOUT seconds.
+    e.g. "x.item()"; ``read``: a description of the read that tells two reads apart;
+    ``same``: what every rank must read alike); raise ``CollectiveError`` naming
+    ``what`` and giving ``advice`` when they do not all arrive within
+    GLOBALTENSOR_READ_TIMEOUT seconds, ``DivergenceError`` when their ``same`` differ.
 
     >>> meet((0, 1), "x.item()", "x.item() of ... at train.py:12", "...")  # doctest: +SKIP
     """
@@ -50,15 +54,28 @@ def meet(ranks: tuple[int, ...], what: str, read: str, advice: str) -> None:
     rank = dist.get_rank()
     timeout = env.read_timeout_seconds()
     mine = f"{_CANCEL}{rank}|{read}"
+    mark = f"{rank}|{same}"
     while True:
         number = _round.get(members, 0)
         _round[members] = number + 1
         key = f"globaltensor/read/{group}/{number}"
-        state, last = _arrive(store, key, len(members), timeout, mine)
+        state, last = _arrive(store, key, len(members), timeout, mine, mark)
         if state == _GO:
             _clean(store, members, group, number, last)
             return
         text = state.decode(errors="replace")
+        if text.startswith(_DIFFER):
+            _clean(store, members, group, number, last)
+            by_read: dict = {}
+            for line in text[len(_DIFFER):].split("\n"):
+                r, tensor = line.split("|", 1)
+                by_read.setdefault(tensor, []).append(int(r))
+            reads = "; ".join(f"ranks {sorted(rs)} read {t}"
+                              for t, rs in sorted(by_read.items(), key=lambda kv: min(kv[1])))
+            raise DivergenceError(
+                f"globaltensor: {what} on rank {rank} met reads of different tensors "
+                f"({reads}); every rank must read the same tensor at the same point of "
+                f"the program")
         if text == mine:
             raise CollectiveError(
                 f"globaltensor: {what} on rank {rank} needs every rank of {list(ranks)}, and "
@@ -75,12 +92,17 @@ def meet(ranks: tuple[int, ...], what: str, read: str, advice: str) -> None:
         # A read of other ranks that this rank never took part in: the next round.
 
 
-def _arrive(store, key: str, n: int, timeout: float, cancel: str) -> tuple[bytes, bool]:
-    """This rank's arrival at a round: ("go" once all ``n`` arrived, or the cancel mark
-    of whoever cancelled it: this rank after ``timeout`` seconds, or another), and
-    whether this rank arrived last."""
+def _arrive(store, key: str, n: int, timeout: float, cancel: str,
+            mark: str) -> tuple[bytes, bool]:
+    """This rank's arrival at a round: ("go" once all ``n`` arrived and read alike,
+    "differ|<marks>" when they did not, or the cancel mark of whoever cancelled it: this
+    rank after ``timeout`` seconds, or another), and whether this rank arrived last."""
+    store.append(key + "/who", mark + "\n")  # before counting: the last sees every mark
     if store.add(key + "/n", 1) >= n:
-        return store.compare_set(key + "/state", "", _GO.decode()), True
+        marks = store.get(key + "/who").decode(errors="replace").splitlines()
+        alike = len({m.split("|", 1)[1] for m in marks}) == 1
+        decision = _GO.decode() if alike else _DIFFER + "\n".join(marks)
+        return store.compare_set(key + "/state", "", decision), True
     try:
         store.wait([key + "/state"], datetime.timedelta(seconds=timeout))
     except (RuntimeError, dist.DistError):  # DistStoreError: a timeout
@@ -89,11 +111,12 @@ def _arrive(store, key: str, n: int, timeout: float, cancel: str) -> tuple[bytes
 
 
 def _clean(store, members: tuple[int, ...], group: str, number: int, last: bool) -> None:
-    """Round ``number`` went ahead, so every member is past the rounds before it: the
-    last arrival deletes their keys (two per read, which would pile up in the store)."""
+    """Round ``number`` was decided with every member there, so every member is past the
+    rounds before it: the last arrival deletes their keys (three per read, which would
+    pile up in the store)."""
     start = _cleaned.get(members, 0)
     _cleaned[members] = number
     if last:
         for old in range(start, number):
-            for suffix in ("/n", "/state"):
+            for suffix in ("/n", "/who", "/state"):
                 store.delete_key(f"globaltensor/read/{group}/{old}{suffix}")
