@@ -11,7 +11,7 @@ result is broadcast, with the shape of that run. A split result would need the p
 sizes and a re-balancing on top of them (split parts are balanced); the gathered inputs
 are the cost. Ranks outside the placement learn the outputs' shapes from the members
 with one small all-gather of integers over the world (as ``from_local`` with
-``shape=None`` does), so, like ``.item()``, these ops are called on every rank when the
+``shape=None`` does), so, like ``x.full()``, these ops are called on every rank when the
 placement leaves some out. Gradients come from torch's own formulas (``index_put``,
 ``masked_scatter``), which dispatch runs like any op.
 
