@@ -8,10 +8,11 @@
 __version__ = "0.1.0"  # the one place: pyproject.toml reads it (tool.setuptools.dynamic)
 from . import sbp
 from .comm import init
-from .env import get_local_rank, manual_seed
+from .env import get_local_rank
 from .factory import (arange, empty, from_local, full, normal, ones, rand, randint, randn, tensor,
                       to_global, zeros)
 from .placement import Placement, placement
+from .random import manual_seed
 from .tensor import GlobalTensor, is_global
 from . import dispatch as _dispatch  # noqa: F401  (installs __torch_dispatch__)
 from . import debug, nn, utils
@@ -20,8 +21,11 @@ from .dispatch import implicit_broadcast
 from . import pipeline
 from . import ps
 from . import checkpoint
+from .interop import torch_patches as _torch_patches
 from .checkpoint import from_dtensor
 from .comm import get_rank as _comm_rank, get_world_size as _comm_world
+
+_torch_patches.apply()  # every change globaltensor makes to torch, once
 
 
 def get_rank() -> int:

@@ -12,15 +12,13 @@ here raises first, saying what to use instead:
 * ``torch.distributed.tensor.parallel.parallelize_module`` on one: annotate the
   parameters with ``gt.nn.to_global(module, placement, sbp_fn)``.
 
-The torch functions are wrapped in place, on every module that exposes them, so that
-``from torch.distributed.fsdp import fully_shard`` returns the wrapper. Importing those
-modules costs seconds, so they are not imported here: each is wrapped right after the
-program imports it (an import hook), or now when it already has.
+The wrappers are made here; ``interop/torch_patches.py`` installs them in place of
+torch's functions, on every module that exposes them, when the program imports those
+modules.
 """
 from __future__ import annotations
 
 import functools
-import importlib.abc
 import sys
 
 import torch
@@ -52,7 +50,7 @@ def _first_global_parameter(module) -> tuple[str, GlobalTensor] | None:
     return None
 
 
-def _refusing_global_modules(original, label: str, advice: str):
+def refusing_global_modules(original, label: str, advice: str):
     """``original(module, ...)``, raising TypeError with ``advice`` first when ``module``
     has GlobalTensor parameters (``label``: the function's public name)."""
     @functools.wraps(original)
@@ -80,9 +78,10 @@ _PARALLELIZE_ADVICE = (
     "gt.sbp.split(0), \"fc1.bias\": gt.sbp.split(0), \"fc2.weight\": gt.sbp.split(1)}"
     ".get(name, gt.sbp.broadcast); the ops then box activations as needed.")
 
-# module imported by the program -> [(module holding the name, name, advice)]. Not the
-# defining modules: FSDP2's own code calls fully_shard.state() through its global.
-_WRAP = {
+# Where torch's tools get ``refusing_global_modules``: the module the program imports ->
+# [(module holding the name, name, advice)]. Not the defining modules: FSDP2's own code
+# calls fully_shard.state() through its global.
+REFUSING_GLOBAL_MODULES = {
     "torch.distributed.fsdp": [
         ("torch.distributed.fsdp", "fully_shard", _FULLY_SHARD_ADVICE),
         ("torch.distributed.fsdp._fully_shard", "fully_shard", _FULLY_SHARD_ADVICE)],
@@ -95,79 +94,14 @@ _WRAP = {
 }
 
 
-def _wrap_functions(imported: str) -> None:
-    for module_name, name, advice in _WRAP[imported]:
-        module = sys.modules.get(module_name)
-        original = getattr(module, name, None)
-        if callable(original) and not hasattr(original, "__wrapped_by_globaltensor__"):
-            setattr(module, name, _refusing_global_modules(original, f"{imported}.{name}",
-                                                           advice))
-
-
-def _refuse_global_in_dtensor_ops() -> None:
-    """DTensor's dispatcher takes a GlobalTensor operand for a plain tensor (replicating
-    it when it has one element): raise the conversion advice instead."""
-    from torch.distributed.tensor._dispatch import OpDispatcher
-    original = OpDispatcher._try_replicate_spec_for_scalar_tensor
-    if hasattr(original, "__wrapped_by_globaltensor__"):
-        return
-
-    @functools.wraps(original)
-    def replicate_spec(self, op_call, tensor_arg, *args, **kwargs):
+def refusing_global_operands(replicate_spec):
+    """DTensor's ``OpDispatcher._try_replicate_spec_for_scalar_tensor`` (which takes a
+    GlobalTensor operand for a plain tensor, replicating it when it has one element),
+    raising the conversion advice instead."""
+    @functools.wraps(replicate_spec)
+    def wrapper(self, op_call, tensor_arg, *args, **kwargs):
         if isinstance(tensor_arg, GlobalTensor):
             raise dtensor_operand_error(op_call)
-        return original(self, op_call, tensor_arg, *args, **kwargs)
-    replicate_spec.__wrapped_by_globaltensor__ = original
-    OpDispatcher._try_replicate_spec_for_scalar_tensor = replicate_spec
-
-
-_AFTER_IMPORT = {name: functools.partial(_wrap_functions, name) for name in _WRAP}
-_AFTER_IMPORT["torch.distributed.tensor._dispatch"] = _refuse_global_in_dtensor_ops
-
-
-class _Loader(importlib.abc.Loader):
-    """The module's own loader, then the wrapping."""
-
-    def __init__(self, loader, after):
-        self._loader, self._after = loader, after
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self._loader.exec_module(module)
-        self._after()
-
-    def __getattr__(self, name):  # is_package, get_code, get_source, ...
-        return getattr(self._loader, name)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: hands the watched modules' specs to ``_Loader``."""
-
-    def find_spec(self, fullname, path, target=None):
-        after = _AFTER_IMPORT.get(fullname)
-        if after is None:
-            return None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            if finder is self or find is None:
-                continue
-            spec = find(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None:
-                    spec.loader = _Loader(spec.loader, after)
-                return spec
-        return None
-
-
-def install() -> None:
-    """Wrap what the program imported already; wrap the rest when it is imported."""
-    if not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
-    for name, after in _AFTER_IMPORT.items():
-        if name in sys.modules:
-            after()
-
-
-install()
+        return replicate_spec(self, op_call, tensor_arg, *args, **kwargs)
+    wrapper.__wrapped_by_globaltensor__ = replicate_spec
+    return wrapper

@@ -1,4 +1,4 @@
-"""Who we are in the world, read from the launcher's environment, and the RNG state.
+"""Who we are in the world, read from the launcher's environment.
 
 This module reads variables only; ``comm`` turns them into process groups. It sits
 below ``placement`` so that a placement can check its ranks against the world size
@@ -7,12 +7,6 @@ without any communication.
 from __future__ import annotations
 
 import os
-
-import torch
-
-# The seed before any gt.manual_seed (torch's default CPU seed, for want of another).
-_DEFAULT_SEED = 67280421310721
-_seed, _draw = _DEFAULT_SEED, 0
 
 
 def _int_var(name: str, default: int) -> int:
@@ -66,35 +60,3 @@ def read_timeout_seconds() -> float:
 
 def debug_enabled() -> bool:
     return os.environ.get("GLOBALTENSOR_DEBUG", "") not in ("", "0")
-
-
-def manual_seed(seed: int) -> None:
-    """Seed the placement-invariant generator (and torch's own), the same on every rank:
-    random values on global tensors are then a function of ``seed``, the draw's number
-    (counted from here) and each element's global index.
-
-    >>> import globaltensor as gt
-    >>> gt.manual_seed(0)
-    """
-    global _seed, _draw
-    _seed, _draw = int(seed), 0
-    torch.manual_seed(int(seed))
-
-
-def next_draw() -> tuple[int, int]:
-    """(seed, draw number) for the next random op; every rank calls it once per random
-    op on a global tensor, also ranks outside the op's placement, so counters agree."""
-    global _draw
-    _draw += 1
-    return _seed, _draw
-
-
-def get_draw() -> tuple[int, int]:
-    """The generator's state: (seed, number of draws so far)."""
-    return _seed, _draw
-
-
-def set_draw(state: tuple[int, int]) -> None:
-    """Restore a state from ``get_draw`` (activation checkpointing replays draws)."""
-    global _seed, _draw
-    _seed, _draw = int(state[0]), int(state[1])

@@ -21,15 +21,15 @@ import torch
 
 from . import comm
 from .layout import Layout
-from .parts import keep_on_first
-from .placement import Placement
+from .local_parts import device_of, empty_local
+from .partials import keep_on_first
+from .placement import Placement, check_placement
 from .random import local_sample, next_draw
-from .tensor import GlobalTensor, device_of, empty_local, from_full, wrap_local
+from .tensor import GlobalTensor, from_full, wrap_local
 
 
 def _layout(shape, placement, sbp) -> Layout:
-    if not isinstance(placement, Placement):
-        raise ValueError(f"placement must be a gt.placement, got {placement!r}")
+    check_placement(placement)
     if sbp is None:
         raise ValueError("sbp is required, e.g. sbp=gt.sbp.split(0) or gt.sbp.broadcast")
     comm.init()
@@ -172,8 +172,7 @@ def from_local(t: torch.Tensor, placement: Placement = None, sbp=None, shape=Non
     if isinstance(t, GlobalTensor):
         raise ValueError("from_local needs a plain (local) tensor; use x.to_global(...) "
                          "to redistribute a GlobalTensor")
-    if not isinstance(placement, Placement):
-        raise ValueError(f"placement must be a gt.placement, got {placement!r}")
+    check_placement(placement)
     comm.init()
     rank = comm.get_rank()
     inside = rank in placement

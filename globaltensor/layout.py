@@ -17,7 +17,7 @@ from functools import lru_cache
 from typing import Sequence
 
 from .placement import Placement
-from .sbp import Broadcast, Partial, SbpParallel, Split, normalize
+from .sbp import Broadcast, Partial, SbpParallel, Split, broadcast, normalize
 
 
 @lru_cache(maxsize=4096)
@@ -103,6 +103,18 @@ class Layout:
 
     def with_sbp(self, sbp) -> "Layout":
         return Layout.make(self.shape, self.placement, sbp)
+
+    def without_partials(self) -> "Layout":
+        """This layout with every partial axis made broadcast: where the reduced value
+        lives (a gradient, a saved value, a read), each rank holding its region whole.
+
+        >>> Layout.make((4,), p, (split(0), partial_sum)).without_partials().sbp  # doctest: +SKIP
+        (split(dim=0), broadcast)
+        """
+        if not any(isinstance(s, Partial) for s in self.sbp):
+            return self
+        return self.with_sbp(tuple(broadcast if isinstance(s, Partial) else s
+                                   for s in self.sbp))
 
     @property
     def ndim(self) -> int:

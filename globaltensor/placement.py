@@ -170,3 +170,30 @@ class Placement:
 
 
 placement = Placement
+
+
+def check_placement(placement, what: str = "placement") -> Placement:
+    """``placement`` when it is a Placement, else a ValueError saying what ``what`` got.
+
+    >>> check_placement([0, 1])
+    Traceback (most recent call last):
+    ValueError: placement must be a gt.placement, got [0, 1]
+    """
+    if not isinstance(placement, Placement):
+        raise ValueError(f"{what} must be a gt.placement, got {placement!r}")
+    return placement
+
+
+def common_placement(placements, what: object) -> Placement:
+    """The one placement of the operands of ``what`` (an op), else a ValueError naming
+    theirs (an op's inputs must share a placement).
+
+    >>> common_placement([p, q], "aten.add")   # doctest: +SKIP
+    ValueError: aten.add: inputs are on different placements (...); move them onto one ...
+    """
+    distinct = list(dict.fromkeys(placements))
+    if len(distinct) != 1:
+        raise ValueError(f"{what}: inputs are on different placements "
+                         f"({' and '.join(map(str, distinct))}); move them onto one with "
+                         f"x.to_global(placement=...)")
+    return distinct[0]

@@ -1,6 +1,6 @@
 """A counter-based generator: random values as a function of (seed, draw, global index).
 
-Every random op on global tensors takes the next draw number (``env.next_draw``, on
+Every random op on global tensors takes the next draw number (``next_draw``, on
 every rank, inside the placement or not) and each rank evaluates a hash of each of its
 elements' global (row-major) index, keyed by (seed, draw). So a rank generates only the
 elements it holds, a broadcast tensor gets equal values everywhere, and the value of a
@@ -23,10 +23,10 @@ from typing import Callable
 
 import torch
 
-from . import comm, env
+from . import comm
 from .layout import Layout, Region
-from .parts import identity_fill, keep_on_first
-from .tensor import device_of, empty_local
+from .local_parts import device_of, empty_local
+from .partials import identity_fill, keep_on_first
 
 _CHUNK = 1 << 16  # elements hashed at once: the temporaries stay in the L2 cache
 _MASK32 = 0xFFFFFFFF
@@ -312,35 +312,61 @@ def local_sample(kind: str, layout: Layout, draw: tuple[int, int], dtype: torch.
     return sample(kind, layout.shape, region, draw, dtype, out=out, **params)
 
 
+# --- the generator's state: a seed and the number of draws taken since ----------------
+
+# The seed before any gt.manual_seed (torch's default CPU seed, for want of another).
+_DEFAULT_SEED = 67280421310721
+_seed, _draw = _DEFAULT_SEED, 0
+
+
+def manual_seed(seed: int) -> None:
+    """Seed the placement-invariant generator (and torch's own), the same on every rank:
+    random values on global tensors are then a function of ``seed``, the draw's number
+    (counted from here) and each element's global index.
+
+    >>> import globaltensor as gt
+    >>> gt.manual_seed(0)
+    """
+    global _seed, _draw
+    _seed, _draw = int(seed), 0
+    torch.manual_seed(int(seed))
+
+
 def next_draw() -> tuple[int, int]:
-    """The (seed, number) of the next draw: call it on every rank for every random op."""
-    return env.next_draw()
+    """(seed, draw number) for the next random op; every rank calls it once per random
+    op on a global tensor, also ranks outside the op's placement, so counters agree."""
+    global _draw
+    _draw += 1
+    return _seed, _draw
 
 
-def _install_state_hooks() -> None:
-    """Make ``torch.get_rng_state()`` carry the draw number and ``torch.set_rng_state``
-    restore it. Activation checkpointing (both of torch's implementations) and
-    ``torch.random.fork_rng`` save and restore the CPU state around a replay this way,
-    so a recomputed dropout draws the mask it drew in forward."""
-    if getattr(torch.get_rng_state, "_globaltensor", False):
-        return
-    get_state, set_state = torch.get_rng_state, torch.set_rng_state
+def get_draw() -> tuple[int, int]:
+    """The generator's state: (seed, number of draws so far)."""
+    return _seed, _draw
 
+
+def set_draw(state: tuple[int, int]) -> None:
+    """Restore a state from ``get_draw`` (activation checkpointing replays draws)."""
+    global _seed, _draw
+    _seed, _draw = int(state[0]), int(state[1])
+
+
+def carrying_draws(get_state, set_state) -> tuple:
+    """``torch.get_rng_state`` and ``torch.set_rng_state`` (``get_state``, ``set_state``)
+    made to carry the draw number on the state tensor and restore it: activation
+    checkpointing (both of torch's implementations) and ``torch.random.fork_rng`` save
+    and restore the CPU state around a replay this way, so a recomputed dropout draws
+    the mask it drew in forward. Installed by ``interop/torch_patches.py``."""
     def get_rng_state() -> torch.Tensor:
         state = get_state()
-        state._globaltensor_draw = env.get_draw()
+        state._globaltensor_draw = get_draw()
         return state
 
     def set_rng_state(new_state: torch.Tensor) -> None:
         set_state(new_state)
         draw = getattr(new_state, "_globaltensor_draw", None)
         if draw is not None:
-            env.set_draw(draw)
+            set_draw(draw)
 
-    get_rng_state._globaltensor = True
     get_rng_state.__doc__, set_rng_state.__doc__ = get_state.__doc__, set_state.__doc__
-    for module in (torch, torch.random):
-        module.get_rng_state, module.set_rng_state = get_rng_state, set_rng_state
-
-
-_install_state_hooks()
+    return get_rng_state, set_rng_state

@@ -21,9 +21,10 @@ from __future__ import annotations
 import torch
 
 from . import comm
+from .boxing.run import call_site
 from .placement import Placement
 from .sbp import Broadcast, broadcast
-from .tensor import GlobalTensor, _call_site, relayout
+from .tensor import GlobalTensor, relayout
 
 
 def whole_value(x: GlobalTensor, call: str) -> torch.Tensor:
@@ -42,7 +43,7 @@ def whole_value(x: GlobalTensor, call: str) -> torch.Tensor:
     everyone = tuple(range(world))
     if not comm.tracing():  # a traced read runs on every rank by construction
         same = f"a {x.dtype} {tuple(x.shape)} tensor with sbp {layout.sbp} on {placement}"
-        read = f"{call} of {same}, called from {_call_site()}"
+        read = f"{call} of {same}, called from {call_site()}"
         comm.meet(everyone, call, read, _advice(call, layout.placement, broadcast_here), same)
     return relayout(x, (broadcast,), Placement(placement.type, list(everyone)))._local
 

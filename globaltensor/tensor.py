@@ -14,22 +14,23 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import logging
-import os
 import sys
-import zlib
 
 import torch
 
-from . import comm, env
-from .boxing import execute, plan_route
+from . import comm
+from .boxing.run import box
 from .layout import Layout
-from .parts import local_part
-from .placement import Placement
+from .local_parts import device_of, empty_local
+from .partials import local_part
+from .placement import Placement, check_placement
+from .sbp import broadcast
 
-_log = logging.getLogger("globaltensor")
 _dispatcher = None  # set by dispatch.py
 _watch_leaf = None  # gradsync.watch, set by gradsync.py
+
+__all__ = ["GlobalTensor", "is_global", "hidden_from_dynamo", "wrap_part", "wrap_local",
+           "from_full", "to_layout", "relayout", "install_dispatcher", "install_leaf_watch"]
 
 
 def install_dispatcher(fn) -> None:
@@ -40,24 +41,6 @@ def install_dispatcher(fn) -> None:
 def install_leaf_watch(fn) -> None:
     global _watch_leaf
     _watch_leaf = fn
-
-
-@functools.lru_cache(maxsize=None)
-def device_of(placement: Placement) -> torch.device:
-    """This rank's device for tensors of ``placement``."""
-    return comm.local_device(placement.type)
-
-
-def empty_local(layout: Layout, dtype: torch.dtype, like: torch.Tensor | None = None
-                ) -> torch.Tensor:
-    """The local tensor of a rank outside the placement: no elements, same ndim
-    (a 0-d tensor's is shape (0,), since a 0-d tensor cannot be empty). Made from
-    ``like`` (an operand's local part) when given, so that while torch.compile traces
-    it is a fake tensor of the trace as the operand is."""
-    shape = (0,) * layout.ndim if layout.ndim else (0,)
-    if like is not None:
-        return like.new_empty(shape, dtype=dtype, device=device_of(layout.placement))
-    return torch.empty(shape, dtype=dtype, device=device_of(layout.placement))
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
@@ -136,9 +119,7 @@ class GlobalTensor(torch.Tensor):
 
         >>> y = x.to_global(sbp=gt.sbp.broadcast)      # doctest: +SKIP
         """
-        placement = self.placement if placement is None else placement
-        if not isinstance(placement, Placement):
-            raise ValueError(f"placement must be a gt.placement, got {placement!r}")
+        placement = self.placement if placement is None else check_placement(placement)
         if sbp is None:
             if placement.ndim != self.placement.ndim:
                 raise ValueError(f"the new placement has {placement.ndim} axis(es), the old "
@@ -158,7 +139,7 @@ class GlobalTensor(torch.Tensor):
     def full(self) -> torch.Tensor:
         """The whole value as a plain tensor on every rank of the world (a collective)."""
         everyone = Placement(self.placement.type, list(range(comm.get_world_size())))
-        return self.to_global(everyone, (_broadcast(),)).to_local()
+        return self.to_global(everyone, (broadcast,)).to_local()
 
     # Reads (``reads.py``): a broadcast tensor's copy here, without communication.
     def numpy(self, *, force: bool = False):
@@ -180,10 +161,6 @@ class GlobalTensor(torch.Tensor):
             return format(item(self, f"f\"{{x:{format_spec}}}\""), format_spec)
         return object.__format__(self, format_spec)
 
-    def __reduce_ex__(self, protocol):
-        from .checkpoint import DCP_HINT
-        raise TypeError(f"a GlobalTensor cannot be pickled: {DCP_HINT}")
-
     # No storage of its own: code outside torch reading raw memory (safetensors,
     # save_pretrained) gets an error pointing to gt.nn.full_state_dict instead of an
     # invalid storage; torch itself (deepcopy, torch.compile) handles wrapper subclasses.
@@ -199,23 +176,9 @@ class GlobalTensor(torch.Tensor):
         from .nn.state import raw_memory
         return raw_memory("data_ptr", super().data_ptr)
 
-    # --- torch.distributed.checkpoint's tensor-subclass protocol, and DTensor ----------
-    def __create_write_items__(self, fqn: str, object) -> list:
-        from .checkpoint import create_write_items
-        return create_write_items(self, fqn)
-
-    def __create_chunk_list__(self) -> list:
-        from .checkpoint import create_chunk_list
-        return create_chunk_list(self)
-
-    def __get_tensor_shard__(self, index) -> torch.Tensor:
-        from .checkpoint import get_tensor_shard
-        return get_tensor_shard(self, index)
-
-    def to_dtensor(self):
-        """This tensor as a DTensor with the same value (see ``checkpoint.to_dtensor``)."""
-        from .checkpoint import to_dtensor
-        return to_dtensor(self)
+    # Pickling (refused), torch.distributed.checkpoint's tensor-subclass protocol and
+    # ``to_dtensor`` are installed by ``interop/dcp.py`` and ``interop/dtensor.py``, which
+    # sit above this module.
 
     # --- traceable-subclass protocol: torch.compile sees the local part as the tensor ----
     def __tensor_flatten__(self):
@@ -250,7 +213,7 @@ class GlobalTensor(torch.Tensor):
 
     def __coerce_tangent_metadata__(self):
         # The gradient torch.compile plans for an output: where eager backward puts it.
-        return to_layout(self, gradient_layout(self._layout))
+        return to_layout(self, self._layout.without_partials())
 
     def __coerce_same_metadata_as_tangent__(self, ctx, expected_type=None):
         # A gradient that arrives at a compiled backward in another layout than planned.
@@ -261,7 +224,7 @@ class GlobalTensor(torch.Tensor):
     # No Python __torch_function__ (as DTensor): with one, every op and every property
     # access (x.shape, x.grad) would enter Python once more (about 2x the dispatch cost).
     # The few functions that need handling above dispatch are wrapped instead
-    # (``override_function``).
+    # (``interop/torch_patches.py``).
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
@@ -292,128 +255,9 @@ def wrap_part(local: torch.Tensor, layout: Layout, strides: tuple | None = None)
     return _wrap(GlobalTensor, local, layout, False, strides)
 
 
-def override_function(namespace, name: str, fn) -> None:
-    """Make ``namespace.name`` (e.g. ``torch.nn.functional.one_hot``) run ``fn`` when a
-    GlobalTensor is among its arguments or in a list or tuple argument (``fn`` may decline
-    with NotImplemented), else the original. For the few functions that build plain
-    helper tensors or draw random numbers inside their kernels (``rules/functional.py``):
-    composites of them never reach ``__torch_dispatch__`` whole. Code that took the function before globaltensor was
-    imported keeps the original.
-
-    >>> override_function(torch.nn.functional, "one_hot", global_one_hot)  # doctest: +SKIP
-    """
-    original = getattr(namespace, name)
-    original = getattr(original, "__wrapped_by_globaltensor__", original)
-
-    def holds_global(a) -> bool:
-        return isinstance(a, GlobalTensor) or (
-            isinstance(a, (list, tuple)) and any(isinstance(t, GlobalTensor) for t in a))
-
-    @functools.wraps(original)
-    def wrapper(*args, **kwargs):
-        if any(holds_global(a) for a in args) or any(holds_global(a) for a in kwargs.values()):
-            out = fn(*args, **kwargs)
-            if out is not NotImplemented:
-                return out
-        return original(*args, **kwargs)
-    wrapper.__wrapped_by_globaltensor__ = original
-    setattr(namespace, name, wrapper)
-
-
-def _accept_in_foreach_paths() -> None:
-    # torch.optim and torch.utils take their one-call-per-list (_foreach_*) paths only for
-    # the tensor types listed here (by default where kernels exist: CUDA, not CPU);
-    # dispatch runs those calls on the local parts at once.
-    from torch.optim import optimizer
-    from torch.utils import _foreach_utils
-    for types in (optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types):
-        if GlobalTensor not in types:
-            types.append(GlobalTensor)
-
-
-_accept_in_foreach_paths()
-
-
-def _broadcast():
-    from .sbp import broadcast
-    return broadcast
-
-
 def is_global(t) -> bool:
     """True for a GlobalTensor, False for a plain tensor."""
     return isinstance(t, GlobalTensor)
-
-
-def box(local: torch.Tensor, src: Layout, dst: Layout, donate: bool = False,
-        why: object = "to_global") -> torch.Tensor:
-    """This rank's local tensor of ``dst``, from its local tensor of ``src``; with
-    ``donate``, ``local`` is a temporary that boxing may overwrite (reduce in place).
-    ``why`` (an op, "to_global", ...) names the work in logs, errors and profiles."""
-    rank = comm.get_rank()
-    plan = plan_route(src, dst, local.element_size())
-    if not plan.steps:
-        return local
-    if _log.isEnabledFor(logging.DEBUG):
-        _log.debug("rank %d boxes for %s:\n%s", rank, why, plan)
-    work = _Boxing(why, plan, local.dtype)
-    if comm.check_mode() and not comm.tracing():
-        work.check(rank)
-    with comm.activity(work):
-        out = execute(plan, local, rank, donate)
-    if rank not in dst.placement:
-        return empty_local(dst, local.dtype, like=local)
-    return out
-
-
-class _Boxing:
-    """One boxing run, described only when asked (errors, profiler ranges, check mode)."""
-
-    def __init__(self, why, plan, dtype):
-        self.why, self.plan, self.dtype = why, plan, dtype
-
-    def __str__(self) -> str:
-        src, dst = self.plan.src, self.plan.dst
-        steps = ", ".join(str(s) for s in self.plan.steps)
-        return (f"{self.why}: boxing {tuple(src.shape)} {self.dtype} from {src.placement} "
-                f"{src.sbp} to {dst.placement} {dst.sbp} [{steps}]")
-
-    def check(self, rank: int) -> None:
-        """Check mode: every rank of both placements must be at the same boxing, from
-        the same line of the program, before any of them communicates."""
-        src, dst = self.plan.src, self.plan.dst
-        ranks = set(src.placement) | set(dst.placement)
-        if rank not in ranks:
-            return
-        what = f"{self} (called from {_call_site()})"
-        comm.agree(zlib.crc32(what.encode()), tuple(ranks), what)
-
-
-def _call_site() -> str:
-    """file:line of the innermost frame outside globaltensor and torch."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not any(part in name for part in _INTERNAL):
-            return f"{name}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "?"
-
-
-_INTERNAL = (os.sep + "globaltensor" + os.sep, os.sep + "torch" + os.sep, "<frozen ")
-
-
-def _configure_debug_logging() -> None:
-    # GLOBALTENSOR_DEBUG=1 shows boxing at DEBUG level on stderr; otherwise the
-    # "globaltensor" logger is the program's to configure (logging.DEBUG shows the same).
-    if env.debug_enabled() and _log.level == logging.NOTSET:
-        _log.setLevel(logging.DEBUG)
-        if not _log.handlers:
-            handler = logging.StreamHandler()
-            handler.setFormatter(logging.Formatter("[globaltensor %(levelname)s] %(message)s"))
-            _log.addHandler(handler)
-
-
-_configure_debug_logging()
 
 
 class _ToGlobal(torch.autograd.Function):
@@ -424,7 +268,11 @@ class _ToGlobal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return to_layout(grad, gradient_layout(ctx.src)), None
+        # Partial axes become broadcast: every addend of a sum has the sum's gradient,
+        # so each rank holds it whole. Boxing it back to a partial would be correct too,
+        # but the next backward ops would then produce (and later reduce) full-size
+        # partials.
+        return to_layout(grad, ctx.src.without_partials()), None
 
 
 class _ToLocal(torch.autograd.Function):
@@ -446,18 +294,10 @@ class _FromLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return to_layout(grad, gradient_layout(ctx.layout))._local, None
+        return to_layout(grad, ctx.layout.without_partials())._local, None
 
 
-def gradient_layout(layout: Layout) -> Layout:
-    """Where the gradient of a tensor of ``layout`` goes: the same layout, except that a
-    partial axis becomes broadcast. Every addend of a sum has the sum's gradient, so
-    each rank holds it whole; boxing it back to a partial would be correct too, but it
-    would make the next backward ops produce (and later reduce) full-size partials."""
-    if not layout.partial_axes:
-        return layout
-    return Layout.make(layout.shape, layout.placement, tuple(
-        _broadcast() if a in layout.partial_axes else s for a, s in enumerate(layout.sbp)))
+gradient_layout = Layout.without_partials  # dispatch imports it from here
 
 
 def to_layout(x, layout: Layout, donate: bool = False) -> GlobalTensor:

@@ -135,7 +135,39 @@ def bad_input_raises():
         gt.from_dtensor(avg)
 
 
+def rechunking_is_boxing_logged_and_checked():
+    # Moving an uneven split into DTensor's layout and back is a boxing as any other:
+    # named in the debug log and in profiler ranges, checked in check mode.
+    import logging
+    P = gt.placement.all("cpu")
+    v = value((5, 3))  # over 4 ranks: 2, 1, 1, 1 rows here, 2, 2, 1, 0 in torch.chunk's
+    x = gt.tensor(v, placement=P, sbp=S(0), requires_grad=True)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("globaltensor")
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    try:
+        with gt.debug.check_consistency(), torch.profiler.profile() as prof:
+            d = x.to_dtensor()
+            y = gt.from_dtensor(d)
+            (y * y).sum().backward()
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    assert torch.equal(y.full(), v) and torch.equal(x.grad.full(), 2 * v)
+    logged = [r.getMessage() for r in records]
+    names = [e.name for e in prof.events() if e.name.startswith("globaltensor")]
+    for why in ("to_dtensor", "from_dtensor", "from_dtensor (backward)",
+                "to_dtensor (backward)"):
+        assert any(f"boxes for {why}:" in m and "Transfer" in m for m in logged), (why, logged)
+        assert any(f"globaltensor: {why}: boxing" in m for m in names), (why, names)
+
+
 CHECKS = ["round_trip_every_layout", "local_part_shared_where_layouts_coincide",
           "uneven_split_moves_into_torch_chunk_layout", "gradients_flow_through_both_conversions",
           "bad_input_raises"]
-test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
+test_world2, test_world4 = checks_in_worlds(__name__, CHECKS,
+                                            ["rechunking_is_boxing_logged_and_checked"])

@@ -127,6 +127,34 @@ def check_data_parallel_stages_sharing_two_ranks():
                       data_sbp=S(0))
 
 
+def check_hand_offs_are_boxing_logged_and_checked():
+    # Hand-offs run through boxing/run.py as every boxing: named in the debug log and in
+    # profiler ranges on both sides, and check mode compares each side's ranks (senders
+    # and receivers post at different moments) without a false divergence.
+    import logging
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("globaltensor")
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    try:
+        with gt.debug.check_consistency(), torch.profiler.profile() as prof:
+            train_and_compare([(P(0), B), (P(1), B)], "1f1b", micro=2, rows=4, steps=1)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    forward = "pipeline hand-off: stage 0 output to stage 1"
+    backward = "pipeline hand-off: stage 1 input gradient to stage 0"
+    if gt.get_rank() in (0, 1):
+        logged = [r.getMessage() for r in records]
+        names = [e.name for e in prof.events() if e.name.startswith("globaltensor")]
+        for why in (forward, backward):
+            assert any(f"boxes for {why}:" in m for m in logged), (why, logged)
+            assert any(f"globaltensor: {why}: boxing" in m for m in names), (why, names)
+
+
 def check_bad_input_is_refused_before_any_message():
     stage = torch.nn.Linear(3, 3)
     with pytest.raises(ValueError, match="not global"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..layout import Layout
-from ..parts import local_part, reduce_values
+from ..partials import local_part, reduce_values
 from ..sbp import Partial, Split
 
 Locals = dict  # rank -> torch.Tensor

@@ -18,9 +18,10 @@ import torch
 from .. import comm
 from ..dispatch import implicit_broadcast
 from ..layout import Layout
-from ..placement import Placement
+from ..local_parts import device_of, empty_local
+from ..placement import Placement, check_placement
 from ..sbp import broadcast
-from ..tensor import GlobalTensor, device_of, empty_local, to_layout
+from ..tensor import GlobalTensor, to_layout
 from .meta import check_meta_buffers
 
 SbpChoice = Union[object, Callable[[str, torch.Tensor], object]]
@@ -57,8 +58,7 @@ def to_global(module: torch.nn.Module, placement: Placement, sbp: SbpChoice) -> 
     ...     big = torch.nn.Linear(8192, 8192)
     >>> gt.nn.to_global(big, p, gt.sbp.split(0)).reset_parameters()    # doctest: +SKIP
     """
-    if not isinstance(placement, Placement):
-        raise ValueError(f"placement must be a gt.placement, got {placement!r}")
+    check_placement(placement)
     if not isinstance(module, torch.nn.Module):
         raise ValueError(f"to_global needs a torch.nn.Module, got {type(module).__name__}")
     choose = sbp if callable(sbp) and not isinstance(sbp, (tuple, list)) else (lambda n, t: sbp)

@@ -20,9 +20,9 @@ import torch
 
 from .. import comm
 from ..layout import Layout, balanced_split
-from ..placement import Placement
+from ..placement import Placement, check_placement
 from ..sbp import Split, broadcast
-from ..tensor import GlobalTensor, gradient_layout, to_layout
+from ..tensor import GlobalTensor, to_layout
 from .module import tensor_slots, to_global
 
 __all__ = ["fully_shard"]
@@ -39,8 +39,7 @@ def fully_shard(module: torch.nn.Module, placement: Placement, *,
     >>> model = gt.nn.fully_shard(model, gt.placement.all("cpu"))       # doctest: +SKIP
     >>> opt = torch.optim.AdamW(model.parameters())   # steps on the parts  # doctest: +SKIP
     """
-    if not isinstance(placement, Placement):
-        raise ValueError(f"placement must be a gt.placement, got {placement!r}")
+    check_placement(placement)
     if not 0 <= data_axis < placement.ndim:
         raise ValueError(f"data_axis {data_axis} is not an axis of {placement} "
                          f"({placement.ndim}-D)")
@@ -246,7 +245,7 @@ class _Gathered(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return to_layout(grad, gradient_layout(ctx.src)), None, None
+        return to_layout(grad, ctx.src.without_partials()), None, None
 
 
 def _before_forward(module, args):

@@ -6,7 +6,10 @@ source ranks only) followed by one point-to-point ``Transfer``; the sender runs 
 first part and posts its messages, the receiver posts its receives early and waits
 only when it needs the tensor. Two stages on one placement (one worker) box locally.
 
->>> h = Handoff(out_layout, in_layout, torch.float32)   # doctest: +SKIP
+Both halves run through ``boxing/run.py`` (debug log, check mode among the ranks of
+each half, profiler ranges), as every boxing does.
+
+>>> h = Handoff(out_layout, in_layout, torch.float32, "stage 0 -> 1")   # doctest: +SKIP
 >>> work = h.send(out.local_)      # on the sending stage's ranks
 >>> pending = h.receive()          # on the receiving stage's ranks, posted early
 >>> local = pending.wait()         # this rank's part of ``in_layout``
@@ -15,20 +18,21 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm
 from ..boxing import Plan, plan_route
+from ..boxing.run import box, start
 from ..boxing.steps import Handle, Transfer
 from ..layout import Layout
-from ..tensor import box, device_of
+from ..local_parts import device_of
 
 
 class Handoff:
     """How one tensor moves from layout ``src`` (a stage's output, or the gradient of a
     stage's input) to layout ``dst`` (the next stage's input, or the previous stage's
-    output gradient)."""
+    output gradient). ``why`` names it in logs, errors and profiles."""
 
-    def __init__(self, src: Layout, dst: Layout, dtype: torch.dtype):
-        self.src, self.dst, self.dtype = src, dst, dtype
+    def __init__(self, src: Layout, dst: Layout, dtype: torch.dtype,
+                 why: str = "pipeline hand-off"):
+        self.src, self.dst, self.dtype, self.why = src, dst, dtype, why
         self.local = src.placement == dst.placement
         self.plan = self.receiving = None
         if self.local:
@@ -48,12 +52,12 @@ class Handoff:
         source-side reduction runs first). For a local hand-off the result is ready at
         once (the receiver is this rank)."""
         if self.local:
-            return Handle.ready(box(local, self.src, self.dst))
-        return self.plan.start(local, comm.get_rank())
+            return Handle.ready(box(local, self.src, self.dst, why=self.why))
+        return start(self.plan, local, self.why, self.src.placement.flat_ranks)
 
     def receive(self) -> Handle:
         """Post this rank's receives; ``wait()`` on the result gives its part of ``dst``."""
         assert not self.local, "a local hand-off is received from its send"
         empty = torch.empty((0,) * len(self.src.shape), dtype=self.dtype,
                             device=device_of(self.src.placement))
-        return self.receiving.start(empty, comm.get_rank())
+        return start(self.receiving, empty, self.why, self.dst.placement.flat_ranks)

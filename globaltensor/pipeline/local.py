@@ -41,7 +41,7 @@ from ..gradsync import has_other_hooks, keep_partial
 from ..layout import Layout
 from ..placement import Placement
 from ..sbp import Broadcast, partial_sum
-from ..tensor import GlobalTensor, gradient_layout
+from ..tensor import GlobalTensor
 
 
 def runs_locally(module: torch.nn.Module, placement: Placement, rank: int) -> bool:
@@ -108,7 +108,7 @@ class LocalStage:
             if g is None or (p.grad is not None and p.grad.local_ is g):
                 continue
             if p.grad is None:
-                p.grad = GlobalTensor(g, gradient_layout(p.layout_))
+                p.grad = GlobalTensor(g, p.layout_.without_partials())
             else:  # a .grad in other strides or dtype than the parameter's
                 p.grad.local_.add_(g)
 

@@ -22,13 +22,13 @@ from typing import Callable, Sequence
 import torch
 
 from .. import comm
-from ..env import get_draw
+from ..random import get_draw
 from ..gradsync import no_sync
 from ..layout import Layout, balanced_split
+from ..local_parts import device_of, empty_local
 from ..placement import Placement
-from ..sbp import Partial, broadcast
-from ..tensor import (GlobalTensor, device_of, empty_local, from_full, gradient_layout,
-                      wrap_local)
+from ..sbp import broadcast
+from ..tensor import GlobalTensor, from_full, wrap_local
 from . import schedule as S
 from .handoff import Handoff
 from .local import LocalStage, agrees, runs_locally
@@ -224,9 +224,12 @@ class Pipeline:
                     len(self.stages) - 1 in local and get_draw() == draws and \
                     agrees(self.loss_fn, (h.local_, t0.local_), value.local_)
         dtype = h.dtype
-        forward = tuple(Handoff(outs[k], ins[k + 1], dtype) for k in range(len(outs) - 1))
+        forward = tuple(Handoff(outs[k], ins[k + 1], dtype,
+                                f"pipeline hand-off: stage {k} output to stage {k + 1}")
+                        for k in range(len(outs) - 1))
         backward = (None,) + tuple(
-            Handoff(gradient_layout(ins[k]), gradient_layout(outs[k - 1]), dtype)
+            Handoff(ins[k].without_partials(), outs[k - 1].without_partials(), dtype,
+                    f"pipeline hand-off: stage {k} input gradient to stage {k - 1}")
             for k in range(1, len(ins)))
         routes = self._routes[key] = _Routes(tuple(ins), tuple(outs), loss, dtype, forward,
                                              backward, frozenset(local), local_loss)
@@ -246,7 +249,7 @@ class Pipeline:
         placement = self.placements[k]
         if placement.ndim != prev.placement.ndim:
             return (broadcast,) * placement.ndim
-        return tuple(broadcast if isinstance(s, Partial) else s for s in prev.sbp)
+        return prev.without_partials().sbp
 
 
 class _Run:
@@ -349,7 +352,7 @@ class _Run:
                 sent.wait()  # the next stage used it: the gradient came back
             grad = self._wait(("grad", k + 1, i))
             if isinstance(out, GlobalTensor):
-                grad = GlobalTensor(grad, gradient_layout(out.layout_))
+                grad = GlobalTensor(grad, out.layout_.without_partials())
             torch.autograd.backward(out, grad)
         if leaf is not None:
             g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)

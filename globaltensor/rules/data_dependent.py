@@ -26,9 +26,10 @@ from torch._subclasses.fake_tensor import DynamicOutputShapeException
 from .. import comm
 from ..factory import members_metadata
 from ..layout import Layout
+from ..local_parts import device_of, empty_local
+from ..placement import common_placement
 from ..sbp import Split, broadcast
-from ..tensor import (GlobalTensor, device_of, empty_local, hidden_from_dynamo, relayout,
-                      wrap_part)
+from ..tensor import GlobalTensor, hidden_from_dynamo, relayout, wrap_part
 from . import flatten_args, unflatten_args
 from .random import watch_leaves
 from .registry import register
@@ -54,7 +55,8 @@ def run_on_whole_values(func, args, kwargs):
         # graph there and the op runs eagerly.
         raise DynamicOutputShapeException(func)
     leaves, spec = flatten_args(args, kwargs)
-    placement = _placement_of(func, leaves)
+    placement = common_placement((x.placement for x in leaves if isinstance(x, GlobalTensor)),
+                                 func)
     everywhere = (broadcast,) * placement.ndim
     # Plain operands first: one that is not allowed raises before any communication.
     leaves = [_as_dispatch_takes_it(x, placement) if isinstance(x, torch.Tensor)
@@ -79,15 +81,6 @@ def run_on_whole_values(func, args, kwargs):
         layout = Layout.make(shape, placement, everywhere)
         results.append(wrap_part(outs[k] if inside else empty_local(layout, dtype), layout))
     return results[0] if n_out == 1 else tuple(results)
-
-
-def _placement_of(func, leaves):
-    placements = {x.placement for x in leaves if isinstance(x, GlobalTensor)}
-    if len(placements) != 1:
-        raise ValueError(f"{func}: inputs are on different placements "
-                         f"({', '.join(map(str, placements))}); move them onto one with "
-                         f"x.to_global(placement=...)")
-    return placements.pop()
 
 
 def _as_dispatch_takes_it(t: torch.Tensor, placement) -> GlobalTensor:

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..layout import Layout
+from ..local_parts import device_of
 from ..sbp import Split, broadcast
-from ..tensor import GlobalTensor, device_of, from_full, override_function, wrap_local
+from ..tensor import GlobalTensor, from_full, wrap_local
 from .indices import check_index_range
 from .pointwise import aligned_sbp
 
@@ -148,8 +149,3 @@ def _mask_part(mask, scores_shape, q: GlobalTensor) -> torch.Tensor:
     sbp = tuple(aligned_sbp(tuple(mask.shape), scores_shape, s.dim) if isinstance(s, Split)
                 else broadcast for s in q.sbp)
     return mask.to_global(sbp=sbp).to_local()
-
-
-override_function(F, "one_hot", one_hot)
-override_function(F, "embedding_bag", embedding_bag)
-override_function(F, "scaled_dot_product_attention", scaled_dot_product_attention)

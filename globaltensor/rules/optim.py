@@ -19,13 +19,21 @@ import torch
 
 from .. import comm
 from ..layout import Layout
+from ..local_parts import device_of
 from ..placement import Placement
 from ..sbp import Broadcast, Partial, Split, broadcast
-from ..tensor import (GlobalTensor, device_of, override_function, relayout, to_layout,
-                      wrap_local)
+from ..tensor import GlobalTensor, relayout, to_layout, wrap_local
 from .registry import register
 
 aten = torch.ops.aten
+# torch's own functions, which total_norm and clip_grads_with_norm (installed by
+# interop/torch_patches.py in their place) call for what they do not handle themselves.
+_clip_grad = torch.nn.utils.clip_grad
+_torch_total_norm = getattr(_clip_grad._get_total_norm, "__wrapped_by_globaltensor__",
+                            _clip_grad._get_total_norm)
+_torch_clip_grads_with_norm = getattr(_clip_grad._clip_grads_with_norm_,
+                                      "__wrapped_by_globaltensor__",
+                                      _clip_grad._clip_grads_with_norm_)
 
 
 def _local(t, layout: Layout | None = None):
@@ -124,7 +132,7 @@ def total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = False
     >>> norm.item()          # the whole model's norm, on every rank              # doctest: +SKIP
     """
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    original = _get_total_norm.__wrapped_by_globaltensor__
+    original = _torch_total_norm
     if len({t.placement for t in tensors if isinstance(t, GlobalTensor)}) > 1:
         return _total_across_placements(tensors, float(norm_type), error_if_nonfinite)
     return original(tensors, norm_type, error_if_nonfinite, None if foreach is False else foreach)
@@ -165,7 +173,7 @@ def clip_grads_with_norm(parameters, max_norm: float, total_norm: torch.Tensor,
     clipping runs once per placement, with ``total_norm`` there (taken from this rank's
     copy where it holds the whole value, else boxed)."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    original = _clip_grads_with_norm_.__wrapped_by_globaltensor__
+    original = _torch_clip_grads_with_norm
     groups: dict = {}
     for p in params:
         g = p.grad
@@ -196,12 +204,3 @@ def _norm_on(norm, placement: Placement | None):
     if whole and set(placement.flat_ranks) <= set(norm.placement.flat_ranks):
         return wrap_local(norm.local_, layout)
     return to_layout(relayout(norm, (broadcast,) * norm.placement.ndim), layout)
-
-
-_clip_grad = torch.nn.utils.clip_grad
-override_function(_clip_grad, "_get_total_norm", total_norm)   # clip_grad_norm_ calls it
-override_function(_clip_grad, "_clip_grads_with_norm_", clip_grads_with_norm)
-_get_total_norm = _clip_grad._get_total_norm
-_clip_grads_with_norm_ = _clip_grad._clip_grads_with_norm_
-torch.nn.utils.get_total_norm = _get_total_norm
-torch.nn.utils.clip_grads_with_norm_ = _clip_grads_with_norm_

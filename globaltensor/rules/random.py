@@ -12,14 +12,14 @@ become broadcast: the region is the same, the values are whole).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .. import comm, gradsync
 from ..layout import Layout
-from ..parts import keep_on_first
+from ..local_parts import device_of, empty_local
+from ..partials import keep_on_first
 from ..random import local_sample, mantissa_bits, next_draw
-from ..sbp import Partial, Split, broadcast
-from ..tensor import GlobalTensor, device_of, empty_local, override_function, relayout
+from ..sbp import Split, broadcast
+from ..tensor import GlobalTensor, relayout
 from .registry import register
 
 aten = torch.ops.aten
@@ -97,13 +97,6 @@ for _op, (_kind, _params) in _INPLACE.items():
     register(_op, decompose=True)(_inplace(_kind, _params))
 
 
-def _whole_layout(layout: Layout) -> Layout:
-    """The layout with partial axes made broadcast: same regions, whole values."""
-    if not layout.partial_axes:
-        return layout
-    return layout.with_sbp(tuple(broadcast if isinstance(s, Partial) else s for s in layout.sbp))
-
-
 def _identity_on_partial(local: torch.Tensor, layout: Layout) -> torch.Tensor:
     """Keep a whole value on the first member of every partial axis, identities elsewhere."""
     return keep_on_first(local, layout, comm.get_rank())
@@ -114,7 +107,7 @@ def bernoulli_tensor_(self, p, generator=None):
     """``self.bernoulli_(p)`` with a tensor of probabilities (boxed to self's regions)."""
     if not isinstance(self, GlobalTensor) or not isinstance(p, GlobalTensor):
         return NotImplemented
-    whole = _whole_layout(self.layout_)
+    whole = self.layout_.without_partials()
     p = relayout(p.expand(self.shape) if p.shape != self.shape else p, whole.sbp)
     draw = _draw_for(generator)
     watch_leaves(self)
@@ -127,7 +120,7 @@ def bernoulli_tensor_(self, p, generator=None):
 
 def _fresh(x: GlobalTensor, kind: str, dtype, generator=None, **params) -> GlobalTensor:
     """A new random tensor with ``x``'s regions (partial axes broadcast)."""
-    layout = _whole_layout(x.layout_)
+    layout = x.layout_.without_partials()
     draw = _draw_for(generator)
     return GlobalTensor(local_sample(kind, layout, draw, dtype, **params), layout)
 
@@ -137,8 +130,7 @@ def bernoulli(self, generator=None):
     """``torch.bernoulli(probs)``: ones where a uniform value falls below the probability."""
     if not isinstance(self, GlobalTensor):
         return NotImplemented
-    out = self.to_global(sbp=_whole_layout(self.layout_).sbp) if self.layout_.partial_axes \
-        else self
+    out = self.to_global(sbp=self.layout_.without_partials().sbp)
     u = _fresh(out, "uniform", self.dtype, generator)
     return GlobalTensor((u.local_ < out.local_).to(self.dtype), u.layout_)
 
@@ -177,7 +169,7 @@ def native_dropout(x, p: float, train=True):
     if not 0 <= p <= 1:
         raise ValueError(f"dropout probability has to be between 0 and 1, got {p}")
     watch_leaves(x)
-    mask_layout = _whole_layout(x.layout_)
+    mask_layout = x.layout_.without_partials()
     strides = None if x.is_contiguous() else tuple(x.stride())
     rank = comm.get_rank()
     if train is False or p == 0:
@@ -206,11 +198,12 @@ def dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False)
     return aten.native_dropout(input, p, True)[0]
 
 
-_FEATURE_DIMS = {"dropout1d": (2, 3), "dropout2d": (3, 4), "dropout3d": (4, 5)}
+FEATURE_DROPOUT_DIMS = {"dropout1d": (2, 3), "dropout2d": (3, 4), "dropout3d": (4, 5)}
 
 
-def _feature_dropout(name: str):
-    unbatched, batched = _FEATURE_DIMS[name]
+def feature_dropout(name: str):
+    """``F.<name>`` (``dropout1d``/``2d``/``3d``) on a GlobalTensor."""
+    unbatched, batched = FEATURE_DROPOUT_DIMS[name]
 
     def run(input, p: float = 0.5, training: bool = True, inplace: bool = False):
         """Whole channels dropped: a mask of shape (N, C, 1, ...) drawn placement-
@@ -226,8 +219,3 @@ def _feature_dropout(name: str):
         mask = local_sample("bernoulli", layout, next_draw(), input.dtype, p=1 - p)
         return input * GlobalTensor(mask.div_(1 - p), layout)
     return run
-
-
-override_function(F, "dropout", dropout)
-for _name in _FEATURE_DIMS:
-    override_function(F, _name, _feature_dropout(_name))

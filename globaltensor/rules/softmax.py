@@ -10,9 +10,10 @@ import torch
 
 from .. import comm
 from ..layout import Layout
-from ..parts import identity_value
+from ..local_parts import empty_local
+from ..partials import identity_value
 from ..sbp import Partial, Split, broadcast, partial_sum
-from ..tensor import GlobalTensor, empty_local, relayout
+from ..tensor import GlobalTensor, relayout
 from .registry import register
 
 aten = torch.ops.aten

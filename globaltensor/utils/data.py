@@ -28,7 +28,7 @@ import torch.utils.data as tud
 from .. import comm, env, sbp as sbp_
 from ..factory import from_local
 from ..layout import Layout
-from ..placement import Placement
+from ..placement import Placement, check_placement
 
 __all__ = ["DistributedSampler", "GlobalDataLoader"]
 
@@ -175,8 +175,7 @@ class GlobalDataLoader:
                  worker_init_fn: Optional[Callable[[int], None]] = None,
                  generator: Optional[torch.Generator] = None, timeout: float = 0,
                  multiprocessing_context: Any = None):
-        if not isinstance(placement, Placement):
-            raise ValueError(f"placement must be a gt.placement, got {placement!r}")
+        check_placement(placement)
         if int(batch_size) < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         nd = tuple(sbp) if isinstance(sbp, (tuple, list)) else (sbp,) * placement.ndim

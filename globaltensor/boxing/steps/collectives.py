@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ... import comm
-from ...parts import reduce_values
+from ...partials import reduce_values
 from ...sbp import Broadcast, Partial, Split
 from ..cost import ALPHA, BETA, GAMMA
 from .base import AxisStep, Handle, Locals, reduce_of

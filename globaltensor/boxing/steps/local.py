@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...parts import identity_value
+from ...partials import identity_value
 from ...sbp import Broadcast, Partial, Split
 from ..cost import GAMMA
 from .base import AxisStep, Handle, Locals

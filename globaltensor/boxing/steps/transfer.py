@@ -15,7 +15,7 @@ import torch
 
 from ... import comm
 from ...layout import Layout, Region
-from ...parts import identity_fill, identity_value
+from ...partials import identity_fill, identity_value
 from ..cost import ALPHA, P2P_BETA
 from .base import Handle, Locals, Step
 

@@ -1,0 +1,193 @@
+"""GlobalTensor <-> DTensor: ``x.to_dtensor()`` and ``gt.from_dtensor(d)``.
+
+The mesh is the placement's ranks (its shape), on our own process groups; split(d) <->
+Shard(d), broadcast <-> Replicate(), partial_sum/max <-> Partial("sum"/"max"). DTensor
+cuts an uneven split as torch.chunk does (parts of ceil(L / n)) where ours are
+balanced: where the two differ, the data moves point to point (a rechunk, run as any
+other boxing by ``boxing/run.py``); elsewhere the local part is shared, not copied.
+
+>>> d = gt.randn(4, 6, placement=p, sbp=gt.sbp.split(1)).to_dtensor()   # doctest: +SKIP
+>>> gt.from_dtensor(d).sbp                                              # doctest: +SKIP
+(split(dim=1),)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import comm
+from ..boxing import Plan
+from ..boxing.run import run
+from ..boxing.steps import Transfer
+from ..layout import Layout, Region
+from ..placement import Placement
+from ..sbp import Broadcast, Split, broadcast, partial_max, partial_sum
+from ..tensor import GlobalTensor, wrap_local
+
+__all__ = ["to_dtensor", "from_dtensor"]
+
+
+@dataclass(frozen=True, eq=False)
+class _ChunkLayout:
+    """DTensor's layout of the same (shape, placement, sbp): a split part has
+    ``ceil(L / n)`` elements (torch.chunk), where ours are balanced. Duck-types the
+    part of ``Layout`` that a ``Transfer`` step reads."""
+
+    layout: Layout
+
+    @property
+    def placement(self) -> Placement:
+        return self.layout.placement
+
+    @property
+    def sbp(self) -> tuple:
+        return self.layout.sbp
+
+    @property
+    def shape(self) -> tuple:
+        return self.layout.shape
+
+    @property
+    def partial_axes(self) -> tuple:
+        return self.layout.partial_axes
+
+    def region(self, rank: int) -> Region | None:
+        from torch.distributed.tensor import Shard
+        coord = self.placement.coord(rank)
+        if coord is None:
+            return None
+        offsets, sizes = [0] * len(self.shape), list(self.shape)
+        for axis, s in enumerate(self.sbp):
+            if isinstance(s, Split):
+                size, offset = Shard.local_shard_size_and_offset(
+                    sizes[s.dim], self.placement.shape[axis], coord[axis])
+                offsets[s.dim] += int(offset)
+                sizes[s.dim] = int(size)
+        return Region(tuple(offsets), tuple(sizes))
+
+    def coincides(self) -> bool:
+        """True when every rank's region is the same as in the balanced layout."""
+        return all(self.region(r) == self.layout.region(r) for r in self.placement)
+
+
+def _move(local: torch.Tensor, src, dst, why: str) -> torch.Tensor:
+    """This rank's local tensor of ``dst`` from its local tensor of ``src`` (two layouts
+    of one value without partial axes): the pieces travel point to point."""
+    step = Transfer.between(src, dst)
+    return run(Plan(src, dst, (step,), 0.0, local.element_size(), "rechunk"), local, why)
+
+
+class _Rechunk(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, src, dst, why: str):
+        ctx.src, ctx.dst, ctx.why = src, dst, why
+        return _move(local, src, dst, why)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _move(grad.contiguous(), ctx.dst, ctx.src, f"{ctx.why} (backward)"), \
+            None, None, None
+
+
+_meshes: dict = {}
+
+
+def _device_mesh(placement: Placement):
+    """The DeviceMesh of ``placement``, on our own process groups (made by members)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    mesh = _meshes.get(placement)
+    if mesh is not None:
+        return mesh
+    ranks = torch.tensor(placement.ranks, dtype=torch.int).reshape(placement.shape)
+    rank = comm.get_rank()
+    if rank not in placement:
+        # A rank outside the mesh only needs its shape (DTensor gives it no data).
+        mesh = DeviceMesh(placement.type, ranks, _init_backend=False)
+    else:
+        groups = [comm.get_group(placement.group(rank, axis)) for axis in range(placement.ndim)]
+        if placement.ndim == 1:
+            mesh = DeviceMesh.from_group(groups[0], placement.type)
+        else:
+            names = tuple(f"axis{a}" for a in range(placement.ndim))
+            mesh = DeviceMesh.from_group(groups, placement.type, ranks, mesh_dim_names=names)
+    _meshes[placement] = mesh
+    return mesh
+
+
+def _dtensor_placement(s):
+    from torch.distributed.tensor import Partial as DPartial, Replicate, Shard
+    if isinstance(s, Split):
+        return Shard(s.dim)
+    if isinstance(s, Broadcast):
+        return Replicate()
+    return DPartial(s.reduce)
+
+
+def _sbp_of(p):
+    from torch.distributed.tensor import Partial as DPartial, Replicate, Shard
+    if type(p) is Shard:
+        return Split(p.dim)
+    if isinstance(p, Replicate):
+        return broadcast
+    if isinstance(p, DPartial) and p.reduce_op in ("sum", "max"):
+        return partial_sum if p.reduce_op == "sum" else partial_max
+    raise ValueError(f"DTensor placement {p!r} has no sbp: globaltensor takes Shard(d), "
+                     f"Replicate() and Partial('sum'/'max')")
+
+
+def to_dtensor(x: GlobalTensor):
+    """``x`` as a DTensor with the same value: the mesh is the placement's ranks (its
+    shape), split(d) -> Shard(d), broadcast -> Replicate(), partial_sum/max ->
+    Partial("sum"/"max"). The local part is shared, not copied, when DTensor's layout
+    equals ours; an uneven split DTensor cuts differently (torch.chunk: parts of
+    ceil(L/n)) moves the data point to point. Differentiable. Call on every rank.
+
+    >>> d = gt.randn(4, 6, placement=p, sbp=gt.sbp.split(1)).to_dtensor()   # doctest: +SKIP
+    >>> d.placements
+    (Shard(dim=1),)
+    """
+    from torch.distributed.tensor import DTensor
+    mesh = _device_mesh(x.placement)
+    placements = tuple(_dtensor_placement(s) for s in x.sbp)
+    chunked = _ChunkLayout(x.layout_)
+    if chunked.coincides():
+        local = x.to_local()
+    elif x.layout_.partial_axes:
+        # Move the reduced value, then let DTensor make its own partial (a local step).
+        value = x.to_global(sbp=x.layout_.without_partials().sbp).to_dtensor()
+        return value.redistribute(mesh, placements)
+    else:
+        local = _Rechunk.apply(x.to_local(), x.layout_, chunked, "to_dtensor")
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=x.shape,
+                              stride=x.stride())
+
+
+def from_dtensor(d) -> GlobalTensor:
+    """A GlobalTensor with the value of DTensor ``d`` (the inverse of ``x.to_dtensor()``):
+    placement from the mesh's ranks and shape, Shard(d)/Replicate()/Partial("sum"/"max")
+    -> split(d)/broadcast/partial. Shares the local part where the layouts coincide;
+    an uneven Shard moves the data into the balanced split. Differentiable; call on
+    every rank.
+
+    >>> from torch.distributed.tensor import distribute_tensor, Shard    # doctest: +SKIP
+    >>> x = gt.from_dtensor(distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)]))
+    """
+    from torch.distributed.tensor import DTensor
+    if not isinstance(d, DTensor):
+        raise ValueError(f"from_dtensor needs a DTensor, got {type(d).__name__}")
+    mesh = d.device_mesh
+    placement = Placement(mesh.device_type, mesh.mesh.tolist())
+    layout = Layout.make(d.shape, placement, tuple(_sbp_of(p) for p in d.placements))
+    chunked = _ChunkLayout(layout)
+    if chunked.coincides():
+        return wrap_local(d.to_local(), layout)
+    if layout.partial_axes:
+        reduced = d.redistribute(mesh, [_dtensor_placement(s) for s in
+                                        layout.without_partials().sbp])
+        value = from_dtensor(reduced)
+        return value.to_global(sbp=layout.sbp)
+    return wrap_local(_Rechunk.apply(d.to_local(), chunked, layout, "from_dtensor"), layout)
+
+
+GlobalTensor.to_dtensor = to_dtensor  # tensor.py sits below this module
