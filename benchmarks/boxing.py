@@ -76,7 +76,7 @@ def main(argv=None) -> None:
         return a2a_full.view((n,) + tuple(local.shape)).sum(0)
 
     from globaltensor.tensor import to_layout
-    b_layout = x_p.layout_.with_sbp(B)
+    b_layout = x_p.global_layout.with_sbp(B)
     x_p_donated = gt.from_local(full.clone(), placement=p, sbp=P)
 
     # name, ours, raw collective (same bytes), by hand (raw + the local work the

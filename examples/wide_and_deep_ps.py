@@ -205,7 +205,7 @@ def main(argv=None):
     emb = gt.ps.EmbeddingTable(num_ids, args.dim, args.optimizer, args.lr, init_std=0.1, seed=1)
     wide = gt.ps.EmbeddingTable(num_ids, 1, args.optimizer, args.lr, init_std=0.0, seed=2)
     model = WideAndDeep(emb, wide, args.slots, args.dim)
-    opt = gt.ps.Optimizer(model.dense_parameters(), args.optimizer, args.dense_lr)
+    opt = gt.ps.DenseOptimizer(model.dense_parameters(), args.optimizer, args.dense_lr)
     say(f"wide & deep, mode {args.mode}" + (f" (k_steps {args.k_steps})" if args.mode == "geo" else "")
         + f": {gt.ps.server_num()} servers, {workers} workers; tables {emb} and {wide}")
 

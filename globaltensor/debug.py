@@ -48,7 +48,7 @@ def explain(x: GlobalTensor, placement: Placement | None = None, sbp=None) -> Pl
     bytes per rank and estimated cost (print it). No communication."""
     placement = x.placement if placement is None else placement
     sbp = x.sbp if sbp is None else sbp
-    return plan_route(x.layout_, Layout.make(x.shape, placement, sbp), x.element_size())
+    return plan_route(x.global_layout, Layout.make(x.shape, placement, sbp), x.element_size())
 
 
 @contextlib.contextmanager
@@ -65,7 +65,7 @@ def comm_stats() -> Iterator[CommCounter]:
 
 def show_layout(x: GlobalTensor, file=None) -> str:
     """Print (and return) which rank holds which slice of ``x``. No communication."""
-    layout = x.layout_
+    layout = x.global_layout
     lines = [f"{tuple(x.shape)} {x.dtype} on {layout.placement}, sbp {layout.sbp}"]
     for rank in layout.placement:
         region = layout.region(rank)

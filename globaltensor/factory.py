@@ -25,7 +25,7 @@ from .local_parts import device_of, empty_local
 from .partials import keep_on_first
 from .placement import Placement, check_placement
 from .random import local_sample, next_draw
-from .tensor import GlobalTensor, from_full, wrap_local
+from .tensor import GlobalTensor, from_full, from_local_part
 
 
 def _layout(shape, placement, sbp) -> Layout:
@@ -191,7 +191,7 @@ def from_local(t: torch.Tensor, placement: Placement = None, sbp=None, shape=Non
                              f"expected {want}")
         if t.device != device_of(placement):
             t = t.to(device_of(placement))
-    return wrap_local(t, layout)
+    return from_local_part(t, layout)
 
 
 # Every dtype, in one order on every rank: a dtype travels as its index.

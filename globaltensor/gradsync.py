@@ -104,7 +104,7 @@ def keep_partial(leaf: GlobalTensor, partial: GlobalTensor) -> None:
     kept, earlier = leaf.grad, _kept.get(leaf)
     if earlier is not None and earlier[1]() is kept:  # kept stands in for an earlier one
         _kept[leaf] = (earlier[0], weakref.ref(partial))
-    elif isinstance(kept, GlobalTensor) and kept.layout_ == leaf.layout_:
+    elif isinstance(kept, GlobalTensor) and kept.global_layout == leaf.global_layout:
         _kept[leaf] = (weakref.ref(kept), weakref.ref(partial))
     leaf.grad = partial
 
@@ -114,7 +114,7 @@ def _settle(leaf: GlobalTensor, source: GlobalTensor, grad: GlobalTensor) -> Non
     stood in for, if that is still alive (``keep_partial``)."""
     kept, partial = (r() for r in _kept.pop(leaf, (lambda: None, lambda: None)))
     if kept is not None and partial is source and kept.dtype == grad.dtype:
-        kept.local_.copy_(grad.local_)
+        kept.local_part.copy_(grad.local_part)
         grad = kept
     leaf.grad = grad
 
@@ -151,11 +151,11 @@ def _after_accumulate(leaf: GlobalTensor) -> None:
         # callback, which it lacks: the gradient is boxed right away instead.
         return _box_now(leaf)
     grad = leaf.grad
-    if not isinstance(grad, GlobalTensor) or grad.layout_ == leaf.layout_ or not _sync:
+    if not isinstance(grad, GlobalTensor) or grad.global_layout == leaf.global_layout or not _sync:
         return
-    axes = _reducible_axes(grad.layout_, leaf.layout_)
+    axes = _reducible_axes(grad.global_layout, leaf.global_layout)
     if axes is None:  # anything but a plain partial-sum reduction: box right away
-        _settle(leaf, grad, to_layout(grad, leaf.layout_))
+        _settle(leaf, grad, to_layout(grad, leaf.global_layout))
         return
     global _pending
     if _pending is None:
@@ -167,8 +167,8 @@ def _after_accumulate(leaf: GlobalTensor) -> None:
 @hidden_from_dynamo
 def _box_now(leaf: GlobalTensor) -> None:
     grad = leaf.grad
-    if _sync and isinstance(grad, GlobalTensor) and grad.layout_ != leaf.layout_:
-        _settle(leaf, grad, to_layout(grad, leaf.layout_))
+    if _sync and isinstance(grad, GlobalTensor) and grad.global_layout != leaf.global_layout:
+        _settle(leaf, grad, to_layout(grad, leaf.global_layout))
 
 
 def _finish() -> None:
@@ -195,19 +195,19 @@ def _flat_buffer(items) -> torch.Tensor:
     one kept a gradient; else the new gradients get new memory, so that a gradient
     a user kept never changes (torch gives every backward after ``set_to_none`` fresh
     gradients; DDP reuses its buckets only with ``gradient_as_bucket_view=True``)."""
-    key = tuple((_serials[leaf], g.local_.shape, g.dtype) for leaf, g in items)
+    key = tuple((_serials[leaf], g.local_part.shape, g.dtype) for leaf, g in items)
     owned = _buffers.get(items[0][0])
     if owned is None:
         owned = _buffers[items[0][0]] = {}
     flat, alone = owned.get(key, (None, 0))
     if flat is None or _storage_uses(flat) != alone:
-        total = sum(g.local_.numel() for _, g in items)
-        flat = torch.empty(total, dtype=items[0][1].dtype, device=items[0][1].local_.device)
+        total = sum(g.local_part.numel() for _, g in items)
+        flat = torch.empty(total, dtype=items[0][1].dtype, device=items[0][1].local_part.device)
         owned[key] = (flat, _storage_uses(flat))
     offset = 0
     for _, g in items:
-        n = g.local_.numel()
-        flat[offset:offset + n].view(g.local_.shape).copy_(g.local_)
+        n = g.local_part.numel()
+        flat[offset:offset + n].view(g.local_part.shape).copy_(g.local_part)
         offset += n
     return flat
 
@@ -250,7 +250,7 @@ class _Reducer:
 
     def add(self, leaf, grad, axes) -> None:
         kind = (leaf.placement, grad.dtype, axes)
-        nbytes = grad.local_.numel() * grad.element_size()
+        nbytes = grad.local_part.numel() * grad.element_size()
         serial = _serials[leaf]
         self.order.append((serial, kind, nbytes))
         b = self.plan.get(serial)
@@ -295,8 +295,8 @@ class _Reducer:
                     comm.all_reduce_(flat, "sum", placement.group(rank, axis))
             offset = 0
             for leaf, grad in items:
-                n = grad.local_.numel()
-                local = flat[offset:offset + n].view_as(grad.local_) if flat is not None \
-                    else grad.local_
+                n = grad.local_part.numel()
+                local = flat[offset:offset + n].view_as(grad.local_part) if flat is not None \
+                    else grad.local_part
                 offset += n
-                _settle(leaf, grad, GlobalTensor(local, leaf.layout_))
+                _settle(leaf, grad, GlobalTensor(local, leaf.global_layout))

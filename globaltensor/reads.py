@@ -24,7 +24,7 @@ from . import comm
 from .boxing.run import call_site
 from .placement import Placement
 from .sbp import Broadcast, broadcast
-from .tensor import GlobalTensor, relayout
+from .tensor import GlobalTensor, to_layout
 
 
 def whole_value(x: GlobalTensor, call: str) -> torch.Tensor:
@@ -45,7 +45,7 @@ def whole_value(x: GlobalTensor, call: str) -> torch.Tensor:
         same = f"a {x.dtype} {tuple(x.shape)} tensor with sbp {layout.sbp} on {placement}"
         read = f"{call} of {same}, called from {call_site()}"
         comm.meet(everyone, call, read, _advice(call, layout.placement, broadcast_here), same)
-    return relayout(x, (broadcast,), Placement(placement.type, list(everyone)))._local
+    return to_layout(x, sbp=(broadcast,), placement=Placement(placement.type, list(everyone)))._local
 
 
 def _advice(call: str, placement: Placement, broadcast_here: bool) -> str:

@@ -29,8 +29,8 @@ from .sbp import broadcast
 _dispatcher = None  # set by dispatch.py
 _watch_leaf = None  # gradsync.watch, set by gradsync.py
 
-__all__ = ["GlobalTensor", "is_global", "hidden_from_dynamo", "wrap_part", "wrap_local",
-           "from_full", "to_layout", "relayout", "install_dispatcher", "install_leaf_watch"]
+__all__ = ["GlobalTensor", "is_global", "hidden_from_dynamo", "wrap_part", "from_local_part",
+           "from_full", "to_layout", "install_dispatcher", "install_leaf_watch"]
 
 
 def install_dispatcher(fn) -> None:
@@ -96,12 +96,12 @@ class GlobalTensor(torch.Tensor):
         return True
 
     @property
-    def layout_(self) -> Layout:
+    def global_layout(self) -> Layout:
         """The (shape, placement, sbp) triple, for internal use and debugging."""
         return self._layout
 
     @property
-    def local_(self) -> torch.Tensor:
+    def local_part(self) -> torch.Tensor:
         """This rank's part as stored, for internal use: unlike ``to_local()`` it adds
         no autograd edge (empty outside the placement)."""
         return self._local
@@ -250,8 +250,11 @@ def _wrap(cls, local: torch.Tensor, layout: Layout, requires_grad: bool = False,
 
 
 def wrap_part(local: torch.Tensor, layout: Layout, strides: tuple | None = None) -> GlobalTensor:
-    """``GlobalTensor(local, layout)`` for code already hidden from dynamo (dispatch):
-    no autograd edge and no check of ``local`` (unlike ``wrap_local``)."""
+    """``GlobalTensor(local, layout)`` for code already hidden from dynamo (dispatch, rules
+    running inside it): no autograd edge, ``local`` trusted to be this rank's part.
+
+    >>> out = wrap_part(torch.matmul(a_part, b_part), out_layout)      # doctest: +SKIP
+    """
     return _wrap(GlobalTensor, local, layout, False, strides)
 
 
@@ -300,37 +303,45 @@ class _FromLocal(torch.autograd.Function):
 gradient_layout = Layout.without_partials  # dispatch imports it from here
 
 
-def to_layout(x, layout: Layout, donate: bool = False) -> GlobalTensor:
-    """``x`` boxed to ``layout``, not recorded by autograd (gradients arrive in any
-    layout; code below autograd moves tensors with this too). ``donate``: ``x`` is a
-    temporary no one else holds, whose memory boxing may reuse."""
+def to_layout(x, layout: Layout | None = None, donate: bool = False, *, sbp=None,
+              placement: Placement | None = None) -> GlobalTensor:
+    """``x`` boxed to ``layout`` (or to ``sbp`` on ``placement``, by default ``x``'s),
+    not recorded by autograd: for gradients, which arrive in any layout, and code below
+    autograd (decompositions inside dispatch). ``donate``: ``x`` is a temporary no one
+    else holds, whose memory boxing may reuse.
+
+    >>> total = to_layout(partial_norm, sbp=gt.sbp.broadcast)   # doctest: +SKIP
+    """
     if not isinstance(x, GlobalTensor):
         raise TypeError(f"expected a GlobalTensor, got {type(x).__name__}")
+    if layout is None:
+        layout = Layout.make(x.shape, x.placement if placement is None else placement, sbp)
     if x._layout == layout:
         return x
     return GlobalTensor(box(x._local, x._layout, layout, donate), layout)
 
 
-def relayout(x: GlobalTensor, sbp, placement: Placement | None = None,
-             donate: bool = False) -> GlobalTensor:
-    """``x`` boxed to ``sbp`` (and ``placement``) without recording autograd: for code
-    that already runs below autograd, such as decompositions inside dispatch."""
-    placement = x.placement if placement is None else placement
-    return to_layout(x, Layout.make(x.shape, placement, sbp), donate)
+def from_local_part(t: torch.Tensor, layout: Layout, requires_grad: bool = False
+                    ) -> GlobalTensor:
+    """A GlobalTensor around ``t``, this rank's part of ``layout`` (trusted, unlike
+    ``gt.from_local``'s), differentiable in ``t``; any rank may call it (outside the
+    placement ``t`` is replaced by an empty part).
 
-
-def wrap_local(t: torch.Tensor, layout: Layout, requires_grad: bool = False) -> GlobalTensor:
-    """A GlobalTensor around this rank's (trusted) local part; differentiable in ``t``."""
+    >>> out = from_local_part(torch.softmax(scores_part, -1), layout)   # doctest: +SKIP
+    """
     if comm.get_rank() not in layout.placement:
         t = empty_local(layout, t.dtype)
     if t.requires_grad:
         return _FromLocal.apply(t, layout)
-    out = GlobalTensor(t, layout, requires_grad=requires_grad)
-    return out
+    return GlobalTensor(t, layout, requires_grad=requires_grad)
 
 
 def from_full(value: torch.Tensor, layout: Layout, requires_grad: bool = False) -> GlobalTensor:
-    """A GlobalTensor of ``value`` (the same whole value on every rank)."""
+    """A GlobalTensor of ``value``, the same whole value on every rank (the inverse of
+    ``x.full()``); each rank keeps its part. No autograd edge to ``value``.
+
+    >>> ids = from_full(torch.arange(8), Layout.make((8,), p, (split(0),)))  # doctest: +SKIP
+    """
     rank = comm.get_rank()
     if rank in layout.placement:
         local = local_part(value, layout, rank).to(device_of(layout.placement))

@@ -163,10 +163,10 @@ def every_element_written_once_by_a_holder():
             if x.numel() == 0:
                 continue
             writer = writers[(fqn, a.offsets)]
-            held = x.layout_.region(writer)
+            held = x.global_layout.region(writer)
             assert held is not None and held.intersect(a) == a, (fqn, writer, held, a)
             coord = x.placement.coord(writer)
-            assert all(coord[axis] == 0 for axis in x.layout_.partial_axes), (fqn, writer)
+            assert all(coord[axis] == 0 for axis in x.global_layout.partial_axes), (fqn, writer)
     # Replicated tensors are spread over ranks by DCP's dedup, not all written by rank 0.
     assert len({w for (f, _), w in writers.items() if f in ("b", "scalar", "plain")}) > 1, \
         writers
@@ -272,7 +272,7 @@ def optimizer_state_through_get_and_set_state_dict():
     model_sd, optim_sd = get_state_dict(model, opt)
     for name, p in model.named_parameters():
         moment = optim_sd["state"][name]["exp_avg"]
-        assert gt.is_global(moment) and moment.layout_ == p.layout_, (name, moment)
+        assert gt.is_global(moment) and moment.global_layout == p.global_layout, (name, moment)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     _steps(model, opt, 2, first=2)  # the uninterrupted run
 
@@ -283,7 +283,7 @@ def optimizer_state_through_get_and_set_state_dict():
     set_state_dict(resumed, opt2, model_state_dict=model_sd, optim_state_dict=optim_sd)
     for name, p in resumed.named_parameters():
         state = opt2.state[p]
-        assert state["exp_avg_sq"].layout_ == p.layout_, name
+        assert state["exp_avg_sq"].global_layout == p.global_layout, name
         assert float(state["step"]) == 3
     _steps(resumed, opt2, 2, first=2)
     for (name, a), b in zip(model.named_parameters(), resumed.parameters()):

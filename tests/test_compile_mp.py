@@ -216,7 +216,7 @@ def check_pipeline_of_compiled_stages_equals_eager():
         for _ in range(2):
             loss = pipe.step(x, y)
         grads = [p.grad for m in mods for p in m.parameters()]
-        results.append((loss, [None if g is None else g.local_ for g in grads]))
+        results.append((loss, [None if g is None else g.local_part for g in grads]))
     (loss_e, grads_e), (loss_c, grads_c) = results
     torch.testing.assert_close(loss_c, loss_e)
     # this rank's stage's weight and bias (the other stage's .grad is an empty part here)

@@ -54,7 +54,8 @@ def check_training_equals_one_process():
     reference, model = _mlp(), gt.nn.fully_shard(_mlp(), p)
     rank = gt.get_rank()
     for name, t in model.named_parameters():
-        assert t.sbp == (S(0),) and tuple(t.to_local().shape) == t.layout_.local_shape(rank), name
+        assert t.sbp == (S(0),), name
+        assert tuple(t.to_local().shape) == t.global_layout.local_shape(rank), name
     x, y = _data()
     _, ref_losses = _train(reference, x, y)
     opt, losses = _train(model, gt.tensor(x, placement=p, sbp=S(0)), gt.tensor(y, placement=p, sbp=S(0)))

@@ -81,7 +81,7 @@ def check_meta_modules_allocate_parts_and_init_in_place():
         for name, t in net.state_dict().items():
             assert isinstance(t, gt.GlobalTensor) and t.to_local().device.type == "cpu", name
             if rank in p:
-                assert tuple(t.to_local().shape) == t.layout_.local_shape(rank), name
+                assert tuple(t.to_local().shape) == t.global_layout.local_shape(rank), name
             else:
                 assert t.to_local().numel() == 0, name
         gt.manual_seed(7)
@@ -183,7 +183,7 @@ def check_full_state_dict_on_the_ranks_asked():
         assert state["head.weight"] is state["emb.weight"]  # tied: gathered once
     # to rank 0 only: each split weight's parts that rank 0 lacks are sent to it once,
     # nothing is gathered elsewhere; the partial bias is all-reduced (its one collective)
-    lacking = sum(t.numel() - math.prod(t.layout_.local_shape(0))
+    lacking = sum(t.numel() - math.prod(t.global_layout.local_shape(0))
                   for t in (model.emb.weight, model.qkv.weight)) * 4
     sent = torch.tensor([float(to_first.bytes["send"])])
     torch.distributed.all_reduce(sent)

@@ -379,7 +379,7 @@ def check_the_code_of_a_plain_step_runs_on_every_rank_after_pipe_step():
         want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
         assert abs(norm.item() - want.item()) <= 1e-5 * want.item(), (norm, want)
         for p, q in zip(model.parameters(), reference.parameters()):
-            assert p.grad is not None and p.grad.layout_ == p.layout_
+            assert p.grad is not None and p.grad.global_layout == p.global_layout
             torch.testing.assert_close(p.grad.full(), q.grad, rtol=1e-5, atol=1e-7)
         opt.step()
         opt.zero_grad()

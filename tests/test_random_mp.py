@@ -157,7 +157,7 @@ def check_dropout_values_and_gradients():
         x = gt.tensor(torch.ones(12, 10, dtype=torch.float64), placement=p, sbp=(B,) * p.ndim)
         x = x.to_global(sbp=s).detach().requires_grad_()
         y = F.dropout(x, 0.25, training=True)
-        if not x.layout_.partial_axes:   # (partial inputs: the dispatcher picks)
+        if not x.global_layout.partial_axes:   # (partial inputs: the dispatcher picks)
             assert y.sbp == x.sbp, (p.ranks, s, y.sbp)
         (y * gt.tensor(g, placement=p, sbp=(B,) * p.ndim)).sum().backward()
         full = y.full()

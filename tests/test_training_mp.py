@@ -294,7 +294,7 @@ def check_clip_grad_norm_across_placements():
         for p, q in zip(model.parameters(), plain.parameters()):
             torch.testing.assert_close(p.grad.full(), q.grad, rtol=1e-5, atol=1e-7)
     if rank in second:  # an infinite gradient on one placement: every rank refuses
-        model[2].bias.grad.local_[0] = math.inf
+        model[2].bias.grad.local_part[0] = math.inf
     with pytest.raises(RuntimeError, match="non-finite"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1, error_if_nonfinite=True)
 

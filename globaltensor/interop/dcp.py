@@ -64,11 +64,11 @@ def create_write_items(x: GlobalTensor, fqn: str) -> list:
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
     rank = comm.get_rank()
-    layout = x.layout_.without_partials()  # what is saved: the value
-    local = x.local_
+    layout = x.global_layout.without_partials()  # what is saved: the value
+    local = x.local_part
     stash = _stash(x)
-    if layout is not x.layout_:
-        local = to_layout(x.detach(), layout).local_  # every rank: a collective
+    if layout is not x.global_layout:
+        local = to_layout(x.detach(), layout).local_part  # every rank: a collective
         if rank not in layout.placement or not _is_region_writer(layout, rank):
             return []  # replicas drop their copy now: only the writer offers the chunk
     region = layout.region(rank)
@@ -83,7 +83,7 @@ def create_write_items(x: GlobalTensor, fqn: str) -> list:
         local = torch.empty(x.shape, dtype=x.dtype, device=local.device)
     elif region.numel == 0:
         return []
-    if local is not x.local_:
+    if local is not x.local_part:
         stash[fqn] = local
     chunk = _chunk(region)
     return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
@@ -98,12 +98,12 @@ def create_chunk_list(x: GlobalTensor) -> list:
     as this planning step is the load's first touch of the tensor)."""
     _stash(x).clear()
     rank = comm.get_rank()
-    layout = x.layout_
+    layout = x.global_layout
     region = layout.region(rank)
     if region is None or region.numel == 0:
         return []
     if identity_fill(layout, rank) is not None:
-        keep_on_first(x.local_, layout, rank)  # the first members hold the value
+        keep_on_first(x.local_part, layout, rank)  # the first members hold the value
         return []
     return [_chunk(region)]
 
@@ -112,7 +112,7 @@ def get_tensor_shard(x: GlobalTensor, index) -> torch.Tensor:
     """The local tensor holding the chunk at ``index`` (a reduced copy, once, for a
     partial tensor being saved)."""
     stashed = _stash(x).pop(index.fqn, None)
-    return x.local_ if stashed is None else stashed
+    return x.local_part if stashed is None else stashed
 
 
 def _stash(x: GlobalTensor) -> dict:

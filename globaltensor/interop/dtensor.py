@@ -23,7 +23,7 @@ from ..boxing.steps import Transfer
 from ..layout import Layout, Region
 from ..placement import Placement
 from ..sbp import Broadcast, Split, broadcast, partial_max, partial_sum
-from ..tensor import GlobalTensor, wrap_local
+from ..tensor import GlobalTensor, from_local_part
 
 __all__ = ["to_dtensor", "from_dtensor"]
 
@@ -150,15 +150,15 @@ def to_dtensor(x: GlobalTensor):
     from torch.distributed.tensor import DTensor
     mesh = _device_mesh(x.placement)
     placements = tuple(_dtensor_placement(s) for s in x.sbp)
-    chunked = _ChunkLayout(x.layout_)
+    chunked = _ChunkLayout(x.global_layout)
     if chunked.coincides():
         local = x.to_local()
-    elif x.layout_.partial_axes:
+    elif x.global_layout.partial_axes:
         # Move the reduced value, then let DTensor make its own partial (a local step).
-        value = x.to_global(sbp=x.layout_.without_partials().sbp).to_dtensor()
+        value = x.to_global(sbp=x.global_layout.without_partials().sbp).to_dtensor()
         return value.redistribute(mesh, placements)
     else:
-        local = _Rechunk.apply(x.to_local(), x.layout_, chunked, "to_dtensor")
+        local = _Rechunk.apply(x.to_local(), x.global_layout, chunked, "to_dtensor")
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=x.shape,
                               stride=x.stride())
 
@@ -181,13 +181,13 @@ def from_dtensor(d) -> GlobalTensor:
     layout = Layout.make(d.shape, placement, tuple(_sbp_of(p) for p in d.placements))
     chunked = _ChunkLayout(layout)
     if chunked.coincides():
-        return wrap_local(d.to_local(), layout)
+        return from_local_part(d.to_local(), layout)
     if layout.partial_axes:
         reduced = d.redistribute(mesh, [_dtensor_placement(s) for s in
                                         layout.without_partials().sbp])
         value = from_dtensor(reduced)
         return value.to_global(sbp=layout.sbp)
-    return wrap_local(_Rechunk.apply(d.to_local(), chunked, layout, "from_dtensor"), layout)
+    return from_local_part(_Rechunk.apply(d.to_local(), chunked, layout, "from_dtensor"), layout)
 
 
 GlobalTensor.to_dtensor = to_dtensor  # tensor.py sits below this module

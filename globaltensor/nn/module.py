@@ -133,8 +133,8 @@ def globalize(t: torch.Tensor, layout: Layout) -> GlobalTensor:
     local = t.to(device_of(layout.placement)).contiguous() if rank == root \
         else empty_local(source, t.dtype)
     out = to_layout(GlobalTensor(local, source), layout)
-    if rank == root and out.local_.untyped_storage().data_ptr() == \
+    if rank == root and out.local_part.untyped_storage().data_ptr() == \
             local.untyped_storage().data_ptr():
         # the root's part is a slice of the module's tensor: keep it, not the whole
-        out = GlobalTensor(out.local_.clone(), layout)
+        out = GlobalTensor(out.local_part.clone(), layout)
     return out

@@ -112,7 +112,7 @@ class _Unit:
     def gathered_layout(self, shard: GlobalTensor) -> Layout:
         sbp = list(shard.sbp)
         sbp[self.data_axis] = broadcast
-        return shard.layout_.with_sbp(tuple(sbp))
+        return shard.global_layout.with_sbp(tuple(sbp))
 
     def start(self) -> "_Fetch":
         params = self.module._parameters
@@ -132,8 +132,8 @@ class _Unit:
         params = self.module._parameters
         self.shards = fetch.shards
         for name, full in fetch.finish().items():
-            if full.local_.numel():
-                _gathered[full.local_.untyped_storage().data_ptr()] = \
+            if full.local_part.numel():
+                _gathered[full.local_part.untyped_storage().data_ptr()] = \
                     _Regather(self, self.shards[name])
             params[name] = full
         hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
@@ -146,8 +146,8 @@ class _Unit:
         params = self.module._parameters
         for name, shard in self.shards.items():
             full = params[name]
-            if full is not shard and isinstance(full, GlobalTensor) and full.local_.numel():
-                _gathered.pop(full.local_.untyped_storage().data_ptr(), None)
+            if full is not shard and isinstance(full, GlobalTensor) and full.local_part.numel():
+                _gathered.pop(full.local_part.untyped_storage().data_ptr(), None)
             params[name] = shard
         self.shards = {}
 
@@ -179,11 +179,11 @@ class _Fetch:
             sizes.append((row, parts, max(p for _, p in parts) * row))
         self.group, self.sizes = group, sizes
         total = sum(size for _, _, size in sizes)
-        first = shards[self.bucket[0]].local_
+        first = shards[self.bucket[0]].local_part
         send = torch.zeros(total, dtype=first.dtype, device=first.device)
         offset = 0
         for name, (_, _, size) in zip(self.bucket, sizes):
-            local = shards[name].local_.reshape(-1)
+            local = shards[name].local_part.reshape(-1)
             send[offset:offset + local.numel()].copy_(local)
             offset += size
         self.recv = torch.empty(len(group) * total, dtype=first.dtype, device=first.device)
@@ -193,7 +193,7 @@ class _Fetch:
     def _concatenates(self, shard: GlobalTensor) -> bool:
         # Gathering the data axis concatenates parts along dim 0 only if no other axis
         # splits dim 0, and nothing is partial.
-        return not shard.layout_.partial_axes and all(
+        return not shard.global_layout.partial_axes and all(
             (a == self.unit.data_axis) == (s == Split(0)) for a, s in enumerate(shard.sbp))
 
     def stale(self) -> bool:
@@ -240,7 +240,7 @@ class _Gathered(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, shard: GlobalTensor, local: torch.Tensor, layout: Layout):
-        ctx.src = shard.layout_
+        ctx.src = shard.global_layout
         return GlobalTensor(local, layout)
 
     @staticmethod
@@ -270,7 +270,7 @@ class _Regather:
     def local(self) -> torch.Tensor:
         if self.full is None:
             layout = self.unit.gathered_layout(self.shard)
-            self.full = _dense(to_layout(self.shard.detach(), layout).local_)
+            self.full = _dense(to_layout(self.shard.detach(), layout).local_part)
         return self.full
 
 
@@ -281,11 +281,11 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 
 def _pack(t):
-    if type(t) is GlobalTensor and t.local_.numel():
-        regather = _gathered.get(t.local_.untyped_storage().data_ptr())
+    if type(t) is GlobalTensor and t.local_part.numel():
+        regather = _gathered.get(t.local_part.untyped_storage().data_ptr())
         if regather is not None:
-            local = t.local_
-            return (regather, t.layout_, tuple(t.stride()), tuple(local.size()),
+            local = t.local_part
+            return (regather, t.global_layout, tuple(t.stride()), tuple(local.size()),
                     tuple(local.stride()), local.storage_offset())
     return t
 

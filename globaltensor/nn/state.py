@@ -60,7 +60,7 @@ def _whole(t: torch.Tensor, targets: dict) -> torch.Tensor:
     if not isinstance(t, GlobalTensor):
         return t
     gathered = t.to_global(targets[t.placement.type], (broadcast,))
-    return gathered.local_.contiguous()
+    return gathered.local_part.contiguous()
 
 
 def raw_memory(method: str, torch_method):

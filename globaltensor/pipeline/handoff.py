@@ -10,7 +10,7 @@ Both halves run through ``boxing/run.py`` (debug log, check mode among the ranks
 each half, profiler ranges), as every boxing does.
 
 >>> h = Handoff(out_layout, in_layout, torch.float32, "stage 0 -> 1")   # doctest: +SKIP
->>> work = h.send(out.local_)      # on the sending stage's ranks
+>>> work = h.send(out.local_part)      # on the sending stage's ranks
 >>> pending = h.receive()          # on the receiving stage's ranks, posted early
 >>> local = pending.wait()         # this rank's part of ``in_layout``
 """

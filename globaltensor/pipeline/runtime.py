@@ -28,10 +28,10 @@ from ..layout import Layout, balanced_split
 from ..local_parts import device_of, empty_local
 from ..placement import Placement
 from ..sbp import broadcast
-from ..tensor import GlobalTensor, from_full, wrap_local
+from ..tensor import GlobalTensor, from_full, from_local_part
 from . import schedule as S
 from .handoff import Handoff
-from .local import LocalStage, agrees, runs_locally
+from .plain_stage import PlainStage, agrees, runs_locally
 from .timeline import Timeline
 
 
@@ -46,7 +46,7 @@ class _Routes:
     dtype: torch.dtype  # of the last stage's output and of the loss
     forward: tuple   # forward[k]: Handoff of stage k's output to stage k + 1's input
     backward: tuple  # backward[k]: Handoff of stage k's input gradient to stage k - 1
-    local: frozenset  # the stages this rank runs on plain tensors (see local.py)
+    local: frozenset  # the stages this rank runs on plain tensors (see plain_stage.py)
     local_loss: bool  # and the loss, after a last stage in ``local``
 
 
@@ -110,7 +110,7 @@ class Pipeline:
         self._target_sbp = target_sbp
         rank = comm.get_rank()
         self.worker = next((w for w, p in enumerate(workers) if rank in p), None)
-        self._local = {k: LocalStage(s, self.placements[k]) for k, s in enumerate(stages)
+        self._local = {k: PlainStage(s, self.placements[k]) for k, s in enumerate(stages)
                        if runs_locally(s, self.placements[k], rank)}
         self._routes: dict = {}
         self.last_timeline = Timeline()
@@ -186,13 +186,13 @@ class Pipeline:
                 continue
             for p in stage.parameters():
                 if p.requires_grad and p.grad is None:
-                    p.grad = GlobalTensor(empty_local(p.layout_, p.dtype), p.layout_)
+                    p.grad = GlobalTensor(empty_local(p.global_layout, p.dtype), p.global_layout)
 
     def _routes_for(self, x0: GlobalTensor, t0) -> _Routes:
         """Layouts of every hand-off for this micro-batch shape: learnt once by running
         the stages on it one after another on every rank (stage members compute, the
         others only derive metadata), without gradients and restoring buffers."""
-        key = (x0.layout_, x0.dtype, None if t0 is None else (t0.layout_, t0.dtype))
+        key = (x0.global_layout, x0.dtype, None if t0 is None else (t0.global_layout, t0.dtype))
         routes = self._routes.get(key)
         if routes is not None:
             return routes
@@ -200,16 +200,17 @@ class Pipeline:
         with torch.no_grad(), _buffers_kept(self.stages):
             for k, stage in enumerate(self.stages):
                 if k:
-                    h = h.to_global(self.placements[k], self._in_sbp(k, h.layout_))
-                ins.append(h.layout_)
+                    h = h.to_global(self.placements[k], self._in_sbp(k, h.global_layout))
+                ins.append(h.global_layout)
                 inp, draws = h, get_draw()
                 h = stage(h)
                 if not isinstance(h, GlobalTensor) or h.placement != self.placements[k]:
                     raise ValueError(f"stage {k} must return one GlobalTensor on its own "
                                      f"placement {self.placements[k]}, got {_describe(h)}")
-                outs.append(h.layout_)
+                outs.append(h.global_layout)
                 if k in self._local:
-                    plain = get_draw() == draws and self._local[k].agrees(inp.local_, h.local_)
+                    plain = get_draw() == draws and \
+                        self._local[k].agrees(inp.local_part, h.local_part)
                     if self._agreed(k, plain):
                         local.add(k)
             loss = None
@@ -218,11 +219,11 @@ class Pipeline:
                 if not isinstance(value, GlobalTensor) or value.numel() != 1:
                     raise ValueError(f"loss_fn must return a one-element GlobalTensor, got "
                                      f"{_describe(value)}")
-                loss = (value * 1.0).layout_
+                loss = (value * 1.0).global_layout
                 last = self._local.get(len(self.stages) - 1)
                 local_loss = last is not None and not last.shared and \
                     len(self.stages) - 1 in local and get_draw() == draws and \
-                    agrees(self.loss_fn, (h.local_, t0.local_), value.local_)
+                    agrees(self.loss_fn, (h.local_part, t0.local_part), value.local_part)
         dtype = h.dtype
         forward = tuple(Handoff(outs[k], ins[k + 1], dtype,
                                 f"pipeline hand-off: stage {k} output to stage {k + 1}")
@@ -312,22 +313,22 @@ class _Run:
             leaf = self._wait(("act", k - 1, i)).detach().requires_grad_(self.train)
         plain = k in routes.local and k in self.plain and not self._syncs(k, i)
         if plain:  # tensors in and out
-            out = self.pipe._local[k](self.xs[i].local_ if k == 0 else leaf)
+            out = self.pipe._local[k](self.xs[i].local_part if k == 0 else leaf)
             found = (tuple(out.shape), out.dtype)
             expected = (routes.outs[k].local_shape(self.rank),
                         routes.dtype if k == self.last else found[1])
         else:
-            out = self.pipe.stages[k](self.xs[i] if k == 0 else wrap_local(leaf, routes.ins[k]))
-            found, expected = out.layout_, routes.outs[k]
+            out = self.pipe.stages[k](self.xs[i] if k == 0 else from_local_part(leaf, routes.ins[k]))
+            found, expected = out.global_layout, routes.outs[k]
         if found != expected:
             raise RuntimeError(f"stage {k} returned {found} for micro-batch {i}, but "
                                f"{expected} for the first of its shape")
         if k == self.last and self.train and plain and routes.local_loss:
-            out = self.pipe.loss_fn(out, self.ts[i].local_) * self.shares[i]
-            self.results[i] = wrap_local(out.detach(), routes.loss)
+            out = self.pipe.loss_fn(out, self.ts[i].local_part) * self.shares[i]
+            self.results[i] = from_local_part(out.detach(), routes.loss)
         elif k == self.last:
             if not isinstance(out, GlobalTensor):
-                out = wrap_local(out, routes.outs[k])
+                out = from_local_part(out, routes.outs[k])
             if self.train:
                 out = self.pipe.loss_fn(out, self.ts[i]) * self.shares[i]
                 self.results[i] = out.detach()
@@ -352,7 +353,7 @@ class _Run:
                 sent.wait()  # the next stage used it: the gradient came back
             grad = self._wait(("grad", k + 1, i))
             if isinstance(out, GlobalTensor):
-                grad = GlobalTensor(grad, out.layout_.without_partials())
+                grad = GlobalTensor(grad, out.global_layout.without_partials())
             torch.autograd.backward(out, grad)
         if leaf is not None:
             g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
@@ -365,7 +366,7 @@ class _Run:
             leaf, out = self.held[(a.stage, a.mb)]
             if not self.train:
                 self.held.pop((a.stage, a.mb))
-            local = (out.local_ if isinstance(out, GlobalTensor) else out).detach()
+            local = (out.local_part if isinstance(out, GlobalTensor) else out).detach()
         else:
             key, handoff = ("grad", a.stage, a.mb), self.routes[a.mb].backward[a.stage]
             local = self.held.pop(("grad", a.stage, a.mb))
@@ -460,13 +461,13 @@ def _cut(x, sizes, placement: Placement, sbp) -> list:
 @contextlib.contextmanager
 def _buffers_kept(stages):
     """Restore every buffer (batch-norm statistics) of ``stages`` on exit."""
-    kept = [(b, b.local_.clone() if isinstance(b, GlobalTensor) else b.clone())
+    kept = [(b, b.local_part.clone() if isinstance(b, GlobalTensor) else b.clone())
             for s in stages for b in s.buffers()]
     try:
         yield
     finally:
         for b, value in kept:
-            (b.local_ if isinstance(b, GlobalTensor) else b).copy_(value)
+            (b.local_part if isinstance(b, GlobalTensor) else b).copy_(value)
 
 
 __all__ = ["Pipeline"]

@@ -4,8 +4,8 @@ Start a job with ``python -m globaltensor.launch --server_num 2 --worker_num 2
 train.py``: every process runs ``train.py``; servers hold the rows of the sparse
 tables (split by rows over the servers) and apply their optimizer; workers read
 batches, pull the rows their ids need, and push the rows' gradients. Dense parameters
-stay on the workers (``Optimizer``). Three modes (``Strategy``): ``sync`` (equals one
-process training on the global batch), ``async`` (no worker waits for another),
+stay on the workers (``DenseOptimizer``). Three modes (``Strategy``): ``sync`` (equals
+one process training on the global batch), ``async`` (no worker waits for another),
 ``geo`` (local training, changes exchanged every ``k_steps`` steps).
 
 Example (``train.py``)::
@@ -19,7 +19,7 @@ Example (``train.py``)::
     else:
         emb = gt.ps.EmbeddingTable(100_000, 8, optimizer="adagrad", lr=0.05, init_std=0.1)
         head = torch.nn.Linear(8, 1)
-        opt = gt.ps.Optimizer(head.parameters(), optimizer="adagrad", lr=0.05)
+        opt = gt.ps.DenseOptimizer(head.parameters(), optimizer="adagrad", lr=0.05)
         for ids, labels in my_shard_of_the_data():
             loss = F.binary_cross_entropy_with_logits(head(emb(ids).sum(1)).squeeze(1), labels)
             opt.zero_grad(); loss.backward(); opt.step()
@@ -30,7 +30,8 @@ Transport: ``globaltensor.comm.rpc`` (``torch.distributed.rpc``, TensorPipe). Se
 """
 from .runtime import (MODES, Strategy, init, is_server, is_worker, run_server, server_num, server_rank,
                       stop_worker, worker_num, worker_rank)
-from .table import EmbeddingTable, Optimizer
+from .table import DenseOptimizer, EmbeddingTable
 
 __all__ = ["MODES", "Strategy", "init", "is_server", "is_worker", "run_server", "stop_worker",
-           "worker_rank", "server_rank", "worker_num", "server_num", "EmbeddingTable", "Optimizer"]
+           "worker_rank", "server_rank", "worker_num", "server_num", "EmbeddingTable",
+           "DenseOptimizer"]

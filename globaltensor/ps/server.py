@@ -50,8 +50,9 @@ def initial_rows(start: int, stop: int, dim: int, std: float, seed: int) -> torc
     return torch.cat(parts)
 
 
-class Shard:
-    """Rows ``offset .. offset+rows-1`` of one table, with their optimizer state."""
+class TableRows:
+    """This server's rows of one table (``offset .. offset+rows-1``), with their
+    optimizer state."""
 
     def __init__(self, config: dict, server: int, servers: int, initial: Optional[torch.Tensor]):
         self.config = config
@@ -80,7 +81,7 @@ class Shard:
                              f"({rows.numel()}, {self.weight.shape[1]})")
 
 
-_shards: dict[int, Shard] = {}
+_shards: dict[int, TableRows] = {}
 _lock = threading.Lock()
 _done: set[int] = set()
 _all_done = threading.Event()
@@ -91,7 +92,7 @@ def configure(server: int, servers: int, workers: int) -> None:
     _role.update(server=server, servers=servers, workers=workers)
 
 
-def _shard(table: int) -> Shard:
+def _shard(table: int) -> TableRows:
     shard = _shards.get(table)
     if shard is None:
         raise ValueError(f"no table {table} on server {_role.get('server')}")
@@ -106,7 +107,8 @@ def create(table: int, config: dict, initial: Optional[torch.Tensor] = None) -> 
     with _lock:
         shard = _shards.get(table)
         if shard is None:
-            shard = _shards[table] = Shard(config, _role["server"], _role["servers"], initial)
+            shard = _shards[table] = TableRows(config, _role["server"], _role["servers"],
+                                               initial)
         elif shard.config != config:
             raise ValueError(f"table {table} was created as {shard.config}, this worker asks "
                              f"for {config}: every worker must create the same tables in "

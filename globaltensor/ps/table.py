@@ -8,7 +8,7 @@ back (sync: combined with the other workers' before the servers apply it; async:
 applied as it arrives; geo: applied to this worker's local copy, whose change is
 pushed every ``k_steps`` steps). Only touched rows move, in either direction.
 
-``Optimizer(dense_params)`` steps the ordinary (dense) parameters: sync mode
+``DenseOptimizer(dense_params)`` steps the ordinary (dense) parameters: sync mode
 all-reduces their gradients among the workers (data parallelism over a group of the
 workers only) and steps them locally; async keeps them on the servers as a flat table
 (pushed and pulled every step, nobody waits for a slow worker); geo trains them
@@ -19,7 +19,7 @@ Example (in a worker, after ``gt.ps.init``)::
 
     emb = gt.ps.EmbeddingTable(1_000_000, 16, optimizer="adagrad", lr=0.05, init_std=0.01)
     mlp = torch.nn.Linear(16, 1)
-    opt = gt.ps.Optimizer(mlp.parameters(), optimizer="sgd", lr=0.1)
+    opt = gt.ps.DenseOptimizer(mlp.parameters(), optimizer="sgd", lr=0.1)
     for ids, labels in batches:                        # ids: int64 (batch, slots)
         logits = mlp(emb(ids).sum(1)).squeeze(1)       # pull
         loss = F.binary_cross_entropy_with_logits(logits, labels)
@@ -39,7 +39,7 @@ from . import server
 from .optim import OPTIMIZERS, RowOptimizer
 from .runtime import server_rank_of, state
 
-__all__ = ["EmbeddingTable", "Optimizer"]
+__all__ = ["EmbeddingTable", "DenseOptimizer"]
 
 # async / geo: values per row of the servers' table of a worker's dense parameters
 DENSE_ROW = 256
@@ -57,7 +57,7 @@ def _need_worker(what: str) -> None:
 
 class _Rows:
     """The row-level traffic of one table with the servers: which server holds a row,
-    pull, push. Shared by ``EmbeddingTable`` and the flat table of ``Optimizer``."""
+    pull, push. Shared by ``EmbeddingTable`` and the flat table of ``DenseOptimizer``."""
 
     def __init__(self, num_rows: int, dim: int, optimizer: str, lr: float, init_std: float,
                  seed: int, initial: Optional[torch.Tensor] = None):
@@ -265,7 +265,7 @@ class EmbeddingTable(torch.nn.Module):
         return self._rows.pull(torch.arange(self.num_rows))
 
 
-class Optimizer:
+class DenseOptimizer:
     """Steps the dense parameters of a worker's model, per the strategy's mode.
 
     ``optimizer`` ("sgd" or "adagrad") and ``lr`` as torch's ``SGD`` / ``Adagrad``. All
@@ -273,10 +273,10 @@ class Optimizer:
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter], optimizer: str = "sgd", lr: float = 0.01):
-        _need_worker("gt.ps.Optimizer")
+        _need_worker("gt.ps.DenseOptimizer")
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
-            raise ValueError("gt.ps.Optimizer got no parameters that require grad")
+            raise ValueError("gt.ps.DenseOptimizer got no parameters that require grad")
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
         self.mode = state.strategy.mode
@@ -324,7 +324,7 @@ class Optimizer:
 
     def step(self) -> None:
         """One training step's update (call once per step, after ``backward``)."""
-        _need_worker("gt.ps.Optimizer.step")
+        _need_worker("gt.ps.DenseOptimizer.step")
         self.steps += 1
         if self.mode == "sync":
             # Data parallelism among the workers: the mean gradient, then a local step.

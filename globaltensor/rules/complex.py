@@ -62,7 +62,7 @@ register(aten.view_as_complex, local=_view_as_complex_local)(view_as_complex_rul
 # Metadata queries need no layout: every rank answers from what it has.
 @register(aten.is_pinned, decompose=True)
 def is_pinned(x, device=None) -> bool:
-    return x.local_.is_pinned()
+    return x.local_part.is_pinned()
 
 
 @register(aten.is_same_size, decompose=True)

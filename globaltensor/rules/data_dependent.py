@@ -29,7 +29,7 @@ from ..layout import Layout
 from ..local_parts import device_of, empty_local
 from ..placement import common_placement
 from ..sbp import Split, broadcast
-from ..tensor import GlobalTensor, hidden_from_dynamo, relayout, wrap_part
+from ..tensor import GlobalTensor, hidden_from_dynamo, to_layout, wrap_part
 from . import flatten_args, unflatten_args
 from .random import watch_leaves
 from .registry import register
@@ -64,7 +64,7 @@ def run_on_whole_values(func, args, kwargs):
     for i, x in enumerate(leaves):
         if isinstance(x, GlobalTensor):
             watch_leaves(x)
-            leaves[i] = relayout(x, everywhere).local_
+            leaves[i] = to_layout(x, sbp=everywhere).local_part
     inside = comm.get_rank() in placement
     n_out = len(func._schema.returns)
     outs = None

@@ -18,7 +18,7 @@ from .. import comm
 from ..layout import Layout
 from ..local_parts import device_of
 from ..sbp import Split, broadcast
-from ..tensor import GlobalTensor, from_full, wrap_local
+from ..tensor import GlobalTensor, from_full, from_local_part
 from .indices import check_index_range
 from .pointwise import aligned_sbp
 
@@ -135,11 +135,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool \
                 else scores + mask
     probs_shape = tuple(q.shape[:-1]) + (source,)
-    probs = wrap_local(torch.softmax(scores, -1), Layout.make(probs_shape, placement, sbp))
+    probs = from_local_part(torch.softmax(scores, -1), Layout.make(probs_shape, placement, sbp))
     probs = F.dropout(probs, dropout_p)
     out = probs.to_local() @ vl
     out_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
-    return wrap_local(out, Layout.make(out_shape, placement, sbp))
+    return from_local_part(out, Layout.make(out_shape, placement, sbp))
 
 
 def _mask_part(mask, scores_shape, q: GlobalTensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 from .. import comm
 from ..layout import Layout
 from ..sbp import Partial, Split, broadcast
-from ..tensor import GlobalTensor, relayout
+from ..tensor import GlobalTensor, to_layout
 
 
 def _excess(local: torch.Tensor, size: int, ignore_index) -> int:
@@ -42,17 +42,17 @@ def check_index_range(indices, size: int, what: str, ignore_index=None,
     else:
         placement = indices.placement
         inside = comm.get_rank() in placement
-        worst = _excess(indices.local_, size, ignore_index) if inside else -1
+        worst = _excess(indices.local_part, size, ignore_index) if inside else -1
         # Parts of a split differ: their worst cases are a partial max; copies agree.
         sbp = tuple(Partial("max") if isinstance(s, Split) else broadcast
                     for s in indices.sbp)
         layout = Layout.make((), placement, sbp)
-        local = torch.tensor(worst, dtype=torch.int64, device=indices.local_.device)
+        local = torch.tensor(worst, dtype=torch.int64, device=indices.local_part.device)
         # Reduced among the placement's ranks only: a rank outside holds no index and
         # may be busy elsewhere (another pipeline stage); it does not raise.
-        worst_of_all = relayout(GlobalTensor(local if inside else local.new_empty((0,)), layout),
-                                (broadcast,) * placement.ndim, donate=True)
-        excess = int(worst_of_all.local_) if inside else -1
+        mine = GlobalTensor(local if inside else local.new_empty((0,)), layout)
+        worst_of_all = to_layout(mine, sbp=(broadcast,) * placement.ndim, donate=True)
+        excess = int(worst_of_all.local_part) if inside else -1
     if excess > 0:
         raise error(f"{what}: index out of range: valid indices are 0..{size - 1}"
                          + (f" (or {ignore_index}, ignored)" if ignore_index is not None else ""))

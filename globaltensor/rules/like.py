@@ -140,7 +140,7 @@ def copy_from_whole_value(dst, src, non_blocking=False):
                    f"copy_ of a plain whole value of shape {tuple(src.shape)} into a "
                    f"GlobalTensor on {dst.placement} (e.g. load_state_dict)",
                    "hold different values: each rank must pass the same whole value")
-    return dst.copy_(from_full(src.expand(dst.shape), dst.layout_))
+    return dst.copy_(from_full(src.expand(dst.shape), dst.global_layout))
 
 
 def _broadcasts_to(src: tuple, dst: tuple) -> bool:

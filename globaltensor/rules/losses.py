@@ -15,7 +15,7 @@ import math
 import torch
 
 from ..sbp import Split, broadcast, partial_sum
-from ..tensor import relayout
+from ..tensor import to_layout
 from .indices import check_index_range
 from .pointwise import aligned_sbp
 from .registry import register
@@ -60,7 +60,7 @@ def _nll_decomposition(func):
         if reduction != _MEAN or x.dim() < 2 or not split:
             return NotImplemented
         total, total_weight = func(x, target, weight, _SUM, ignore_index)
-        total_weight = relayout(total_weight, (B,) * len(total_weight.sbp), donate=True)
+        total_weight = to_layout(total_weight, sbp=(B,) * len(total_weight.sbp), donate=True)
         return total / total_weight, total_weight
     return decomposition
 

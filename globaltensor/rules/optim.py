@@ -22,7 +22,7 @@ from ..layout import Layout
 from ..local_parts import device_of
 from ..placement import Placement
 from ..sbp import Broadcast, Partial, Split, broadcast
-from ..tensor import GlobalTensor, relayout, to_layout, wrap_local
+from ..tensor import GlobalTensor, from_local_part, to_layout
 from .registry import register
 
 aten = torch.ops.aten
@@ -40,7 +40,7 @@ def _local(t, layout: Layout | None = None):
     """A GlobalTensor's part (boxed to ``layout`` first); anything else as it is."""
     if not isinstance(t, GlobalTensor):
         return t
-    return (t if layout is None else to_layout(t, layout)).local_
+    return (t if layout is None else to_layout(t, layout)).local_part
 
 
 def _fused_on_parts(packet):
@@ -48,7 +48,7 @@ def _fused_on_parts(packet):
         params = args[0]
         if not all(isinstance(p, GlobalTensor) for p in params):
             return NotImplemented
-        layouts = [p.layout_ for p in params]
+        layouts = [p.global_layout for p in params]
         local_args = [[_local(t, layouts[i]) for i, t in enumerate(a)]
                       if isinstance(a, (list, tuple)) and len(a) == len(params) else _local(a)
                       for a in args]
@@ -73,7 +73,7 @@ def unscale_parts(grads, found_inf, inv_scale):
     world = Placement(grads[0].placement.type, list(range(comm.get_world_size())))
     anywhere = GlobalTensor(found_here.reshape(()),
                             Layout.make((), world, (Partial("max"),)))
-    reduced = relayout(anywhere, (broadcast,), donate=True).local_
+    reduced = to_layout(anywhere, sbp=(broadcast,), donate=True).local_part
     torch.maximum(found_inf, reduced.to(found_inf.device), out=found_inf)
     return None
 
@@ -87,7 +87,7 @@ def foreach_norm(tensors, ord=2, dtype=None):
     out: list = [None] * len(tensors)
     groups: dict = {}
     for i, t in enumerate(tensors):
-        if not isinstance(t, GlobalTensor) or t.layout_.partial_axes or ord < 0 \
+        if not isinstance(t, GlobalTensor) or t.global_layout.partial_axes or ord < 0 \
                 or not any(isinstance(s, Split) for s in t.sbp):
             out[i] = torch.linalg.vector_norm(t, ord, dtype=dtype)
             continue
@@ -96,15 +96,15 @@ def foreach_norm(tensors, ord=2, dtype=None):
     reduce = "max" if ord == math.inf else "sum"
     rank = comm.get_rank()
     for (placement, cut), members in groups.items():
-        parts = [tensors[i].local_ for i in members]
+        parts = [tensors[i].local_part for i in members]
         inside = rank in placement
         stats = torch.stack([_local_stat(x, ord, dtype) for x in parts]) if inside else \
             torch.empty(0, dtype=dtype or parts[0].dtype, device=parts[0].device)
         sbp = tuple(Partial(reduce) if c else broadcast for c in cut)
-        total = relayout(GlobalTensor(stats, Layout.make((len(members),), placement, sbp)),
-                         (broadcast,) * placement.ndim, donate=True)
+        total = to_layout(GlobalTensor(stats, Layout.make((len(members),), placement, sbp)),
+                          sbp=(broadcast,) * placement.ndim, donate=True)
         if ord not in (0.0, 1.0, math.inf):
-            total = GlobalTensor(total.local_.pow(1.0 / ord), total.layout_)
+            total = GlobalTensor(total.local_part.pow(1.0 / ord), total.global_layout)
         for i, norm in zip(members, total.unbind(0)):
             out[i] = norm
     return out
@@ -144,7 +144,7 @@ def _total_across_placements(tensors, ord: float, error_if_nonfinite: bool) -> G
     placement contributes its norm, the other ranks zeros, to one all-reduce."""
     glob = [t for t in tensors if isinstance(t, GlobalTensor)]
     world = Placement.all(glob[0].placement.type)
-    norms = {id(t): relayout(n, (broadcast,) * n.placement.ndim)
+    norms = {id(t): to_layout(n, sbp=(broadcast,) * n.placement.ndim)
              for t, n in zip(glob, foreach_norm(glob, ord))}
     dtype = functools.reduce(torch.promote_types, (n.dtype for n in norms.values()))
     mine = torch.zeros(len(tensors), dtype=dtype, device=device_of(world))
@@ -154,9 +154,9 @@ def _total_across_placements(tensors, ord: float, error_if_nonfinite: bool) -> G
             if rank == world.flat_ranks[0]:
                 mine[i] = torch.linalg.vector_norm(t, ord)
         elif rank == t.placement.flat_ranks[0]:
-            mine[i] = norms[id(t)].local_
-    every = relayout(GlobalTensor(mine, Layout.make(mine.shape, world, (Partial("sum"),))),
-                     (broadcast,), donate=True).local_
+            mine[i] = norms[id(t)].local_part
+    every = to_layout(GlobalTensor(mine, Layout.make(mine.shape, world, (Partial("sum"),))),
+                      sbp=(broadcast,), donate=True).local_part
     total = torch.linalg.vector_norm(every, ord)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
@@ -199,8 +199,8 @@ def _norm_on(norm, placement: Placement | None):
             raise ValueError(f"plain gradients cannot be clipped on rank {comm.get_rank()} "
                              f"by a total norm it does not hold whole ({norm.placement}, "
                              f"{norm.sbp})")
-        return norm.local_
+        return norm.local_part
     layout = Layout.make((), placement, (broadcast,) * placement.ndim)
     if whole and set(placement.flat_ranks) <= set(norm.placement.flat_ranks):
-        return wrap_local(norm.local_, layout)
-    return to_layout(relayout(norm, (broadcast,) * norm.placement.ndim), layout)
+        return from_local_part(norm.local_part, layout)
+    return to_layout(to_layout(norm, sbp=(broadcast,) * norm.placement.ndim), layout)

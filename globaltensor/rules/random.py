@@ -19,7 +19,7 @@ from ..local_parts import device_of, empty_local
 from ..partials import keep_on_first
 from ..random import local_sample, mantissa_bits, next_draw
 from ..sbp import Split, broadcast
-from ..tensor import GlobalTensor, relayout
+from ..tensor import GlobalTensor, to_layout
 from .registry import register
 
 aten = torch.ops.aten
@@ -51,13 +51,13 @@ def _inplace(kind: str, params):
         draw = _draw_for(generator)
         watch_leaves(self)
         if comm.get_rank() in self.placement:
-            local = self.local_
+            local = self.local_part
             dtype = torch.int64 if kind == "integers" and not local.dtype.is_floating_point \
                 else local.dtype
             if local.is_contiguous() and dtype == local.dtype:
-                local_sample(kind, self.layout_, draw, dtype, out=local, **bound)
+                local_sample(kind, self.global_layout, draw, dtype, out=local, **bound)
             else:
-                local.copy_(local_sample(kind, self.layout_, draw, dtype, **bound))
+                local.copy_(local_sample(kind, self.global_layout, draw, dtype, **bound))
         return self
     return run
 
@@ -107,20 +107,21 @@ def bernoulli_tensor_(self, p, generator=None):
     """``self.bernoulli_(p)`` with a tensor of probabilities (boxed to self's regions)."""
     if not isinstance(self, GlobalTensor) or not isinstance(p, GlobalTensor):
         return NotImplemented
-    whole = self.layout_.without_partials()
-    p = relayout(p.expand(self.shape) if p.shape != self.shape else p, whole.sbp)
+    whole = self.global_layout.without_partials()
+    p = to_layout(p.expand(self.shape) if p.shape != self.shape else p, sbp=whole.sbp)
     draw = _draw_for(generator)
     watch_leaves(self)
     if comm.get_rank() in self.placement:
         u = local_sample("uniform", whole, draw, torch.float64 if p.dtype == torch.float64
                          else torch.float32)
-        self.local_.copy_(_identity_on_partial((u < p.local_).to(self.dtype), self.layout_))
+        self.local_part.copy_(_identity_on_partial((u < p.local_part).to(self.dtype),
+                                                   self.global_layout))
     return self
 
 
 def _fresh(x: GlobalTensor, kind: str, dtype, generator=None, **params) -> GlobalTensor:
     """A new random tensor with ``x``'s regions (partial axes broadcast)."""
-    layout = x.layout_.without_partials()
+    layout = x.global_layout.without_partials()
     draw = _draw_for(generator)
     return GlobalTensor(local_sample(kind, layout, draw, dtype, **params), layout)
 
@@ -130,9 +131,9 @@ def bernoulli(self, generator=None):
     """``torch.bernoulli(probs)``: ones where a uniform value falls below the probability."""
     if not isinstance(self, GlobalTensor):
         return NotImplemented
-    out = self.to_global(sbp=self.layout_.without_partials().sbp)
+    out = self.to_global(sbp=self.global_layout.without_partials().sbp)
     u = _fresh(out, "uniform", self.dtype, generator)
-    return GlobalTensor((u.local_ < out.local_).to(self.dtype), u.layout_)
+    return GlobalTensor((u.local_part < out.local_part).to(self.dtype), u.global_layout)
 
 
 @register(aten.bernoulli.p, decompose=True)
@@ -169,23 +170,24 @@ def native_dropout(x, p: float, train=True):
     if not 0 <= p <= 1:
         raise ValueError(f"dropout probability has to be between 0 and 1, got {p}")
     watch_leaves(x)
-    mask_layout = x.layout_.without_partials()
+    mask_layout = x.global_layout.without_partials()
     strides = None if x.is_contiguous() else tuple(x.stride())
     rank = comm.get_rank()
     if train is False or p == 0:
         ones = torch.ones(mask_layout.local_shape(rank), dtype=torch.bool,
                           device=device_of(x.placement))
-        return (GlobalTensor(x.local_.clone(), x.layout_, strides=strides),
+        return (GlobalTensor(x.local_part.clone(), x.global_layout, strides=strides),
                 GlobalTensor(ones, mask_layout))
     draw = next_draw()
     if rank not in x.placement:
-        return (GlobalTensor(empty_local(x.layout_, x.dtype), x.layout_, strides=strides),
+        layout = x.global_layout
+        return (GlobalTensor(empty_local(layout, x.dtype), layout, strides=strides),
                 GlobalTensor(empty_local(mask_layout, torch.bool), mask_layout))
     mask = local_sample("bernoulli", mask_layout, draw, torch.bool, p=1 - p)
     scale = 0.0 if p == 1 else 1.0 / (1.0 - p)
     # (torch.where allocates only the output; a float * bool product casts the mask)
-    out = torch.where(mask, x.local_, 0.0).mul_(scale)
-    return (GlobalTensor(out, x.layout_, strides=strides), GlobalTensor(mask, mask_layout))
+    out = torch.where(mask, x.local_part, 0.0).mul_(scale)
+    return (GlobalTensor(out, x.global_layout, strides=strides), GlobalTensor(mask, mask_layout))
 
 
 

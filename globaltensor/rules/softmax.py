@@ -13,7 +13,7 @@ from ..layout import Layout
 from ..local_parts import empty_local
 from ..partials import identity_value
 from ..sbp import Partial, Split, broadcast, partial_sum
-from ..tensor import GlobalTensor, relayout
+from ..tensor import GlobalTensor, to_layout
 from .registry import register
 
 aten = torch.ops.aten
@@ -54,15 +54,15 @@ def _row_stat(x, dim: int, reduce: str):
     rank = comm.get_rank()
     if rank not in x.placement:
         local = empty_local(layout, x.dtype)
-    elif x.local_.shape[dim] == 0:
+    elif x.local_part.shape[dim] == 0:
         local = torch.full(layout.local_shape(rank), identity_value(reduce, x.dtype),
-                           dtype=x.dtype, device=x.local_.device)
+                           dtype=x.dtype, device=x.local_part.device)
     elif reduce == "max":
-        local = x.local_.amax(dim, keepdim=True)
+        local = x.local_part.amax(dim, keepdim=True)
     else:
-        local = x.local_.sum(dim, keepdim=True)
+        local = x.local_part.sum(dim, keepdim=True)
     whole = tuple(B if a in cut else s for a, s in enumerate(partial))
-    return relayout(GlobalTensor(local, layout), whole, donate=True)
+    return to_layout(GlobalTensor(local, layout), sbp=whole, donate=True)
 
 
 def _softmax_decomposition(log: bool):

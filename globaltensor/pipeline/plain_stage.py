@@ -24,8 +24,8 @@ every member of a data-parallel stage must find so. The loss after a one-rank la
 stage is checked and run the same way. A step in which a parameter has gradient hooks
 of its own runs the stage global (the hooks see the parameter's gradient there).
 
->>> stage = LocalStage(module, placement)            # doctest: +SKIP
->>> stage.agrees(x.local_, module(x).local_)          # on the first micro-batch
+>>> stage = PlainStage(module, placement)            # doctest: +SKIP
+>>> stage.agrees(x.local_part, module(x).local_part)   # on the first micro-batch
 >>> out = stage(local_input); out.backward(grad)      # plain tensors
 >>> stage.flush_grads()                               # one rank: into .grad
 >>> stage.hand_over(input_layout)                     # data parallel: as partial sums
@@ -54,7 +54,7 @@ def runs_locally(module: torch.nn.Module, placement: Placement, rank: int) -> bo
     return placement.flat_ranks == (rank,) or _replicated(module)
 
 
-class LocalStage:
+class PlainStage:
     """Runs ``module`` (global on ``placement``) on plain tensors."""
 
     def __init__(self, module: torch.nn.Module, placement: Placement):
@@ -76,18 +76,18 @@ class LocalStage:
             return False
         for name, p in params:
             kept = self._leaves.get(name)
-            local = p.local_
+            local = p.local_part
             if kept is None or kept[0] is not p or not _same_memory(kept[1], local) \
                     or kept[1].requires_grad != p.requires_grad:
                 kept = self._leaves[name] = (p, local.detach().requires_grad_(p.requires_grad))
             leaf, g = kept[1], p.grad
             # contributions of a data-parallel stage are summed over ranks later: they
             # cannot start from the gradient every rank already holds
-            seed = g is not None and not self.shared and _same_kind(g.local_, local)
-            leaf.grad = g.local_ if seed else None
+            seed = g is not None and not self.shared and _same_kind(g.local_part, local)
+            leaf.grad = g.local_part if seed else None
             tensors[name] = leaf
         for name, b in self.module.named_buffers():
-            tensors[name] = b.local_ if isinstance(b, GlobalTensor) else b
+            tensors[name] = b.local_part if isinstance(b, GlobalTensor) else b
         self._tensors = tensors
         return True
 
@@ -105,12 +105,12 @@ class LocalStage:
         memory already."""
         for p, leaf in self._leaves.values():
             g, leaf.grad = leaf.grad, None
-            if g is None or (p.grad is not None and p.grad.local_ is g):
+            if g is None or (p.grad is not None and p.grad.local_part is g):
                 continue
             if p.grad is None:
-                p.grad = GlobalTensor(g, p.layout_.without_partials())
+                p.grad = GlobalTensor(g, p.global_layout.without_partials())
             else:  # a .grad in other strides or dtype than the parameter's
-                p.grad.local_.add_(g)
+                p.grad.local_part.add_(g)
 
     def hand_over(self, inputs: Layout) -> None:
         """Data parallel: add the leaves' gradients (this rank's contributions) to the
@@ -134,7 +134,7 @@ def agrees(fn, args: tuple, expected: torch.Tensor) -> bool:
     """Whether ``fn(*args)`` on plain tensors, without gradients, gives ``expected``
     (a global run's local result); torch's random state is left as it was.
 
-    >>> agrees(F.mse_loss, (out.local_, target.local_), loss.local_)   # doctest: +SKIP
+    >>> agrees(F.mse_loss, (out.local_part, target.local_part), loss.local_part)   # doctest: +SKIP
     """
     device = expected.device  # its generator is put back too (cuda: the rank's device)
     forked = [] if device.type == "cpu" else [device]
