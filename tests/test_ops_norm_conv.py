@@ -4,10 +4,15 @@ and pooling.
 Run in the shared worlds of tests/ops_battery.py (2, 4, and 3 with bystanders)."""
 from __future__ import annotations
 
+import copy
+
+import torch
 import torch.nn.functional as F
 
-from ops_battery import (B, P, S, as_tuple, battery_tests, case, checked, close, combos,
-                         describe, expect, placements, randn, run_case)
+import globaltensor as gt
+from ops_battery import (B, F64, P, S, as_tuple, battery_tests, case, checked, close, combos,
+                         describe, expect, guard, make_global, nd, placements, randn,
+                         run_case)
 
 
 @checked
@@ -65,5 +70,85 @@ def check_norm_conv_pool():
          choices=[[B, S(0)]], places=placements(2, 0, 2))
 
 
-CHECKS = ["check_norm_conv_pool"]
+_BN_KINDS = ((torch.nn.BatchNorm1d, (6, 3)), (torch.nn.BatchNorm1d, (4, 3, 5)),
+             (torch.nn.BatchNorm2d, (4, 3, 2, 3)))
+# The channel split and partial first: the signature boxes the running statistics to
+# their layout, where the kernel's update once stayed in the boxed copies.
+_BN_LINE_SBPS = tuple((s,) for s in (S(1), P, S(0), B, S(2), S(3)))
+_BN_MESH_SBPS = ((S(1), P), (P, S(1)), (B, S(1)), (S(0), S(1)), (S(1), S(1)), (P, P))
+
+
+def _bn_cases(placement):
+    """(module class, input shape, input sbp, momentum): every input sbp with every
+    kind, in rounds that pair each sbp with another kind (a short prefix, all the
+    worlds of 4 and 3 run, covers the first sbps on different kinds). Momentum
+    alternates between 0.1 and None (cumulative average)."""
+    sbps = _BN_MESH_SBPS if placement.ndim == 2 else _BN_LINE_SBPS
+    n = len(_BN_KINDS)
+    cases = [_BN_KINDS[(j + r) % n] + (sbp,) for r in range(n) for j, sbp in enumerate(sbps)]
+    cases = [c for c in cases if all(getattr(s, "dim", 0) < len(c[1]) for s in c[2])]
+    return [c + (None if k % 2 else 0.1,) for k, c in enumerate(cases)]
+
+
+def _bn_steps(kind, shape, sbp, momentum, placement, where):
+    """Two training steps and one eval step of ``kind`` made global (everything
+    broadcast) on inputs laid out as ``sbp``, against the plain module: each step's
+    output and input gradient, then the buffers (running statistics, batch count) and
+    the accumulated parameter gradients. The eval output depends on the statistics of
+    the training steps."""
+    plain = kind(shape[1], momentum=momentum, dtype=F64)
+    with torch.no_grad():
+        plain.weight.copy_(randn(shape[1], "bn module w", lo=0.5))
+        plain.bias.copy_(randn(shape[1], "bn module b"))
+    ours = gt.nn.to_global(copy.deepcopy(plain), placement, nd(B, placement))
+    for step in range(3):
+        if step == 2:
+            plain.eval()
+            ours.eval()
+        value = randn(shape, f"bn step {step}") * (step + 1) + step   # the stats move
+        x, xp = make_global(value, placement, sbp, requires_grad=True), \
+            value.clone().requires_grad_(True)
+        out, ref = ours(x), plain(xp)
+        close(out.full(), ref.detach(), f"{where} step {step} output")
+        w = randn(shape, f"bn weight {step}")
+        (out * gt.tensor(w, placement=placement, sbp=nd(B, placement))).sum().backward()
+        (ref * w).sum().backward()
+        close(x.grad.full(), xp.grad, f"{where} step {step} input grad")
+    for name, buf in ours.named_buffers():      # eval normalised with them, unchanged
+        expect(buf.sbp == nd(B, placement), f"{where}: {name} sbp became {buf.sbp}")
+        close(buf.full(), plain.get_buffer(name), f"{where} {name}")
+    for name, param in ours.named_parameters():
+        close(param.grad.full(), plain.get_parameter(name).grad, f"{where} {name} grad")
+
+
+def _bn_eval_saved_parts(placement):
+    """Without training the CPU kernel saves no statistics (empty outputs) where the
+    meta kernel, whose shapes the output layouts take, saves one per channel: each
+    rank's parts must still make up the layout (a backward signature may box them)."""
+    x = randn((4, 3, 5), "bn eval x")
+    rm, rv = randn((3,), "bn eval rm"), randn((3,), "bn eval rv", lo=0.5)
+    for sbp in (S(1), B, P):
+        where = describe("native_batch_norm eval saved statistics", (sbp,), placement)
+        gx, grm, grv = (make_global(t, placement, nd(s, placement))
+                        for t, s in ((x, sbp), (rm, B), (rv, B)))
+        outs = torch.ops.aten.native_batch_norm(gx, None, None, grm, grv, False, 0.1, 1e-5)
+        for k, o in enumerate(outs[1:], 1):
+            full = guard(f"{where} output {k}", o.full)
+            expect(tuple(full.shape) == tuple(o.shape), f"{where} output {k}: the parts "
+                   f"make {tuple(full.shape)}, the layout {tuple(o.shape)}")
+
+
+@checked
+def check_batch_norm_running_stats():
+    """nn.BatchNorm1d/2d with broadcast running statistics update them as torch does
+    for an input of any layout (split on the batch, on channels, elsewhere, broadcast,
+    partial), momentum 0.1 or None, then normalise with them in eval."""
+    for placement, limit in placements(16, 0, 8):
+        for kind, shape, sbp, momentum in _bn_cases(placement)[:limit]:
+            where = describe(f"{kind.__name__} {shape} momentum={momentum}", sbp, placement)
+            guard(where, lambda: _bn_steps(kind, shape, sbp, momentum, placement, where))
+    _bn_eval_saved_parts(placements()[0][0])
+
+
+CHECKS = ["check_norm_conv_pool", "check_batch_norm_running_stats"]
 test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)

@@ -80,15 +80,29 @@ register(aten.native_group_norm_backward, local=_group_norm_backward_local)(
     group_norm_backward_rule)
 
 
-@register(aten.native_batch_norm)
+def _batch_norm_local(ctx, x, *args):
+    # Without training the kernel saves no statistics (empty outputs) where the meta
+    # kernel, whose shapes the output layouts take, gives one per channel; backward then
+    # reads the running statistics, so zeros of the layout's part stand in (boxing them
+    # to a backward signature needs parts of the layout's shape).
+    outs = ctx.call.func(x, *args)
+    shapes = [tuple(layout.local_shape(ctx.rank)) for layout in ctx.out_layouts]
+    return tuple(o if tuple(o.shape) == shape else o.new_zeros(shape)
+                 for o, shape in zip(outs, shapes))
+
+
+@register(aten.native_batch_norm, aten._native_batch_norm_legit_functional,
+          local=_batch_norm_local)
 def batch_norm_rule(call, axis):
-    """(input, weight?, bias?, running_mean?, running_var?) -> (out, save_mean, save_invstd)."""
+    """(input, weight?, bias?, running_mean?, running_var?) -> (out, save_mean, save_invstd)
+    and, for the functional form, (..., running_mean_out, running_var_out)."""
     n_params = len(call.inputs) - 1
+    n_stats = len(call.out_shapes) - 1
     ndim = len(call.in_shapes[0])
-    cands = [((B,) * len(call.inputs), (B, B, B)),
-             ((Split(1),) + (Split(0),) * n_params, (Split(1), Split(0), Split(0)))]
+    cands = [((B,) * len(call.inputs), (B,) * (1 + n_stats)),
+             ((Split(1),) + (Split(0),) * n_params, (Split(1),) + (Split(0),) * n_stats)]
     if not call.arg("training"):
-        cands += [((Split(d),) + (B,) * n_params, (Split(d), B, B))
+        cands += [((Split(d),) + (B,) * n_params, (Split(d),) + (B,) * n_stats)
                   for d in range(ndim) if d != 1]
     return cands
 
@@ -100,8 +114,13 @@ def batch_norm_backward_rule(call, axis):
     n_out = len(call.out_shapes)
     mask = call.arg("output_mask")
     channel = tuple(o for o, keep in zip((Split(1), Split(0), Split(0)), mask) if keep)
-    return [((B,) * len(call.inputs), (B,) * n_out),
-            ((Split(1), Split(1)) + (Split(0),) * n_rest, channel)]
+    cands = [((B,) * len(call.inputs), (B,) * n_out),
+             ((Split(1), Split(1)) + (Split(0),) * n_rest, channel)]
+    if not call.arg("train"):   # normalised by the running statistics: any dim but channels
+        cands += [((Split(d), Split(d)) + (B,) * n_rest,
+                   tuple(o for o, keep in zip((Split(d), P, P), mask) if keep))
+                  for d in range(len(call.in_shapes[0])) if d != 1]
+    return cands
 
 
 def _splits_non_channel(x) -> bool:
@@ -113,10 +132,31 @@ def _stat_shape(x):
 
 
 @register(aten.native_batch_norm, decompose=True)
-def batch_norm_over_split_batch(x, weight, bias, running_mean, running_var, training,
-                                momentum, eps):
-    if not training or not _splits_non_channel(x):
+def batch_norm_training(x, weight, bias, running_mean, running_var, training, momentum,
+                        eps):
+    """Training-mode batch_norm: over a split batch with global statistics; otherwise
+    (channels split, a partial or broadcast input) the kernel on each rank's channels,
+    the new running statistics then copied into the buffers."""
+    if not training:
         return NotImplemented
+    if _splits_non_channel(x):
+        return _batch_norm_over_split_batch(x, weight, bias, running_mean, running_var,
+                                            momentum, eps)
+    if running_mean is None or running_var is None:
+        return NotImplemented
+    # The kernel updates the running statistics in place, but the signature boxes them
+    # (split on channels, as the input): the update would land in temporary parts. The
+    # functional form returns the new statistics, which copy_ boxes back into the
+    # buffers' own layouts.
+    out, save_mean, save_invstd, new_mean, new_var = \
+        aten._native_batch_norm_legit_functional(x, weight, bias, running_mean, running_var,
+                                                 True, momentum, eps)
+    running_mean.copy_(new_mean)
+    running_var.copy_(new_var)
+    return out, save_mean, save_invstd
+
+
+def _batch_norm_over_split_batch(x, weight, bias, running_mean, running_var, momentum, eps):
     dims = [0] + list(range(2, x.dim()))
     count = x.numel() // x.shape[1]
     everywhere = (B,) * x.placement.ndim
