@@ -14,7 +14,7 @@ from .factory import (arange, empty, from_local, full, normal, ones, rand, randi
 from .placement import Placement, placement
 from .random import manual_seed
 from .tensor import GlobalTensor, is_global
-from . import dispatch as _dispatch  # noqa: F401  (installs __torch_dispatch__)
+from .dispatch import entry as _dispatch_entry  # noqa: F401  (installs __torch_dispatch__)
 from . import debug, nn, utils
 from .gradsync import no_sync
 from .dispatch import implicit_broadcast

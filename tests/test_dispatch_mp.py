@@ -13,7 +13,7 @@ def check_cache_bounded_over_long_run():
     # value they added one cache entry per parameter per step (864 -> 9384 in 2000 steps).
     import torch
     import globaltensor as gt
-    from globaltensor import dispatch
+    from globaltensor.dispatch import cache
     P = gt.placement("cpu", [0, 1])
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
@@ -21,31 +21,32 @@ def check_cache_bounded_over_long_run():
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.999)
     x = gt.randn(4, 6, placement=P, sbp=gt.sbp.split(0))
-    dispatch._cache.clear()     # earlier checks in this process filled it: no eviction here
-    dispatch._by_value.clear()
+    cache._cache.clear()     # earlier checks in this process filled it: no eviction here
+    cache._by_value.clear()
     sizes = []
     for step in range(1000):
         m(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
         sched.step()
-        sizes.append(len(dispatch._cache) + len(dispatch._by_value))
+        sizes.append(len(cache._cache) + len(cache._by_value))
     assert sizes[-1] == sizes[20], (sizes[20], sizes[-1])
 
 
 def check_cache_and_layouts_bounded_over_many_shapes():
     import gc
     import globaltensor as gt
-    from globaltensor import dispatch, layout
+    from globaltensor import layout
+    from globaltensor.dispatch import cache
     P = gt.placement("cpu", [0, 1])
-    saved = dispatch.CACHE_SIZE
-    dispatch.CACHE_SIZE = 64
+    saved = cache.CACHE_SIZE
+    cache.CACHE_SIZE = 64
     try:
         w = gt.randn(8, 8, placement=P, sbp=gt.sbp.broadcast)
         for length in range(1, 301):  # every sequence length of a run
             x = gt.randn(length, 8, placement=P, sbp=gt.sbp.split(0))
             (x @ w).relu().sum()
-        assert len(dispatch._cache) <= 64 and len(dispatch._by_value) <= 64
+        assert len(cache._cache) <= 64 and len(cache._by_value) <= 64
         # The plan caches are LRU caches of fixed size; beyond them (and the decisions
         # kept) nothing holds a layout: the intern table kept one per shape ever seen.
         from globaltensor.boxing import cost, plan
@@ -55,7 +56,7 @@ def check_cache_and_layouts_bounded_over_many_shapes():
         gc.collect()
         assert len(layout._interned) < 300, len(layout._interned)
     finally:
-        dispatch.CACHE_SIZE = saved
+        cache.CACHE_SIZE = saved
 
 
 def check_gradient_buffers_die_with_their_model():

@@ -316,7 +316,8 @@ def check_index_check_stays_on_the_placement():
 def _kernel_signatures(func, *args):
     """The rule's signatures for a kernel, its tensors given on the meta device (the
     CUDA kernels have meta implementations, so their output shapes are real)."""
-    from globaltensor.rules import Call, flatten_args, lookup
+    from globaltensor.dispatch.call import Call, flatten_args
+    from globaltensor.rules.registry import lookup
     p = gt.placement("cpu", [0])
     leaves = [gt.from_local(torch.empty(a.shape), placement=p, sbp=B)
               if isinstance(a, torch.Tensor) else a for a in args]

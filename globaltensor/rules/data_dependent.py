@@ -30,7 +30,7 @@ from ..local_parts import device_of, empty_local
 from ..placement import common_placement
 from ..sbp import Split, broadcast
 from ..tensor import GlobalTensor, hidden_from_dynamo, to_layout, wrap_part
-from . import flatten_args, unflatten_args
+from ..dispatch.call import flatten_args, unflatten_args
 from .random import watch_leaves
 from .registry import register
 

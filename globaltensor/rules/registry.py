@@ -12,14 +12,29 @@ One form registers all three:
 
 A key may be an op, an ``OpOverloadPacket`` (every overload) or a ``torch.Tag``: the
 rule registered for ``torch.Tag.pointwise`` serves every pointwise op without its own.
+
+A family of ops shares one decomposition, made per op by a factory, for the ops a
+predicate accepts (every op with out= arguments, every ``_foreach_*`` op):
+
+>>> @register_family(lambda func: func._schema.name.startswith("aten::_foreach_"))  # doctest: +SKIP
+... def foreach(func): return lambda *args, **kwargs: ...
+
+An op's decomposition is looked up in this order: its overload's; its packet's, for
+an overload without out= arguments (an out= overload computes its functional overload,
+whose decomposition then applies); the first family whose predicate accepts it; last,
+for an op without a rule that torch defines by other ops (CompositeImplicitAutograd),
+those ops.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 _RULES: dict = {}
 _LOCAL: dict = {}
 _DECOMPOSITIONS: dict = {}
+_FAMILIES: list = []  # (predicate, factory) in registration order
 
 
 def register(*funcs, local=None, decompose: bool = False):
@@ -41,6 +56,25 @@ def register(*funcs, local=None, decompose: bool = False):
     return wrap
 
 
+def register_family(predicate: Callable[[object], bool]):
+    """Decorator: ``factory(func)`` makes the decomposition of each op that
+    ``predicate(func)`` accepts and that has none of its own (dispatch asks once per op
+    and keeps the answer). The decomposition may return NotImplemented, as any.
+
+    >>> @register_family(has_out_arguments)   # doctest: +SKIP
+    ... def out_variant(func): return lambda *args, **kwargs: ...
+    """
+    def wrap(factory):
+        _FAMILIES.append((predicate, factory))
+        return factory
+    return wrap
+
+
+def has_out_arguments(func) -> bool:
+    """True for an op with out= arguments (``torch.add(a, b, out=c)``'s overload)."""
+    return any(a.is_out for a in func._schema.arguments)
+
+
 def _get(table, func):
     found = table.get(func)
     return found if found is not None else table.get(func.overloadpacket)
@@ -55,14 +89,21 @@ def lookup(func):
 
 
 def lookup_decomposition(func):
-    """The decomposition of an op, if any. An op without a rule that torch itself
-    defines by other ops (CompositeImplicitAutograd: linear, matmul, ... which reach
-    dispatch undecomposed under ``torch.inference_mode()``) runs as those ops, so
-    their rules apply instead of the broadcast fallback."""
-    found = _get(_DECOMPOSITIONS, func)
-    if found is None and _get(_RULES, func) is None and torch.Tag.pointwise not in func.tags \
-            and not func.overloadpacket.__name__.startswith("_foreach_") \
+    """The decomposition of an op, if any (the order is in this module's docstring). An
+    op without a rule that torch itself defines by other ops (CompositeImplicitAutograd:
+    linear, matmul, ... which reach dispatch undecomposed under
+    ``torch.inference_mode()``) runs as those ops, so their rules apply instead of the
+    broadcast fallback."""
+    found = _DECOMPOSITIONS.get(func)
+    if found is None and not has_out_arguments(func):
+        found = _DECOMPOSITIONS.get(func.overloadpacket)
+    if found is not None:
+        return found
+    for predicate, factory in _FAMILIES:
+        if predicate(func):
+            return factory(func)
+    if _get(_RULES, func) is None and torch.Tag.pointwise not in func.tags \
             and torch._C._dispatch_has_kernel_for_dispatch_key(
                 func.name(), torch._C.DispatchKey.CompositeImplicitAutograd):
         return func.decompose
-    return found
+    return None

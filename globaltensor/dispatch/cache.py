@@ -1,0 +1,72 @@
+"""The decision cache: a repeated call only flattens, looks up and runs.
+
+Decisions are keyed by (op, argument spec, per leaf: a GlobalTensor's layout and dtype,
+a plain tensor's metadata, a constant's value; a float only by its type). Bounded: when
+full, the oldest quarter goes (hits stay a plain dict lookup). Decisions that depend on
+the value of a float argument (a rule looked at it, or a local implementation reads
+it) are keyed again with the floats' values, in a second table.
+
+>>> cached_decision(aten.mm.default, [x, w], (2, ()))   # doctest: +SKIP
+Decision(...)
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ..tensor import GlobalTensor
+from .decide import Decision, decide
+
+CACHE_SIZE = 4096
+_cache: dict = {}
+_BY_VALUE = object()  # in ``_cache``: look in ``_by_value`` with the floats' values
+_by_value: dict = {}
+
+
+def _key_of(leaf):
+    if type(leaf) is GlobalTensor:
+        return leaf._key
+    if leaf.__class__ is float:
+        # Learning rates, bias corrections, scales: new values every step; keying on the
+        # value grew the cache by one entry per parameter per step.
+        return float
+    if isinstance(leaf, torch.Tensor):  # its class: a DTensor is refused, a plain one not
+        return "t", leaf.__class__, tuple(leaf.shape), leaf.dtype, leaf.device.type
+    if isinstance(leaf, list):
+        return tuple(leaf)  # sizes and dims; a list holding anything unhashable raises
+    if isinstance(leaf, (dict, set)):
+        raise TypeError  # unhashable: no caching
+    return leaf
+
+
+def _remember(cache: dict, key, decision) -> None:
+    if len(cache) >= CACHE_SIZE:
+        for old in list(itertools.islice(cache, CACHE_SIZE // 4)):
+            del cache[old]
+    cache[key] = decision
+
+
+def cached_decision(func, leaves: list, spec) -> Decision:
+    """The cached decision for this call, deciding (and caching) it when new."""
+    try:
+        key = (func, spec, tuple([x._key if x.__class__ is GlobalTensor else _key_of(x)
+                                  for x in leaves]))
+        decision = _cache.get(key)
+    except TypeError:
+        return decide(func, leaves, spec)
+    if decision is None:
+        decision = decide(func, leaves, spec)
+        if decision.by_value:
+            _remember(_cache, key, _BY_VALUE)
+            _remember(_by_value, (key, tuple(x for x in leaves if x.__class__ is float)),
+                      decision)
+        else:
+            _remember(_cache, key, decision)
+    elif decision is _BY_VALUE:
+        by_value = (key, tuple(x for x in leaves if x.__class__ is float))
+        decision = _by_value.get(by_value)
+        if decision is None:
+            decision = decide(func, leaves, spec)
+            _remember(_by_value, by_value, decision)
+    return decision

@@ -1,0 +1,303 @@
+"""Sharding propagation: how one call runs, as a ``Decision`` (cached by ``cache.py``).
+
+The op runs once on meta tensors for its output metadata; its rule's per-axis
+signatures are combined over the placement's axes and each combination is priced (the
+boxing of its inputs, parameters weighing more, an output padded to partial charged its
+later reduction); the cheapest wins. Without a valid signature every input is gathered
+to broadcast (warned once per op). The decision also records the shortcuts the run
+step may take: a direct local op, the identity output of a rank holding an empty part,
+0-d partial outputs to reduce at once.
+
+>>> decide(aten.mm.default, [x, w], (2, ()))   # doctest: +SKIP
+Decision(targets=(...), out_layouts=(...), ...)
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten
+
+from .. import comm
+from ..advice import dtensor_operand_error, is_dtensor
+from ..boxing import plan_route
+from ..layout import Layout
+from ..placement import Placement
+from ..rules.registry import lookup
+from ..sbp import Partial, Split, broadcast
+from ..tensor import GlobalTensor
+from .call import Call, LocalCtx, unflatten_args
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    """How a call runs on this rank: what its inputs are boxed to, what it outputs."""
+    targets: tuple            # per global input: the Layout it is boxed to
+    out_layouts: tuple        # per output leaf: Layout (None: not a tensor)
+    out_dtypes: tuple         # per output leaf: dtype (for ranks that do not compute)
+    out_spec: object          # pytree spec of the output (from the meta run)
+    inplace: bool             # the op writes its first argument
+    fallback: bool            # no signature fits: inputs gathered to broadcast
+    local: object = None      # replaces the op on local tensors, with a LocalCtx
+    ctx: object = None        # the LocalCtx handed to ``local`` (fixed per decision)
+    empty_shortcut: bool = False  # outputs are identities here (``_empty_shortcut``)
+    gidx: tuple = ()          # positions of the GlobalTensor arguments among the leaves
+    single: bool = False      # the output is one tensor
+    out_strides: tuple = ()   # per output leaf: global strides (None: contiguous)
+    direct: object = None     # the op's C++ callable when it runs on the local parts as
+                              # they are and returns one tensor (most repeated calls)
+    out_consts: tuple = ()    # per output leaf: its value from the meta run when it is not
+                              # a tensor (None gradients, sizes): what ranks outside give
+    by_value: bool = False    # depends on the values of float arguments, not only types
+    reduced: tuple = ()       # per output leaf: the partial layout a 0-d output is computed
+                              # in before it is reduced to broadcast (None: it is not)
+
+
+@dataclass(frozen=True)
+class _MetaRun:
+    """The op's outputs on meta tensors: what every rank knows of them."""
+    leaves: list              # the call's leaves, tensors as meta tensors
+    out: object               # the meta output
+    out_leaves: list
+    out_spec: object
+    out_tensors: list         # positions of the tensors among ``out_leaves``
+
+
+# Moving a parameter costs more than its bytes once: its gradient comes back the same
+# way in backward, and the parameter is moved again every step, while moving the
+# activation instead keeps the layer as annotated (a Megatron column-split weight stays
+# split; the activation is gathered).
+PARAMETER_WEIGHT = 3.0
+
+_warned: set = set()  # ops warned of as falling back
+
+
+def decide(func, leaves: list, spec) -> Decision:
+    """How to run ``func`` on these operands' layouts. Its meta run stays on real meta
+    tensors while torch.compile traces (the decision depends on metadata only, and is
+    cached for eager calls too)."""
+    if not comm.tracing():
+        return _decide(func, leaves, spec)
+    with _disable_current_modes():
+        return _decide(func, leaves, spec)
+
+
+def _decide(func, leaves: list, spec) -> Decision:
+    gidx = tuple(i for i, x in enumerate(leaves) if isinstance(x, GlobalTensor))
+    placement = _check_inputs(func, leaves, gidx)
+    meta = _meta_run(func, leaves, spec)
+    inplace = _writes_first_arg(func)
+    call = Call(func, [leaves[i] for i in gidx], [tuple(leaves[i].shape) for i in gidx],
+                [tuple(meta.out_leaves[i].shape) for i in meta.out_tensors], leaves, spec,
+                placement.shape)
+    rule, local = lookup(func)
+    best = None if rule is None else _cheapest(call, rule, meta, gidx, inplace)
+    fallback = best is None
+    if fallback:
+        if inplace:
+            return Decision(targets=(), out_layouts=(), out_dtypes=(), out_spec=meta.out_spec,
+                            inplace=True, fallback=True, gidx=gidx)
+        best = _fallback(func, leaves, gidx, placement, len(meta.out_tensors))
+    targets, outs = best
+    out_layouts = [None] * len(meta.out_leaves)
+    for i, s in zip(meta.out_tensors, outs):
+        out_layouts[i] = Layout.make(meta.out_leaves[i].shape, placement, s)
+    return _finish(call, meta, local, gidx, targets, out_layouts, inplace, fallback)
+
+
+def _check_inputs(func, leaves: list, gidx: tuple) -> Placement:
+    """The placement of the call: one for all GlobalTensor inputs, and plain tensor
+    operands of one element only (a DTensor not at all)."""
+    placement = leaves[gidx[0]].placement
+    for i in gidx[1:]:
+        if leaves[i].placement != placement:
+            raise ValueError(
+                f"{func}: inputs are on different placements ({placement} and "
+                f"{leaves[i].placement}); move them onto one with x.to_global(placement=...)")
+    for x in leaves:
+        if isinstance(x, torch.Tensor) and not isinstance(x, GlobalTensor) and is_dtensor(x):
+            raise dtensor_operand_error(func)
+        if isinstance(x, torch.Tensor) and not isinstance(x, GlobalTensor) and x.numel() > 1:
+            raise ValueError(
+                f"{func}: mixes a GlobalTensor with a plain tensor of shape {tuple(x.shape)}; "
+                f"only one-element plain tensors are allowed: make it global (gt.tensor / "
+                f"gt.to_global), or run the op inside gt.implicit_broadcast() to take plain "
+                f"operands as broadcast")
+    return placement
+
+
+def _meta(x):
+    if isinstance(x, torch.Tensor):  # not .to("meta"): a fake tensor would stay fake
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    return x
+
+
+def _meta_run(func, leaves: list, spec) -> _MetaRun:
+    """The op run on meta tensors of the operands' global shapes, dtypes and strides."""
+    meta_leaves = [_meta(x) for x in leaves]
+    args, kwargs = unflatten_args(meta_leaves, spec)
+    if kwargs.get("device") is not None:
+        kwargs = dict(kwargs, device="meta")  # shape inference stays on meta
+    out = func(*args, **kwargs)
+    out_leaves, out_spec = tree_flatten(out)
+    return _MetaRun(meta_leaves, out, out_leaves, out_spec,
+                    [i for i, o in enumerate(out_leaves) if isinstance(o, torch.Tensor)])
+
+
+def _writes_first_arg(func) -> bool:
+    args = func._schema.arguments
+    return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+
+
+def _cheapest(call: Call, rule, meta: _MetaRun, gidx: tuple, inplace: bool):
+    """(input layouts, output sbps) of the cheapest valid combination of the rule's
+    per-axis signatures, or None when none is valid. An in-place op must keep its
+    target's layout."""
+    leaves = call.leaves
+    placement = leaves[gidx[0]].placement
+    current = [leaves[i]._layout for i in gidx]
+    weights = [PARAMETER_WEIGHT if _is_parameter(leaves[i]) else 1.0 for i in gidx]
+    sizes = [leaves[i].element_size() for i in gidx]
+    out_metas = [meta.out_leaves[k] for k in meta.out_tensors]
+    best, best_cost = None, None
+    for ins, outs in _combinations(call, rule, len(gidx), len(out_metas)):
+        if inplace and outs[0] != current[0].sbp:
+            continue
+        try:
+            targets = tuple(Layout.make(cur.shape, placement, s) for cur, s in zip(current, ins))
+        except ValueError:  # e.g. a split dim that a 0-d operand does not have
+            continue
+        cost = _boxing_cost(current, targets, sizes, weights)
+        for out, sbp in zip(out_metas, outs):
+            cost += _padded_partial_cost(out, placement, sbp, current, targets)
+        if best is None or cost < best_cost:
+            best, best_cost = (targets, outs), cost
+    return best
+
+
+def _combinations(call: Call, rule, n_in: int, n_out: int):
+    """Every combination of the rule's 1-D signatures over the placement's axes, as
+    (per input: its nd-sbp, per tensor output: its nd-sbp)."""
+    per_axis = [rule(call, axis) for axis in range(len(call.mesh))]
+    for combo in itertools.product(*per_axis):
+        yield ([tuple(c[0][k] for c in combo) for k in range(n_in)],
+               [tuple(c[1][k] for c in combo) for k in range(n_out)])
+
+
+def _boxing_cost(current: list, targets: tuple, sizes: list, weights: list) -> float:
+    # Any boxing at all costs a little, so "none needed" wins ties.
+    return sum((plan_route(cur, tgt, size).cost + 1e-9) * w
+               for cur, tgt, size, w in zip(current, targets, sizes, weights) if cur != tgt)
+
+
+def _is_parameter(x: GlobalTensor) -> bool:
+    """A leaf that requires grad, or a view of one (``w.t()`` inside F.linear)."""
+    base = x._base if x._base is not None else x
+    return base.requires_grad and base.is_leaf
+
+
+def _padded_partial_cost(out, placement: Placement, sbp: tuple, current: list,
+                         targets: tuple) -> float:
+    """What a partial output costs later when the signature makes an input partial
+    (a split or broadcast input boxed to a partial addend, for free): the cheapest
+    reduction out of it. Without it, greedy choice per op pads a batch-split activation
+    into a full-size partial (no communication now, duplicated work) and gathers the
+    weight instead of the activation, leaving a large reduction behind. Partials an op
+    makes itself (a sum over a split dim) or passes on are not charged."""
+    axes = [a for a, s in enumerate(sbp) if isinstance(s, Partial)
+            and any(isinstance(t.sbp[a], Partial) and not isinstance(c.sbp[a], Partial)
+                    for c, t in zip(current, targets))]
+    if not axes:
+        return 0.0
+    src = Layout.make(out.shape, placement, sbp)
+    size = out.element_size()
+    cost = 0.0
+    for a in axes:
+        ends = [broadcast] + [Split(d) for d in range(out.dim())
+                              if out.shape[d] >= placement.shape[a]]
+        cost += min(plan_route(src, Layout.make(out.shape, placement,
+                                                sbp[:a] + (e,) + sbp[a + 1:]), size).cost
+                    for e in ends)
+    return cost
+
+
+def _fallback(func, leaves: list, gidx: tuple, placement: Placement, n_out: int) -> tuple:
+    """Every input gathered to broadcast, every output broadcast (warned once per op)."""
+    if func not in _warned:
+        _warned.add(func)
+        warnings.warn(f"globaltensor: {func} has no sbp rule; its inputs are gathered to "
+                      f"broadcast (correct but slow)", stacklevel=5)
+    nd_b = (broadcast,) * placement.ndim
+    return tuple(Layout.make(leaves[i].shape, placement, nd_b) for i in gidx), [nd_b] * n_out
+
+
+def _finish(call: Call, meta: _MetaRun, local, gidx: tuple, targets: tuple,
+            out_layouts: list, inplace: bool, fallback: bool) -> Decision:
+    """The decision for the chosen layouts, with the shortcuts of its run step."""
+    func, leaves = call.func, call.leaves
+    rank = comm.get_rank()
+    reduced = _reduced_scalars(func, out_layouts, inplace)
+    shortcut = not inplace and _empty_shortcut(meta.out_leaves, targets, out_layouts, rank)
+    single = len(meta.out_leaves) == 1 and isinstance(meta.out, torch.Tensor)
+    direct = (single and not inplace and not fallback and local is None and not shortcut
+              and not reduced and call.spec.__class__ is tuple
+              and rank in leaves[gidx[0]].placement
+              and all(leaves[i]._layout == t for i, t in zip(gidx, targets)))
+    # The context is cached with the decision: it holds meta tensors, not this call's.
+    ctx = None if local is None else LocalCtx(
+        dataclasses.replace(call, inputs=[meta.leaves[i] for i in gidx], leaves=meta.leaves),
+        targets, tuple(l for l in out_layouts if l is not None), rank)
+    strides = _out_strides(meta.out_leaves, out_layouts)
+    if reduced:
+        out_layouts = [l if r is None else l.without_partials()
+                       for l, r in zip(out_layouts, reduced)]
+    return Decision(
+        targets=targets, out_layouts=tuple(out_layouts),
+        out_dtypes=tuple(getattr(o, "dtype", None) for o in meta.out_leaves),
+        out_spec=meta.out_spec, inplace=inplace, fallback=fallback, local=local, ctx=ctx,
+        empty_shortcut=shortcut, gidx=gidx, single=single, out_strides=strides,
+        direct=func._op if direct else None, out_consts=_out_consts(meta.out_leaves),
+        by_value=local is not None or any(v.__class__ is float for v in call._named.values()),
+        reduced=reduced)
+
+
+def _empty_shortcut(out_leaves: list, targets: tuple, out_layouts: list, rank: int) -> bool:
+    """Whether this rank's outputs are the identities of their layouts (zeros, or the
+    lowest value of a partial max) without running the op, which some kernels refuse on
+    empty parts (a max over nothing): when the rank holds an empty part of some input
+    and every output is empty here or partial."""
+    return (all(isinstance(o, torch.Tensor) for o in out_leaves)
+            and any(0 in t.local_shape(rank) for t in targets)
+            and all(l.partial_axes or 0 in l.local_shape(rank) for l in out_layouts))
+
+
+def _out_strides(out_leaves: list, out_layouts: list) -> tuple:
+    """Per output leaf: the meta run's global strides where they are not contiguous."""
+    return tuple(None if l is None or o.stride() == l.strides else tuple(o.stride())
+                 for o, l in zip(out_leaves, out_layouts))
+
+
+def _out_consts(out_leaves: list) -> tuple:
+    # A non-tensor output of a meta run depends on metadata only (meta tensors hold no
+    # data), so it is every rank's answer, also where the op does not run.
+    return tuple(None if isinstance(o, torch.Tensor) else o for o in out_leaves)
+
+
+def _reduced_scalars(func, out_layouts: list, inplace: bool) -> tuple:
+    """Which outputs are 0-d partials (a loss, ``x.sum()`` over split rows), reduced to
+    broadcast as soon as the op made them: their layouts, per output leaf (None for the
+    others), or () when there are none. A broadcast scalar reads without communication
+    on any one rank (``if rank == 0: log(loss.item())``), where a partial one needs every
+    rank of the placement; reducing it costs one tiny all-reduce, which its first read
+    would have run anyway. Not for views or in-place ops, which must keep their base's
+    or target's layout (and memory)."""
+    if inplace or not any(l is not None and not l.shape and l.partial_axes for l in out_layouts):
+        return ()
+    if any(r.alias_info is not None for r in func._schema.returns):
+        return ()
+    return tuple(l if l is not None and not l.shape and l.partial_axes else None
+                 for l in out_layouts)

@@ -1,0 +1,213 @@
+"""``__torch_dispatch__`` of GlobalTensor: the entry of every op, and the run step.
+
+A call first asks the registry for a decomposition (its own, or its family's: out=
+variants, ``_foreach_*``, value reads), which may decline. Otherwise plain tensor
+operands become broadcast where allowed (``plain.py``), the decision is looked up or
+made (``cache.py``, ``decide.py``), and a call that needs no boxing runs its local op
+directly; the rest goes through ``_run``: inputs are boxed, the op (or its local
+implementation) runs on this rank's parts, outputs are wrapped. A 0-d output that the
+chosen signature makes partial (a loss, ``x.sum()`` over split rows) is reduced to
+broadcast at once, outside backward, so any one rank can read it.
+
+This module reads GlobalTensor's fields (``_local``, ``_layout``) directly: this is the
+per-op hot path, where a property call per operand is measurable.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .. import comm, gradsync, rules  # noqa: F401  (rules: every family registers)
+from ..boxing.run import box
+from ..layout import Layout
+from ..local_parts import device_of, empty_local
+from ..partials import identity_value
+from ..rules.registry import lookup_decomposition
+from ..tensor import GlobalTensor, install_dispatcher, wrap_part
+from . import plain
+from .cache import cached_decision
+from .call import flatten_args, unflatten_args
+from .decide import Decision
+
+aten = torch.ops.aten
+
+
+def dispatch(func, types, args, kwargs):
+    """``__torch_dispatch__`` of GlobalTensor: ``func`` on global operands.
+
+    Decompositions go first (which may decline). Otherwise: plain tensor operands
+    become broadcast where allowed (``implicit_broadcast()``, backward formulas), the
+    decision is looked up or made, and a call that needs no boxing runs its local op
+    directly; the rest goes through ``_run``. Leaves that require grad are watched for
+    gradient sync.
+
+    >>> (x @ w).relu()      # each op enters here once     # doctest: +SKIP
+    """
+    special = _special.get(func)
+    if special is None:
+        special = _special[func] = _special_handler(func)
+    if special is not _NORMAL:
+        out = special(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
+    leaves, spec = flatten_args(args, kwargs)
+    for i, x in enumerate(leaves):
+        if type(x) is GlobalTensor:
+            if x.requires_grad and x.is_leaf:
+                gradsync.watch(x)
+        elif isinstance(x, torch.Tensor) and x.numel() > 1 and (
+                plain.implicit_depth or _in_backward()):
+            leaves[i] = plain.as_broadcast(x, leaves, func)
+    decision = cached_decision(func, leaves, spec)
+    op = decision.direct
+    if op is not None:
+        local = [x._local if x.__class__ is GlobalTensor else x for x in leaves]
+        n, names = spec
+        out = op(*local[:n], **dict(zip(names, local[n:]))) if names else op(*local)
+        return wrap_part(out, decision.out_layouts[0], decision.out_strides[0])
+    return _run(func, decision, leaves, spec)
+
+
+_NORMAL = object()  # in ``_special``: the op takes the rule path
+_special: dict = {}  # per op: its decomposition, or _NORMAL
+
+
+def _special_handler(func):
+    """What runs instead of the rule path: the op's decomposition, or its family's (out=
+    variants, ``_foreach_*``, value reads), from the registry."""
+    decomposition = lookup_decomposition(func)
+    return _NORMAL if decomposition is None else decomposition
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _run(func, decision: Decision, leaves, spec):
+    """Carry out ``decision``: box each global input to its target layout, run the op
+    (or the rule's local implementation) on this rank's parts, and wrap the outputs with
+    their layouts. A rank outside the placement computes nothing and returns empty
+    parts with the right metadata; an in-place op returns its target."""
+    if decision.inplace and decision.fallback:
+        return _inplace_via_functional(func, leaves, spec)
+    rank = comm.get_rank()
+    gidx = decision.gidx
+    inside = rank in leaves[gidx[0]]._layout.placement
+    local_leaves = list(leaves)
+    for i, target in zip(gidx, decision.targets):
+        x = leaves[i]
+        layout = x._layout
+        local_leaves[i] = x._local if layout is target or layout == target else \
+            box(x._local, layout, target, why=func)
+    if not inside:
+        out = None
+    elif decision.empty_shortcut:
+        out = _identities(decision, rank)
+    else:
+        args, kwargs = unflatten_args(local_leaves, spec)
+        if decision.local is not None:
+            out = decision.local(decision.ctx, *args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+    if decision.inplace:
+        return leaves[0]
+    like = None if inside else leaves[gidx[0]]._local  # empty parts are made from it
+    if decision.reduced:
+        return _wrap_reduced(func, decision, out, inside, like)
+    if decision.single:  # one tensor out: skip the pytree round trip
+        layout = decision.out_layouts[0]
+        return wrap_part(out if inside else empty_local(layout, decision.out_dtypes[0], like),
+                         layout, decision.out_strides[0])
+    if inside:
+        out_leaves, out_spec = tree_flatten(out)
+    else:
+        out_leaves, out_spec = [None] * len(decision.out_layouts), decision.out_spec
+    return tree_unflatten(_wrap(decision, out_leaves, decision.out_layouts, inside, like),
+                          out_spec)
+
+
+def _wrap(decision: Decision, out_leaves: list, layouts, inside: bool, like) -> list:
+    """The output leaves as GlobalTensors of ``layouts`` (non-tensors as they are); on a
+    rank outside, empty parts made from ``like`` and the meta run's constants."""
+    wrapped = []
+    for o, layout, dtype, strides, const in zip(out_leaves, layouts, decision.out_dtypes,
+                                                decision.out_strides, decision.out_consts):
+        if layout is None:
+            wrapped.append(o if inside else const)
+        else:
+            wrapped.append(wrap_part(o if inside else empty_local(layout, dtype, like), layout,
+                                     strides))
+    return wrapped
+
+
+def _identities(decision: Decision, rank: int):
+    """The outputs of a rank that holds no part of some input (``empty_shortcut``): the
+    identity of each (partial or empty) output, which some kernels refuse to compute
+    from nothing."""
+    computed = decision.reduced or decision.out_layouts
+    return tree_unflatten([_identity(r or layout, dtype, rank) for layout, r, dtype
+                           in zip(decision.out_layouts, computed, decision.out_dtypes)],
+                          decision.out_spec)
+
+
+def _identity(layout: Layout, dtype, rank: int) -> torch.Tensor:
+    shape = layout.local_shape(rank)
+    fill = 0
+    for axis in layout.partial_axes:
+        fill = identity_value(layout.sbp[axis].reduce, dtype)
+        break
+    return torch.full(shape, fill, dtype=dtype, device=device_of(layout.placement))
+
+
+def _wrap_reduced(func, decision: Decision, out, inside: bool, like):
+    """The outputs of a decision with 0-d partial outputs, those reduced to broadcast:
+    one all-reduce per (layout, dtype) among them. In backward they stay partial: there
+    a scalar's partial gradient (of a 0-d parameter) joins the bucketed gradient sync,
+    or stays local under ``no_sync()``, as any other."""
+    if inside:
+        out_leaves = [out] if decision.single else tree_flatten(out)[0]
+    else:
+        out_leaves = [None] * len(decision.out_layouts)
+    layouts = list(decision.out_layouts)
+    if _in_backward():
+        layouts = [layout if r is None else r for layout, r in zip(layouts, decision.reduced)]
+    elif inside:
+        together: dict = {}
+        for k, r in enumerate(decision.reduced):
+            if r is not None:
+                together.setdefault((r, decision.out_dtypes[k]), []).append(k)
+        for (src, _), ks in together.items():
+            for k, local in zip(ks, _reduce_together([out_leaves[k] for k in ks], src, func)):
+                out_leaves[k] = local
+    wrapped = _wrap(decision, out_leaves, layouts, inside, like)
+    return wrapped[0] if decision.single else tree_unflatten(wrapped, decision.out_spec)
+
+
+def _reduce_together(scalars: list, src: Layout, why) -> list:
+    """0-d partial parts of one layout and dtype, reduced to broadcast in one collective."""
+    dst = src.without_partials()
+    if len(scalars) == 1:
+        return [box(scalars[0], src, dst, donate=True, why=why)]
+    n = len(scalars)
+    stacked = box(torch.stack(scalars), Layout.make((n,), src.placement, src.sbp),
+                  Layout.make((n,), dst.placement, dst.sbp), donate=True, why=why)
+    return [stacked[k] for k in range(n)]  # selects: unbind would trace as getitem calls
+
+
+def _inplace_via_functional(func, leaves, spec):
+    """An in-place op whose rules cannot keep the target's layout: compute the
+    functional op globally, then box the result into the target's layout."""
+    name = func.overloadpacket.__name__.rstrip("_")
+    functional = getattr(getattr(aten, name), func._overloadname)
+    args, kwargs = unflatten_args(leaves, spec)
+    target = args[0]
+    result = functional(*args, **kwargs)
+    if not isinstance(result, GlobalTensor):
+        raise RuntimeError(f"{func}: unexpected functional result {type(result).__name__}")
+    local = box(result._local, result._layout, target._layout, why=func)
+    if comm.get_rank() in target.placement:
+        target._local.copy_(local)
+    return target
+
+
+install_dispatcher(dispatch)

@@ -1,0 +1,62 @@
+"""Plain tensor operands of ops on GlobalTensors: taken as broadcast on the op's
+placement inside ``implicit_broadcast()`` and in backward formulas, refused elsewhere
+(``decide.py`` raises, naming ``gt.implicit_broadcast``).
+
+>>> with gt.implicit_broadcast():         # doctest: +SKIP
+...     h = emb(torch.arange(T))
+"""
+from __future__ import annotations
+
+import contextlib
+import zlib
+from typing import Iterator
+
+import torch
+
+from .. import comm
+from ..advice import dtensor_operand_error, is_dtensor
+from ..layout import Layout
+from ..local_parts import device_of, empty_local
+from ..sbp import broadcast
+from ..tensor import GlobalTensor
+
+implicit_depth = 0  # open implicit_broadcast() contexts
+
+
+@contextlib.contextmanager
+def implicit_broadcast() -> Iterator[None]:
+    """Inside, a plain tensor operand of an op on GlobalTensors is taken as broadcast
+    on the op's placement (each rank must pass the same value, as DTensor's
+    ``implicit_replication``); GLOBALTENSOR_DEBUG=1 or ``gt.debug.check_consistency()``
+    verify that it is. Outside, such operands raise ValueError.
+
+    >>> pos = torch.arange(T)                 # doctest: +SKIP
+    >>> with gt.implicit_broadcast():         # doctest: +SKIP
+    ...     h = emb(pos)                      # emb's weight is a GlobalTensor
+    """
+    global implicit_depth
+    implicit_depth += 1
+    try:
+        yield
+    finally:
+        implicit_depth -= 1
+
+
+def as_broadcast(t: torch.Tensor, leaves, func) -> GlobalTensor:
+    """A plain operand taken as broadcast on the op's placement: inside
+    ``implicit_broadcast()``, or a tensor a backward formula built (zeros to scatter
+    into, an index), which is the same on every rank; a DTensor is refused."""
+    if is_dtensor(t):
+        raise dtensor_operand_error(func)
+    placement = next(x.placement for x in leaves if type(x) is GlobalTensor)
+    layout = Layout.make(t.shape, placement, (broadcast,) * placement.ndim)
+    rank = comm.get_rank()
+    if rank not in placement:
+        return GlobalTensor(empty_local(layout, t.dtype), layout)
+    if implicit_depth and comm.check_mode() and not comm.tracing():
+        value = t.detach().cpu().contiguous().reshape(-1)
+        comm.agree(zlib.crc32(value.view(torch.uint8).numpy().tobytes()), tuple(placement),
+                   f"{func}: a plain operand of shape {tuple(t.shape)} taken as broadcast "
+                   f"under gt.implicit_broadcast()",
+                   "hold different values: a plain operand must be the same on every rank")
+    return GlobalTensor(t.to(device_of(placement)), layout)
