@@ -134,10 +134,33 @@ def check_implicit_broadcast_of_plain_operands():
             emb + differs
 
 
+def check_addmm_partial_bias_on_rank_without_contracted_part():
+    # k=1 over 2 ranks: rank 1 holds no column of a and no row of b. Its part of the
+    # partial output is its bias addend plus an empty product, not zeros (the shortcut
+    # for ranks holding an empty part took the output for the identity).
+    import torch
+    import globaltensor as gt
+    P, S = gt.placement("cpu", [0, 1]), gt.sbp.split
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, 1, generator=g), torch.randn(1, 4, generator=g)
+    addends = [torch.randn(3, 4, generator=g) for _ in range(2)]
+    bias = gt.from_local(addends[gt.get_rank()], placement=P, sbp=gt.sbp.partial_sum)
+    ga, gb = gt.tensor(a, placement=P, sbp=S(1)), gt.tensor(b, placement=P, sbp=S(0))
+    out = torch.addmm(bias, ga, gb)
+    assert out.sbp == (gt.sbp.partial_sum,), out.sbp  # the case: no input was moved
+    assert ga.to_local().shape[1] == 1 - gt.get_rank()
+    torch.testing.assert_close(out.full(), addends[0] + addends[1] + a @ b)
+    # Where no input part is held but the output's (partial), the identity still stands
+    # in for kernels that refuse empty parts: a max over no element.
+    t = torch.randn(2, 1, generator=g)
+    torch.testing.assert_close(gt.tensor(t, placement=P, sbp=S(1)).amax(1).full(), t.amax(1))
+
+
 CHECKS = ["check_cache_bounded_over_long_run", "check_cache_and_layouts_bounded_over_many_shapes",
           "check_gradient_buffers_die_with_their_model",
           "check_megatron_layout_keeps_weights_in_place",
-          "check_implicit_broadcast_of_plain_operands"]
+          "check_implicit_broadcast_of_plain_operands",
+          "check_addmm_partial_bias_on_rank_without_contracted_part"]
 
 
 test_world2 = world_test(__name__, 2, CHECKS)

@@ -269,10 +269,17 @@ def _empty_shortcut(out_leaves: list, targets: tuple, out_layouts: list, rank: i
     """Whether this rank's outputs are the identities of their layouts (zeros, or the
     lowest value of a partial max) without running the op, which some kernels refuse on
     empty parts (a max over nothing): when the rank holds an empty part of some input
-    and every output is empty here or partial."""
-    return (all(isinstance(o, torch.Tensor) for o in out_leaves)
-            and any(0 in t.local_shape(rank) for t in targets)
-            and all(l.partial_axes or 0 in l.local_shape(rank) for l in out_layouts))
+    and every output is empty here or partial, and no input it holds a part of is
+    partial. A partial input's addend is part of the result (``addmm``'s bias under a
+    partial product): where one is held, the op runs."""
+    if not all(isinstance(o, torch.Tensor) for o in out_leaves):
+        return False
+    if not any(0 in t.local_shape(rank) for t in targets):
+        return False
+    if all(0 in l.local_shape(rank) for l in out_layouts):
+        return True
+    return (all(l.partial_axes for l in out_layouts if 0 not in l.local_shape(rank))
+            and not any(t.partial_axes and 0 not in t.local_shape(rank) for t in targets))
 
 
 def _out_strides(out_leaves: list, out_layouts: list) -> tuple:
