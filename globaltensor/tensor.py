@@ -2,8 +2,18 @@
 
 It is a wrapper subclass: the wrapper carries the global shape and dtype (autograd
 sees global values), ``_local`` is this rank's part, ``_layout`` says which part.
-Ops reach ``__torch_dispatch__``, which hands them to the dispatcher (``dispatch.py``
+Ops reach ``__torch_dispatch__``, which hands them to the dispatcher (``dispatch/``
 installs itself here, keeping imports pointing downward).
+
+Making and moving GlobalTensors inside the package (users call ``gt.from_local``,
+``gt.tensor`` and ``x.to_global``):
+
+* ``GlobalTensor(part, layout)``: around this rank's part, no autograd edge;
+  ``wrap_part`` is the same for code already hidden from dynamo (dispatch, rules);
+* ``from_local_part(t, layout)``: around this rank's part, differentiable in ``t``;
+* ``from_full(value, layout)``: from the whole value, which every rank holds;
+* ``to_layout(x, layout)`` (or ``sbp=``): boxed, not recorded by autograd;
+  ``boxing.run.box`` moves a bare local part between layouts.
 
 >>> import globaltensor as gt
 >>> x = gt.ones(4, 2, placement=gt.placement.all("cpu"), sbp=gt.sbp.split(0))
