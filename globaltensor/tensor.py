@@ -310,9 +310,6 @@ class _FromLocal(torch.autograd.Function):
         return to_layout(grad, ctx.layout.without_partials())._local, None
 
 
-gradient_layout = Layout.without_partials  # dispatch imports it from here
-
-
 def to_layout(x, layout: Layout | None = None, donate: bool = False, *, sbp=None,
               placement: Placement | None = None) -> GlobalTensor:
     """``x`` boxed to ``layout`` (or to ``sbp`` on ``placement``, by default ``x``'s),
