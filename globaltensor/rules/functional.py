@@ -5,7 +5,8 @@ build plain helper tensors (an arange of classes, bag offsets) inside their kern
 and ``F.scaled_dot_product_attention`` with dropout takes torch's math path, which
 builds a plain causal mask, and would draw dropout per rank. Here they are written
 with global ops (and the placement-invariant ``F.dropout``), so every layout works
-and gives the value of the whole-tensor computation.
+and gives the value of the whole-tensor computation. ``interop/torch_patches.py``
+installs them in ``torch.nn.functional``, taken when a GlobalTensor is an argument.
 """
 from __future__ import annotations
 

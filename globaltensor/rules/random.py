@@ -7,7 +7,9 @@ step) and fills only this rank's part from the counter-based generator
 tensor is equal everywhere, and no rank draws what it does not hold. In-place ops keep
 their target's layout; on a partial target the first member holds the values and the
 others the reduction's identity. ``*_like`` ops keep the source's layout (partial axes
-become broadcast: the region is the same, the values are whole).
+become broadcast: the region is the same, the values are whole). ``F.dropout`` and
+``F.dropout1d/2d/3d`` are taken before they decompose (installed by
+``interop/torch_patches.py``).
 """
 from __future__ import annotations
 
