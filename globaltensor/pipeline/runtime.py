@@ -25,12 +25,13 @@ from .. import comm
 from ..random import get_draw
 from ..gradsync import no_sync
 from ..layout import Layout, balanced_split
-from ..local_parts import device_of, empty_local
+from ..local_parts import empty_local
 from ..placement import Placement
 from ..sbp import broadcast
-from ..tensor import GlobalTensor, from_full, from_local_part
+from ..tensor import GlobalTensor, from_local_part
 from . import schedule as S
 from .handoff import Handoff
+from .microbatch import batch_rows, cut_micro_batches, describe
 from .plain_stage import PlainStage, agrees, runs_locally
 from .timeline import Timeline
 
@@ -122,8 +123,8 @@ class Pipeline:
         broadcast on every rank of the pipeline (each reads it without communication)."""
         if self.loss_fn is None:
             raise ValueError("Pipeline.step needs a loss_fn")
-        if _rows(target) != _rows(x):
-            raise ValueError(f"target has {_rows(target)} rows, the batch {_rows(x)}")
+        if batch_rows(target) != batch_rows(x):
+            raise ValueError(f"target has {batch_rows(target)} rows, the batch {batch_rows(x)}")
         return self._run(x, target, train=True)
 
     @torch.no_grad()
@@ -144,12 +145,13 @@ class Pipeline:
     # --- steps --------------------------------------------------------------------
     def _run(self, x, target, train: bool):
         m = self.micro_batches
-        sizes = [size for _, size in balanced_split(_rows(x), m)]
+        sizes = [size for _, size in balanced_split(batch_rows(x), m)]
         if min(sizes) == 0:
-            raise ValueError(f"a batch of {_rows(x)} rows cannot make {m} micro-batches")
+            raise ValueError(f"a batch of {batch_rows(x)} rows cannot make {m} micro-batches")
         with torch.no_grad():
-            xs = _cut(x, sizes, self.placements[0], self._input_sbp[0])
-            ts = _cut(target, sizes, self.placements[-1], self._target_sbp) if train else None
+            xs = cut_micro_batches(x, sizes, self.placements[0], self._input_sbp[0])
+            ts = (cut_micro_batches(target, sizes, self.placements[-1], self._target_sbp)
+                  if train else None)
         routes = [self._routes_for(xs[i], ts[i] if train else None) for i in range(m)]
         self.last_timeline = Timeline()
         if self.worker is not None:
@@ -206,7 +208,7 @@ class Pipeline:
                 h = stage(h)
                 if not isinstance(h, GlobalTensor) or h.placement != self.placements[k]:
                     raise ValueError(f"stage {k} must return one GlobalTensor on its own "
-                                     f"placement {self.placements[k]}, got {_describe(h)}")
+                                     f"placement {self.placements[k]}, got {describe(h)}")
                 outs.append(h.global_layout)
                 if k in self._local:
                     plain = get_draw() == draws and \
@@ -218,7 +220,7 @@ class Pipeline:
                 value = self.loss_fn(h, t0)
                 if not isinstance(value, GlobalTensor) or value.numel() != 1:
                     raise ValueError(f"loss_fn must return a one-element GlobalTensor, got "
-                                     f"{_describe(value)}")
+                                     f"{describe(value)}")
                 loss = (value * 1.0).global_layout
                 last = self._local.get(len(self.stages) - 1)
                 local_loss = last is not None and not last.shared and \
@@ -415,47 +417,6 @@ def _channels(lists, stage_worker, last: int) -> dict:
         for v in range(len(lists)):
             channels.setdefault((w, v), [])
     return channels
-
-
-def _rows(t) -> int:
-    if not isinstance(t, torch.Tensor) or t.dim() == 0:
-        raise ValueError(f"expected a tensor with a batch dim, got {_describe(t)}")
-    return t.shape[0]
-
-
-def _describe(t) -> str:
-    if isinstance(t, GlobalTensor):
-        return f"GlobalTensor(shape={tuple(t.shape)}, placement={t.placement}, sbp={t.sbp})"
-    if isinstance(t, torch.Tensor):
-        return f"a plain tensor of shape {tuple(t.shape)}"
-    return type(t).__name__
-
-
-def _cut(x, sizes, placement: Placement, sbp) -> list:
-    """Micro-batches of ``x`` (rows in order, ``sizes`` each) on ``placement``: a
-    GlobalTensor is gathered there once and sliced locally; a plain tensor (the whole
-    value, the same on every rank) is sliced and each rank keeps its part."""
-    if isinstance(x, GlobalTensor):
-        if sbp is None:
-            sbp = x.sbp if x.placement.ndim == placement.ndim else None
-        whole = x.to_global(placement, (broadcast,) * placement.ndim)
-    else:
-        whole = x
-    sbp = sbp if sbp is not None else (broadcast,) * placement.ndim
-    parts, offset = [], 0
-    for size in sizes:
-        part = whole[offset:offset + size]
-        offset += size
-        if isinstance(part, GlobalTensor):
-            parts.append(part.to_global(placement, sbp))
-            continue
-        layout = Layout.make(part.shape, placement, sbp)
-        if layout.partial_axes or comm.get_rank() not in placement:
-            parts.append(from_full(part, layout))
-        else:  # a view of the caller's batch, as plain torch would use it: no copy
-            local = part[layout.region(comm.get_rank()).slices()]
-            parts.append(GlobalTensor(local.to(device_of(placement)), layout))
-    return parts
 
 
 @contextlib.contextmanager
