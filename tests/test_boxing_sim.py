@@ -74,7 +74,7 @@ def test_every_pair_on_simulator(case):
     (S.split(1), S.partial_sum, St.PadToPartial),
 ])
 def test_table_picks_the_single_step(src, dst, kind):
-    """DESIGN.md's table: each 1-D pair is one step of the named kind."""
+    """docs/DESIGN.md's table: each 1-D pair is one step of the named kind."""
     plan = check_plan((5, 3), Placement("cpu", [0, 1, 2]), src, dst, 0)
     assert [type(s) for s in plan.steps] == [kind]
 

@@ -108,7 +108,7 @@ class ReduceScatter(AxisStep):
 
     def start(self, x, rank, own=False):
         # An exchange of parts plus a local reduction, on every backend: on gloo it beats
-        # reduce_scatter (measured, DESIGN.md); NCCL was not measured here. Point-to-point
+        # reduce_scatter (measured, docs/DESIGN.md); NCCL was not measured here. Point-to-point
         # rather than all_to_all_single: our own part never travels or is copied into
         # the exchange buffer, and it is one operand of the sum, which writes the result
         # in one pass (for 2 ranks a single add).
