@@ -1,5 +1,5 @@
 """The matmul family: @, mm, bmm, batched matmul, F.linear, addmm, baddbmm, matrix-vector;
-and the output sbp of x @ w before any boxing (docs/docs/DESIGN.md's matmul signatures).
+and the output sbp of x @ w before any boxing (docs/DESIGN.md's matmul signatures).
 
 Run in the shared worlds of tests/ops_battery.py (2, 4, and 3 with bystanders)."""
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Planning: the cheapest sequence of boxing steps from one layout to another.
 
 ``plan_route`` is the entry point. On one placement, each step changes the sbp of one
-axis (docs/docs/DESIGN.md's table); a search over nd-sbp states (Dijkstra, each step priced by
+axis (docs/DESIGN.md's table); a search over nd-sbp states (Dijkstra, each step priced by
 its own ``cost``) finds the cheapest valid order (``plan_boxing``). An order is invalid
 when a later axis splits the dim an axis works on, or when an outer partial axis would
 be reduced before an inner partial of another kind. The general route (``general_plan``)
