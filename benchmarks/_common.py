@@ -3,6 +3,7 @@ with ``globaltensor.testing.spawn``)."""
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import torch
@@ -13,12 +14,15 @@ def round_robin_median(fns, iters: int, calls: int = 1, warmup: int = 3) -> list
     """Median seconds per call of each fn; one timed batch of ``calls`` calls per fn in
     turn (forwards, then backwards), so drift on a busy machine hits all cases alike.
     Every rank reports its medians and the slowest rank's are returned (it bounds a
-    collective step)."""
+    collective step). On a long run (over ``PROGRESS_AFTER_S``) rank 0 prints its progress
+    to stderr every few seconds, so a slow benchmark is seen working."""
     for fn in fns:
         for _ in range(warmup):
             fn()
     times = [[] for _ in fns]
+    progress = _Progress(iters)
     for it in range(iters):
+        progress.update(it)
         # every other round runs backwards, so that no case always follows the same one
         # (a case can leave caches, allocator or the peer's queue in another state)
         for k in (range(len(fns)) if it % 2 == 0 else reversed(range(len(fns)))):
@@ -28,9 +32,36 @@ def round_robin_median(fns, iters: int, calls: int = 1, warmup: int = 3) -> list
             for _ in range(calls):
                 fn()
             times[k].append((time.perf_counter() - t0) / calls)
+    progress.done()
     medians = torch.tensor([statistics.median(ts) for ts in times], dtype=torch.float64)
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)
     return medians.tolist()
+
+
+PROGRESS_AFTER_S = 10.0
+PROGRESS_EVERY_S = 5.0
+
+
+class _Progress:
+    """Round k of n on stderr (rank 0), once a timing has run for ``PROGRESS_AFTER_S``."""
+
+    def __init__(self, total: int):
+        self.total, self.start = total, time.monotonic()
+        self.last = self.start + PROGRESS_AFTER_S - PROGRESS_EVERY_S
+        self.speaks = not dist.is_initialized() or dist.get_rank() == 0
+
+    def update(self, done: int) -> None:
+        now = time.monotonic()
+        if self.speaks and now - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            left = (now - self.start) / max(done, 1) * (self.total - done)
+            print(f"  timing: round {done}/{self.total}, about {left:.0f} s left",
+                  file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        took = time.monotonic() - self.start
+        if self.speaks and took >= PROGRESS_AFTER_S:
+            print(f"  timing: {self.total} rounds in {took:.0f} s", file=sys.stderr, flush=True)
 
 
 def bar_plot(path: str, names, series: dict, ylabel: str, title: str) -> None:
