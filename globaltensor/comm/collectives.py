@@ -151,6 +151,16 @@ def start_p2p(sends: Sequence[tuple[torch.Tensor, int]],
             "(moving between placements, or the eager exchange of a reduce-scatter or "
             "all-to-all); keep to_global across placements outside the compiled function")
     init()
+    if len(sends) + len(recvs) == 1:
+        # One message (a hand-off between single ranks): batch_isend_irecv's coalescing
+        # adds nothing to one message but its own cost.
+        (t, peer), post = (sends[0], dist.isend) if sends else (recvs[0], dist.irecv)
+        if sends:
+            stats.record(kind, _nbytes(t))
+        t = t.contiguous() if sends else t
+        peers = sorted({dist.get_rank(), peer})
+        return P2PWork([guarded("point-to-point transfer", peers, lambda: post(t, peer))],
+                       peers)
     ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
     for t, _ in sends:
