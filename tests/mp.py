@@ -72,12 +72,14 @@ def _shared_world(n: int, request) -> SharedWorld:
 
 def world_test(module: str, n: int, names: list):
     """A test parametrized over ``names`` (functions of ``module``), each run on every
-    rank of the session's world of ``n`` processes. Checks must leave no state behind
-    that a later check could see (they share the processes with other files' checks)."""
+    rank of the session's world of ``n`` processes, marked ``multiprocess``. Checks must
+    leave no state behind that a later check could see (they share the processes with
+    other files' checks)."""
     import pytest
 
     # the test that starts a world first waits for the other worlds' remaining checks;
     # hangs are bounded per check (CHECK_TIMEOUT, collectives sooner)
+    @pytest.mark.multiprocess
     @pytest.mark.timeout(1800)
     @pytest.mark.parametrize("name", list(names))
     def test(name, request):

@@ -1,0 +1,41 @@
+"""The atexit teardown (``groups._destroy``) frees the gloo groups while Python still runs.
+
+A gloo worker thread still alive when the interpreter finalises can abort the process
+("terminate called without an active exception", SIGABRT after the program's last
+line): it drops a finished work whose tensors' Python objects died first, takes the GIL
+to free them, and Python ends the thread inside a noexcept destructor. Freeing a group
+joins its worker threads, so none may be left after ``_destroy``, also when torch
+modules that bind ``group.WORLD`` as a default argument (torch.distributed.nn.functional,
+imported by torch._dynamo) are imported after the group was made.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from mp import World
+
+
+def _gloo_threads_end_in_destroy():
+    import torch
+
+    import globaltensor as gt
+    from globaltensor.comm import groups
+    P = gt.placement.all("cpu")
+    x = gt.tensor(torch.arange(8.0), placement=P, sbp=gt.sbp.split(0))
+    assert (x * 2).full().tolist() == [2.0 * i for i in range(8)]
+    import torch._dynamo  # noqa: F401  (after init: imports torch.distributed.nn.functional)
+    groups._destroy()
+    names = [open(f"/proc/self/task/{t}/comm").read().strip()
+             for t in os.listdir("/proc/self/task")]
+    left = [n for n in names if "gloo" in n]
+    assert not left, f"gloo threads still running after _destroy: {left}"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_destroy_joins_the_gloo_threads():
+    world = World(2, __name__, ["_gloo_threads_end_in_destroy"])
+    world.check("_gloo_threads_end_in_destroy")

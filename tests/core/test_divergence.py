@@ -1,0 +1,171 @@
+"""Ranks that do not all take part: member-only process groups, collectives that one
+rank never joins (named errors, no silent hang), and the check mode that catches
+diverging ranks before they communicate."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from mp import World, world_test
+
+pytestmark = pytest.mark.multiprocess  # every test here runs in a world of processes
+
+TIMEOUT = 5  # GLOBALTENSOR_TIMEOUT of the worlds below (seconds)
+
+
+def _setup():
+    import globaltensor as gt
+    return gt, gt.get_rank()
+
+
+def check_member_only_groups():
+    # Rank 1 makes group [0, 1] and then [2, 1]; rank 2 only [2, 1]; rank 3 none. With
+    # groups made by the whole world (or named by a per-process count) this hangs.
+    gt, r = _setup()
+    if r in (0, 1):
+        x = gt.ones(4, placement=gt.placement("cpu", [0, 1]), sbp=gt.sbp.split(0))
+        assert x.to_global(sbp=gt.sbp.broadcast).to_local().tolist() == [1.0] * 4
+    if r in (1, 2):
+        y = gt.full((3,), 2.0, placement=gt.placement("cpu", [2, 1]), sbp=gt.sbp.partial_sum)
+        assert y.to_global(sbp=gt.sbp.broadcast).to_local().tolist() == [2.0] * 3
+
+
+def check_collective_one_rank_skips():
+    import globaltensor as gt
+    r = gt.get_rank()
+    p = gt.placement("cpu", [0, 1])
+    x = gt.ones(4, 2, placement=p, sbp=gt.sbp.split(0))
+    if r in (0, 1):
+        x.to_global(sbp=gt.sbp.broadcast)  # both join: the group exists
+    if r == 0:  # rank 1 never joins this one
+        start = time.monotonic()
+        with pytest.raises(gt.debug.CollectiveError) as info:
+            x.to_global(sbp=gt.sbp.broadcast)
+        took = time.monotonic() - start
+        text = str(info.value)
+        assert took < 4 * TIMEOUT, took
+        for word in ("to_global", "AllGather", "[0, 1]", "GLOBALTENSOR_TIMEOUT"):
+            assert word in text, (word, text)
+
+
+def check_read_of_different_tensors():
+    # Rank 0 asks a.tolist(), rank 1 b.tolist() (split: gathered): without the check mode
+    # the all-gathers pair up and both ranks print one mixed value; with it, both raise.
+    import globaltensor as gt
+    r = gt.get_rank()
+    p = gt.placement("cpu", [0, 1])
+    a = gt.tensor([11.0, 22.0, 33.0], placement=p, sbp=gt.sbp.split(0))
+    b = gt.tensor([22.0, 44.0, 66.0], placement=p, sbp=gt.sbp.split(0))
+    with gt.debug.check_consistency():
+        with pytest.raises(gt.debug.DivergenceError, match="ranks"):
+            if r == 0:
+                a.tolist()
+            else:
+                b.tolist()
+        assert a.tolist() == [11.0, 22.0, 33.0] and b.tolist() == [22.0, 44.0, 66.0]
+
+
+def check_dtype_differs_per_rank():
+    import torch
+    import globaltensor as gt
+    r = gt.get_rank()
+    p = gt.placement("cpu", [0, 1])
+    dtype = torch.float32 if r == 0 else torch.float64
+    x = gt.from_local(torch.ones(2, dtype=dtype), placement=p, sbp=gt.sbp.split(0),
+                      shape=(4,))
+    with gt.debug.check_consistency():
+        with pytest.raises(gt.debug.DivergenceError):
+            x.to_global(sbp=gt.sbp.broadcast)
+
+
+def check_load_state_dict_differs_per_rank():
+    import torch
+    import globaltensor as gt
+    r = gt.get_rank()
+    model = gt.nn.to_global(torch.nn.Linear(3, 2), gt.placement("cpu", [0, 1]),
+                            gt.sbp.broadcast)
+    same = {k: torch.full(v.shape, 1.0) for k, v in model.state_dict().items()}
+    with gt.debug.check_consistency():
+        model.load_state_dict(same)  # equal everywhere: accepted
+        assert float(model.weight.sum()) == 6.0
+        differ = {k: torch.full(v.shape, float(r)) for k, v in model.state_dict().items()}
+        # torch's load_state_dict re-raises what copy_ raised as a RuntimeError.
+        with pytest.raises(RuntimeError, match="hold different values"):
+            model.load_state_dict(differ)
+
+
+def check_from_local_exchanges_no_pickles():
+    import torch
+    import torch.distributed as dist
+    import globaltensor as gt
+    r = gt.get_rank()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("from_local must not unpickle peer data")
+    saved = dist.all_gather_object
+    dist.all_gather_object = refuse
+    try:
+        p = gt.placement("cpu", [0, 1])
+        x = gt.from_local(torch.full((2 - r, 2), float(r)), placement=p, sbp=gt.sbp.split(0))
+        assert tuple(x.shape) == (3, 2), x.shape
+        assert x.full().tolist() == [[0.0, 0.0], [0.0, 0.0], [1.0, 1.0]]
+    finally:
+        dist.all_gather_object = saved
+
+
+def check_profiler_and_debug_log_name_the_boxing():
+    import logging
+    import torch
+    import globaltensor as gt
+    p = gt.placement("cpu", [0, 1])
+    x = gt.randn(4, 3, placement=p, sbp=gt.sbp.split(0))
+    w = gt.randn(3, 2, placement=p, sbp=gt.sbp.split(1))
+    with torch.profiler.profile() as prof:
+        x @ w  # the dispatcher boxes an input
+    names = [e.name for e in prof.events() if e.name.startswith("globaltensor")]
+    assert any("aten.mm" in n and "boxing" in n for n in names), names
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+    log = logging.getLogger("globaltensor")
+    handler, level = Keep(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    try:
+        x.to_global(sbp=gt.sbp.broadcast)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    assert records and all(rec.levelno == logging.DEBUG for rec in records), records
+    assert "AllGather" in records[0].getMessage()
+
+
+CHECKS3 = ["check_member_only_groups"]
+CHECKS2 = ["check_read_of_different_tensors", "check_dtype_differs_per_rank",
+           "check_load_state_dict_differs_per_rank", "check_from_local_exchanges_no_pickles",
+           "check_profiler_and_debug_log_name_the_boxing"]
+
+
+@pytest.fixture(scope="module")
+def world4():
+    # fresh processes: in the session's world the groups [0, 1] and [2, 1] exist already
+    return World(4, __name__, CHECKS3, timeout=120)
+
+
+@pytest.mark.parametrize("name", CHECKS3)
+def test_world4(world4, name):
+    world4.check(name)
+
+
+test_world2 = world_test(__name__, 2, CHECKS2)   # in the session's world of 2
+
+
+def test_collective_that_one_rank_skips_ends_with_a_named_error():
+    # Three ranks: the placement's group [0, 1] is not the world's, so the final
+    # barrier of the harness does not meet the abandoned collective.
+    world = World(3, __name__, ["check_collective_one_rank_skips"], timeout=120,
+                  env={"GLOBALTENSOR_TIMEOUT": str(TIMEOUT)})
+    world.check("check_collective_one_rank_skips")

@@ -1,0 +1,48 @@
+"""The data-parallel examples run through the launcher on 2 ranks and keep their claims;
+data-parallel training ends with the single-process parameters."""
+import re
+
+import pytest
+import torch
+
+from mp import run_example as launch
+
+pytestmark = pytest.mark.multiprocess  # every test here runs an example through the launcher
+
+@pytest.mark.timeout(160)
+def test_resnet_small_loss_decreases_on_two_ranks(tmp_path):
+    out = launch("resnet_data_parallel.py", 2, tmp_path, "--small")
+    assert "ResNet-10 (width 8" in out and "2 ranks, global batch 32" in out, out
+    logs = re.findall(r"\[epoch (\d), batch (\d+)\] loss: ([\d.]+), acc1: ([\d.]+), "
+                      r"acc5: ([\d.]+)", out)
+    assert len(logs) == 6, out  # 2 epochs of 15 batches, every 5 batches
+    assert all(0 <= float(a1) <= float(a5) <= 1 for *_, a1, a5 in logs), logs
+    first, last = map(float, re.search(r"mean loss of the first 5 batches ([\d.]+), "
+                                       r"of the last 5 ([\d.]+)", out).groups())
+    assert last < 0.8 * first, out
+
+
+@pytest.mark.timeout(200)
+def test_digits_reaches_90_percent_and_two_ranks_end_with_the_single_process_parameters(tmp_path):
+    # the README's run (6 epochs), on 1 and on 2 ranks
+    args = ["--seed", "3"]
+    out1 = launch("digits_data_parallel.py", 1, tmp_path, *args, "--save", str(tmp_path / "1.pt"))
+    out2 = launch("digits_data_parallel.py", 2, tmp_path, *args, "--save", str(tmp_path / "2.pt"))
+    epochs = re.findall(r"epoch (\d+)/6  loss ([\d.]+)  test acc ([\d.]+)", out2)
+    assert [int(e) for e, _, _ in epochs] == list(range(1, 7)), out2
+    losses = [float(loss) for _, loss, _ in epochs]
+    assert losses[-1] < losses[0] / 4, losses
+    final = float(re.search(r"final test accuracy ([\d.]+) on 2 ranks", out2).group(1))
+    assert final >= 0.9, out2
+    one, two = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
+    assert one.keys() == two.keys() and len(one) == 8
+    for name, ref in one.items():
+        assert type(two[name]) is torch.Tensor and two[name].shape == ref.shape, name
+        error = ((two[name] - ref).abs().max() / ref.abs().max()).item()
+        assert error <= 1e-5, f"{name}: relative difference {error:.2e}"
+    # The same batches in the same order: the same per-epoch loss and test accuracy.
+    curve = r"epoch \d/6  loss ([\d.]+)  test acc ([\d.]+)"
+    c1, c2 = re.findall(curve, out1), re.findall(curve, out2)
+    assert len(c1) == len(c2) == 6, (out1, out2)
+    for (loss1, acc1), (loss2, acc2) in zip(c1, c2):
+        assert abs(float(loss1) - float(loss2)) <= 2e-4 and abs(float(acc1) - float(acc2)) < 3e-3

@@ -1,0 +1,86 @@
+"""Ops along one dim (scans, sort/topk/kthvalue/median, flip/roll, tril/triu, gather,
+scatter_add, padding, slicing backward with split gradients) and fused attention
+(batch or head split stays local; with dropout the value does not depend on the layout).
+
+Run in the shared worlds of tests/ops/ops_battery.py (2, 4, and 3 with bystanders)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import globaltensor as gt
+
+from ops_battery import (B, S, battery_tests, case, checked, expect, line, nd, placements,
+                         randint, randn)
+
+
+@checked
+def check_along_dim_and_attention():
+    x3 = randn((2, 5, 4), "ad3")
+    unary = [
+        ("cumsum(1)", lambda x: x.cumsum(1)),
+        ("logcumsumexp(2)", lambda x: x.logcumsumexp(2)),
+        ("sort(1).values", lambda x: x.sort(1).values),
+        ("argsort(2) as float", lambda x: x.argsort(2).to(x.dtype)),
+        ("topk(2, dim=2).values", lambda x: x.topk(2, dim=2).values),
+        ("kthvalue(2, 1).values", lambda x: x.kthvalue(2, 1).values),
+        ("kthvalue keepdim", lambda x: x.kthvalue(3, 2, keepdim=True).values),
+        ("flip(1, 2)", lambda x: x.flip(1, 2)),
+        ("roll(2, 1)", lambda x: x.roll(2, 1)),
+        ("roll(3) flattened", lambda x: x.roll(3)),
+        ("tril()", lambda x: torch.tril(x)),
+        ("triu(1)", lambda x: torch.triu(x, 1)),
+        ("tril(-2)", lambda x: x.tril(-2)),
+        ("gather(2, argsort)", lambda x: x.gather(2, x.argsort(2)[..., :3])),
+        ("x[:, 1:4] backward", lambda x: x[:, 1:4] * 2),
+        ("x[:, 2] backward", lambda x: x[:, 2] * 2),
+        ("median(1).values", lambda x: x.median(1).values),
+        ("F.pad last dim", lambda x: F.pad(x, (1, 2))),
+        ("F.pad dims 1, 2 value 1", lambda x: F.pad(x, (1, 0, 0, 2), value=1.0)),
+        # a gradient that arrives split (the weighted loss alone would send a broadcast one)
+        ("x[:, 1:4] ** 2 backward", lambda x: x[:, 1:4] ** 2),
+        ("x[:, 2] ** 2 backward", lambda x: x[:, 2] ** 2),
+        # backward formulas that build plain helper tensors (zeros, indices)
+        ("cummax(1).values", lambda x: x.cummax(1).values),
+        ("cumprod(2)", lambda x: x.cumprod(2)),
+        ("trace of x[0]", lambda x: x[0].trace()),
+    ]
+    for name, op in unary:
+        case(name, op, [x3], places=placements(4, 1, 3))
+    index = randint(5, (2, 3, 4), "adidx")
+
+    def index_like(a):
+        return gt.tensor(index, placement=a.placement, sbp=nd(B, a.placement)) \
+            if gt.is_global(a) else index
+
+    case("scatter_add(1)", lambda a, b: a.scatter_add(1, index_like(a), b),
+         [randn((2, 5, 4), "adsa"), randn((2, 3, 4), "adsb")], places=placements(4, 0, 2))
+
+    q, k, v = (randn((2, 2, 5, 4), f"attn{c}", dtype=torch.float32) for c in "qkv")
+    attention = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa
+    same = [(s, s, s) for s in (B, S(0), S(1), S(2))]
+    case("scaled_dot_product_attention", attention, [q, k, v], choices=None, must=same,
+         places=placements(3, 0, 2), rtol=1e-5, atol=1e-6)
+    # batch- and head-split attention runs where the parts are, forward and backward
+    p = line()
+    for d in (0, 1):
+        qs, ks, vs = (gt.tensor(t, placement=p, sbp=S(d), requires_grad=True) for t in (q, k, v))
+        with gt.debug.comm_stats() as stats:
+            out = attention(qs, ks, vs)
+            out.backward(gt.ones(out.shape, placement=p, sbp=S(d)))
+        expect(stats.total_bytes == 0 and out.sbp == (S(d),),
+               f"attention split({d}): moved {stats} and gave {out.sbp}")
+    # with dropout, torch takes its math path; our dropout draws the same mask whatever
+    # the layout (torch's own generators differ between ranks here on purpose)
+    torch.manual_seed(gt.get_rank())
+    outs = []
+    for sbp in (B, S(0), S(1)):
+        gt.manual_seed(5)
+        qs, ks, vs = (gt.tensor(t, placement=p, sbp=sbp) for t in (q, k, v))
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, dropout_p=0.5).full())
+    expect(all(torch.equal(outs[0], o) for o in outs[1:]),
+           "attention with dropout: the value depends on the layout")
+
+
+CHECKS = ["check_along_dim_and_attention"]
+test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)

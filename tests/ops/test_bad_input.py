@@ -1,0 +1,47 @@
+"""Bad input: operands on different placements and multi-element plain tensors raise
+ValueError naming the problem (one-element plain tensors are fine).
+
+Run in the shared worlds of tests/ops/ops_battery.py (2, 4, and 3 with bystanders)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import globaltensor as gt
+
+from ops_battery import (B, F64, S, battery_tests, checked, close, guard, line, mesh, nd,
+                         raises, randn)
+
+
+@checked
+def check_bad_input():
+    n = gt.get_world_size()
+    p, rev, first = line(), line(reverse=True), gt.placement("cpu", [0])
+    v = randn((5, 3), "bad")
+    x = gt.tensor(v, placement=p, sbp=S(0))
+    for other in (rev, first) + ((mesh(),) if n == 4 else ()):
+        y = gt.tensor(v, placement=other, sbp=nd(B, other))
+        w = gt.tensor(randn((3, 2), "badw"), placement=other, sbp=nd(B, other))
+        tag = f"placements {p.ranks} and {other.ranks}"
+        raises(f"x + y on {tag}", lambda: x + y, ValueError, "placement")
+        raises(f"torch.mul(y, x) on {tag}", lambda: torch.mul(y, x), ValueError, "placement")
+        raises(f"x @ w on {tag}", lambda: x @ w, ValueError, "placement")
+        raises(f"F.linear on {tag}", lambda: F.linear(x, w.t()), ValueError, "placement")
+        raises(f"torch.cat on {tag}", lambda: torch.cat([x, y]), ValueError, "placement")
+    for label, fn in (("x + plain (5,3)", lambda: x + torch.ones(5, 3, dtype=F64)),
+                      ("x * plain (3,)", lambda: x * torch.ones(3, dtype=F64)),
+                      ("plain (5,1) - x", lambda: torch.ones(5, 1, dtype=F64) - x),
+                      ("x @ plain (3,2)", lambda: x @ torch.ones(3, 2, dtype=F64)),
+                      ("F.linear(x, plain)", lambda: F.linear(x, torch.ones(2, 3, dtype=F64))),
+                      ("torch.cat([x, plain])",
+                       lambda: torch.cat([x, torch.ones(1, 3, dtype=F64)]))):
+        raises(label, fn, ValueError, "")
+    # and one-element plain tensors are fine
+    where = f"[world {n}] x + plain one-element"
+    got = guard(where, lambda: (x + torch.ones(1, dtype=F64)) * torch.tensor(2.0, dtype=F64))
+    if got is not None:
+        close(got.full(), (v + 1) * 2, where)
+
+
+CHECKS = ["check_bad_input"]
+test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)

@@ -1,0 +1,75 @@
+"""The matmul family: @, mm, bmm, batched matmul, F.linear, addmm, baddbmm, matrix-vector;
+and the output sbp of x @ w before any boxing (docs/DESIGN.md's matmul signatures).
+
+Run in the shared worlds of tests/ops/ops_battery.py (2, 4, and 3 with bystanders)."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import globaltensor as gt
+
+from ops_battery import (B, P, S, battery_tests, case, checked, describe, expect, guard,
+                         line, placements, randn)
+
+
+MM_MUST = [(S(0), B), (B, S(1)), (S(1), S(0)), (P, B), (B, B)]
+MM_OUT = {(S(0), B): S(0), (B, S(1)): S(1), (S(1), S(0)): P, (P, B): P, (B, P): P, (B, B): B}
+
+
+@checked
+def check_matmul():
+    x, w = randn((5, 4), "mx"), randn((4, 3), "mw")
+    case("x @ w (5,4)@(4,3)", lambda x, w: x @ w, [x, w], must=MM_MUST,
+         places=placements(16, 3, 8))
+    case("torch.matmul 2-D", torch.matmul, [x, w], must=MM_MUST, places=placements(6, 0, 3))
+    case("torch.mm", torch.mm, [x, w], places=placements(4, 0, 2))
+    x3 = randn((2, 5, 4), "mx3")
+    case("matmul (2,5,4)@(4,3)", torch.matmul, [x3, w], places=placements(10, 2, 6))
+    a, b = randn((3, 5, 4), "ba"), randn((3, 4, 2), "bb")
+    case("bmm (3,5,4)x(3,4,2)", torch.bmm, [a, b], places=placements(10, 2, 6))
+    case("matmul (3,5,4)@(3,4,2)", torch.matmul, [a, b], places=placements(4, 0, 2))
+    lw, lb = randn((3, 4), "lw"), randn((3,), "lb")
+    case("F.linear bias", F.linear, [x, lw, lb], places=placements(12, 2, 6),
+         must=[(S(0), B, B), (B, S(0), S(0)), (S(1), S(1), B), (B, B, B)])
+    case("F.linear no bias", F.linear, [x, lw], places=placements(8, 1, 4))
+    case("F.linear 3-D", F.linear, [x3, lw, lb], places=placements(8, 0, 4))
+    case("addmm bias (3,)", torch.addmm, [lb, x, w], places=placements(10, 1, 5))
+    full_bias = randn((5, 3), "fb")
+    case("addmm bias (5,3) beta/alpha",
+         lambda c, x, w: torch.addmm(c, x, w, beta=0.5, alpha=2.0), [full_bias, x, w],
+         places=placements(10, 1, 5))
+    bb = randn((3, 5, 2), "bbias")
+    case("baddbmm", torch.baddbmm, [bb, a, b], places=placements(10, 1, 5))
+    case("baddbmm bias (5,2) beta/alpha",
+         lambda c, x, y: torch.baddbmm(c, x, y, beta=2.0, alpha=0.5),
+         [randn((5, 2), "bb2"), a, b], places=placements(6, 0, 3))
+    v = randn((4,), "mv")
+    with warnings.catch_warnings(record=True) as seen:    # mv and dot have rules
+        warnings.simplefilter("always")
+        case("matmul (5,4)@(4,)", torch.matmul, [x, v], places=placements(6, 0, 3))
+        case("torch.dot (4,).(4,)", torch.dot, [v, randn((4,), "dv")],
+             places=placements(6, 0, 3))
+        # A vector on the left: torch squeezes the product in place (squeeze_), which
+        # raised "cannot box a tensor of shape (3,) to shape (1, 3)".
+        case("matmul (4,)@(4,3)", torch.matmul, [v, w], places=placements(12, 1, 6))
+        case("v @ v (4,)@(4,)", lambda a, b: a @ b, [v, randn((4,), "dv2")],
+             places=placements(6, 0, 3))
+        case("matmul (4,)@(2,4,3)", torch.matmul, [v, randn((2, 4, 3), "mw3")],
+             places=placements(6, 0, 3))
+    fallbacks = {str(w.message) for w in seen if "no sbp rule" in str(w.message)}
+    expect(not fallbacks, f"mv/dot fell back: {fallbacks}")
+    # the output sbp before any boxing (DESIGN: matmul signatures, 1-D)
+    p = line()
+    for (sx, sw), so in MM_OUT.items():
+        where = describe("sbp of x @ w", (sx, sw), p)
+        out = guard(where, lambda: (gt.tensor(x, placement=p, sbp=sx)
+                                    @ gt.tensor(w, placement=p, sbp=sw)))
+        if out is not None:
+            expect(out.sbp == (so,), f"{where}: sbp {out.sbp}, expected {(so,)}")
+
+
+CHECKS = ["check_matmul"]
+test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)

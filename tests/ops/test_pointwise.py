@@ -1,0 +1,70 @@
+"""Pointwise ops on GlobalTensors: binary ops with broadcasting, scalars and one-element
+plain operands, unary ops, where, in-place ops, comparisons.
+
+Run in the shared worlds of tests/ops/ops_battery.py (2, 4, and 3 with bystanders)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ops_battery import F64, battery_tests, case, checked, placements, randn
+
+
+@checked
+def check_pointwise():
+    a, d = randn((5, 3), "pa"), randn((5, 3), "pd")
+    row, col = randn((3,), "prow"), randn((5, 1), "pcol")
+    pos, pos_row = randn((5, 3), "ppos", lo=0.5), randn((3,), "pposrow", lo=0.5)
+    binary = {"add": torch.add, "sub": lambda x, y: x - y, "mul": lambda x, y: x * y,
+              "div": lambda x, y: x / y}
+    pairs = ((a, d, "(5,3)x(5,3)"), (a, row, "(5,3)x(3,)"), (col, a, "(5,1)x(5,3)"),
+             (row, col, "(3,)x(5,1)"))
+    for name, op in binary.items():
+        for lhs, rhs, tag in pairs if name in ("add", "mul") else pairs[1:3]:
+            if name == "div":
+                rhs = {(5, 3): pos, (3,): pos_row}.get(tuple(rhs.shape), rhs.abs() + 0.5)
+            case(f"{name} {tag}", op, [lhs, rhs], places=placements(6, 1, 3))
+    scalar_ops = {
+        "x+2": lambda x: x + 2, "2-x": lambda x: 2 - x, "x*3.5": lambda x: x * 3.5,
+        "x/4": lambda x: x / 4, "x*plain0d": lambda x: x * torch.tensor(3.0, dtype=F64),
+        "plain(1,)+x": lambda x: torch.tensor([0.5], dtype=F64) + x,
+        "x-plain0d_f32": lambda x: x - torch.tensor(1.5),
+        "add alpha": lambda x: torch.add(x, x, alpha=2.0),
+    }
+    for name, op in scalar_ops.items():
+        case(name, op, [a], places=placements(4, 1, 3))
+    case("1/x", lambda x: 1 / x, [pos], places=placements(4, 1, 3))
+    unary = {"relu": F.relu, "gelu": F.gelu, "tanh": torch.tanh, "sigmoid": torch.sigmoid,
+             "exp": torch.exp, "neg": torch.neg, "-x": lambda x: -x, "abs": torch.abs,
+             "pow(2)": lambda x: x.pow(2), "x**2": lambda x: x ** 2,
+             "where(x>0,x,0)": lambda x: torch.where(x > 0, x, 0.0)}
+    for name, op in unary.items():
+        case(name, op, [a], places=placements(4, 1, 3))
+    case("where(x>y,x,y)", lambda x, y: torch.where(x > y, x, y), [a, row],
+         places=placements(6, 1, 3))
+
+    def inplace(x, y):
+        z = x * 1.5
+        z.add_(y)
+        z.mul_(2)
+        return z
+
+    def inplace_alpha(x, y):
+        z = x.clone()
+        z.add_(y, alpha=-0.5)
+        return z.mul_(2)
+
+    case("inplace add_/mul_ (5,3)+(5,3)", inplace, [a, d], places=placements(8, 1, 4))
+    case("inplace add_/mul_ (5,3)+(3,)", inplace, [a, row], places=placements(6, 1, 3))
+    case("inplace add_(alpha) on clone", inplace_alpha, [a, d], places=placements(6, 0, 3))
+    ia = torch.randint(0, 3, (5, 3), generator=torch.Generator().manual_seed(1)).to(F64)
+    ib = torch.randint(0, 3, (5, 3), generator=torch.Generator().manual_seed(2)).to(F64)
+    ir = torch.tensor([0.0, 1.0, 2.0], dtype=F64)
+    for name, op, ins in (("eq", torch.eq, [ia, ib]), ("gt", torch.gt, [ia, ib]),
+                          ("x==row", lambda x, y: x == y, [ia, ir]),
+                          ("x>1", lambda x: x > 1, [ia])):
+        case(name, op, ins, grad=False, places=placements(6, 1, 3))
+
+
+CHECKS = ["check_pointwise"]
+test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)

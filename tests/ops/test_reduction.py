@@ -1,0 +1,59 @@
+"""Reductions: sum, mean, amax/amin, max/min (with indices), var, std, vector norms,
+over all dims or some, keepdim, on dims smaller than the rank count; a reduced split
+dim gives a partial.
+
+Run in the shared worlds of tests/ops/ops_battery.py (2, 4, and 3 with bystanders)."""
+from __future__ import annotations
+
+import torch
+
+import globaltensor as gt
+
+from ops_battery import (P, S, battery_tests, case, checked, describe, expect, guard, line,
+                         placements, randn)
+
+
+@checked
+def check_reductions():
+    x = randn((5, 3), "rx")
+    small = randn((3, 2), "rsmall")      # both dims smaller than 4 ranks
+    ops = {
+        "sum()": lambda x: x.sum(), "sum(0)": lambda x: x.sum(0), "sum(1)": lambda x: x.sum(1),
+        "sum(1,keepdim)": lambda x: x.sum(1, keepdim=True),
+        "sum((0,1))": lambda x: torch.sum(x, (0, 1)),
+        "mean()": lambda x: x.mean(), "mean(0)": lambda x: x.mean(0),
+        "mean(1,keepdim)": lambda x: x.mean(-1, keepdim=True),
+        "amax(0)": lambda x: x.amax(0), "amin(1)": lambda x: x.amin(1),
+        "amax()": lambda x: torch.amax(x), "max()": lambda x: x.max(),
+        "max(dim=0)": lambda x: tuple(x.max(dim=0)), "min(dim=1)": lambda x: tuple(x.min(1)),
+        "max(dim=1,keepdim)": lambda x: tuple(torch.max(x, 1, keepdim=True)),
+        "var()": lambda x: x.var(), "var(0)": lambda x: x.var(0),
+        "var(1,unbiased=False)": lambda x: x.var(1, unbiased=False),
+        "std(0)": lambda x: x.std(0), "std(unbiased=False)": lambda x: x.std(unbiased=False),
+        "std(1,keepdim)": lambda x: x.std(1, keepdim=True),
+        "vector_norm": torch.linalg.vector_norm,
+        "vector_norm(dim=1)": lambda x: torch.linalg.vector_norm(x, dim=1),
+        "vector_norm(ord=1,dim=0)": lambda x: torch.linalg.vector_norm(x, ord=1, dim=0),
+        "x.norm()": lambda x: x.norm(), "x.norm(dim=0)": lambda x: x.norm(dim=0),
+    }
+    for name, op in ops.items():
+        case(name, op, [x], places=placements(4, 1, 3))
+    for name in ("sum(0)", "mean()", "amax(0)", "max(dim=1,keepdim)", "var(0)",
+                 "vector_norm(dim=1)"):
+        case(f"{name} on (3,2)", ops[name], [small], places=placements(4, 0, 3))
+    x3 = randn((2, 5, 3), "rx3")
+    case("sum(1) 3-D", lambda x: x.sum(1), [x3], places=placements(5, 0, 3))
+    case("mean((0,2)) 3-D", lambda x: x.mean((0, 2)), [x3], places=placements(5, 0, 3))
+    # DESIGN: reducing a split dim gives a partial; a scalar result is then reduced at
+    # once (API: a loss is broadcast, read on any one rank)
+    p = line()
+    for label, op, want in (("x.sum(0)", lambda t: t.sum(0), (P,)),
+                            ("x.sum()", lambda t: t.sum(), (gt.sbp.broadcast,))):
+        where = describe(f"sbp of {label}", (S(0),), p)
+        out = guard(where, lambda: op(gt.tensor(x, placement=p, sbp=S(0))))
+        if out is not None:
+            expect(out.sbp == want, f"{where}: sbp {out.sbp}, expected {want}")
+
+
+CHECKS = ["check_reductions"]
+test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)

@@ -1,0 +1,79 @@
+"""Views and shape ops: view/reshape (merging and splitting dims), flatten, transpose,
+permute, unsqueeze/squeeze, expand, indexing and slicing, split/chunk/unbind, cat,
+stack, contiguous.
+
+Run in the shared worlds of tests/ops/ops_battery.py (2, 4, and 3 with bystanders)."""
+from __future__ import annotations
+
+import torch
+
+from ops_battery import B, P, S, battery_tests, case, checked, placements, randn
+
+
+@checked
+def check_views():
+    x = randn((5, 4), "vx")
+    x3 = randn((2, 3, 4), "vx3")
+    unary = [
+        ("view(4,5)", lambda x: x.view(4, 5), x),
+        ("reshape(2,10) (5,4)", lambda x: x.reshape(2, 10), x),
+        ("reshape(-1)", lambda x: x.reshape(-1), x),
+        ("reshape(5,2,2) split dim", lambda x: x.reshape(5, 2, 2), x),
+        ("view(6,4) merge dims", lambda x: x.view(6, 4), x3),
+        ("reshape(2,12) merge dims", lambda x: x.reshape(2, 12), x3),
+        ("view(2,3,2,2) split last", lambda x: x.view(2, 3, 2, 2), x3),
+        ("flatten()", lambda x: x.flatten(), x3),
+        ("flatten(1)", lambda x: torch.flatten(x, 1), x3),
+        ("transpose(0,1)", lambda x: x.transpose(0, 1), x),
+        ("transpose(1,2) 3-D", lambda x: torch.transpose(x, 1, 2), x3),
+        ("permute(2,0,1)", lambda x: x.permute(2, 0, 1), x3),
+        ("t()", lambda x: x.t(), x),
+        ("t().reshape(-1)", lambda x: x.t().reshape(-1), x),
+        ("unsqueeze(0)", lambda x: x.unsqueeze(0), x),
+        ("unsqueeze(-1)", lambda x: x.unsqueeze(-1), x),
+        ("squeeze(1)", lambda x: x.squeeze(1), randn((5, 1, 3), "vsq")),
+        ("squeeze()", lambda x: x.squeeze(), randn((1, 5, 1), "vsq2")),
+        ("expand(5,4)", lambda x: x.expand(5, 4), randn((5, 1), "vex")),
+        ("expand(3,5,4)", lambda x: x.expand(3, -1, -1), x),
+        ("x[1:4]", lambda x: x[1:4], x),
+        ("x[:, 0]", lambda x: x[:, 0], x),
+        ("x[:, 1:3]", lambda x: x[:, 1:3], x),
+        ("x[::2]", lambda x: x[::2], x),
+        ("x[-1]", lambda x: x[-1], x),
+        ("select(1,2)", lambda x: x.select(1, 2), x),
+        ("narrow(0,1,3)", lambda x: x.narrow(0, 1, 3), x),
+        ("split(2) tuple", lambda x: x.split(2), x),
+        ("split(3,dim=1)", lambda x: torch.split(x, 3, dim=1), x),
+        ("chunk(2,dim=1)", lambda x: x.chunk(2, dim=1), x),
+        ("unbind(0) 3-D", lambda x: x.unbind(0), x3),
+        ("t().contiguous()", lambda x: x.t().contiguous(), x),
+        ("contiguous()", lambda x: x.contiguous(), x),
+        # in-place view ops change the tensor's own shape
+        ("squeeze_(1)", lambda x: (x * 1).squeeze_(1), randn((5, 1, 3), "vsq_")),
+        ("unsqueeze_(0)", lambda x: (x * 1).unsqueeze_(0), x),
+        ("t_()", lambda x: (x * 1).t_(), x),
+        ("transpose_(0,2)", lambda x: (x * 1).transpose_(0, 2), x3),
+    ]
+    for name, op, v in unary:
+        case(name, op, [v], places=placements(4, 1, 3))
+    y = randn((3, 4), "vy")
+    z = randn((5, 4), "vz")
+    case("cat dim 0 (5,4)+(3,4)", lambda a, b: torch.cat([a, b]), [x, y],
+         places=placements(8, 1, 4))
+    case("cat dim 1 (5,4)+(5,4)", lambda a, b: torch.cat([a, b], dim=1), [x, z],
+         places=placements(8, 0, 4))
+    # A zero-size input among partial sums used to make the output zeros.
+    empty = randn((5, 0), "vempty")
+    for name, op in (("cat dim 1 (5,0)+(5,4)", lambda a, b: torch.cat([a, b], dim=1)),
+                     ("cat dim 1 (5,4)+(5,0)", lambda a, b: torch.cat([b, a], dim=1))):
+        case(name, op, [empty, z], choices=[[P, B, S(0)], [P, B, S(0)]], must=[(P, P)],
+             places=placements(9, 1, 4))
+    case("stack dim 0", lambda a, b: torch.stack([a, b]), [x, z], places=placements(8, 1, 4))
+    case("stack dim 2", lambda a, b: torch.stack((a, b), dim=2), [x, z],
+         places=placements(6, 0, 3))
+    case("view then add", lambda a, b: a.view(4, 5) + b.reshape(4, 5), [x, z],
+         places=placements(6, 0, 3))
+
+
+CHECKS = ["check_views"]
+test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)
