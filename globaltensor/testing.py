@@ -29,7 +29,7 @@ import traceback
 import warnings
 from typing import Callable
 
-__all__ = ["World", "free_port", "spawn", "peak_rise", "Peak", "no_fallback"]
+__all__ = ["World", "free_port", "spawn", "peak_rise", "Peak", "no_fallback", "boxing_log"]
 
 
 def free_port() -> int:
@@ -235,3 +235,30 @@ def no_fallback(fn: Callable, what: str = ""):
     fallbacks = [str(w.message) for w in caught if "no sbp rule" in str(w.message)]
     assert not fallbacks, f"{what}: {fallbacks}"
     return out
+
+
+@contextlib.contextmanager
+def boxing_log():
+    """The messages the "globaltensor" logger writes at DEBUG level inside the block
+    (every boxing: what moved and why), collected into the list it yields; the
+    logger's level and handlers are restored after.
+
+    >>> with boxing_log() as messages:              # doctest: +SKIP
+    ...     y = x.to_global(sbp=gt.sbp.broadcast)
+    >>> any("boxes for to_global" in m for m in messages)
+    True
+    """
+    import logging
+    messages: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    log = logging.getLogger("globaltensor")
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    try:
+        yield messages
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+

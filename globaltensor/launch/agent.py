@@ -25,6 +25,10 @@ __all__ = ["FAILURE_GRACE_S", "MONITOR_INTERVAL_S", "ExitTimes", "alive", "grace
 # others block in a collective ends the job promptly.
 MONITOR_INTERVAL_S = 0.2
 FAILURE_GRACE_S = 1.0
+# How often ExitTimes looks at /proc. Ranks that end within one interval of each other
+# cannot be ordered (a rank leaving early and the peer failing because of it end a few
+# milliseconds apart); a poll reads one small file per worker.
+EXIT_POLL_S = 0.01
 
 
 class ExitTimes(threading.Thread):
@@ -43,7 +47,7 @@ class ExitTimes(threading.Thread):
         self.enabled = os.path.isfile(f"/proc/{os.getpid()}/stat")
 
     def run(self) -> None:
-        while self.enabled and not self._done.wait(0.05):
+        while self.enabled and not self._done.wait(EXIT_POLL_S):
             self.poll()
 
     def stop(self) -> dict[int, float]:

@@ -10,6 +10,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
 import globaltensor as gt
+from globaltensor.testing import boxing_log
 from globaltensor.layout import Layout
 from mp import checks_in_worlds
 
@@ -138,27 +139,15 @@ def bad_input_raises():
 def rechunking_is_boxing_logged_and_checked():
     # Moving an uneven split into DTensor's layout and back is a boxing as any other:
     # named in the debug log and in profiler ranges, checked in check mode.
-    import logging
     P = gt.placement.all("cpu")
     v = value((5, 3))  # over 4 ranks: 2, 1, 1, 1 rows here, 2, 2, 1, 0 in torch.chunk's
     x = gt.tensor(v, placement=P, sbp=S(0), requires_grad=True)
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    log = logging.getLogger("globaltensor")
-    level = log.level
-    log.addHandler(handler)
-    log.setLevel(logging.DEBUG)
-    try:
+    with boxing_log() as logged:
         with gt.debug.check_consistency(), torch.profiler.profile() as prof:
             d = x.to_dtensor()
             y = gt.from_dtensor(d)
             (y * y).sum().backward()
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
     assert torch.equal(y.full(), v) and torch.equal(x.grad.full(), 2 * v)
-    logged = [r.getMessage() for r in records]
     names = [e.name for e in prof.events() if e.name.startswith("globaltensor")]
     for why in ("to_dtensor", "from_dtensor", "from_dtensor (backward)",
                 "to_dtensor (backward)"):

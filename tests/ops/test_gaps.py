@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import globaltensor as gt
+from globaltensor.testing import no_fallback
 
 from mp import checks_in_worlds
 
@@ -37,15 +37,6 @@ def _g(value, sbp, grad=False, placement=None):
 def _close(got, want, what, **tol):
     got = got.full() if isinstance(got, gt.GlobalTensor) else got
     torch.testing.assert_close(got, want, msg=lambda m: f"{what}: {m}", **tol)
-
-
-def _no_fallback(fn, what):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = fn()
-    bad = [str(w.message) for w in caught if "no sbp rule" in str(w.message)]
-    assert not bad, f"{what}: {bad}"
-    return out
 
 
 def _raises(error, fn, what):
@@ -158,12 +149,12 @@ def _against_torch(fn, value, sbps, what, expect=None, grad=True):
         ref.square().sum().backward()
     for sbp in sbps:
         x = _g(value, sbp, grad=grad)
-        out = _no_fallback(lambda: fn(x), f"{what} {sbp}")
+        out = no_fallback(lambda: fn(x), f"{what} {sbp}")
         if expect is not None:
             assert out.sbp == (expect(sbp),), f"{what} {sbp}: output {out.sbp}"
         _close(out, ref.detach(), f"{what} {sbp}")
         if grad:
-            _no_fallback(lambda: out.square().sum().backward(), f"{what} {sbp} backward")
+            no_fallback(lambda: out.square().sum().backward(), f"{what} {sbp} backward")
             _close(x.grad, want_x.grad, f"{what} {sbp} gradient")
 
 
@@ -193,8 +184,8 @@ def check_resampling_rules():
 
 def check_metadata_queries():
     x = _g(torch.randn(4, 4), S(0))
-    assert _no_fallback(lambda: x.is_pinned(), "is_pinned") is False
-    assert _no_fallback(lambda: x.is_same_size(_g(torch.randn(4, 4), B)), "is_same_size")
+    assert no_fallback(lambda: x.is_pinned(), "is_pinned") is False
+    assert no_fallback(lambda: x.is_same_size(_g(torch.randn(4, 4), B)), "is_same_size")
 
 
 # --- #10.14: clip_grad_norm_ --------------------------------------------------------------

@@ -4,12 +4,12 @@ with plain torch on the whole tensors, in a world of 2 and a world of 4 processe
 """
 from __future__ import annotations
 
-import warnings
 
 import torch
 import torch.nn.functional as F
 
 import globaltensor as gt
+from globaltensor.testing import no_fallback
 
 from mp import checks_in_worlds
 
@@ -28,16 +28,6 @@ def _g(value, sbp, grad=False):
 def _close(got, want, what):
     got = got.full() if isinstance(got, gt.GlobalTensor) else got
     torch.testing.assert_close(got, want, msg=lambda m: f"{what}: {m}")
-
-
-def _no_fallback(fn, what):
-    """Run fn; fail if any op fell back to broadcast ("no sbp rule")."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = fn()
-    fallbacks = [str(w.message) for w in caught if "no sbp rule" in str(w.message)]
-    assert not fallbacks, f"{what}: {fallbacks}"
-    return out
 
 
 def check_conj_of_split_complex():
@@ -122,10 +112,10 @@ def check_nll_loss_on_3d_inputs():
                 x = _g(logits, x_sbp, grad=True)
                 gw = None if w is None else _g(w, B)
                 what = f"cross_entropy {reduction} weight={w is not None} {x_sbp}"
-                out = _no_fallback(lambda: F.cross_entropy(x, _g(target, t_sbp), weight=gw,
+                out = no_fallback(lambda: F.cross_entropy(x, _g(target, t_sbp), weight=gw,
                                                            reduction=reduction), what)
                 _close(out, ref.detach(), what)
-                _no_fallback(lambda: out.sum().backward(), what + " backward")
+                no_fallback(lambda: out.sum().backward(), what + " backward")
                 _close(x.grad, want_x.grad, what + " gradient")
 
 
@@ -136,7 +126,7 @@ def check_linear_under_inference_mode():
     x, w, b = torch.randn(3, 8, generator=gen), torch.randn(6, 8, generator=gen), \
         torch.randn(6, generator=gen)
     with torch.inference_mode():
-        out = _no_fallback(lambda: F.linear(_g(x, B), _g(w, S(0)), _g(b, S(0))), "linear")
+        out = no_fallback(lambda: F.linear(_g(x, B), _g(w, S(0)), _g(b, S(0))), "linear")
         assert out.sbp == (S(1),), f"inference-mode linear gave {out.sbp}"
         _close(out, F.linear(x, w, b), "inference-mode linear")
         out = F.linear(_g(x, S(0)), _g(w, B))

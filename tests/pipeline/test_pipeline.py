@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import globaltensor as gt
+from globaltensor.testing import boxing_log
 from mp import checks_in_worlds
 
 B, S = gt.sbp.broadcast, gt.sbp.split
@@ -131,24 +132,12 @@ def check_hand_offs_are_boxing_logged_and_checked():
     # Hand-offs run through boxing/run.py as every boxing: named in the debug log and in
     # profiler ranges on both sides, and check mode compares each side's ranks (senders
     # and receivers post at different moments) without a false divergence.
-    import logging
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    log = logging.getLogger("globaltensor")
-    level = log.level
-    log.addHandler(handler)
-    log.setLevel(logging.DEBUG)
-    try:
+    with boxing_log() as logged:
         with gt.debug.check_consistency(), torch.profiler.profile() as prof:
             train_and_compare([(P(0), B), (P(1), B)], "1f1b", micro=2, rows=4, steps=1)
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
     forward = "pipeline hand-off: stage 0 output to stage 1"
     backward = "pipeline hand-off: stage 1 input gradient to stage 0"
     if gt.get_rank() in (0, 1):
-        logged = [r.getMessage() for r in records]
         names = [e.name for e in prof.events() if e.name.startswith("globaltensor")]
         for why in (forward, backward):
             assert any(f"boxes for {why}:" in m for m in logged), (why, logged)
