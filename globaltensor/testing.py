@@ -7,8 +7,11 @@
   is killed.
 - ``spawn(main, n, argv)``: run ``main(argv)`` on ``n`` spawned processes (or in this
   process when a launcher started it), for benchmarks.
-- ``free_port()``, ``peak_rise()`` (measured peak resident memory of a block) and
-  ``no_fallback(fn)`` (fails if an op ran without an sbp rule).
+- ``free_port()``, ``peak_rise()`` (measured peak resident memory of a block),
+  ``no_fallback(fn)`` (fails if an op ran without an sbp rule) and ``boxing_log()``.
+
+``GLOBALTENSOR_CHECK_TIMES=<file>`` makes rank 0 of every world append
+"<seconds> <world size> <check>" per check to that file (where a suite's time goes).
 
 >>> w = World(2, "my_checks", ["check_add", "check_matmul"])   # doctest: +SKIP
 >>> w.check("check_add")                                        # raises with the traceback
@@ -48,7 +51,9 @@ def _child(rank: int, world: int, port: int, module: str, names: list, results, 
         import torch
         torch.set_num_threads(1)
         mod = importlib.import_module(module)
+        times = os.environ.get("GLOBALTENSOR_CHECK_TIMES")  # a file: "<seconds> <check>" lines
         for name in names:
+            start = time.perf_counter()
             try:
                 if ":" in name:
                     other, function = name.split(":")
@@ -58,6 +63,9 @@ def _child(rank: int, world: int, port: int, module: str, names: list, results, 
             except BaseException:
                 results.put((rank, name, traceback.format_exc()))
                 return
+            if times and rank == 0:
+                with open(times, "a") as f:
+                    f.write(f"{time.perf_counter() - start:.2f} {world} {name}\n")
             results.put((rank, name, None))
         import torch.distributed as dist
         if dist.is_initialized():
