@@ -67,10 +67,8 @@ def _child(rank: int, world: int, port: int, module: str, names: list, results, 
                 with open(times, "a") as f:
                     f.write(f"{time.perf_counter() - start:.2f} {world} {name}\n")
             results.put((rank, name, None))
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        if "globaltensor.comm" in sys.modules:  # a check used the world: leave it together
+            sys.modules["globaltensor.comm"].finish()
     except BaseException:
         results.put((rank, "<setup>", traceback.format_exc()))
 

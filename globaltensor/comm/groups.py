@@ -88,6 +88,17 @@ def init() -> None:
     _ready = True
 
 
+def finish() -> None:
+    """This process's end of the world: wait until every rank gets here, then free every
+    group (a spawned test world's children end this way, with no rank left waiting).
+
+    >>> comm.finish()        # doctest: +SKIP
+    """
+    if dist.is_initialized():
+        dist.barrier()
+    _destroy()
+
+
 def _destroy() -> None:
     global _ready
     if dist.is_initialized():

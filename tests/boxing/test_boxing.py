@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import globaltensor as gt
+from globaltensor.testing import boxing_log
 from globaltensor.boxing import plan_route, simulate
 from globaltensor.layout import Layout
 
@@ -172,7 +173,6 @@ def check_bystanders_need_not_take_part():
 
 
 def check_debug_tools():
-    import logging
     import os
     rank, n = gt.get_rank(), gt.get_world_size()
     src_p, dst_p = gt.placement("cpu", [0, 1]), gt.placement("cpu", list(range(1, n)))
@@ -197,20 +197,10 @@ def check_debug_tools():
     assert stats.total_calls == stats.calls["send"]  # no collective on this route
     layout_text = gt.debug.show_layout(y, file=open(os.devnull, "w"))
     assert f"rank {n - 1}" in layout_text and "shape" in layout_text
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    log = logging.getLogger("globaltensor")  # GLOBALTENSOR_DEBUG=1 at start does the same
-    log.addHandler(handler)
-    level = log.level
-    log.setLevel(logging.DEBUG)
-    try:
+    with boxing_log() as logged:  # GLOBALTENSOR_DEBUG=1 at start does the same
         x.to_global(sbp=gt.sbp.broadcast)
-    finally:
-        log.setLevel(level)
-        log.removeHandler(handler)
     if rank in src_p:
-        assert any("AllGather" in r.getMessage() for r in records), records
+        assert any("AllGather" in m for m in logged), logged
 
 
 CHECKS = ["check_every_pair_1d", "check_full_and_numpy_everywhere",

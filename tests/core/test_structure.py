@@ -20,10 +20,7 @@ DISTRIBUTED_ALLOWED = {
                 "torch.distributed.device_mesh"),
 }
 # Known exceptions, each with its reason: (file, imported name).
-DISTRIBUTED_EXCEPTIONS = {
-    # the spawned test worlds' teardown (barrier, destroy) in the child process
-    ("testing.py", "torch.distributed"),
-}
+DISTRIBUTED_EXCEPTIONS: set = set()
 MAX_DISPATCH_FILE_LINES = 450
 MAX_DISPATCH_FUNCTION_LINES = 60
 
