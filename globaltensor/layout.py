@@ -17,7 +17,7 @@ from functools import lru_cache
 from typing import Sequence
 
 from .placement import Placement
-from .sbp import Broadcast, Partial, SbpParallel, Split, broadcast, normalize
+from .sbp import Broadcast, Partial, SbpParallel, Split, StridedSplit, broadcast, normalize
 
 
 @lru_cache(maxsize=4096)
@@ -95,6 +95,10 @@ class Layout:
         so the hot paths can compare them with ``is``."""
         shape = tuple(int(s) for s in shape)
         nd_sbp = normalize(sbp, placement.ndim, len(shape))
+        for s in nd_sbp:
+            if isinstance(s, StridedSplit) and shape[s.dim] % s.blocks:
+                raise ValueError(f"{s}: dim {s.dim} of shape {shape} does not hold "
+                                 f"{s.blocks} equal blocks")
         key = (shape, placement, nd_sbp)  # not the layout: a weak dict holds keys strongly
         found = _interned.get(key)
         if found is None:
@@ -121,6 +125,11 @@ class Layout:
         return len(self.shape)
 
     @property
+    def strided(self) -> bool:
+        """Whether an axis holds a strided split (no rank's part is one box)."""
+        return any(isinstance(s, StridedSplit) for s in self.sbp)
+
+    @property
     def partial_axes(self) -> tuple[int, ...]:
         return tuple(a for a, s in enumerate(self.sbp) if isinstance(s, Partial))
 
@@ -130,7 +139,8 @@ class Layout:
                        self.placement.ndim if axes is None else axes)
 
     def region(self, rank: int) -> Region | None:
-        """Region that ``rank`` holds, or None when it is outside the placement."""
+        """Region that ``rank`` holds, or None when it is outside the placement. A
+        strided split's part is no box: see ``refined``."""
         coord = self.placement.coord(rank)
         return None if coord is None else self.region_at(coord)
 
@@ -138,10 +148,71 @@ class Layout:
         """Shape of ``rank``'s local tensor (all zeros-size outside the placement)."""
         shape = self._local_shapes.get(rank)
         if shape is None:
-            region = self.region(rank)
-            shape = self._local_shapes[rank] = (0,) * self.ndim if region is None \
-                else region.sizes
+            coord = self.placement.coord(rank)
+            if coord is None:
+                shape = (0,) * self.ndim
+            elif self.strided:
+                shape = _strided_local_shape(self, coord)
+            else:
+                shape = self.region_at(coord).sizes
+            self._local_shapes[rank] = shape
         return shape
+
+    def refined(self, blocks: dict) -> "Layout | None":
+        """This layout on the shape with each dim ``d`` of ``blocks`` ({d: k}) viewed as
+        ``(k, shape[d] // k)``, where every split is plain: a strided split of ``d``
+        into ``k`` blocks becomes a split of the block's inner dim; a plain split of
+        ``d`` whose parts are whole blocks (the only axis splitting ``d``) becomes a
+        split of the block dim. None when a split of ``d`` fits neither. A rank's part here is its part of this layout,
+        reshaped: boxing strided layouts runs on refined ones.
+
+        >>> Layout.make((8, 3), p, split(0, blocks=2)).refined({0: 2}).sbp  # doctest: +SKIP
+        (split(dim=1),)
+        """
+        shape, where = [], {}
+        for d, length in enumerate(self.shape):
+            where[d] = len(shape)
+            k = blocks.get(d)
+            shape += [length] if k is None else [k, length // k]
+        sbp = []
+        for axis, s in enumerate(self.sbp):
+            if isinstance(s, StridedSplit):
+                if blocks.get(s.dim) != s.blocks:
+                    return None
+                sbp.append(Split(where[s.dim] + 1))
+            elif isinstance(s, Split) and s.dim in blocks:
+                # nested splits of one dim cut parts, not the length: not checked here
+                nested = sum(isinstance(t, Split) and t.dim == s.dim for t in self.sbp) > 1
+                if nested or not _whole_blocks(self.shape[s.dim], blocks[s.dim],
+                                               self.placement.shape[axis]):
+                    return None
+                sbp.append(Split(where[s.dim]))
+            elif isinstance(s, Split):
+                sbp.append(Split(where[s.dim]))
+            else:
+                sbp.append(s)
+        try:
+            return Layout.make(shape, self.placement, tuple(sbp))
+        except ValueError:
+            return None
+
+
+def _strided_local_shape(layout: Layout, coord) -> tuple[int, ...]:
+    plain = tuple(broadcast if isinstance(s, StridedSplit) else s for s in layout.sbp)
+    sizes = list(_region(layout.shape, layout.placement.shape, plain, tuple(coord),
+                         layout.placement.ndim).sizes)
+    for axis, s in enumerate(layout.sbp):
+        if isinstance(s, StridedSplit):
+            inner = balanced_split(layout.shape[s.dim] // s.blocks,
+                                   layout.placement.shape[axis])[coord[axis]][1]
+            sizes[s.dim] = s.blocks * inner
+    return tuple(sizes)
+
+
+def _whole_blocks(length: int, blocks: int, parts: int) -> bool:
+    """Whether a balanced split of ``length`` into ``parts`` cuts only between blocks."""
+    size = length // blocks
+    return all(o % size == 0 and n % size == 0 for o, n in balanced_split(length, parts))
 
 
 # Equal layouts as one object while any is alive (weak: shapes seen once, e.g. every
@@ -158,6 +229,8 @@ def _region(shape, pshape, sbp, coord, axes) -> Region:
             offset, size = balanced_split(sizes[s.dim], pshape[axis])[coord[axis]]
             offsets[s.dim] += offset
             sizes[s.dim] = size
+        elif isinstance(s, StridedSplit):
+            raise TypeError(f"{s}: a strided split's part is no box (use Layout.refined)")
         elif not isinstance(s, (Broadcast, Partial)):
             raise TypeError(f"not an sbp: {s!r}")
     return Region(tuple(offsets), tuple(sizes))

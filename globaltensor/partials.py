@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from .layout import Layout
+from .sbp import StridedSplit
 
 
 def identity_value(reduce: str, dtype: torch.dtype):
@@ -57,6 +58,11 @@ def local_part(value: torch.Tensor, layout: Layout, rank: int) -> torch.Tensor:
     >>> local_part(torch.arange(4), Layout.make((4,), p, split(0)), 1)   # doctest: +SKIP
     tensor([2, 3])
     """
+    if layout.strided:   # the refined view's part, seen back on the layout's shape
+        fine = layout.refined({s.dim: s.blocks for s in layout.sbp
+                               if isinstance(s, StridedSplit)})
+        return local_part(value.reshape(fine.shape), fine, rank).reshape(
+            layout.local_shape(rank))
     return keep_on_first(value[layout.region(rank).slices()].clone(), layout, rank)
 
 

@@ -2,7 +2,9 @@
 
 ``split(dim)`` cuts the tensor along ``dim`` (balanced split), ``broadcast`` gives every
 rank the whole value, ``partial_sum`` / ``partial_max`` give every rank a full-shape
-addend whose sum / max is the value.
+addend whose sum / max is the value. ``split(dim, blocks=k)`` views ``dim`` as ``k``
+equal blocks and splits each block (a strided split): what merging ``(B, H)`` into
+``B * H`` makes of a split on ``H``, so attention heads stay where they are.
 
 >>> import globaltensor as gt
 >>> gt.sbp.split(0) == gt.sbp.split(dim=0)
@@ -19,7 +21,7 @@ import operator
 from dataclasses import dataclass
 from typing import Sequence, Union
 
-__all__ = ["SbpParallel", "Split", "Broadcast", "Partial", "split", "broadcast",
+__all__ = ["SbpParallel", "Split", "StridedSplit", "Broadcast", "Partial", "split", "broadcast",
            "partial_sum", "partial_max", "normalize"]
 
 
@@ -38,6 +40,20 @@ class Split(SbpParallel):
 
 
 @dataclass(frozen=True, repr=False)
+class StridedSplit(SbpParallel):
+    """``dim`` seen as ``blocks`` equal blocks, each split as ``Split`` splits: a rank
+    holds its balanced part of every block, in block order (DTensor's
+    ``_StridedShard(dim, split_factor=blocks)``). Not a ``Split``: an op accepts it
+    only where its rule says the op runs on such parts as they are."""
+
+    dim: int
+    blocks: int
+
+    def __repr__(self) -> str:
+        return f"split(dim={self.dim}, blocks={self.blocks})"
+
+
+@dataclass(frozen=True, repr=False)
 class Broadcast(SbpParallel):
     def __repr__(self) -> str:
         return "broadcast"
@@ -53,19 +69,33 @@ class Partial(SbpParallel):
         return f"partial_{self.reduce}"
 
 
-def split(dim: int) -> Split:
-    """Split along ``dim`` (negative dims are normalised against the tensor later).
+def split(dim: int, blocks: int = 1) -> "Split | StridedSplit":
+    """Split along ``dim`` (negative dims are normalised against the tensor later);
+    with ``blocks=k``, split each of ``k`` equal blocks of ``dim`` (a strided split).
 
     >>> split(1)
     split(dim=1)
+    >>> split(0, blocks=4)
+    split(dim=0, blocks=4)
     """
+    dim, blocks = _int("split dim", dim), _int("split blocks", blocks)
+    if blocks < 1:
+        raise ValueError(f"split blocks must be >= 1, got {blocks}")
+    return Split(dim) if blocks == 1 else StridedSplit(dim, blocks)
+
+
+def _int(what: str, value) -> int:
     try:
-        if isinstance(dim, bool):
+        if isinstance(value, bool):
             raise TypeError
-        dim = operator.index(dim)
+        return operator.index(value)
     except TypeError:
-        raise ValueError(f"split dim must be an int, got {dim!r}") from None
-    return Split(dim)
+        raise ValueError(f"{what} must be an int, got {value!r}") from None
+
+
+def split_dim(s: SbpParallel) -> "int | None":
+    """The dim a plain or strided split cuts, else None."""
+    return s.dim if isinstance(s, (Split, StridedSplit)) else None
 
 
 broadcast = Broadcast()
@@ -100,11 +130,17 @@ def normalize(sbp: SbpLike, placement_ndim: int, tensor_ndim: int) -> tuple:
         if not isinstance(s, SbpParallel):
             raise ValueError(f"{s!r} is not an sbp (use gt.sbp.split(d), broadcast, "
                              f"partial_sum or partial_max)")
-        if isinstance(s, Split):
+        if isinstance(s, (Split, StridedSplit)):
             d = s.dim
             if not -tensor_ndim <= d < tensor_ndim:
                 raise ValueError(f"{s} is out of range for a tensor with {tensor_ndim} "
                                  f"dim(s)")
-            s = Split(d % tensor_ndim)
+            s = Split(d % tensor_ndim) if isinstance(s, Split) \
+                else StridedSplit(d % tensor_ndim, s.blocks)
         out.append(s)
+    strided = {s.dim for s in out if isinstance(s, StridedSplit)}
+    if strided and any(split_dim(s) in strided for s in out if not isinstance(s, StridedSplit)) \
+            or len([s for s in out if isinstance(s, StridedSplit)]) > len(strided):
+        raise ValueError(f"sbp {tuple(out)}: a dim with a strided split is split by no "
+                         f"other placement axis")
     return tuple(out)

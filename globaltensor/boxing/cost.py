@@ -4,7 +4,7 @@ The absolute numbers matter less than their ratios; these fit gloo on loopback T
 """
 from __future__ import annotations
 
-import itertools
+import math
 from functools import lru_cache
 
 from ..layout import Layout
@@ -27,5 +27,4 @@ def max_local_bytes(layout: Layout, itemsize: int) -> int:
 
 @lru_cache(maxsize=4096)
 def _max_local_numel(layout: Layout) -> int:
-    coords = itertools.product(*map(range, layout.placement.shape))
-    return max(layout.region_at(c).numel for c in coords)
+    return max(math.prod(layout.local_shape(r)) for r in layout.placement)

@@ -7,7 +7,9 @@ when a later axis splits the dim an axis works on, or when an outer partial axis
 be reduced before an inner partial of another kind. The general route (``general_plan``)
 reduces the source's partial axes on the source placement (to a split when possible,
 so less is sent), then moves regions with one ``Transfer``; it works between any two
-placements and is the fallback on one. Plans are cached by (src, dst, element size).
+placements and is the fallback on one. A strided split is boxed on the refined view
+where it is plain (``Layout.refined``, between two ``ViewAs``), or through broadcast
+when the two layouts share no refined view. Plans are cached by (src, dst, element size).
 """
 from __future__ import annotations
 
@@ -19,10 +21,11 @@ from functools import lru_cache
 import torch
 
 from ..layout import Layout
-from ..sbp import Partial, SbpParallel, Split, broadcast
+from ..sbp import Partial, SbpParallel, Split, StridedSplit, broadcast
 from .execute import start
 from .explain import format_plan
 from .steps import AXIS_STEPS, Handle
+from .steps.reshape import ViewAs
 from .steps.transfer import Transfer
 
 
@@ -63,11 +66,33 @@ def plan_route(src: Layout, dst: Layout, itemsize: int = 4) -> Plan:
         raise ValueError(f"cannot box a tensor of shape {src.shape} to shape {dst.shape}")
     if src == dst:
         return Plan(src, dst, (), 0.0, itemsize)
+    if src.strided or dst.strided:
+        return _strided_route(src, dst, itemsize)
     same = plan_boxing(src, dst, itemsize)
     general = general_plan(src, dst, itemsize)
     if same is not None and same.cost <= general.cost:
         return same
     return general
+
+
+def _strided_route(src: Layout, dst: Layout, itemsize: int) -> Plan:
+    """Box on the refined view both layouts share, or else through broadcast on the
+    source's placement (each half then has one)."""
+    blocks: dict = {}
+    for s in src.sbp + dst.sbp:
+        if isinstance(s, StridedSplit):
+            blocks.setdefault(s.dim, set()).add(s.blocks)
+    if all(len(k) == 1 for k in blocks.values()):
+        view = {d: k.pop() for d, k in blocks.items()}
+        fine_src, fine_dst = src.refined(view), dst.refined(view)
+        if fine_src is not None and fine_dst is not None:
+            inner = plan_route(fine_src, fine_dst, itemsize)
+            steps = (ViewAs(src, fine_src),) + inner.steps + (ViewAs(fine_dst, dst),)
+            return Plan(src, dst, steps, inner.cost, itemsize, inner.route)
+    whole = Layout.make(src.shape, src.placement, (broadcast,) * src.placement.ndim)
+    first, second = plan_route(src, whole, itemsize), plan_route(whole, dst, itemsize)
+    return Plan(src, dst, first.steps + second.steps, first.cost + second.cost, itemsize,
+                "through broadcast")
 
 
 def _axis_step(src: Layout, dst: Layout, axis: int, itemsize: int):

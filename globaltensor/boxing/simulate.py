@@ -10,7 +10,7 @@ import torch
 
 from ..layout import Layout
 from ..partials import local_part, reduce_values
-from ..sbp import Partial, Split
+from ..sbp import Partial, Split, StridedSplit
 
 Locals = dict  # rank -> torch.Tensor
 
@@ -42,6 +42,10 @@ def materialize(locals_: Locals, layout: Layout) -> torch.Tensor:
         s = layout.sbp[axis]
         if isinstance(s, Split):
             return torch.cat(subs, dim=s.dim)
+        if isinstance(s, StridedSplit):  # block j is every member's j-th piece in turn
+            pieces = [sub.chunk(s.blocks, s.dim) if sub.shape[s.dim] else
+                      [sub] * s.blocks for sub in subs]
+            return torch.cat([p[j] for j in range(s.blocks) for p in pieces], dim=s.dim)
         if isinstance(s, Partial):
             return reduce_values(subs, s.reduce)
         return subs[0]

@@ -13,6 +13,7 @@ Decision(targets=(...), out_layouts=(...), ...)
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import warnings
@@ -28,7 +29,7 @@ from ..boxing import plan_route
 from ..layout import Layout
 from ..placement import Placement
 from ..rules.registry import lookup
-from ..sbp import Partial, Split, broadcast
+from ..sbp import Partial, Split, StridedSplit, broadcast
 from ..tensor import GlobalTensor
 from .call import Call, LocalCtx, unflatten_args
 
@@ -95,7 +96,8 @@ def _decide(func, leaves: list, spec) -> Decision:
                 [tuple(meta.out_leaves[i].shape) for i in meta.out_tensors], leaves, spec,
                 placement.shape)
     rule, local = lookup(func)
-    best = None if rule is None else _cheapest(call, rule, meta, gidx, inplace)
+    best = None if rule is None else _cheapest(call, rule, meta, gidx, inplace,
+                                               strided_ok=local is None)
     fallback = best is None
     if fallback:
         if inplace:
@@ -153,24 +155,19 @@ def _writes_first_arg(func) -> bool:
     return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
 
 
-def _cheapest(call: Call, rule, meta: _MetaRun, gidx: tuple, inplace: bool):
+def _cheapest(call: Call, rule, meta: _MetaRun, gidx: tuple, inplace: bool,
+              strided_ok: bool = False):
     """(input layouts, output sbps) of the cheapest valid combination of the rule's
     per-axis signatures, or None when none is valid. An in-place op must keep its
     target's layout."""
     leaves = call.leaves
     placement = leaves[gidx[0]].placement
     current = [leaves[i]._layout for i in gidx]
-    weights = [PARAMETER_WEIGHT if _is_parameter(leaves[i]) else 1.0 for i in gidx]
+    weights = input_weights(leaves, gidx)
     sizes = [leaves[i].element_size() for i in gidx]
     out_metas = [meta.out_leaves[k] for k in meta.out_tensors]
     best, best_cost = None, None
-    for ins, outs in _combinations(call, rule, len(gidx), len(out_metas)):
-        if inplace and outs[0] != current[0].sbp:
-            continue
-        try:
-            targets = tuple(Layout.make(cur.shape, placement, s) for cur, s in zip(current, ins))
-        except ValueError:  # e.g. a split dim that a 0-d operand does not have
-            continue
+    for targets, outs in _signatures(call, rule, meta, gidx, inplace, strided_ok):
         cost = _boxing_cost(current, targets, sizes, weights)
         for out, sbp in zip(out_metas, outs):
             cost += _padded_partial_cost(out, placement, sbp, current, targets)
@@ -179,13 +176,113 @@ def _cheapest(call: Call, rule, meta: _MetaRun, gidx: tuple, inplace: bool):
     return best
 
 
-def _combinations(call: Call, rule, n_in: int, n_out: int):
+def _signatures(call: Call, rule, meta: _MetaRun, gidx: tuple, inplace: bool,
+                strided_ok: bool):
+    """Every valid (input layouts, output nd-sbps) of the call."""
+    leaves = call.leaves
+    placement = leaves[gidx[0]].placement
+    current = [leaves[i]._layout for i in gidx]
+    for ins, outs in _combinations(call, rule, len(gidx), len(meta.out_tensors), strided_ok):
+        if inplace and outs[0] != current[0].sbp:
+            continue
+        try:
+            targets = tuple(Layout.make(cur.shape, placement, s) for cur, s in zip(current, ins))
+            for k, sbp in zip(meta.out_tensors, outs):
+                Layout.make(meta.out_leaves[k].shape, placement, sbp)
+        except ValueError:  # e.g. a split dim that a 0-d operand does not have
+            continue
+        yield targets, outs
+
+
+def input_weights(leaves: list, gidx: tuple) -> list:
+    """Per global input: how much its boxing counts (parameters more, see above)."""
+    return [PARAMETER_WEIGHT if _is_parameter(leaves[i]) else 1.0 for i in gidx]
+
+
+@dataclass(frozen=True)
+class Options:
+    """Every valid signature of one call, for a planner that chooses among them with
+    the whole step in view (``dispatch/step.py``); ``greedy`` is the one ``decide``
+    takes looking at this call alone."""
+    call: Call
+    meta: _MetaRun
+    local: object
+    gidx: tuple
+    inplace: bool
+    signatures: tuple         # (input layouts, output layouts per output leaf)
+    greedy: int
+
+    def decision(self, k: int, in_layouts: tuple) -> Decision:
+        """The decision running signature ``k`` on inputs of ``in_layouts``."""
+        targets, outs = self.signatures[k]
+        return _finish(self.call, self.meta, self.local, self.gidx, targets, list(outs),
+                       self.inplace, False, in_layouts)
+
+
+def options(func, leaves: list, spec, greedy: Decision) -> "Options | None":
+    """Every signature the call's rule allows on these operands (None when it has no
+    rule or none fits: the per-op fallback is the only way then)."""
+    if greedy.fallback:
+        return None
+    gidx = greedy.gidx
+    with _disable_current_modes() if comm.tracing() else contextlib.nullcontext():
+        meta = _meta_run(func, leaves, spec)
+    placement = leaves[gidx[0]].placement
+    call = Call(func, [leaves[i] for i in gidx], [tuple(leaves[i].shape) for i in gidx],
+                [tuple(meta.out_leaves[i].shape) for i in meta.out_tensors], leaves, spec,
+                placement.shape)
+    rule, local = lookup(func)
+    found = []
+    for targets, outs in _signatures(call, rule, meta, gidx, greedy.inplace, local is None):
+        layouts = [None] * len(meta.out_leaves)
+        for i, s in zip(meta.out_tensors, outs):
+            layouts[i] = Layout.make(meta.out_leaves[i].shape, placement, s)
+        found.append((targets, tuple(layouts)))
+    chosen = [k for k, (t, _) in enumerate(found) if t == greedy.targets
+              and _same_outs(found[k][1], greedy)]
+    if not chosen:
+        return None
+    # Kept past this call: meta tensors only, not the operands.
+    call = dataclasses.replace(call, inputs=[meta.leaves[i] for i in gidx], leaves=meta.leaves)
+    return Options(call, meta, local, gidx, greedy.inplace, tuple(found), chosen[0])
+
+
+def _same_outs(layouts: tuple, decision: Decision) -> bool:
+    reduced = decision.reduced or (None,) * len(layouts)
+    return all((r or l) == o or l == o for l, o, r in zip(layouts, decision.out_layouts, reduced))
+
+
+def _combinations(call: Call, rule, n_in: int, n_out: int, strided_ok: bool = False):
     """Every combination of the rule's 1-D signatures over the placement's axes, as
     (per input: its nd-sbp, per tensor output: its nd-sbp)."""
     per_axis = [rule(call, axis) for axis in range(len(call.mesh))]
+    if strided_ok:
+        per_axis = [_with_strided(call, axis, cands) for axis, cands in enumerate(per_axis)]
     for combo in itertools.product(*per_axis):
         yield ([tuple(c[0][k] for c in combo) for k in range(n_in)],
                [tuple(c[1][k] for c in combo) for k in range(n_out)])
+
+
+def _with_strided(call: Call, axis: int, cands: list) -> list:
+    """``cands`` and, where an input holds a strided split on ``axis``, each signature
+    with its splits made strided alike. Sound for ops that run on the parts as they
+    are (no local implementation reading offsets): such an op pairs element i of one
+    operand's split dim with element i of the others', and a strided split of equal
+    lengths puts equal indices on one rank in one order, as a plain split does."""
+    blocks = {s.blocks for x in call.inputs for s in (x._layout.sbp[axis],)
+              if isinstance(s, StridedSplit)}
+    if not blocks:
+        return cands
+    shapes = list(call.in_shapes) + list(call.out_shapes)
+    out = list(cands)
+    for k in blocks:
+        for ins, outs in cands:
+            sbps = list(ins) + list(outs)
+            lengths = {shapes[i][s.dim] for i, s in enumerate(sbps) if isinstance(s, Split)}
+            if len(lengths) == 1 and lengths.pop() % k == 0:
+                made = [StridedSplit(s.dim, k) if isinstance(s, Split) else s for s in sbps]
+                out.append((tuple(made[:len(ins)]), tuple(made[len(ins):])))
+    return out
 
 
 def _boxing_cost(current: list, targets: tuple, sizes: list, weights: list) -> float:
@@ -219,9 +316,15 @@ def _padded_partial_cost(out, placement: Placement, sbp: tuple, current: list,
     for a in axes:
         ends = [broadcast] + [Split(d) for d in range(out.dim())
                               if out.shape[d] >= placement.shape[a]]
-        cost += min(plan_route(src, Layout.make(out.shape, placement,
-                                                sbp[:a] + (e,) + sbp[a + 1:]), size).cost
-                    for e in ends)
+        found = []
+        for e in ends:
+            try:
+                found.append(plan_route(src, Layout.make(out.shape, placement,
+                                                         sbp[:a] + (e,) + sbp[a + 1:]),
+                                        size).cost)
+            except ValueError:   # a split of a dim another axis splits strided
+                continue
+        cost += min(found)
     return cost
 
 
@@ -236,17 +339,21 @@ def _fallback(func, leaves: list, gidx: tuple, placement: Placement, n_out: int)
 
 
 def _finish(call: Call, meta: _MetaRun, local, gidx: tuple, targets: tuple,
-            out_layouts: list, inplace: bool, fallback: bool) -> Decision:
-    """The decision for the chosen layouts, with the shortcuts of its run step."""
+            out_layouts: list, inplace: bool, fallback: bool,
+            in_layouts: "tuple | None" = None) -> Decision:
+    """The decision for the chosen layouts, with the shortcuts of its run step.
+    ``in_layouts``: the inputs' layouts when they are not the call's (a planned step)."""
     func, leaves = call.func, call.leaves
+    if in_layouts is None:
+        in_layouts = tuple(leaves[i]._layout for i in gidx)
     rank = comm.get_rank()
     reduced = _reduced_scalars(func, out_layouts, inplace)
     shortcut = not inplace and _empty_shortcut(meta.out_leaves, targets, out_layouts, rank)
     single = len(meta.out_leaves) == 1 and isinstance(meta.out, torch.Tensor)
     direct = (single and not inplace and not fallback and local is None and not shortcut
               and not reduced and call.spec.__class__ is tuple
-              and rank in leaves[gidx[0]].placement
-              and all(leaves[i]._layout == t for i, t in zip(gidx, targets)))
+              and rank in targets[0].placement
+              and all(cur == t for cur, t in zip(in_layouts, targets)))
     # The context is cached with the decision: it holds meta tensors, not this call's.
     ctx = None if local is None else LocalCtx(
         dataclasses.replace(call, inputs=[meta.leaves[i] for i in gidx], leaves=meta.leaves),

@@ -5,7 +5,9 @@ in-place view ops (squeeze_, unsqueeze_, t_, transpose_).
 A split survives when the split dim keeps its identity (it may move); a dim that is
 sliced, concatenated along, squeezed or expanded cannot stay split. A reshape keeps a
 split when every part stays one contiguous block of the reshaped dim (always when the
-dim is untouched; across a merge or split of dims, when the parts divide evenly).
+dim is untouched; across a merge or split of dims, when the parts divide evenly); a
+split dim merged under outer dims becomes a strided split, which the reverse reshape
+makes plain again, so attention's head reshapes never communicate.
 Every op here is linear, so partial in -> partial out.
 """
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from ..layout import balanced_split
-from ..sbp import Split, broadcast, partial_max, partial_sum
+from ..sbp import Split, StridedSplit, broadcast, partial_max, partial_sum
 from ..tensor import GlobalTensor
 from .registry import register
 
@@ -219,35 +221,67 @@ def view_rule(call, axis):
     if call.func is aten.view.dtype:
         return []
     a, b = call.in_shapes[0], call.out_shapes[0]
-    total_mesh = 1
-    for m in call.mesh:
-        total_mesh *= m
-    return _same_sbp(1, 1, _view_splits(a, b, call.mesh[axis], total_mesh))
+    held = call.inputs[0]._layout.sbp[axis] if isinstance(call.inputs[0], GlobalTensor) \
+        else None
+    cands = _same_sbp(1, 1, {})
+    cands += [((s,), (t,)) for s, t in _view_splits(a, b, call.mesh[axis],
+                                                    math.prod(call.mesh), held)]
+    return cands
 
 
-def _view_splits(a, b, n, total_mesh) -> dict:
-    """Input dims whose split survives reshaping ``a`` to ``b`` -> their output dim."""
+def _view_splits(a, b, n, total_mesh, held=None) -> list:
+    """(input sbp, output sbp) pairs of splits that survive reshaping ``a`` to ``b``
+    on an axis of ``n`` ranks: a split dim left untouched keeps its split (strided or
+    not); a split dim merged under outer dims (``(B, H) -> B * H`` with ``H`` split)
+    becomes a strided split with one block per outer index; a strided split (``held``,
+    the input's sbp) whose blocks become their own dims becomes a plain split again.
+    Parts must stay whole rows of the output dim, with balanced parts on both sides."""
     if 0 in a or 0 in b:
-        return {}
-    moved = {}
+        return []
+    pairs = []
     for in_dims, out_dims in _view_groups(a, b):
         in_big = [d for d in in_dims if a[d] > 1]
         out_big = [d for d in out_dims if b[d] > 1]
         if not in_big or not out_big:
             continue
-        d, e = in_big[0], out_big[0]
-        in_inner = math.prod(a[k] for k in in_dims if k > d)
+        e = out_big[0]
         out_inner = math.prod(b[k] for k in out_dims if k > e)
-        if a[d] == b[e] and in_inner == out_inner:
-            moved[d] = e  # the dim itself is untouched: any split carries over
-            continue
-        if a[d] % total_mesh or b[e] % total_mesh:
-            continue  # nested or uneven parts would not stay contiguous blocks
-        ours = [(o * in_inner, s * in_inner) for o, s in balanced_split(a[d], n)]
-        theirs = [(o * out_inner, s * out_inner) for o, s in balanced_split(b[e], n)]
-        if ours == theirs:
-            moved[d] = e
-    return moved
+        for d in in_big:
+            outer = math.prod(a[k] for k in in_dims if k < d)
+            inner = math.prod(a[k] for k in in_dims if k > d)
+            if outer == 1 and a[d] == b[e] and inner == out_inner:
+                pairs.append((Split(d), Split(e)))  # untouched: any split carries over
+                if isinstance(held, StridedSplit) and held.dim == d:
+                    pairs.append((held, StridedSplit(e, held.blocks)))
+                continue
+            if a[d] % total_mesh or (a[d] * inner) % out_inner:
+                continue  # nested or uneven parts, or parts that are not whole rows
+            if _same_parts(a[d], inner, a[d] * inner // out_inner, out_inner, n):
+                pairs.append((Split(d), Split(e) if outer == 1 else StridedSplit(e, outer)))
+        if isinstance(held, StridedSplit) and in_big == [held.dim]:
+            pairs += _unblocked(held, a, b, out_dims, n)
+    return pairs
+
+
+def _same_parts(length_in: int, inner_in: int, length_out: int, inner_out: int,
+                n: int) -> bool:
+    """Whether balanced parts of ``length_in`` rows of ``inner_in`` elements are the
+    balanced parts of ``length_out`` rows of ``inner_out``."""
+    return ([(o * inner_in, s * inner_in) for o, s in balanced_split(length_in, n)]
+            == [(o * inner_out, s * inner_out) for o, s in balanced_split(length_out, n)])
+
+
+def _unblocked(held: StridedSplit, a, b, out_dims, n) -> list:
+    """A strided split of a dim reshaped so that its blocks span the leading output
+    dims: the output dim after them is split plainly."""
+    block = a[held.dim] // held.blocks
+    lead = 1
+    for e in out_dims:
+        if lead == held.blocks and b[e] > 1:
+            inner = math.prod(b[k] for k in out_dims if k > e)
+            return [(held, Split(e))] if _same_parts(block, 1, b[e], inner, n) else []
+        lead *= b[e]
+    return []
 
 
 def _view_groups(a, b):
