@@ -20,12 +20,13 @@ from .boxing import Plan, plan_route
 from . import comm
 from .comm import CollectiveError, DivergenceError, stats
 from .comm.stats import CommCounter
+from .dispatch.explain_step import StepReport, explain_step
 from .layout import Layout
 from .placement import Placement
 from .tensor import GlobalTensor
 
-__all__ = ["explain", "comm_stats", "show_layout", "check_consistency", "CommCounter",
-           "CollectiveError", "DivergenceError"]
+__all__ = ["explain", "explain_step", "StepReport", "comm_stats", "show_layout",
+           "check_consistency", "CommCounter", "CollectiveError", "DivergenceError"]
 
 
 @contextlib.contextmanager

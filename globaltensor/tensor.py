@@ -75,7 +75,7 @@ class GlobalTensor(torch.Tensor):
 
     _local: torch.Tensor
     _layout: Layout
-    __slots__ = ("_local", "_layout", "_key")
+    __slots__ = ("_local", "_layout", "_key", "_origin")  # _origin: see dispatch/step.py
 
     # Construction and the conversions are hidden from dynamo (as DTensor's constructor
     # is): dynamo inlining them baked shape-dependent decisions into graphs reused for

@@ -47,6 +47,17 @@ def _remember(cache: dict, key, decision) -> None:
     cache[key] = decision
 
 
+def key_of_call(func, leaves: list, spec):
+    """The cache key of this call, or None when an argument is unhashable."""
+    try:
+        key = (func, spec, tuple([x._key if x.__class__ is GlobalTensor else _key_of(x)
+                                  for x in leaves]))
+        hash(key)
+        return key
+    except TypeError:
+        return None
+
+
 def cached_decision(func, leaves: list, spec) -> Decision:
     """The cached decision for this call, deciding (and caching) it when new."""
     try:

@@ -24,7 +24,7 @@ from ..local_parts import device_of, empty_local
 from ..partials import identity_value
 from ..rules.registry import lookup_decomposition
 from ..tensor import GlobalTensor, install_dispatcher, wrap_part
-from . import plain
+from . import plain, step
 from .cache import cached_decision
 from .call import flatten_args, unflatten_args
 from .decide import Decision
@@ -58,6 +58,8 @@ def dispatch(func, types, args, kwargs):
         elif isinstance(x, torch.Tensor) and x.numel() > 1 and (
                 plain.implicit_depth or _in_backward()):
             leaves[i] = plain.as_broadcast(x, leaves, func)
+    if step.active:
+        return _in_step(func, leaves, spec)
     decision = cached_decision(func, leaves, spec)
     op = decision.direct
     if op is not None:
@@ -66,6 +68,22 @@ def dispatch(func, types, args, kwargs):
         out = op(*local[:n], **dict(zip(names, local[n:]))) if names else op(*local)
         return wrap_part(out, decision.out_layouts[0], decision.out_strides[0])
     return _run(func, decision, leaves, spec)
+
+
+def _in_step(func, leaves, spec):
+    """A call while a step is recorded or replayed (``step.py``)."""
+    decision, node = step.decision(func, leaves, spec)
+    op = decision.direct
+    if op is not None:
+        local = [x._local if x.__class__ is GlobalTensor else x for x in leaves]
+        n, names = spec
+        out = op(*local[:n], **dict(zip(names, local[n:]))) if names else op(*local)
+        out = wrap_part(out, decision.out_layouts[0], decision.out_strides[0])
+    else:
+        out = _run(func, decision, leaves, spec)
+    if node is not None:
+        step.made(node, out)
+    return out
 
 
 _NORMAL = object()  # in ``_special``: the op takes the rule path

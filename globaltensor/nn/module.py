@@ -17,6 +17,7 @@ import torch
 
 from .. import comm
 from ..dispatch import implicit_broadcast
+from ..dispatch.step import step_boundary
 from ..layout import Layout
 from ..local_parts import device_of, empty_local
 from ..placement import Placement, check_placement
@@ -103,6 +104,7 @@ def _open_scope(module, args):
     if not torch.compiler.is_compiling():
         scope = None if _scopes else implicit_broadcast()
         if scope is not None:
+            step_boundary(module)   # the outermost forward starts a training step
             scope.__enter__()
         _scopes.append((module, scope))
 

@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 import torch
 
 from .. import comm
+from ..dispatch.step import paused
 from ..random import get_draw
 from ..gradsync import no_sync
 from ..layout import Layout, balanced_split
@@ -144,6 +145,11 @@ class Pipeline:
 
     # --- steps --------------------------------------------------------------------
     def _run(self, x, target, train: bool):
+        # Stages run per micro-batch and must give one layout for all: op-by-op choice.
+        with paused():
+            return self._run_micro_batches(x, target, train)
+
+    def _run_micro_batches(self, x, target, train: bool):
         m = self.micro_batches
         sizes = [size for _, size in balanced_split(batch_rows(x), m)]
         if min(sizes) == 0:

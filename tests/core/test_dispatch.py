@@ -50,6 +50,8 @@ def check_cache_and_layouts_bounded_over_many_shapes():
         # The plan caches are LRU caches of fixed size; beyond them (and the decisions
         # kept) nothing holds a layout: the intern table kept one per shape ever seen.
         from globaltensor.boxing import cost, plan
+        from globaltensor.dispatch import step
+        step.clear()   # whole-step plans hold layouts too (at most step.MAX_PLANS)
         plan.plan_route.cache_clear()
         plan.plan_boxing.cache_clear()
         cost._max_local_numel.cache_clear()

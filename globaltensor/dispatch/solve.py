@@ -1,0 +1,205 @@
+"""Choosing one signature per call for a whole step: a min-sum problem over a graph.
+
+Each node (a call) has options, each with a cost of its own (``unary``: boxing its
+operands that no recorded call made, its compute); each edge (a tensor one call makes
+and a later one uses) prices every pair of options (boxing the producer's output
+layout into the consumer's input layout). The total of a choice is what the step's
+layouts cost. Pure: no tensors, no processes.
+
+``solve`` runs dynamic programming in call order, exact when every tensor has one
+consumer (chains and trees: each message subtracts its minimum, so a producer shared
+by several consumers is not counted over and over along diamonds), then improves it
+and the per-op choice by moving one node at a time while the total falls (iterated
+conditional modes), and keeps the cheaper result: never worse than per-op choice.
+
+>>> p = Problem([[0.0, 1.0], [0.0, 0.0]], [(0, 1, [[5.0, 0.0], [5.0, 0.0]])])
+>>> solve(p, [0, 0])
+[0, 1]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_SWEEPS = 20
+
+
+@dataclass
+class Problem:
+    """``unary[v][o]``: node v in option o; ``edges``: (u, v, cost[ou][ov]) with u < v."""
+    unary: list
+    edges: list
+    into: list = field(init=False)   # per node: indices of edges into it
+    out_of: list = field(init=False)  # per node: indices of edges out of it
+
+    def __post_init__(self):
+        self.into = [[] for _ in self.unary]
+        self.out_of = [[] for _ in self.unary]
+        for k, (u, v, _) in enumerate(self.edges):
+            self.into[v].append(k)
+            self.out_of[u].append(k)
+
+    def total(self, choice: list) -> float:
+        """What the step costs with option ``choice[v]`` at every node v."""
+        return (sum(self.unary[v][o] for v, o in enumerate(choice))
+                + sum(cost[choice[u]][choice[v]] for u, v, cost in self.edges))
+
+
+def solve(problem: Problem, start: list) -> list:
+    """The cheapest choice found: dynamic programming and ``start`` (the per-op
+    choice), each improved by single moves and then by propagated moves; the better."""
+    found = []
+    for first in (list(start), forward_dp(problem)):
+        found.append(propagate(problem, improve(problem, first)))
+    return min(found, key=problem.total)
+
+
+def forward_dp(problem: Problem) -> list:
+    """Dynamic programming in node order (producers first), then choices from the last
+    node back, each node taking its best option given its consumers' choices."""
+    best = []
+    for v, unary in enumerate(problem.unary):
+        table = list(unary)
+        for k in problem.into[v]:
+            u, _, cost = problem.edges[k]
+            floor = min(best[u])
+            for o in range(len(table)):
+                table[o] += min(b + cost[ou][o] for ou, b in enumerate(best[u])) - floor
+        best.append(table)
+    choice: list = [None] * len(best)
+    for v in range(len(best) - 1, -1, -1):
+        scores = list(best[v])
+        for k in problem.out_of[v]:
+            _, w, cost = problem.edges[k]
+            for o in range(len(scores)):
+                scores[o] += cost[o][choice[w]]
+        choice[v] = min(range(len(scores)), key=scores.__getitem__)
+    return choice
+
+
+def _scores(problem: Problem, v: int, choice, consumers: bool = True) -> list:
+    """Node v's cost in each of its options, its neighbours as ``choice`` has them
+    (its producers only, unless ``consumers``)."""
+    scores = list(problem.unary[v])
+    for k in problem.into[v]:
+        u, _, cost = problem.edges[k]
+        row = cost[choice[u]]
+        for o in range(len(scores)):
+            scores[o] += row[o]
+    if not consumers:
+        return scores
+    for k in problem.out_of[v]:
+        _, w, cost = problem.edges[k]
+        cw = choice[w]
+        for o in range(len(scores)):
+            scores[o] += cost[o][cw]
+    return scores
+
+
+class _Overlay:
+    """``choice`` with some nodes changed, without copying it."""
+    __slots__ = ("base", "changed")
+
+    def __init__(self, base, changed):
+        self.base, self.changed = base, changed
+
+    def __getitem__(self, v):
+        return self.changed.get(v, self.base[v])
+
+
+def _energy(problem: Problem, nodes, choice) -> float:
+    """The part of the total that involves ``nodes``."""
+    edges = {k for v in nodes for k in problem.into[v] + problem.out_of[v]}
+    return (sum(problem.unary[v][choice[v]] for v in nodes)
+            + sum(problem.edges[k][2][choice[problem.edges[k][0]]][choice[problem.edges[k][1]]]
+                  for k in edges))
+
+
+def propagate(problem: Problem, choice: list, window: int = 48, sweeps: int = 3) -> list:
+    """Moves that change one node and let its consumers follow: node v takes option
+    o, then each consumer reached (in call order, at most ``window`` of them) takes its
+    best option (given its producers only, as per-op choice would, or given all its
+    neighbours); the better of the two is kept when the total falls. Single moves
+    cannot cross a chain of views whose links must change together (a residual stream
+    going from batch-split to broadcast); these can. Moves are tried near the edges
+    that cost something (``_near_costs``): elsewhere nothing is boxed."""
+    for _ in range(sweeps):
+        moved = False
+        for v in _near_costs(problem, choice):
+            for o in range(len(problem.unary[v])):
+                if o == choice[v]:
+                    continue
+                best = None
+                for consumers in (False, True):
+                    changed = _follow(problem, choice, v, o, window, consumers)
+                    gain = (_energy(problem, changed, choice)
+                            - _energy(problem, changed, _Overlay(choice, changed)))
+                    if gain > 1e-12 and (best is None or gain > best[0]):
+                        best = (gain, changed)
+                if best is not None:
+                    for w, c in best[1].items():
+                        choice[w] = c
+                    moved = True
+        if not moved:
+            break
+    return choice
+
+
+def _follow(problem: Problem, choice: list, v: int, o: int, window: int,
+            consumers: bool) -> dict:
+    """Node v in option o and the consumers that change their choice after it."""
+    changed = {v: o}
+    trial = _Overlay(choice, changed)
+    todo = sorted({problem.edges[k][1] for k in problem.out_of[v]})
+    seen = set(todo)
+    while todo and len(changed) < window:
+        w = todo.pop(0)
+        scores = _scores(problem, w, trial, consumers)
+        best = min(range(len(scores)), key=scores.__getitem__)
+        if best != trial[w]:
+            changed[w] = best
+            for k in problem.out_of[w]:
+                x = problem.edges[k][1]
+                if x not in seen:
+                    seen.add(x)
+                    todo.append(x)
+            todo.sort()
+    return changed
+
+
+def _near_costs(problem: Problem, choice: list, up: int = 4) -> list:
+    """Nodes at a costly edge or in a costlier option than they have, and up to ``up``
+    producers above them, in order."""
+    sites = {v for u, v, cost in problem.edges if cost[choice[u]][choice[v]] > 0}
+    sites |= {v for v, unary in enumerate(problem.unary) if unary[choice[v]] > min(unary)}
+    near, frontier = set(), sites
+    for _ in range(up + 1):
+        near |= frontier
+        frontier = {problem.edges[k][0] for w in frontier for k in problem.into[w]} - near
+    return sorted(v for v in near if len(problem.unary[v]) > 1)
+
+
+def improve(problem: Problem, choice: list) -> list:
+    """Move single nodes to their best option given their neighbours' while that
+    lowers the total (at most ``MAX_SWEEPS`` sweeps)."""
+    for _ in range(MAX_SWEEPS):
+        moved = False
+        for v, unary in enumerate(problem.unary):
+            if len(unary) == 1:
+                continue
+            scores = list(unary)
+            for k in problem.into[v]:
+                u, _, cost = problem.edges[k]
+                row = cost[choice[u]]
+                for o in range(len(scores)):
+                    scores[o] += row[o]
+            for k in problem.out_of[v]:
+                _, w, cost = problem.edges[k]
+                for o in range(len(scores)):
+                    scores[o] += cost[o][choice[w]]
+            o = min(range(len(scores)), key=scores.__getitem__)
+            if scores[o] < scores[choice[v]] - 1e-12:
+                choice[v] = o
+                moved = True
+        if not moved:
+            break
+    return choice

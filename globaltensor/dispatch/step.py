@@ -1,0 +1,403 @@
+"""Whole-step layouts in eager mode: record a step's calls, plan them together, replay.
+
+An SPMD training program repeats one step. The first time a step runs, every call is
+decided op by op (``decide.py``) and recorded: every signature its rule allows
+(``decide.options``) and which earlier call of the step made each operand (outputs
+carry ``_origin``). At the next step boundary the record becomes a min-sum problem
+(``solve.py``: options priced by the boxing between them, with the alpha-beta model of
+``boxing/cost.py``; tensors made before the step, parameters among them, keep their
+layouts, as do the layouts ``to_global`` pins) and the cheapest choice is kept as a
+plan, keyed by the step's first call. A later step whose first call matches replays
+it: call i takes its planned decision when its op, arguments and operand layouts are
+those the plan expects; the first call that differs (another program path, another
+batch shape) is decided op by op, and the replay goes on when the next calls match
+again (up to ``MAX_MISSES`` in a row; then the rest of the step is decided op by op).
+
+A step begins at the outermost forward of a module made global (``step_boundary``,
+called by ``gt.nn``'s hooks) and at ``gt.debug.explain_step``. Off with
+``GLOBALTENSOR_PLAN_STEPS=0``.
+
+>>> loss = model(x).sum(); loss.backward()   # step 1: recorded     # doctest: +SKIP
+>>> loss = model(x).sum(); loss.backward()   # step 2: planned, replayed
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+from torch.utils._pytree import tree_flatten
+
+from .. import comm
+from ..boxing import plan_route
+from ..boxing.cost import max_local_bytes
+from ..tensor import GlobalTensor
+from . import solve
+from .cache import cached_decision, key_of_call
+from .decide import Decision, Options, options
+
+log = logging.getLogger("globaltensor")
+
+ENABLED = os.environ.get("GLOBALTENSOR_PLAN_STEPS", "1") != "0"
+# Compute is priced too, so that duplicated work (a weight gathered and the whole
+# product computed on every rank) is not free: seconds per multiply-add of a matrix
+# product and per element any other op writes (a few GFLOP/s: a CPU core).
+SECONDS_PER_MAC = 1 / 5e9
+SECONDS_PER_ELEMENT = 1 / 1e9
+_PRODUCTS = {"mm": 0, "bmm": 0, "addmm": 1, "baddbmm": 1}
+# A parameter moved for an op has its gradient moved back in backward, which the
+# record does not show (gradients reach ``.grad`` outside dispatch).
+PARAMETER_WEIGHT = 2.0
+MAX_PLANS = 16
+MAX_MISSES = 8
+MAX_RECORDINGS = 3
+MAX_CALLS = 20000   # a recording longer than this is dropped
+_INFEASIBLE = 1e9
+
+
+@dataclass
+class Node:
+    """One recorded call."""
+    func: object
+    key: tuple                 # its cache key as recorded
+    greedy: Decision           # the per-op decision it ran with
+    opts: "Options | None"     # its choices (None: the per-op decision only)
+    producers: list            # per global input: (node, output index), or None
+    inputs: list               # per global input: (layout as recorded, itemsize, weight)
+    floats: tuple              # the float arguments, when the decision depends on them
+    choice: int = 0
+    planned: "Decision | None" = None   # None: decided op by op at replay
+    expected: tuple = ()       # the cache key replay expects
+    sent_bytes: int = 0        # sent while it ran (explain_step counts)
+
+    def signatures(self) -> tuple:
+        """(input layouts, output layouts) per option."""
+        if self.opts is None:
+            return ((self.greedy.targets, self.greedy.out_layouts),)
+        return self.opts.signatures
+
+
+@dataclass
+class StepPlan:
+    """A planned step: per call, its decision and the key it must match."""
+    nodes: list
+    per_op_cost: float         # what the recorded (per-op) choice costs, seconds
+    planned_cost: float        # what the plan costs, seconds
+    seconds: float             # time taken to plan
+    problem: "solve.Problem | None" = None   # kept for explain_step
+
+    @property
+    def first_key(self) -> tuple:
+        return self.nodes[0].expected
+
+
+@dataclass
+class _State:
+    mode: str = "idle"         # "armed" | "recording" | "replaying" | "idle"
+    record: list = field(default_factory=list)
+    serial: int = 0            # tells this recording's outputs from older ones
+    plan: "StepPlan | None" = None
+    cursor: int = 0
+    misses: int = 0            # calls in a row that the plan did not expect
+    owner: int = 0                                 # id of the module the step is of
+    hold: bool = False                             # explain_step is recording
+    sent: object = None                            # explain_step's CommCounter
+    plans: dict = field(default_factory=dict)      # (owner, first key) -> StepPlan
+    recorded: dict = field(default_factory=dict)   # (owner, first key) -> times recorded
+    last: "StepPlan | None" = None                 # the latest plan made
+
+
+state = _State()
+active = False   # read by entry.dispatch on every call: not in ``state`` for speed
+
+
+def _set(mode: str) -> None:
+    global active
+    state.mode = mode
+    active = mode in ("armed", "recording", "replaying")
+
+
+def step_boundary(owner: object = None) -> None:
+    """A step of ``owner`` (the module whose forward begins) begins: plan what was
+    recorded, and watch the next call."""
+    if state.hold:      # explain_step records its function whole
+        return
+    if state.mode == "recording":
+        finish_recording()
+    elif state.mode == "replaying":
+        _give_up()
+    if ENABLED:
+        state.owner = id(owner)
+        _set("armed")
+
+
+@contextlib.contextmanager
+def paused():
+    """No step boundary, recording or replay inside (a pipeline runs its stages per
+    micro-batch and needs each stage's outputs in one layout)."""
+    global active
+    saved = (state.mode, state.hold)
+    state.mode, state.hold, active = "idle", True, False
+    try:
+        yield
+    finally:
+        state.hold = saved[1]
+        _set(saved[0])
+
+
+def clear() -> None:
+    """Forget every plan and recording (tests; a program never needs it)."""
+    global state
+    state = _State()
+    _set("idle")
+
+
+def start_recording(owner: object, hold: bool = True) -> None:
+    """Record from the next call on (``explain_step``), whatever was planned; ``hold``:
+    step boundaries change nothing until ``finish_recording``."""
+    if state.mode == "recording":
+        finish_recording()
+    state.serial += 1
+    state.record = []
+    state.owner = id(owner)
+    state.hold = hold
+    _set("recording")
+
+
+def finish_recording() -> "StepPlan | None":
+    """Plan the recorded calls; keep and return the plan (None when nothing fits)."""
+    record, state.record = state.record, []
+    _set("idle")
+    if not record:
+        state.hold = False
+        return None
+    started = time.perf_counter()
+    try:
+        plan = plan_step(record)
+    except Exception as e:  # noqa: BLE001  (every rank fails alike: SPMD records agree)
+        log.warning("globaltensor: a step could not be planned (%s: %s); it runs op by "
+                    "op", type(e).__name__, e)
+        state.hold = False
+        return None
+    plan.seconds = time.perf_counter() - started
+    if not state.hold:
+        plan.problem = None
+    if len(state.plans) >= MAX_PLANS:
+        state.plans.pop(next(iter(state.plans)))
+    state.plans[state.owner, plan.first_key] = plan
+    state.last = plan
+    state.hold = False
+    log.debug("globaltensor: planned a step of %d calls in %.3f s: %.3f ms per op, "
+              "%.3f ms planned", len(record), plan.seconds, plan.per_op_cost * 1e3,
+              plan.planned_cost * 1e3)
+    return plan
+
+
+def decision(func, leaves: list, spec):
+    """The decision for a call inside a step, and the node recording it (or None)."""
+    if comm.tracing():   # torch.compile's graphs are not eager steps
+        return cached_decision(func, leaves, spec), None
+    if state.mode == "armed":
+        key = (state.owner, key_of_call(func, leaves, spec))
+        plan = state.plans.get(key)
+        if plan is not None:
+            state.plan, state.cursor, state.misses = plan, 0, 0
+            _set("replaying")
+        elif key[1] is not None and state.recorded.get(key, 0) < MAX_RECORDINGS:
+            state.recorded[key] = state.recorded.get(key, 0) + 1
+            state.serial += 1
+            state.record = []
+            _set("recording")
+        else:
+            _set("idle")
+    if state.mode == "replaying":
+        node = state.plan.nodes[state.cursor]
+        found = _replayed(node, func, leaves, spec)
+        if found is not None:
+            state.cursor += 1
+            state.misses = 0
+            if state.cursor == len(state.plan.nodes):
+                state.plan = None
+                _set("idle")
+            return found, None
+        # A call the plan does not know (a gradient accumulated into an existing
+        # ``.grad``) runs op by op, and the plan goes on if the next calls match.
+        state.misses += 1
+        if state.misses <= MAX_MISSES:
+            return cached_decision(func, leaves, spec), None
+        log.debug("globaltensor: %s differs from the planned step at call %d (%s "
+                  "planned, with %s); the rest of this step is decided op by op", func,
+                  state.cursor, node.func, _describe(node.expected, key_of_call(func, leaves, spec)))
+        _give_up()
+    greedy = cached_decision(func, leaves, spec)
+    if state.mode != "recording":
+        return greedy, None
+    return greedy, _record(func, leaves, spec, greedy)
+
+
+def _give_up() -> None:
+    """The step did not follow its plan to the end: drop the plan, so that the next
+    step is recorded again (at most MAX_RECORDINGS times per step start)."""
+    if state.plan is not None:
+        state.plans = {k: p for k, p in state.plans.items() if p is not state.plan}
+        state.plan = None
+    _set("idle")
+
+
+def _describe(expected, found) -> str:
+    if expected is None or found is None or len(expected[2]) != len(found[2]):
+        return f"{found}"
+    return "; ".join(f"argument {i}: {e} expected, {f} found"
+                     for i, (e, f) in enumerate(zip(expected[2], found[2])) if e != f)
+
+
+def _replayed(node: Node, func, leaves: list, spec) -> "Decision | None":
+    """The planned decision when this call is the one the plan expects, else None. A
+    call the plan could not choose for runs as decided op by op, provided that gives
+    the outputs the plan counted on."""
+    if func is not node.func:
+        return None
+    key = key_of_call(func, leaves, spec)
+    if node.planned is not None:
+        return node.planned if key == node.expected and _floats(node.greedy, leaves) \
+            == node.floats else None
+    if node.expected is not None and key != node.expected:
+        return None
+    found = cached_decision(func, leaves, spec)
+    return found if found.out_layouts == node.greedy.out_layouts else None
+
+
+def _floats(decision: Decision, leaves: list) -> tuple:
+    # Cache keys hold a float's type only; a decision that depends on the values (a
+    # rule read one) is replayed only for the values it was planned with.
+    return tuple(x for x in leaves if x.__class__ is float) if decision.by_value else ()
+
+
+def _record(func, leaves: list, spec, greedy: Decision) -> Node:
+    key = key_of_call(func, leaves, spec)
+    opts = None
+    if key is not None and not greedy.fallback:
+        opts = options(func, leaves, spec, greedy)
+    producers, inputs = [], []
+    for i in greedy.gidx:
+        x = leaves[i]
+        origin = getattr(x, "_origin", None)
+        if origin is not None and (origin[0] != state.serial or _made_as(origin) is not x._layout):
+            origin = None   # an older step's, or changed since (an in-place view op)
+        producers.append(None if origin is None else origin[1:])
+        weight = PARAMETER_WEIGHT if x.requires_grad and x.is_leaf else 1.0
+        inputs.append((x._layout, x.element_size(), weight))
+    node = Node(func, key, greedy, opts, producers, inputs, _floats(greedy, leaves))
+    if state.sent is not None:
+        node.sent_bytes = -state.sent.total_bytes
+    state.record.append(node)
+    if len(state.record) >= MAX_CALLS:   # no step boundary came: this is no step
+        log.debug("globaltensor: %d calls without a step boundary: not planned", MAX_CALLS)
+        state.record = []
+        _set("idle")
+    return node
+
+
+def _made_as(origin: tuple):
+    _, u, k = origin
+    layouts = state.record[u].greedy.out_layouts
+    return layouts[k] if k < len(layouts) else None
+
+
+def made(node: Node, out) -> None:
+    """Mark the GlobalTensors a recorded call returned as made by it."""
+    index = len(state.record) - 1
+    if state.sent is not None:
+        node.sent_bytes += state.sent.total_bytes
+    if node.greedy.fallback:   # its outputs count as made outside the step
+        return
+    if isinstance(out, GlobalTensor):
+        out._origin = (state.serial, index, 0)
+        return
+    for k, o in enumerate(tree_flatten(out)[0]):   # indexed as decisions index outputs
+        if isinstance(o, GlobalTensor):
+            o._origin = (state.serial, index, k)
+
+
+# --- planning -------------------------------------------------------------------------
+
+def plan_step(record: list) -> StepPlan:
+    """The cheapest signatures for the recorded calls (``solve.py``), as a plan."""
+    problem = _problem(record)
+    start = [n.opts.greedy if n.opts is not None else 0 for n in record]
+    choice = solve.solve(problem, start)
+    for node, k in zip(record, choice):
+        node.choice = k
+    _expect(record)
+    return StepPlan(record, problem.total(start), problem.total(choice), 0.0, problem)
+
+
+def _compute_seconds(func, targets: tuple, outs: tuple) -> float:
+    """The slowest rank's compute for one signature (see SECONDS_PER_MAC)."""
+    first = _PRODUCTS.get(func.overloadpacket.__name__)
+    if first is not None and len(targets) >= first + 2:
+        a, b = targets[first], targets[first + 1]
+        return SECONDS_PER_MAC * max(math.prod(a.local_shape(r)) * b.local_shape(r)[-1]
+                                     for r in a.placement)
+    return SECONDS_PER_ELEMENT * sum(max_local_bytes(o, 1) for o in outs if o is not None)
+
+
+def _route_cost(src, dst, itemsize: int, cache: dict) -> float:
+    key = (src, dst, itemsize)
+    cost = cache.get(key)
+    if cost is None:
+        cost = cache[key] = 0.0 if src == dst else plan_route(src, dst, itemsize).cost + 1e-9
+    return cost
+
+
+def _problem(record: list) -> solve.Problem:
+    routes: dict = {}
+    unary, edges = [], []
+    for v, node in enumerate(record):
+        sigs = node.signatures()
+        costs = [_compute_seconds(node.func, targets, outs) for targets, outs in sigs]
+        inplace = node.greedy.inplace
+        for i, (producer, (layout, size, weight)) in enumerate(zip(node.producers,
+                                                                   node.inputs)):
+            if producer is None:
+                for o, (targets, outs) in enumerate(sigs):
+                    costs[o] += _route_cost(layout, targets[i], size, routes) * weight
+                continue
+            u, k = producer
+            made_as = [outs[k] for _, outs in record[u].signatures()]
+            matrix = [[_route_cost(src, targets[i], size, routes) * weight
+                       + (_INFEASIBLE if inplace and i == 0 and src != outs[0] else 0.0)
+                       for targets, outs in sigs] for src in made_as]
+            edges.append((u, v, matrix))
+        unary.append(costs)
+    return solve.Problem(unary, edges)
+
+
+def _expect(record: list) -> None:
+    """Each node's planned decision and the cache key a replayed call must have: the
+    recorded key with its operands in the layouts the plan gives them."""
+    for node in record:
+        sigs = node.signatures()
+        targets, outs = sigs[node.choice]
+        in_layouts = []
+        for producer, (layout, _, _) in zip(node.producers, node.inputs):
+            if producer is not None:
+                u, k = producer
+                layout = record[u].signatures()[record[u].choice][1][k]
+            in_layouts.append(layout)
+        node.planned = None if node.opts is None else \
+            node.opts.decision(node.choice, tuple(in_layouts))
+        node.expected = _key_with(node, in_layouts)
+
+
+def _key_with(node: Node, in_layouts: list):
+    if node.key is None:
+        return None
+    func, spec, parts = node.key
+    parts = list(parts)
+    for i, layout in zip(node.greedy.gidx, in_layouts):
+        parts[i] = (layout,) + tuple(parts[i][1:])
+    return func, spec, tuple(parts)

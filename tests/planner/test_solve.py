@@ -1,0 +1,70 @@
+"""The whole-step solver (dispatch/solve.py) on small problems with known optima, and
+against brute force on random ones (no processes)."""
+import itertools
+import random
+
+from globaltensor.dispatch.solve import Problem, forward_dp, improve, propagate, solve
+
+
+def brute_force(problem: Problem) -> float:
+    return min(problem.total(list(c))
+               for c in itertools.product(*(range(len(u)) for u in problem.unary)))
+
+
+def test_chain_needs_two_nodes_to_move_together():
+    # a -> b: each option 1 costs 1 alone but saves 10 on the edge; per-node moves
+    # from (0, 0) cannot find (1, 1), dynamic programming does
+    p = Problem([[0.0, 1.0], [0.0, 1.0]], [(0, 1, [[10.0, 10.0], [10.0, 0.0]])])
+    assert improve(p, [0, 0]) == [0, 0]
+    assert forward_dp(p) == [1, 1]
+    assert solve(p, [0, 0]) == [1, 1] and p.total([1, 1]) == 2.0
+
+
+def test_fan_out_diamond_is_not_double_counted():
+    # 0 feeds 1 and 2, both feed 3: the residual-stream shape
+    edge = [[0.0, 5.0], [5.0, 0.0]]
+    p = Problem([[0.0, 3.0], [1.0, 0.0], [1.0, 0.0], [0.0, 0.0]],
+                [(0, 1, edge), (0, 2, edge), (1, 3, edge), (2, 3, edge)])
+    assert p.total(solve(p, [0, 0, 0, 0])) == brute_force(p) == 2.0
+
+
+def test_propagated_move_crosses_a_chain_of_views():
+    # a long chain whose links must all switch to reach the cheap end
+    n, edge = 5, [[0.0, 6.0], [6.0, 0.0]]
+    unary = [[0.0, 0.1] for _ in range(n - 1)] + [[5.0, 0.0]]
+    p = Problem(unary, [(v, v + 1, edge) for v in range(n - 1)])
+    start = [0] * n
+    assert improve(p, list(start)) == start
+    assert p.total(propagate(p, list(start))) < p.total(start)
+
+
+def test_never_worse_than_the_start_and_optimal_on_random_trees():
+    rng = random.Random(0)
+    for trial in range(40):
+        n = rng.randint(2, 7)
+        unary = [[rng.random() for _ in range(rng.randint(1, 3))] for _ in range(n)]
+        edges = []
+        for v in range(1, n):   # a tree: each node has one consumer at most
+            u = rng.randrange(v)
+            if any(e[0] == u for e in edges):
+                continue
+            edges.append((u, v, [[rng.random() * 3 for _ in unary[v]] for _ in unary[u]]))
+        p = Problem(unary, edges)
+        start = [rng.randrange(len(u)) for u in unary]
+        found = solve(p, start)
+        assert p.total(found) <= p.total(start) + 1e-12
+        assert abs(p.total(forward_dp(p)) - brute_force(p)) < 1e-9, trial
+
+
+def test_random_graphs_close_to_brute_force():
+    rng = random.Random(1)
+    worse = 0
+    for _ in range(40):
+        n = rng.randint(3, 7)
+        unary = [[rng.random() for _ in range(rng.randint(1, 3))] for _ in range(n)]
+        edges = [(u, v, [[rng.random() * 3 for _ in unary[v]] for _ in unary[u]])
+                 for v in range(n) for u in range(v) if rng.random() < 0.4]
+        p = Problem(unary, edges)
+        found = p.total(solve(p, [0] * n))
+        worse += found > brute_force(p) + 1e-9
+    assert worse <= 4

@@ -1,0 +1,174 @@
+"""Layouts chosen for the whole step, in processes: attention's head reshapes stay
+local through strided splits, planned steps replay and train equal to one process, a
+program that changes falls back, and explain_step reports the choices."""
+from mp import checks_in_worlds
+
+B, T, C, H = 2, 8, 16, 4
+
+
+def _block():
+    """A nanoGPT-style block: layer norm, q/k/v, heads by view + transpose, causal
+    softmax attention, proj, residual; a 2-layer MLP."""
+    import math
+    import torch
+    from torch import nn
+    import torch.nn.functional as F
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(C), nn.LayerNorm(C)
+            self.q, self.k, self.v, self.proj = (nn.Linear(C, C) for _ in range(4))
+            self.fc1, self.fc2 = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+            self.register_buffer("mask", torch.tril(torch.ones(T, T)).view(1, 1, T, T))
+
+        def forward(self, x):
+            h = self.ln1(x)
+            q, k, v = (lin(h).view(B, -1, H, C // H).transpose(1, 2)
+                       for lin in (self.q, self.k, self.v))
+            att = q @ k.transpose(-2, -1) / math.sqrt(C // H)
+            att = att.masked_fill(self.mask[:, :, :x.shape[1], :x.shape[1]] == 0, -1e9)
+            y = (att.softmax(-1) @ v).transpose(1, 2).contiguous().view(B, -1, C)
+            x = x + self.proj(y)
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+    torch.manual_seed(0)
+    return Block()
+
+
+def _megatron(name, t):
+    import globaltensor as gt
+    module, param = name.split(".")[-2:] if "." in name else ("", name)
+    if module in ("q", "k", "v", "fc1"):
+        return gt.sbp.split(0)
+    if module in ("proj", "fc2") and param == "weight":
+        return gt.sbp.split(1)
+    return gt.sbp.broadcast
+
+
+def check_head_reshapes_stay_local():
+    import math
+    import torch
+    import globaltensor as gt
+    P = gt.placement.all("cpu")
+    torch.manual_seed(1)
+    full = [torch.randn(B, T, C, requires_grad=True) for _ in range(3)]
+    q, k, v = (gt.to_global(t.detach(), P, gt.sbp.broadcast).to_global(sbp=gt.sbp.split(2))
+               .detach().requires_grad_() for t in full)
+
+    def attention(q, k, v):
+        q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1) / math.sqrt(C // H)).softmax(-1)
+        return (att @ v).transpose(1, 2).contiguous().view(B, T, C)
+
+    with gt.debug.comm_stats() as stats:
+        y = attention(q, k, v)
+        (y * y).sum().backward()     # the sum's one all-reduce is all that moves
+    assert y.sbp == (gt.sbp.split(2),), y.sbp
+    assert stats.calls["all_to_all"] == 0 and stats.calls["all_gather"] == 0, stats
+    assert stats.total_calls == 1, stats
+    ref = attention(*full)
+    (ref * ref).sum().backward()
+    torch.testing.assert_close(y.full(), ref.detach(), rtol=1e-5, atol=1e-5)
+    for g, t in zip((q, k, v), full):
+        torch.testing.assert_close(g.grad.full(), t.grad, rtol=1e-4, atol=1e-5)
+    # the strided layout inside: (B, H, T, hd) -> (B * H, T, hd) with H split
+    x = q.view(B, T, H, C // H).transpose(1, 2).reshape(B * H, T, C // H)
+    assert x.sbp == (gt.sbp.split(0, blocks=B),) and str(x.sbp[0]) == "split(dim=0, blocks=2)"
+    torch.testing.assert_close(x.full(), full[0].view(B, T, H, C // H).transpose(1, 2)
+                               .reshape(B * H, T, C // H), rtol=0, atol=0)
+
+
+def _train(model, x, steps, plain=False):
+    import torch
+    import globaltensor as gt
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, sent = [], []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        with gt.debug.comm_stats() as stats:
+            loss = model(x).square().mean()
+            loss.backward()
+        opt.step()
+        losses.append(loss.item() if plain else loss.full().item())
+        sent.append(stats.total_bytes)
+    return losses, sent
+
+
+def check_planned_steps_replay_and_train_equal():
+    import copy
+    import torch
+    import globaltensor as gt
+    from globaltensor.dispatch import step
+    step.clear()
+    P = gt.placement.all("cpu")
+    plain = _block()
+    model = gt.nn.to_global(copy.deepcopy(plain), P, _megatron)
+    torch.manual_seed(2)
+    x = torch.randn(B, T, C)
+    ref, _ = _train(plain, x, 4, plain=True)
+    losses, sent = _train(model, gt.to_global(x, P, gt.sbp.broadcast), 4)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+    plan = step.state.last
+    assert plan is not None and plan.planned_cost < plan.per_op_cost, plan
+    assert step.state.mode == "idle" and step.state.plan is None   # replayed to its end
+    assert sent[2] == sent[3] < sent[0], sent      # steps after the first are planned
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.full(), q.detach(), rtol=1e-4, atol=1e-5)
+    step.clear()
+
+
+def check_changed_program_falls_back_and_stays_right():
+    import copy
+    import torch
+    import globaltensor as gt
+    from globaltensor.dispatch import step
+    step.clear()
+    P = gt.placement.all("cpu")
+    plain = _block()
+    model = gt.nn.to_global(copy.deepcopy(plain), P, _megatron)
+    torch.manual_seed(3)
+    xs = [torch.randn(B, T, C) for _ in range(2)]
+    for x in xs:                                    # record, then plan
+        model(gt.to_global(x, P, gt.sbp.broadcast)).sum().backward()
+    assert step.state.last is not None
+    # the program changes in the middle of the step: an op the plan never saw
+    model.fc1.register_forward_hook(lambda m, i, o: o * 2.0)
+    plain.fc1.register_forward_hook(lambda m, i, o: o * 2.0)
+    for _ in range(2):
+        got = model(gt.to_global(xs[0], P, gt.sbp.broadcast))
+        torch.testing.assert_close(got.full(), plain(xs[0]).detach(), rtol=1e-5, atol=1e-5)
+    step.clear()
+
+
+def check_explain_step_reports_choices():
+    import copy
+    import globaltensor as gt
+    import torch
+    from globaltensor.dispatch import step
+    step.clear()
+    P = gt.placement.all("cpu")
+    model = gt.nn.to_global(copy.deepcopy(_block()), P, _megatron)
+    x = gt.to_global(torch.randn(B, T, C), P, gt.sbp.broadcast)
+
+    def train_step():
+        model.zero_grad(set_to_none=True)
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    report = gt.debug.explain_step(train_step)
+    assert report.result.shape == () and len(report.calls) > 50
+    assert report.planned_cost < report.per_op_cost and report.changed, report
+    assert all(c.planned_cost >= 0 for c in report.calls)
+    assert sum(c.sent_bytes for c in report.calls) > 0
+    text = str(report)
+    assert "planned" in text and "addmm" in text and "=>" in text
+    step.clear()
+
+
+CHECKS = ["check_head_reshapes_stay_local", "check_planned_steps_replay_and_train_equal",
+          "check_changed_program_falls_back_and_stays_right",
+          "check_explain_step_reports_choices"]
+
+test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
