@@ -6,6 +6,7 @@ them in torch's place:
 * ``torch.nn.functional``: ``one_hot``, ``embedding_bag``,
   ``scaled_dot_product_attention``, ``dropout`` and ``dropout1d/2d/3d`` on
   GlobalTensors (``override_function``);
+* ``torch.einsum`` of GlobalTensors, as one op (``rules/einsum.py``);
 * ``torch.nn.utils``: ``clip_grad_norm_``'s total norm and clipping over gradients on
   several placements;
 * the ``_foreach_*`` paths of ``torch.optim`` and ``torch.nn.utils`` accept GlobalTensors;
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 
 from .. import advice
 from ..random import carrying_draws
+from ..rules import einsum as einsum_rules
 from ..rules import functional as functional_rules, optim as optim_rules
 from ..rules import random as random_rules
 from ..tensor import GlobalTensor
@@ -89,6 +91,9 @@ def _override_functionals() -> None:
     override_function(F, "dropout", random_rules.dropout)
     for name in random_rules.FEATURE_DROPOUT_DIMS:
         override_function(F, name, random_rules.feature_dropout(name))
+    # torch.einsum decomposes into a dozen views and a bmm per call (forward; more in
+    # backward), each dispatched on its own: it runs as one op (rules/einsum.py).
+    override_function(torch, "einsum", einsum_rules.einsum)
 
 
 def _override_clip_grad() -> None:

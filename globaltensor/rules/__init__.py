@@ -9,6 +9,6 @@ decompositions may (the index range checks reduce a flag, decompositions box thr
 ``to_global``, value reads gather).
 """
 from . import (along_dim, attention, complex, conv, data_dependent,  # noqa: F401
-               embedding, foreach, functional, like, losses, matmul, norm, optim,
+               einsum, embedding, foreach, functional, like, losses, matmul, norm, optim,
                out_variant, pointwise, random, reduction, resample, softmax, values,
                view)  # (registration)
