@@ -13,6 +13,10 @@ of --iters batches of --calls calls, slowest rank), the overheads ours - torch a
 DTensor - torch, and their ratio (target: ours <= 0.5x DTensor's overhead). "floor" is
 a Python wrapper subclass that only unwraps and rewraps: no Python tensor subclass can
 cost less.
+
+A second table times ``torch.einsum`` forward + backward against the matmul-family
+call it stands for (mm, bmm, 4-D matmul, dot, t, outer) on the same global shapes and
+sbps (target: einsum <= 2x); ``--einsum-iters 0`` skips it.
 """
 from __future__ import annotations
 
@@ -66,8 +70,81 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--ops", default=",".join(OPS), help="comma list, from: " + ",".join(OPS))
     ap.add_argument("--nproc", type=int, default=2, help="processes to spawn (no RANK set)")
     ap.add_argument("--plot", default=None, help="write a PNG bar chart here")
+    ap.add_argument("--einsum-iters", type=int, default=15,
+                    help="timed rounds of the einsum table (0: skip it)")
     return ap
 
+
+EINSUM_TARGET = 2.0
+
+
+def _einsum_cases(gt) -> list:
+    """(equation, per operand (shape of the dims' size s, sbp), the matmul-family call
+    it stands for)."""
+    S, B = gt.sbp.split, gt.sbp.broadcast
+    return [
+        ("ij,jk->ik", [(lambda s: (s, s), S(0)), (lambda s: (s, s), B)], lambda a, b: a @ b),
+        ("bij,bjk->bik", [(lambda s: (2, s, s), S(0))] * 2, torch.bmm),
+        ("bhqd,bhkd->bhqk", [(lambda s: (2, 2, s, s), S(1))] * 2,
+         lambda q, k: q @ k.transpose(-1, -2)),
+        ("i,i->", [(lambda s: (s * s,), S(0))] * 2, torch.dot),
+        ("ij->ji", [(lambda s: (s, s), S(0))], lambda a: a.t()),
+        ("i,j->ij", [(lambda s: (s,), S(0)), (lambda s: (s,), B)], torch.outer),
+    ]
+
+
+def _leaves(gt, operands, s: int) -> list:
+    p, g = gt.placement.all("cpu"), torch.Generator().manual_seed(s)
+    return [gt.tensor(torch.randn(shape(s), generator=g), placement=p, sbp=sbp,
+                      requires_grad=True) for shape, sbp in operands]
+
+
+def _steps(gt, operands, fn, sizes) -> list:
+    """One forward + backward (of ``.sum()``) of ``fn`` per size, on its own leaves."""
+    steps = []
+    for s in sizes:
+        def step(xs=_leaves(gt, operands, s)):
+            for x in xs:
+                x.grad = None
+            fn(*xs).sum().backward()
+        steps.append(step)
+    return steps
+
+
+def _first_calls(steps: list):
+    """A callable that runs the next of ``steps`` (each of new shapes: nothing of it is
+    decided or planned yet, as in a test that runs each case once)."""
+    pending = iter(steps)
+    return lambda: next(pending)()
+
+
+def _einsum_table(args, gt) -> None:
+    """einsum forward + backward against the matmul-family call it stands for, on the
+    same global shapes and sbps: repeated (decisions cached), and first calls (new
+    shapes each time); a table, target einsum <= 2x."""
+    rows, n, s = [], args.einsum_iters, args.size
+    for eq, operands, equivalent in _einsum_cases(gt):
+        einsum = lambda *xs, eq=eq: torch.einsum(eq, *xs)  # noqa: E731
+        xs = _leaves(gt, operands, s)
+        torch.testing.assert_close(einsum(*xs).full(), equivalent(*xs).full())
+        warm = [_steps(gt, operands, f, [s])[0] for f in (einsum, equivalent)]
+        first = [_first_calls(_steps(gt, operands, f, range(s + 1 + k, s + 1 + 2 * n, 2)))
+                 for k, f in enumerate((einsum, equivalent))]  # disjoint sizes
+        times = round_robin_median(warm, n, max(args.calls // 100, 5)) + \
+            round_robin_median(first, n, warmup=0)
+        rows.append((eq, " ".join(str(sbp) for _, sbp in operands), *[t * 1e3 for t in times]))
+    if gt.get_rank() == 0:
+        print(f"\neinsum vs the matmul it stands for, forward + backward (.sum()), dims of "
+              f"size {s} (ms per step, slowest rank; first call: new shapes)")
+        head = (f"{'equation':<17}{'sbp':<12}{'einsum':>7}{'matmul':>7}{'ratio':>6}"
+                f"{'first: einsum':>14}{'matmul':>7}{'ratio':>6}")
+        print(head + f"  target<={EINSUM_TARGET}")
+        print("-" * len(head))
+        for eq, sbps, w_e, w_m, c_e, c_m in rows:
+            sbps = sbps.replace("split(dim=", "S(").replace("broadcast", "B")
+            met = max(w_e / w_m, c_e / c_m) <= EINSUM_TARGET
+            print(f"{eq:<17}{sbps:<12}{w_e:7.2f}{w_m:7.2f}{w_e / w_m:6.2f}{c_e:14.2f}"
+                  f"{c_m:7.2f}{c_e / c_m:6.2f}  {'ok' if met else 'MISSED'}")
 
 
 def main(argv=None) -> None:
@@ -138,6 +215,8 @@ def main(argv=None) -> None:
                      {label: [r[k] for r in results]
                       for k, label in enumerate(["torch", "ours", "DTensor", "floor"], 1)},
                      "median µs per op", "dispatch overhead on tiny tensors")
+    if args.einsum_iters:
+        _einsum_table(args, gt)
     dist.barrier()
 
 
