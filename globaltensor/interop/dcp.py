@@ -35,7 +35,7 @@ import torch
 from .. import comm
 from ..layout import Layout, Region
 from ..partials import identity_fill, keep_on_first
-from ..sbp import Split
+from ..sbp import Split, StridedSplit
 from ..tensor import GlobalTensor, to_layout
 
 __all__ = ["DCP_HINT", "create_write_items", "create_chunk_list", "get_tensor_shard",
@@ -49,7 +49,25 @@ DCP_HINT = ("save global tensors with torch.distributed.checkpoint "
 def _is_region_writer(layout: Layout, rank: int) -> bool:
     """The first rank (coordinate 0) along every axis that replicates its region."""
     coord = layout.placement.coord(rank)
-    return all(c == 0 for c, s in zip(coord, layout.sbp) if not isinstance(s, Split))
+    return all(c == 0 for c, s in zip(coord, layout.sbp)
+               if not isinstance(s, (Split, StridedSplit)))
+
+
+def _strided_pieces(layout: Layout, rank: int) -> list:
+    """A strided split's part as boxes: (region, dim, start, size) per block, where the
+    block's piece is ``local.narrow(dim, start, size)``. Its refined view is a plain
+    split; each block of the strided dim is one box there."""
+    (axis, s), = [(a, s) for a, s in enumerate(layout.sbp) if isinstance(s, StridedSplit)]
+    fine = layout.refined({s.dim: s.blocks})
+    region = fine.region(rank)
+    block = layout.shape[s.dim] // s.blocks
+    offset, size = region.offsets[s.dim + 1], region.sizes[s.dim + 1]
+    pieces = []
+    for j in range(s.blocks):
+        offsets = region.offsets[:s.dim] + (j * block + offset,) + region.offsets[s.dim + 2:]
+        sizes = region.sizes[:s.dim] + (size,) + region.sizes[s.dim + 2:]
+        pieces.append((Region(offsets, sizes), s.dim, j * size, size))
+    return pieces
 
 
 def _chunk(region: Region):
@@ -71,9 +89,11 @@ def create_write_items(x: GlobalTensor, fqn: str) -> list:
         local = to_layout(x.detach(), layout).local_part  # every rank: a collective
         if rank not in layout.placement or not _is_region_writer(layout, rank):
             return []  # replicas drop their copy now: only the writer offers the chunk
-    region = layout.region(rank)
-    if region is None:
+    if rank not in layout.placement:
         return []
+    if layout.strided:
+        return _strided_write_items(x, fqn, layout, local, stash)
+    region = layout.region(rank)
     if x.numel() == 0:
         # No rank holds an element; one rank writes the empty tensor so that its
         # metadata (shape, dtype) is in the checkpoint.
@@ -92,6 +112,23 @@ def create_write_items(x: GlobalTensor, fqn: str) -> list:
                                                   size=x.size()))]
 
 
+def _strided_write_items(x: GlobalTensor, fqn: str, layout: Layout, local, stash) -> list:
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+    items = []
+    for region, dim, start, size in _strided_pieces(layout, comm.get_rank()):
+        if region.numel == 0:
+            continue
+        chunk = _chunk(region)
+        stash[fqn, tuple(chunk.offsets)] = local.narrow(dim, start, size)
+        items.append(WriteItem(index=MetadataIndex(fqn, chunk.offsets),
+                               type=WriteItemType.SHARD,
+                               tensor_data=TensorWriteData(
+                                   chunk=chunk, properties=TensorProperties(dtype=x.dtype),
+                                   size=x.size())))
+    return items
+
+
 def create_chunk_list(x: GlobalTensor) -> list:
     """DCP load planning: the chunk this rank reads into. On a partial axis only the
     first member reads the value; the others hold the reduction's identity (set here,
@@ -99,6 +136,17 @@ def create_chunk_list(x: GlobalTensor) -> list:
     _stash(x).clear()
     rank = comm.get_rank()
     layout = x.global_layout
+    if layout.strided and rank in layout.placement:
+        if identity_fill(layout, rank) is not None:
+            keep_on_first(x.local_part, layout, rank)
+            return []
+        stash = _stash(x)
+        chunks = []
+        for region, dim, start, size in _strided_pieces(layout, rank):
+            if region.numel:
+                chunks.append(_chunk(region))
+                stash[None, tuple(chunks[-1].offsets)] = x.local_part.narrow(dim, start, size)
+        return chunks
     region = layout.region(rank)
     if region is None or region.numel == 0:
         return []
@@ -111,7 +159,12 @@ def create_chunk_list(x: GlobalTensor) -> list:
 def get_tensor_shard(x: GlobalTensor, index) -> torch.Tensor:
     """The local tensor holding the chunk at ``index`` (a reduced copy, once, for a
     partial tensor being saved)."""
-    stashed = _stash(x).pop(index.fqn, None)
+    stash = _stash(x)
+    if x.global_layout.strided:   # one piece per block, by its offsets (saved or loaded)
+        offsets = tuple(index.offset)
+        found = stash.get((index.fqn, offsets))
+        return found if found is not None else stash[None, offsets]
+    stashed = stash.pop(index.fqn, None)
     return x.local_part if stashed is None else stashed
 
 

@@ -22,7 +22,7 @@ from ..boxing.run import run
 from ..boxing.steps import Transfer
 from ..layout import Layout, Region
 from ..placement import Placement
-from ..sbp import Broadcast, Split, broadcast, partial_max, partial_sum
+from ..sbp import Broadcast, Split, StridedSplit, broadcast, partial_max, partial_sum
 from ..tensor import GlobalTensor, from_local_part
 
 __all__ = ["to_dtensor", "from_dtensor"]
@@ -117,8 +117,11 @@ def _device_mesh(placement: Placement):
 
 def _dtensor_placement(s):
     from torch.distributed.tensor import Partial as DPartial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
     if isinstance(s, Split):
         return Shard(s.dim)
+    if isinstance(s, StridedSplit):
+        return _StridedShard(s.dim, split_factor=s.blocks)
     if isinstance(s, Broadcast):
         return Replicate()
     return DPartial(s.reduce)
@@ -126,8 +129,11 @@ def _dtensor_placement(s):
 
 def _sbp_of(p):
     from torch.distributed.tensor import Partial as DPartial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
     if type(p) is Shard:
         return Split(p.dim)
+    if isinstance(p, _StridedShard):
+        return StridedSplit(p.dim, int(p.split_factor))
     if isinstance(p, Replicate):
         return broadcast
     if isinstance(p, DPartial) and p.reduce_op in ("sum", "max"):
@@ -148,6 +154,8 @@ def to_dtensor(x: GlobalTensor):
     (Shard(dim=1),)
     """
     from torch.distributed.tensor import DTensor
+    if x.global_layout.strided:
+        return _strided_to_dtensor(x)
     mesh = _device_mesh(x.placement)
     placements = tuple(_dtensor_placement(s) for s in x.sbp)
     chunked = _ChunkLayout(x.global_layout)
@@ -179,6 +187,11 @@ def from_dtensor(d) -> GlobalTensor:
     mesh = d.device_mesh
     placement = Placement(mesh.device_type, mesh.mesh.tolist())
     layout = Layout.make(d.shape, placement, tuple(_sbp_of(p) for p in d.placements))
+    if layout.strided:
+        if not _even_strided(layout):
+            raise ValueError(f"from_dtensor: {d.placements} of shape {tuple(d.shape)} cut "
+                             f"blocks unevenly; redistribute it to Shard first")
+        return from_local_part(d.to_local(), layout)
     chunked = _ChunkLayout(layout)
     if chunked.coincides():
         return from_local_part(d.to_local(), layout)
@@ -188,6 +201,25 @@ def from_dtensor(d) -> GlobalTensor:
         value = from_dtensor(reduced)
         return value.to_global(sbp=layout.sbp)
     return from_local_part(_Rechunk.apply(d.to_local(), chunked, layout, "from_dtensor"), layout)
+
+
+def _even_strided(layout: Layout) -> bool:
+    """Every strided block divides evenly among its axis' ranks: then DTensor's
+    ``_StridedShard`` cuts it as we do."""
+    return all(layout.shape[s.dim] // s.blocks % layout.placement.shape[a] == 0
+               for a, s in enumerate(layout.sbp) if isinstance(s, StridedSplit))
+
+
+def _strided_to_dtensor(x: GlobalTensor):
+    """A strided split as DTensor's ``_StridedShard`` (local part shared) when blocks
+    divide evenly, else boxed to a plain split first."""
+    from torch.distributed.tensor import DTensor
+    if not _even_strided(x.global_layout):
+        plain = tuple(Split(s.dim) if isinstance(s, StridedSplit) else s for s in x.sbp)
+        return x.to_global(sbp=plain).to_dtensor()
+    placements = tuple(_dtensor_placement(s) for s in x.sbp)
+    return DTensor.from_local(x.to_local(), _device_mesh(x.placement), placements,
+                              run_check=False, shape=x.shape, stride=x.stride())
 
 
 GlobalTensor.to_dtensor = to_dtensor  # tensor.py sits below this module
