@@ -10,7 +10,8 @@ layouts cost. Pure: no tensors, no processes.
 consumer (chains and trees: each message subtracts its minimum, so a producer shared
 by several consumers is not counted over and over along diamonds), then improves it
 and the per-op choice by moving one node at a time while the total falls (iterated
-conditional modes), and keeps the cheaper result: never worse than per-op choice.
+conditional modes), keeps the cheaper, and improves that by moves of one node with
+the consumers that follow it: never worse than per-op choice.
 
 >>> p = Problem([[0.0, 1.0], [0.0, 0.0]], [(0, 1, [[5.0, 0.0], [5.0, 0.0]])])
 >>> solve(p, [0, 0])
@@ -46,11 +47,9 @@ class Problem:
 
 def solve(problem: Problem, start: list) -> list:
     """The cheapest choice found: dynamic programming and ``start`` (the per-op
-    choice), each improved by single moves and then by propagated moves; the better."""
-    found = []
-    for first in (list(start), forward_dp(problem)):
-        found.append(propagate(problem, improve(problem, first)))
-    return min(found, key=problem.total)
+    choice), each improved by single moves; the better, improved by propagated moves."""
+    found = [improve(problem, list(start)), improve(problem, forward_dp(problem))]
+    return propagate(problem, min(found, key=problem.total))
 
 
 def forward_dp(problem: Problem) -> list:
@@ -114,7 +113,7 @@ def _energy(problem: Problem, nodes, choice) -> float:
                   for k in edges))
 
 
-def propagate(problem: Problem, choice: list, window: int = 48, sweeps: int = 3) -> list:
+def propagate(problem: Problem, choice: list, window: int = 24, sweeps: int = 2) -> list:
     """Moves that change one node and let its consumers follow: node v takes option
     o, then each consumer reached (in call order, at most ``window`` of them) takes its
     best option (given its producers only, as per-op choice would, or given all its
@@ -166,7 +165,7 @@ def _follow(problem: Problem, choice: list, v: int, o: int, window: int,
     return changed
 
 
-def _near_costs(problem: Problem, choice: list, up: int = 4) -> list:
+def _near_costs(problem: Problem, choice: list, up: int = 3) -> list:
     """Nodes at a costly edge or in a costlier option than they have, and up to ``up``
     producers above them, in order."""
     sites = {v for u, v, cost in problem.edges if cost[choice[u]][choice[v]] > 0}

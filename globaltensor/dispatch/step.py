@@ -355,10 +355,17 @@ def _route_cost(src, dst, itemsize: int, cache: dict) -> float:
 
 def _problem(record: list) -> solve.Problem:
     routes: dict = {}
+    computes: dict = {}   # layers repeat: one price per (op, signature)
     unary, edges = [], []
     for v, node in enumerate(record):
         sigs = node.signatures()
-        costs = [_compute_seconds(node.func, targets, outs) for targets, outs in sigs]
+        costs = []
+        for sig in sigs:
+            key = (node.func, sig)
+            cost = computes.get(key)
+            if cost is None:
+                cost = computes[key] = _compute_seconds(node.func, *sig)
+            costs.append(cost)
         inplace = node.greedy.inplace
         for i, (producer, (layout, size, weight)) in enumerate(zip(node.producers,
                                                                    node.inputs)):

@@ -16,7 +16,7 @@ import torch
 from ... import comm
 from ...layout import Layout, Region
 from ...partials import identity_fill, identity_value
-from ..cost import ALPHA, P2P_BETA
+from ..cost import ALPHA, GAMMA, P2P_BETA
 from .base import Handle, Locals, Step
 
 
@@ -72,9 +72,10 @@ class Transfer(Step):
         return identity_fill(self.dst, rank)
 
     def cost(self, itemsize: int) -> float:
-        sent, received, messages = {}, {}, {}
+        sent, received, messages, copied = {}, {}, {}, {}
         for m in self.moves:
-            if m.src == m.dst:
+            if m.src == m.dst:   # a local copy: cheap, but dearer than a view of the part
+                copied[m.dst] = copied.get(m.dst, 0) + m.region.numel * itemsize
                 continue
             nbytes = m.region.numel * itemsize
             sent[m.src] = sent.get(m.src, 0) + nbytes
@@ -82,7 +83,8 @@ class Transfer(Step):
             messages[m.src] = messages.get(m.src, 0) + 1
             messages[m.dst] = messages.get(m.dst, 0) + 1
         worst_bytes = max(list(sent.values()) + list(received.values()) + [0])
-        return ALPHA * max(list(messages.values()) + [0]) + P2P_BETA * worst_bytes
+        return (ALPHA * max(list(messages.values()) + [0]) + P2P_BETA * worst_bytes
+                + GAMMA * max(list(copied.values()) + [0]))
 
     def start(self, x: torch.Tensor, rank: int, own: bool = False) -> Handle:
         """Post this rank's sends and receives and return at once (pipeline hand-offs
