@@ -9,7 +9,7 @@ import torch
 from ... import comm
 from ...partials import reduce_values
 from ...sbp import Broadcast, Partial, Split
-from ..cost import ALPHA, BETA, GAMMA
+from ..cost import ALPHA, BETA, GAMMA, LAUNCH
 from .base import AxisStep, Handle, Locals, reduce_of
 
 
@@ -37,7 +37,7 @@ class AllGather(AxisStep):
 
     def cost(self, itemsize):
         n = self.group_size
-        return ALPHA * (n - 1) + BETA * self.bytes_out(itemsize) * (n - 1) / n
+        return LAUNCH + ALPHA * (n - 1) + BETA * self.bytes_out(itemsize) * (n - 1) / n
 
     def start(self, x, rank, own=False):
         members, d = self.members(rank), self.dim
@@ -74,7 +74,7 @@ class AllReduce(AxisStep):
 
     def cost(self, itemsize):
         n = self.group_size
-        return 2 * ALPHA * (n - 1) + 2 * BETA * self.bytes_in(itemsize) * (n - 1) / n
+        return LAUNCH + 2 * ALPHA * (n - 1) + 2 * BETA * self.bytes_in(itemsize) * (n - 1) / n
 
     def start(self, x, rank, own=False):
         out = x if own and x.is_contiguous() else x.contiguous().clone()
@@ -104,7 +104,7 @@ class ReduceScatter(AxisStep):
 
     def cost(self, itemsize):
         n, b_in = self.group_size, self.bytes_in(itemsize)
-        return ALPHA * (n - 1) + BETA * b_in * (n - 1) / n + GAMMA * b_in
+        return LAUNCH + ALPHA * (n - 1) + BETA * b_in * (n - 1) / n + GAMMA * b_in
 
     def start(self, x, rank, own=False):
         # An exchange of parts plus a local reduction, on every backend: on gloo it beats
@@ -181,7 +181,7 @@ class AllToAll(AxisStep):
 
     def cost(self, itemsize):
         n, b_in = self.group_size, self.bytes_in(itemsize)
-        return ALPHA * (n - 1) + BETA * b_in * (n - 1) / n + GAMMA * b_in
+        return LAUNCH + ALPHA * (n - 1) + BETA * b_in * (n - 1) / n + GAMMA * b_in
 
     def start(self, x, rank, own=False):
         # Point-to-point instead of all_to_all_single: our own part never travels, each
