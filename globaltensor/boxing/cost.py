@@ -15,7 +15,7 @@ ALPHA = 30e-6
 # about this on top of its messages (a bare all-reduce of one element between two
 # processes here: 0.22-0.28 ms with the machine loaded), so two collectives of half the
 # bytes each (a reduce-scatter, then an all-gather) cost more than one all-reduce.
-LAUNCH = 100e-6
+LAUNCH = 250e-6
 BETA = 1.0 / 1.5e9
 # Local copies cost memory bandwidth only; keep them cheap but not free so a route
 # with fewer copies wins a tie.
