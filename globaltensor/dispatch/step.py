@@ -9,9 +9,10 @@ carry ``_origin``). At the next step boundary the record becomes a min-sum probl
 layouts, as do the layouts ``to_global`` pins) and the cheapest choice is kept as a
 plan, keyed by the step's first call. A later step whose first call matches replays
 it: call i takes its planned decision when its op, arguments and operand layouts are
-those the plan expects; the first call that differs (another program path, another
-batch shape) is decided op by op, and the replay goes on when the next calls match
-again (up to ``MAX_MISSES`` in a row; then the rest of the step is decided op by op).
+those the plan expects (or those of one of the next few planned calls: a step may skip
+some); a call that differs (another program path, another batch shape) is decided op
+by op, and the replay goes on when the next calls match again (up to ``MAX_MISSES``
+in a row; then the rest of the step is decided op by op and the plan is dropped).
 
 A step begins at the outermost forward of a module made global (``step_boundary``,
 called by ``gt.nn``'s hooks) and at ``gt.debug.explain_step``. Off with
@@ -23,12 +24,15 @@ called by ``gt.nn``'s hooks) and at ``gt.debug.explain_step``. Off with
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 
+import torch
 from torch.utils._pytree import tree_flatten
 
 from .. import comm
@@ -52,7 +56,8 @@ _PRODUCTS = {"mm": 0, "bmm": 0, "addmm": 1, "baddbmm": 1}
 # record does not show (gradients reach ``.grad`` outside dispatch).
 PARAMETER_WEIGHT = 2.0
 MAX_PLANS = 16
-MAX_MISSES = 8
+MAX_MISSES = 8      # calls in a row the plan does not know before replay stops
+LOOKAHEAD = 4       # planned calls a step may skip
 MAX_RECORDINGS = 3
 MAX_CALLS = 20000   # a recording longer than this is dropped
 _INFEASIBLE = 1e9
@@ -102,7 +107,7 @@ class _State:
     plan: "StepPlan | None" = None
     cursor: int = 0
     misses: int = 0            # calls in a row that the plan did not expect
-    owner: int = 0                                 # id of the module the step is of
+    owner: int = 0                                 # token of the module the step is of
     hold: bool = False                             # explain_step is recording
     sent: object = None                            # explain_step's CommCounter
     plans: dict = field(default_factory=dict)      # (owner, first key) -> StepPlan
@@ -125,13 +130,31 @@ def step_boundary(owner: object = None) -> None:
     recorded, and watch the next call."""
     if state.hold:      # explain_step records its function whole
         return
+    if torch._C._current_graph_task_id() != -1:
+        return          # a forward recomputed in backward (activation checkpointing)
     if state.mode == "recording":
         finish_recording()
-    elif state.mode == "replaying":
-        _give_up()
+    elif state.mode == "replaying":   # the step ended early (an eval forward): the
+        state.plan = None             # plan stays for the steps that follow it
+        _set("idle")
     if ENABLED:
-        state.owner = id(owner)
+        state.owner = _token(owner)
         _set("armed")
+
+
+_tokens: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_next_token = itertools.count(1)
+
+
+def _token(owner) -> int:
+    """A number for ``owner`` that no later object gets (ids are reused)."""
+    try:
+        token = _tokens.get(owner)
+        if token is None:
+            token = _tokens[owner] = next(_next_token)
+        return token
+    except TypeError:   # not weakly referable
+        return id(owner)
 
 
 @contextlib.contextmanager
@@ -162,7 +185,7 @@ def start_recording(owner: object, hold: bool = True) -> None:
         finish_recording()
     state.serial += 1
     state.record = []
-    state.owner = id(owner)
+    state.owner = _token(owner)
     state.hold = hold
     _set("recording")
 
@@ -214,8 +237,15 @@ def decision(func, leaves: list, spec):
         else:
             _set("idle")
     if state.mode == "replaying":
-        node = state.plan.nodes[state.cursor]
-        found = _replayed(node, func, leaves, spec)
+        nodes = state.plan.nodes
+        # The expected call, or one a little further: calls the plan has and this step
+        # skips (no_grad saves nothing for backward: no detach) are passed over.
+        key = key_of_call(func, leaves, spec)
+        for ahead in range(state.cursor, min(state.cursor + LOOKAHEAD, len(nodes))):
+            found = _replayed(nodes[ahead], func, leaves, spec, key)
+            if found is not None:
+                state.cursor = ahead
+                break
         if found is not None:
             state.cursor += 1
             state.misses = 0
@@ -254,13 +284,12 @@ def _describe(expected, found) -> str:
                      for i, (e, f) in enumerate(zip(expected[2], found[2])) if e != f)
 
 
-def _replayed(node: Node, func, leaves: list, spec) -> "Decision | None":
+def _replayed(node: Node, func, leaves: list, spec, key) -> "Decision | None":
     """The planned decision when this call is the one the plan expects, else None. A
     call the plan could not choose for runs as decided op by op, provided that gives
     the outputs the plan counted on."""
     if func is not node.func:
         return None
-    key = key_of_call(func, leaves, spec)
     if node.planned is not None:
         return node.planned if key == node.expected and _floats(node.greedy, leaves) \
             == node.floats else None
