@@ -258,9 +258,10 @@ def decision(func, leaves: list, spec):
         state.misses += 1
         if state.misses <= MAX_MISSES:
             return cached_decision(func, leaves, spec), None
+        node = nodes[state.cursor]
         log.debug("globaltensor: %s differs from the planned step at call %d (%s "
                   "planned, with %s); the rest of this step is decided op by op", func,
-                  state.cursor, node.func, _describe(node.expected, key_of_call(func, leaves, spec)))
+                  state.cursor, node.func, _describe(node.expected, key))
         _give_up()
     greedy = cached_decision(func, leaves, spec)
     if state.mode != "recording":
