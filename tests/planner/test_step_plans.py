@@ -141,6 +141,17 @@ def check_changed_program_falls_back_and_stays_right():
     for _ in range(2):
         got = model(gt.to_global(xs[0], P, gt.sbp.broadcast))
         torch.testing.assert_close(got.full(), plain(xs[0]).detach(), rtol=1e-5, atol=1e-5)
+    assert step.state.plans   # one unexpected call: the replay went on
+    # many unexpected calls in a row: the rest of the step runs op by op, the plan goes
+    def many(m, i, o):
+        for _ in range(step.MAX_MISSES + 2):
+            o = o + 0.0
+        return o
+    model.fc2.register_forward_hook(many)
+    plain.fc2.register_forward_hook(many)
+    got = model(gt.to_global(xs[1], P, gt.sbp.broadcast))
+    torch.testing.assert_close(got.full(), plain(xs[1]).detach(), rtol=1e-5, atol=1e-5)
+    assert not step.state.plans and step.state.mode == "idle"
     step.clear()
 
 
