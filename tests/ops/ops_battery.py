@@ -252,7 +252,8 @@ def run_case(fn, inputs, sbps, placement, *, label, grad=True, nograd=(), rtol=R
              atol=ATOL):
     """``fn`` on GlobalTensors built from the full ``inputs`` (with ``sbps``) against
     ``fn`` on plain tensors: every output's metadata and ``.full()``, then the gradient
-    of a fixed random weighting of the outputs for every floating input. Non-tensor
+    of a fixed random weighting of the outputs for every floating input (the weights
+    seed the backward as a broadcast gradient, as a weighted-sum loss would send). Non-tensor
     inputs pass through; inputs whose index is in ``nograd`` get no gradient.
     Returns (global inputs, plain inputs, global out, plain out)."""
     where = describe(label, sbps, placement)
@@ -293,14 +294,14 @@ def _run_case(fn, inputs, sbps, placement, where, grad, nograd, rtol, atol):
              if isinstance(r, torch.Tensor) and r.requires_grad and gt.is_global(o)]
     if not pairs:
         return gins, plains, out, ref
-    loss_g = loss_p = 0
-    for i, (o, r) in enumerate(pairs):
-        w = randn(tuple(r.shape), f"weight{i}{tuple(r.shape)}", dtype=r.dtype)
-        wg = gt.tensor(w, placement=placement, sbp=nd(B, placement))
-        loss_g = loss_g + (o * wg).sum()
-        loss_p = loss_p + (r * w).sum()
-    loss_g.backward()
-    loss_p.backward()
+    # the gradient of sum_i (out_i * w_i).sum(), seeded directly: the loss's own mul,
+    # sum and their backward are not under test, and on the mesh each costs a decision
+    weights = [randn(tuple(r.shape), f"weight{i}{tuple(r.shape)}", dtype=r.dtype)
+               for i, (_, r) in enumerate(pairs)]
+    torch.autograd.backward([o for o, _ in pairs],
+                            [gt.tensor(w, placement=placement, sbp=nd(B, placement))
+                             for w in weights])
+    torch.autograd.backward([r for _, r in pairs], weights)
     if has_bystanders(placement):
         same_on_every_rank(f"{where} gradients",
                            [x.grad for x in gins if gt.is_global(x) and x.requires_grad])
