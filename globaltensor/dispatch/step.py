@@ -1,7 +1,8 @@
 """Whole-step layouts in eager mode: record a step's calls, plan them together, replay.
 
-An SPMD training program repeats one step. The first time a step runs, every call is
-decided op by op (``decide.py``) and recorded: every signature its rule allows
+An SPMD training program repeats one step. The second time a step runs (the first may
+differ: optimizer state made lazily), every call is decided op by op (``decide.py``)
+and recorded: every signature its rule allows
 (``decide.options``) and which earlier call of the step made each operand (outputs
 carry ``_origin``). At the next step boundary the record becomes a min-sum problem
 (``solve.py``: options priced by the boxing between them, with the alpha-beta model of
@@ -18,8 +19,8 @@ A step begins at the outermost forward of a module made global (``step_boundary`
 called by ``gt.nn``'s hooks) and at ``gt.debug.explain_step``. Off with
 ``GLOBALTENSOR_PLAN_STEPS=0``.
 
->>> loss = model(x).sum(); loss.backward()   # step 1: recorded     # doctest: +SKIP
->>> loss = model(x).sum(); loss.backward()   # step 2: planned, replayed
+>>> for _ in range(3):                        # doctest: +SKIP
+...     model(x).sum().backward()             # op by op, recorded, planned and replayed
 """
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ MAX_PLANS = 16
 MAX_MISSES = 8      # calls in a row the plan does not know before replay stops
 LOOKAHEAD = 4       # planned calls a step may skip
 MAX_RECORDINGS = 3
+MAX_KEYS = 256      # step starts remembered
 MAX_CALLS = 20000   # a recording longer than this is dropped
 _INFEASIBLE = 1e9
 
@@ -111,7 +113,7 @@ class _State:
     hold: bool = False                             # explain_step is recording
     sent: object = None                            # explain_step's CommCounter
     plans: dict = field(default_factory=dict)      # (owner, first key) -> StepPlan
-    recorded: dict = field(default_factory=dict)   # (owner, first key) -> times recorded
+    recorded: dict = field(default_factory=dict)   # (owner, first key) -> times seen
     last: "StepPlan | None" = None                 # the latest plan made
 
 
@@ -229,8 +231,7 @@ def decision(func, leaves: list, spec):
         if plan is not None:
             state.plan, state.cursor, state.misses = plan, 0, 0
             _set("replaying")
-        elif key[1] is not None and state.recorded.get(key, 0) < MAX_RECORDINGS:
-            state.recorded[key] = state.recorded.get(key, 0) + 1
+        elif key[1] is not None and _worth_recording(key):
             state.serial += 1
             state.record = []
             _set("recording")
@@ -267,6 +268,17 @@ def decision(func, leaves: list, spec):
     if state.mode != "recording":
         return greedy, None
     return greedy, _record(func, leaves, spec, greedy)
+
+
+def _worth_recording(key) -> bool:
+    """Whether a step starting with this call is recorded now: from its second
+    occurrence on (a program whose shapes change every step never pays for recording
+    and planning), at most MAX_RECORDINGS times."""
+    seen = state.recorded.pop(key, 0) + 1
+    if len(state.recorded) >= MAX_KEYS:   # oldest first: shapes seen once and gone
+        state.recorded.pop(next(iter(state.recorded)))
+    state.recorded[key] = seen
+    return 2 <= seen <= MAX_RECORDINGS + 1
 
 
 def _give_up() -> None:
