@@ -253,8 +253,8 @@ def run_case(fn, inputs, sbps, placement, *, label, grad=True, nograd=(), rtol=R
     """``fn`` on GlobalTensors built from the full ``inputs`` (with ``sbps``) against
     ``fn`` on plain tensors: every output's metadata and ``.full()``, then the gradient
     of a fixed random weighting of the outputs for every floating input (the weights
-    seed the backward as a broadcast gradient, as a weighted-sum loss would send). Non-tensor
-    inputs pass through; inputs whose index is in ``nograd`` get no gradient.
+    seed the backward as a broadcast gradient, as a weighted-sum loss would send).
+    Non-tensor inputs pass through; inputs whose index is in ``nograd`` get no gradient.
     Returns (global inputs, plain inputs, global out, plain out)."""
     where = describe(label, sbps, placement)
     return guard(where, lambda: _run_case(fn, inputs, sbps, placement, where, grad,
