@@ -156,6 +156,20 @@ def check_changed_program_falls_back_and_stays_right():
     step.clear()
 
 
+def check_shapes_changing_every_step_are_never_recorded():
+    import copy
+    import torch
+    import globaltensor as gt
+    from globaltensor.dispatch import step
+    step.clear()
+    P = gt.placement.all("cpu")
+    model = gt.nn.to_global(copy.deepcopy(_block()), P, _megatron)
+    for t in range(T, T - 4, -1):                  # every sequence length once
+        model(gt.to_global(torch.randn(B, t, C), P, gt.sbp.broadcast)).sum().backward()
+    assert step.state.last is None and not step.state.plans
+    step.clear()
+
+
 def check_explain_step_reports_choices():
     import copy
     import globaltensor as gt
@@ -184,6 +198,7 @@ def check_explain_step_reports_choices():
 
 CHECKS = ["check_head_reshapes_stay_local", "check_planned_steps_replay_and_train_equal",
           "check_changed_program_falls_back_and_stays_right",
+          "check_shapes_changing_every_step_are_never_recorded",
           "check_explain_step_reports_choices"]
 
 test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
