@@ -77,7 +77,8 @@ class AllReduce(AxisStep):
         return LAUNCH + 2 * ALPHA * (n - 1) + 2 * BETA * self.bytes_in(itemsize) * (n - 1) / n
 
     def start(self, x, rank, own=False):
-        out = x if own and x.is_contiguous() else x.contiguous().clone()
+        # one copy at most (contiguous() then clone() copied a strided part twice)
+        out = x if own and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
         comm.all_reduce_(out, reduce_of(self.reduce, x.dtype), self.members(rank))
         return Handle.ready(out)
 
