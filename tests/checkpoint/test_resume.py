@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from mp import launch_example, run_example
+from mp import launch_example, launch_examples_together, run_example
 
 pytestmark = pytest.mark.multiprocess  # every test here runs an example through the launcher
 
@@ -18,11 +18,13 @@ ARGS = ["--steps", "12", "--save-every", "3"]
 @pytest.mark.timeout(600)
 def test_killed_run_resumes_on_other_layouts_to_the_uninterrupted_parameters(tmp_path):
     ckpt = tmp_path / "ckpt"
-    run_example("resume_training.py", 1, tmp_path, *ARGS, "--ckpt", str(tmp_path / "solo"),
-                "--no-resume", "--out", str(tmp_path / "uninterrupted.pt"))
-
-    first = launch_example("resume_training.py", 2, tmp_path, *ARGS, "--layout", "tp",
-                           "--ckpt", str(ckpt), "--crash-at", "8")
+    # the uninterrupted reference runs alongside the first (crashing) run
+    solo, first = launch_examples_together([
+        ("resume_training.py", 1, *ARGS, "--ckpt", str(tmp_path / "solo"), "--no-resume",
+         "--out", str(tmp_path / "uninterrupted.pt")),
+        ("resume_training.py", 2, *ARGS, "--layout", "tp", "--ckpt", str(ckpt),
+         "--crash-at", "8")], tmp_path)
+    assert solo.returncode == 0, solo.stdout + solo.stderr
     assert first.returncode != 0 and "crashing after step 8" in first.stdout, first.stdout
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_3", "step_6"]
 

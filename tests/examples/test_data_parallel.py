@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from mp import run_example as launch
+from mp import run_example as launch, run_examples_together
 
 pytestmark = pytest.mark.multiprocess  # every test here runs an example through the launcher
 
@@ -26,8 +26,9 @@ def test_resnet_small_loss_decreases_on_two_ranks(tmp_path):
 def test_digits_reaches_90_percent_and_two_ranks_end_with_the_single_process_parameters(tmp_path):
     # the README's run (6 epochs), on 1 and on 2 ranks
     args = ["--seed", "3"]
-    out1 = launch("digits_data_parallel.py", 1, tmp_path, *args, "--save", str(tmp_path / "1.pt"))
-    out2 = launch("digits_data_parallel.py", 2, tmp_path, *args, "--save", str(tmp_path / "2.pt"))
+    out1, out2 = run_examples_together(
+        [("digits_data_parallel.py", nproc, *args, "--save", str(tmp_path / f"{nproc}.pt"))
+         for nproc in (1, 2)], tmp_path, timeout=190)
     epochs = re.findall(r"epoch (\d+)/6  loss ([\d.]+)  test acc ([\d.]+)", out2)
     assert [int(e) for e, _, _ in epochs] == list(range(1, 7)), out2
     losses = [float(loss) for _, loss, _ in epochs]

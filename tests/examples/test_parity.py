@@ -15,18 +15,15 @@ import re
 import pytest
 import torch
 
-from mp import run_example as launch
+from mp import run_examples_together
 
 pytestmark = pytest.mark.multiprocess  # every test here runs an example through the launcher
 
 def train_on_1_and_2(script, tmp_path, *args):
-    """(stdout, saved state) of the 1-process and of the 2-process run."""
-    runs = []
-    for nproc in (1, 2):
-        path = tmp_path / f"{nproc}.pt"
-        out = launch(script, nproc, tmp_path, *args, "--save", str(path))
-        runs.append((out, torch.load(path)))
-    return runs
+    """(stdout, saved state) of the 1-process and of the 2-process run (run at once)."""
+    outs = run_examples_together([(script, nproc, *args, "--save", str(tmp_path / f"{nproc}.pt"))
+                                  for nproc in (1, 2)], tmp_path)
+    return [(out, torch.load(tmp_path / f"{nproc}.pt")) for nproc, out in zip((1, 2), outs)]
 
 
 def assert_same_state(one, two, n_tensors):
