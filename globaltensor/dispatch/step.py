@@ -260,9 +260,9 @@ def decision(func, leaves: list, spec):
         if state.misses <= MAX_MISSES:
             return cached_decision(func, leaves, spec), None
         node = nodes[state.cursor]
-        log.debug("globaltensor: %s differs from the planned step at call %d (%s "
-                  "planned, with %s); the rest of this step is decided op by op", func,
-                  state.cursor, node.func, _describe(node.expected, key))
+        log.debug("globaltensor: %s (key %s) differs from the planned step at call %d "
+                  "(%s, key %s); the rest of this step is decided op by op", func, key,
+                  state.cursor, node.func, node.expected)
         _give_up()
     greedy = cached_decision(func, leaves, spec)
     if state.mode != "recording":
@@ -288,13 +288,6 @@ def _give_up() -> None:
         state.plans = {k: p for k, p in state.plans.items() if p is not state.plan}
         state.plan = None
     _set("idle")
-
-
-def _describe(expected, found) -> str:
-    if expected is None or found is None or len(expected[2]) != len(found[2]):
-        return f"{found}"
-    return "; ".join(f"argument {i}: {e} expected, {f} found"
-                     for i, (e, f) in enumerate(zip(expected[2], found[2])) if e != f)
 
 
 def _replayed(node: Node, func, leaves: list, spec, key) -> "Decision | None":

@@ -1,7 +1,8 @@
 """Module helpers: ``to_global`` (parameters and buffers become GlobalTensors, meta
 modules allocate only their parts), ``fully_shard`` (ZeRO-3 / FSDP as an sbp),
-``meta_init`` (build with parameters on meta, buffers real) and ``full_state_dict``
-(whole plain values for torch.save, safetensors, save_pretrained).
+``meta_init`` (build with parameters on meta, buffers real), ``full_state_dict``
+(whole plain values for torch.save, safetensors, save_pretrained) and
+``auto_parallel`` (parameter layouts chosen by measuring the model).
 
 >>> import globaltensor as gt, torch
 >>> model = torch.nn.Linear(4, 2)
@@ -9,9 +10,11 @@ modules allocate only their parts), ``fully_shard`` (ZeRO-3 / FSDP as an sbp),
 """
 from __future__ import annotations
 
+from .auto import AutoPlan, auto_parallel, load_plan
 from .sharded import fully_shard
 from .meta import meta_init
 from .module import to_global
 from .state import full_state_dict
 
-__all__ = ["to_global", "fully_shard", "meta_init", "full_state_dict"]
+__all__ = ["to_global", "fully_shard", "meta_init", "full_state_dict", "auto_parallel",
+           "load_plan", "AutoPlan"]

@@ -1,0 +1,268 @@
+"""``gt.nn.auto_parallel``: parameter layouts chosen for the model by measuring it.
+
+Candidates are whole-model layouts, each a plan {parameter name: sbp} plus the sbp of
+the batch inputs: data parallel (parameters broadcast, inputs split on the batch),
+Megatron tensor parallel (consecutive Linear layers of a module split column then row,
+the rest broadcast, inputs broadcast), and fully sharded (parameters split(0), gathered
+where used, so ZeRO-3; inputs split on the batch). Each candidate that fits the memory
+budget (parameters, gradients and two optimizer moments per rank) runs a few training
+steps on the example inputs, whose activation layouts the whole-step planner chooses
+(dispatch/step.py); the fastest (the slowest rank's median step) wins, and every rank
+agrees on it. The plan is returned editable, and can be saved and loaded.
+
+>>> plan = gt.nn.auto_parallel(model, P, (ids, targets))      # doctest: +SKIP
+>>> print(plan); plan.save("plan.json")
+>>> plan = gt.nn.load_plan("plan.json"); plan.apply(other_model)
+"""
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from ..factory import from_local
+from ..placement import Placement, check_placement
+from ..sbp import Broadcast, Partial, SbpParallel, Split, StridedSplit, broadcast, split
+from ..sbp import partial_max
+from ..tensor import GlobalTensor
+from .module import to_global
+
+__all__ = ["AutoPlan", "auto_parallel", "load_plan"]
+
+STATE_COPIES = 4   # parameter, gradient, two optimizer moments (Adam)
+WARM_STEPS = 3     # enough for a step to be recorded and planned
+TIMED_STEPS = 3
+
+
+class AutoPlan(dict):
+    """{parameter name: sbp tuple}, with ``inputs`` (the sbp each batch input gets),
+    ``strategy`` and the measured ``seconds`` and ``bytes_per_rank`` of every candidate.
+    A dict: edit it, then ``apply``.
+
+    >>> plan["h.0.mlp.fc1.weight"] = (gt.sbp.split(0),)          # doctest: +SKIP
+    >>> plan.apply(model)
+    """
+
+    def __init__(self, layouts: dict, placement: Placement, inputs: tuple,
+                 strategy: str = "custom", measured: dict | None = None):
+        super().__init__(layouts)
+        self.placement, self.inputs, self.strategy = placement, tuple(inputs), strategy
+        self.measured = dict(measured or {})
+
+    def apply(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Lay ``model``'s parameters and buffers out as planned (``to_global``) and
+        box its batch inputs to ``inputs`` as its forward begins. Returns ``model``."""
+        missing = [n for n, _ in _named_tensors(model) if n not in self]
+        if missing:
+            raise ValueError(f"the plan has no sbp for {missing[:5]}: add them "
+                             f"(plan[name] = (gt.sbp.broadcast,)) before apply")
+        to_global(model, self.placement, lambda name, t: self[name])
+        handle = getattr(model, "_gt_input_hook", None)
+        if handle is not None:
+            handle.remove()
+        inputs, placement = self.inputs, self.placement
+        model._gt_input_hook = model.register_forward_pre_hook(
+            lambda m, args: tuple(_relaid(a, s, placement) for a, s in zip(args, inputs))
+            + tuple(args[len(inputs):]), prepend=True)
+        return model
+
+    def save(self, path: str) -> None:
+        """Write the plan as JSON (``gt.nn.load_plan`` reads it)."""
+        with open(path, "w") as f:
+            json.dump({"placement": {"type": self.placement.type,
+                                     "ranks": self.placement.ranks},
+                       "strategy": self.strategy, "inputs": [_encode(s) for s in self.inputs],
+                       "layouts": {k: _encode(v) for k, v in self.items()}}, f, indent=1)
+
+    def __repr__(self) -> str:
+        lines = [f"AutoPlan({self.strategy} on {self.placement}; inputs "
+                 f"{', '.join(map(_show, self.inputs))})"]
+        for name, seconds in self.measured.items():
+            lines.append(f"  measured {name}: {seconds}")
+        lines += [f"  {name}: {_show(s)}" for name, s in self.items()]
+        return "\n".join(lines)
+
+
+def load_plan(path: str) -> AutoPlan:
+    """The plan ``plan.save(path)`` wrote."""
+    with open(path) as f:
+        data = json.load(f)
+    placement = Placement(data["placement"]["type"], data["placement"]["ranks"])
+    return AutoPlan({k: _decode(v) for k, v in data["layouts"].items()}, placement,
+                    [_decode(s) for s in data["inputs"]], data["strategy"])
+
+
+def auto_parallel(model: torch.nn.Module, placement: Placement, example_inputs: Sequence,
+                  memory_budget: int | None = None,
+                  loss_fn: Callable | None = None) -> AutoPlan:
+    """Choose ``model``'s parameter layouts on ``placement`` (data parallel, Megatron
+    tensor parallel or fully sharded, see the module docstring) by timing a few
+    training steps of each on ``example_inputs`` (GlobalTensors or plain tensors, the
+    batch first), among those whose parameters, gradients and two optimizer moments
+    fit ``memory_budget`` bytes per rank; apply the fastest to ``model`` and return its
+    plan. ``loss_fn(output)`` makes the scalar to backpropagate (default: the output if
+    it is a scalar, else the mean of its squares). A budget no candidate meets raises
+    ValueError with the smallest footprint, before any step runs. Call on every rank.
+
+    >>> plan = gt.nn.auto_parallel(gpt, P, (ids, targets), memory_budget=2**30)  # doctest: +SKIP
+    """
+    check_placement(placement)
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"auto_parallel needs a torch.nn.Module, got {type(model).__name__}")
+    example_inputs = tuple(example_inputs)
+    plain = copy.deepcopy(model)
+    candidates = _candidates(plain, placement, example_inputs)
+    footprint = {name: _bytes_per_rank(plain, plan) for name, plan in candidates.items()}
+    fits = [name for name in candidates if memory_budget is None
+            or footprint[name] <= memory_budget]
+    if not fits:
+        smallest = min(footprint, key=footprint.get)
+        raise ValueError(f"memory_budget {memory_budget} bytes per rank cannot be met: the "
+                         f"smallest footprint is {footprint[smallest]} bytes ({smallest}: "
+                         f"parameters, gradients and two optimizer moments per rank)")
+    seconds = {name: _timed(copy.deepcopy(plain), candidates[name], example_inputs, loss_fn)
+               for name in fits}
+    best = min(fits, key=seconds.get)
+    plan = candidates[best]
+    plan.measured = {name: f"{seconds[name] * 1e3:.2f} ms per step, {footprint[name]} "
+                     f"bytes per rank" for name in fits}
+    plan.apply(model)
+    return plan
+
+
+# --- candidates ---------------------------------------------------------------------------
+
+def _named_tensors(model: torch.nn.Module):
+    seen = set()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            yield name, t
+
+
+def _candidates(model, placement: Placement, inputs: tuple) -> dict:
+    n = placement.ndim
+    batch = tuple(split(0) if x.dim() and x.shape[0] >= placement.shape[0] else broadcast
+                  for x in inputs)
+    whole = tuple(broadcast for _ in inputs)
+    rows, cols = _megatron_pairs(model)
+    plans = {}
+    one = lambda s: (s,) + (broadcast,) * (n - 1)
+    named = list(_named_tensors(model))
+    plans["data parallel"] = AutoPlan({k: one(broadcast) for k, _ in named}, placement,
+                                      tuple(one(s) for s in batch), "data parallel")
+    if rows or cols:
+        def tp(name, t):
+            module = name.rsplit(".", 1)[0]
+            if module in cols and t.dim() >= 1:
+                return one(split(0))
+            if module in rows and name.endswith("weight"):
+                return one(split(1))
+            return one(broadcast)
+        plans["tensor parallel"] = AutoPlan({k: tp(k, t) for k, t in named}, placement,
+                                            tuple(one(s) for s in whole), "tensor parallel")
+    shard = lambda t: one(split(0)) if t.dim() and t.shape[0] >= placement.shape[0] \
+        else one(broadcast)
+    plans["fully sharded"] = AutoPlan(
+        {k: shard(t) if isinstance(t, torch.nn.Parameter) else one(broadcast)
+         for k, t in named}, placement, tuple(one(s) for s in batch), "fully sharded")
+    return plans
+
+
+def _megatron_pairs(model) -> tuple[set, set]:
+    """Modules with Linear children in Megatron's pattern: the last Linear is
+    row-parallel when earlier ones feed it (their output width is its input width:
+    q, k, v into proj; fc1 into fc2), and those are column-parallel."""
+    rows, cols = set(), set()
+    for prefix, module in model.named_modules():
+        linears = [(name, m) for name, m in module.named_children()
+                   if isinstance(m, torch.nn.Linear)]
+        if len(linears) < 2:
+            continue
+        last_name, last = linears[-1]
+        feeds = [c for c, m in linears[:-1] if m.out_features == last.in_features]
+        if feeds:
+            rows.add(f"{prefix}.{last_name}".lstrip("."))
+            cols.update(f"{prefix}.{c}".lstrip(".") for c in feeds)
+    return rows, cols
+
+
+def _bytes_per_rank(model, plan: AutoPlan) -> int:
+    """Parameter, gradient and optimizer bytes on the rank holding the most."""
+    total = 0
+    for name, t in _named_tensors(model):
+        numel = t.numel()
+        for axis, s in enumerate(plan[name]):
+            if isinstance(s, (Split, StridedSplit)):
+                parts = plan.placement.shape[axis]
+                numel = -(-numel // parts)
+        copies = STATE_COPIES if isinstance(t, torch.nn.Parameter) else 1
+        total += numel * t.element_size() * copies
+    return total
+
+
+# --- measuring ----------------------------------------------------------------------------
+
+def _relaid(x, sbp, placement: Placement):
+    """A batch input in the planned layout (a plain tensor: the same on every rank)."""
+    if isinstance(x, torch.Tensor) and not isinstance(x, GlobalTensor):
+        x = from_local(x, placement, (broadcast,) * placement.ndim, shape=tuple(x.shape))
+    if isinstance(x, GlobalTensor) and x.sbp != tuple(sbp):
+        return x.to_global(sbp=sbp)
+    return x
+
+
+def _timed(model, plan: AutoPlan, inputs: tuple, loss_fn) -> float:
+    """The slowest rank's median step time of ``model`` laid out by ``plan``."""
+    plan.apply(model)
+    times = []
+    for k in range(WARM_STEPS + TIMED_STEPS):
+        started = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        out = model(*inputs)
+        loss = loss_fn(out) if loss_fn is not None else \
+            (out if out.dim() == 0 else out.float().square().mean())
+        loss.backward()
+        if k >= WARM_STEPS:
+            times.append(time.perf_counter() - started)
+    mine = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    slowest = from_local(mine, plan.placement, (partial_max,) * plan.placement.ndim,
+                         shape=(1,))
+    return float(slowest.to_global(sbp=(broadcast,) * plan.placement.ndim).to_local()[0])
+
+
+def _encode(sbp) -> list:
+    return [_encode_one(s) for s in sbp]
+
+
+def _encode_one(s: SbpParallel) -> str:
+    if isinstance(s, StridedSplit):
+        return f"split({s.dim},{s.blocks})"
+    if isinstance(s, Split):
+        return f"split({s.dim})"
+    if isinstance(s, Partial):
+        return f"partial_{s.reduce}"
+    assert isinstance(s, Broadcast)
+    return "broadcast"
+
+
+def _decode(items: list) -> tuple:
+    out = []
+    for item in items:
+        if item.startswith("split("):
+            out.append(split(*(int(v) for v in item[6:-1].split(","))))
+        elif item.startswith("partial_"):
+            out.append(Partial(item.removeprefix("partial_")))
+        elif item == "broadcast":
+            out.append(broadcast)
+        else:
+            raise ValueError(f"not an sbp in a saved plan: {item!r}")
+    return tuple(out)
+
+
+def _show(sbp) -> str:
+    return ", ".join(map(repr, sbp))

@@ -1,0 +1,108 @@
+"""gt.nn.auto_parallel: a measured choice among data parallel, Megatron tensor parallel
+and fully sharded layouts, under a memory budget; plans edit, save, load and apply."""
+from mp import world_test
+
+
+def _mlp():
+    import torch
+    torch.manual_seed(0)
+
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+
+        def forward(self, x):
+            return self.fc2(torch.relu(self.fc1(x)))
+    return MLP()
+
+
+def _inputs():
+    import torch
+    import globaltensor as gt
+    torch.manual_seed(1)
+    return gt.tensor(torch.randn(8, 16), placement=gt.placement.all("cpu"),
+                     sbp=gt.sbp.broadcast)
+
+
+def check_auto_parallel_chooses_measured_layouts_and_trains_equal():
+    import copy
+    import torch
+    import globaltensor as gt
+    from globaltensor.dispatch import step
+    step.clear()
+    plain, x = _mlp(), _inputs()
+    model = copy.deepcopy(plain)
+    plan = gt.nn.auto_parallel(model, gt.placement.all("cpu"), (x,))
+    assert set(plan.measured) == {"data parallel", "tensor parallel", "fully sharded"}
+    assert plan.strategy in plan.measured and set(plan) == {n for n, _ in plain.named_parameters()}
+    assert isinstance(model.fc1.weight, gt.GlobalTensor)
+    assert model.fc1.weight.sbp == plan["fc1.weight"]
+    out = model(x)
+    ref = plain(x.full())
+    torch.testing.assert_close(out.full(), ref.detach(), rtol=1e-5, atol=1e-6)
+    out.square().mean().backward()
+    ref.square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad.full(), q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    # Megatron's pattern was found: fc1 column-parallel, fc2 row-parallel
+    from globaltensor.nn.auto import _candidates
+    tp = _candidates(plain, gt.placement.all("cpu"), (x,))["tensor parallel"]
+    assert tp["fc1.weight"] == (gt.sbp.split(0),) and tp["fc2.weight"] == (gt.sbp.split(1),)
+    assert tp["fc2.bias"] == (gt.sbp.broadcast,)
+    step.clear()
+
+
+def check_memory_budget_rules_out_data_parallel_or_raises():
+    import copy
+    import pytest
+    import globaltensor as gt
+    from globaltensor.dispatch import step
+    from globaltensor.nn.auto import _bytes_per_rank, _candidates
+    P, x = gt.placement.all("cpu"), _inputs()
+    plain = _mlp()
+    sizes = {k: _bytes_per_rank(plain, p) for k, p in _candidates(plain, P, (x,)).items()}
+    budget = sizes["data parallel"] - 1            # everything but data parallel fits
+    plan = gt.nn.auto_parallel(copy.deepcopy(plain), P, (x,), memory_budget=budget)
+    assert plan.strategy != "data parallel" and "data parallel" not in plan.measured
+    with pytest.raises(ValueError, match="smallest footprint is"):
+        gt.nn.auto_parallel(copy.deepcopy(plain), P, (x,), memory_budget=1000)
+    step.clear()
+
+
+def check_plan_edits_saves_loads_and_applies():
+    import copy
+    import os
+    import shutil
+    import torch
+    import globaltensor as gt
+    from globaltensor.dispatch import step
+    P, x = gt.placement.all("cpu"), _inputs()
+    plain = _mlp()
+    plan = gt.nn.auto_parallel(copy.deepcopy(plain), P, (x,))
+    plan["fc1.weight"] = (gt.sbp.split(0),)         # edit it
+    plan["fc1.bias"] = (gt.sbp.split(0),)
+    folder = f"/tmp/globaltensor-plan-{os.getppid()}-{os.environ['RANK']}"
+    os.makedirs(folder, exist_ok=True)
+    try:
+        plan.save(f"{folder}/plan.json")
+        loaded = gt.nn.load_plan(f"{folder}/plan.json")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    assert dict(loaded) == dict(plan) and loaded.inputs == plan.inputs
+    assert loaded.strategy == plan.strategy and "fc1.weight: split(dim=0)" in str(loaded)
+    model = loaded.apply(copy.deepcopy(plain))
+    assert model.fc1.weight.sbp == (gt.sbp.split(0),)
+    torch.testing.assert_close(model(x).full(), plain(x.full()).detach(), rtol=1e-5, atol=1e-6)
+    del loaded["fc2.bias"]
+    import pytest
+    with pytest.raises(ValueError, match="fc2.bias"):
+        loaded.apply(copy.deepcopy(plain))
+    step.clear()
+
+
+CHECKS = ["check_auto_parallel_chooses_measured_layouts_and_trains_equal",
+          "check_memory_budget_rules_out_data_parallel_or_raises",
+          "check_plan_edits_saves_loads_and_applies"]
+
+test_world2 = world_test(__name__, 2, CHECKS)
