@@ -18,8 +18,9 @@ and under ``torch.compile(fullgraph=True)`` (``--no-compile`` skips those):
 - ours pinned: the same, and the forward pins Megatron's activation layouts with
   ``to_global``: residual stream broadcast after the embedding and each add, q/k/v and
   attention weights split on heads, merged heads and MLP hidden split on features;
-- ours auto_parallel: ``gt.nn.auto_parallel(model, placement, (ids, targets))`` (n/a
-  while it is not built);
+- ours auto_parallel: ``gt.nn.auto_parallel(model, placement, (ids, targets))``, no
+  annotation (it times data parallel, Megatron and fully sharded layouts and keeps the
+  fastest);
 - DTensor TP: ``parallelize_module``, ColwiseParallel (q, k, v, fc1), RowwiseParallel
   (proj, fc2), attention on the local heads as torch's tutorial sets it up;
 - DTensor TP+SP: torch's sequence-parallel plan on top (SequenceParallel layer norms,
