@@ -163,7 +163,7 @@ def _cheapest(call: Call, rule, meta: _MetaRun, gidx: tuple, inplace: bool,
     leaves = call.leaves
     placement = leaves[gidx[0]].placement
     current = [leaves[i]._layout for i in gidx]
-    weights = input_weights(leaves, gidx)
+    weights = [PARAMETER_WEIGHT if _is_parameter(leaves[i]) else 1.0 for i in gidx]
     sizes = [leaves[i].element_size() for i in gidx]
     out_metas = [meta.out_leaves[k] for k in meta.out_tensors]
     best, best_cost = None, None
@@ -192,11 +192,6 @@ def _signatures(call: Call, rule, meta: _MetaRun, gidx: tuple, inplace: bool,
         except ValueError:  # e.g. a split dim that a 0-d operand does not have
             continue
         yield targets, outs
-
-
-def input_weights(leaves: list, gidx: tuple) -> list:
-    """Per global input: how much its boxing counts (parameters more, see above)."""
-    return [PARAMETER_WEIGHT if _is_parameter(leaves[i]) else 1.0 for i in gidx]
 
 
 @dataclass(frozen=True)
@@ -248,8 +243,11 @@ def options(func, leaves: list, spec, greedy: Decision) -> "Options | None":
 
 
 def _same_outs(layouts: tuple, decision: Decision) -> bool:
+    """Whether a signature's output layouts are the decision's (a 0-d output the
+    decision reduces at once is compared in the partial layout it is computed in)."""
     reduced = decision.reduced or (None,) * len(layouts)
-    return all((r or l) == o or l == o for l, o, r in zip(layouts, decision.out_layouts, reduced))
+    return all(l == (o if r is None else r)
+               for l, o, r in zip(layouts, decision.out_layouts, reduced))
 
 
 def _combinations(call: Call, rule, n_in: int, n_out: int, strided_ok: bool = False):
