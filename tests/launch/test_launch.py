@@ -324,26 +324,40 @@ def test_a_missing_node_is_named_and_times_out(tmp_path: Path) -> None:
     assert "node 1 could not reach node 0's rendezvous store" in err1, err1
 
 
-@pytest.mark.multiprocess
+def run_in_process(argv: list[str], capfd) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of the launcher's ``main(argv)`` in this process, which
+    must exit before starting anything (a refusal, --version: as in
+    test_bad_arguments_fail_fast, this saves a launcher start, ~1.7 s of torch import);
+    stdout and stderr are read at the file descriptors (all that was written)."""
+    from globaltensor.launch import main
+
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    out, err = capfd.readouterr()
+    return exit_.value.code, out, err
+
+
 @pytest.mark.timeout(30)
-def test_busy_master_port_is_one_line(tmp_path: Path) -> None:
+def test_busy_master_port_is_one_line(tmp_path: Path, capfd, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        r = launch(["--nproc_per_node", "2", "--master_port", str(port), "--log_dir", str(tmp_path / "log"),
-                    str(SCRIPTS / "report_env.py")], cwd=tmp_path, timeout=25)
-    assert r.returncode == 1
-    assert r.stderr.strip().splitlines() == [
+        code, out, err = run_in_process(["--nproc_per_node", "2", "--master_port", str(port), "--log_dir",
+                                  str(tmp_path / "log"), str(SCRIPTS / "report_env.py")], capfd)
+    assert code == 1
+    assert err.strip().splitlines() == [
         f"globaltensor.launch: error: --master_port {port} is already in use on 127.0.0.1 "
-        "(another job, or one still exiting?): choose another --master_port"], r.stderr
-    assert "ENV" not in r.stdout
+        "(another job, or one still exiting?): choose another --master_port"], err
+    assert "ENV" not in out
 
 
-@pytest.mark.multiprocess
 @pytest.mark.timeout(30)
-def test_log_dir_symlinks_are_refused(tmp_path: Path) -> None:
+def test_log_dir_symlinks_are_refused(tmp_path: Path, capfd, monkeypatch) -> None:
     """A planted link must not make the launcher write (truncate) a file elsewhere."""
+    monkeypatch.chdir(tmp_path)
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
     (tmp_path / "real").mkdir()
@@ -352,10 +366,10 @@ def test_log_dir_symlinks_are_refused(tmp_path: Path) -> None:
     (tmp_path / "logs" / "workerlog.1").symlink_to(victim)
     for log_dir, message in [("linked_dir", "--log_dir 'linked_dir' is a symbolic link"),
                              ("logs", "workerlog.1 is a symbolic link")]:
-        r = launch(["--nproc_per_node", "2", "--master_port", str(free_port()), "--log_dir", log_dir,
-                    str(SCRIPTS / "report_env.py")], cwd=tmp_path, timeout=25)
-        assert r.returncode == 2 and message in r.stderr, r.stderr
-        assert "Traceback" not in r.stderr and "ENV" not in r.stdout
+        code, out, err = run_in_process(["--nproc_per_node", "2", "--master_port", str(free_port()),
+                                  "--log_dir", log_dir, str(SCRIPTS / "report_env.py")], capfd)
+        assert code == 2 and message in err, err
+        assert "Traceback" not in err and "ENV" not in out
     assert victim.read_text() == "precious\n"
     assert list((tmp_path / "real").iterdir()) == []
 
@@ -634,13 +648,13 @@ def test_the_launcher_package_keeps_its_shape() -> None:
 # --- version and packaging (#10 item 10) ---------------------------------------------
 
 @pytest.mark.timeout(60)
-def test_version(tmp_path: Path) -> None:
+def test_version(capfd) -> None:
     import globaltensor as gt
     import torch
 
-    r = launch(["--version"], cwd=tmp_path, timeout=30)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == f"globaltensor {gt.__version__} (torch {torch.__version__})"
+    code, out, _ = run_in_process(["--version"], capfd)
+    assert code == 0
+    assert out.strip() == f"globaltensor {gt.__version__} (torch {torch.__version__})"
     assert re.fullmatch(r"\d+\.\d+\.\d+\S*", gt.__version__)
 
 
