@@ -7,9 +7,20 @@ import re
 
 import pytest
 
-from mp import launch_example as launch
+from mp import launch_example as launch, launch_examples_together
 
 pytestmark = pytest.mark.multiprocess  # every test here runs an example through the launcher
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """The two 2-rank examples, run at once (AlexNet's ranks wait for each other's
+    shards: the other run uses that time)."""
+    runs = {"alexnet_hybrid": ("alexnet_hybrid.py", 2, "--steps", "20"),
+            "wide_and_deep": ("wide_and_deep.py", 2, "--steps", "60")}
+    outs = launch_examples_together(list(runs.values()), tmp_path_factory.mktemp("models"),
+                                    timeout=140)
+    return dict(zip(runs, outs))
 
 
 def _output(out):
@@ -45,8 +56,8 @@ def test_parallelism_guide_on_four_ranks(tmp_path):
 
 
 @pytest.mark.timeout(150)
-def test_alexnet_hybrid_on_two_ranks(tmp_path):
-    out = launch("alexnet_hybrid.py", 2, tmp_path, "--steps", "20", timeout=140)
+def test_alexnet_hybrid_on_two_ranks(two_rank_runs):
+    out = two_rank_runs["alexnet_hybrid"]
     text = _output(out)
     assert out.returncode == 0, text
     assert "fc1.weight         shape=(1024, 1024)     sbp=(split(dim=0),)" in text
@@ -62,8 +73,8 @@ def test_alexnet_hybrid_on_two_ranks(tmp_path):
 
 
 @pytest.mark.timeout(150)
-def test_wide_and_deep_on_two_ranks(tmp_path):
-    out = launch("wide_and_deep.py", 2, tmp_path, "--steps", "60", timeout=140)
+def test_wide_and_deep_on_two_ranks(two_rank_runs):
+    out = two_rank_runs["wide_and_deep"]
     text = _output(out)
     assert out.returncode == 0, text
     assert "embedding.weight    shape=(8000, 8)   sbp=(split(dim=0),)  this rank's rows: 4000" \
