@@ -5,8 +5,8 @@ differ: optimizer state made lazily), every call is decided op by op (``decide.p
 and recorded: every signature its rule allows
 (``decide.options``) and which earlier call of the step made each operand (outputs
 carry ``_origin``). At the next step boundary the record becomes a min-sum problem
-(``solve.py``: options priced by the boxing between them, with the alpha-beta model of
-``boxing/cost.py``; tensors made before the step, parameters among them, keep their
+(``step_plan.py``, ``solve.py``: options priced by the boxing between them, with the
+alpha-beta model of ``boxing/cost.py``; tensors made before the step, parameters among them, keep their
 layouts, as do the layouts ``to_global`` pins) and the cheapest choice is kept as a
 plan, keyed by the step's first call. A later step whose first call matches replays
 it: call i takes its planned decision when its op, arguments and operand layouts are
@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
 import os
 import time
 import weakref
@@ -37,68 +36,20 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from .. import comm
-from ..boxing import plan_route
-from ..boxing.cost import max_local_bytes
 from ..tensor import GlobalTensor
-from . import solve
 from .cache import cached_decision, key_of_call
-from .decide import Decision, Options, options
+from .decide import Decision, options
+from .step_plan import PARAMETER_WEIGHT, Node, StepPlan, plan_step
 
 log = logging.getLogger("globaltensor")
 
 ENABLED = os.environ.get("GLOBALTENSOR_PLAN_STEPS", "1") != "0"
-# Compute is priced too, so that duplicated work (a weight gathered and the whole
-# product computed on every rank) is not free: seconds per multiply-add of a matrix
-# product and per element any other op writes (a few GFLOP/s: a CPU core).
-SECONDS_PER_MAC = 1 / 5e9
-SECONDS_PER_ELEMENT = 1 / 1e9
-_PRODUCTS = {"mm": 0, "bmm": 0, "addmm": 1, "baddbmm": 1}
-# A parameter moved for an op has its gradient moved back in backward, which the
-# record does not show (gradients reach ``.grad`` outside dispatch).
-PARAMETER_WEIGHT = 2.0
 MAX_PLANS = 16
 MAX_MISSES = 8      # calls in a row the plan does not know before replay stops
 LOOKAHEAD = 4       # planned calls a step may skip
 MAX_RECORDINGS = 3
 MAX_KEYS = 256      # step starts remembered
 MAX_CALLS = 20000   # a recording longer than this is dropped
-_INFEASIBLE = 1e9
-
-
-@dataclass
-class Node:
-    """One recorded call."""
-    func: object
-    key: tuple                 # its cache key as recorded
-    greedy: Decision           # the per-op decision it ran with
-    opts: "Options | None"     # its choices (None: the per-op decision only)
-    producers: list            # per global input: (node, output index), or None
-    inputs: list               # per global input: (layout as recorded, itemsize, weight)
-    floats: tuple              # the float arguments, when the decision depends on them
-    choice: int = 0
-    planned: "Decision | None" = None   # None: decided op by op at replay
-    expected: tuple = ()       # the cache key replay expects
-    sent_bytes: int = 0        # sent while it ran (explain_step counts)
-
-    def signatures(self) -> tuple:
-        """(input layouts, output layouts) per option."""
-        if self.opts is None:
-            return ((self.greedy.targets, self.greedy.out_layouts),)
-        return self.opts.signatures
-
-
-@dataclass
-class StepPlan:
-    """A planned step: per call, its decision and the key it must match."""
-    nodes: list
-    per_op_cost: float         # what the recorded (per-op) choice costs, seconds
-    planned_cost: float        # what the plan costs, seconds
-    seconds: float             # time taken to plan
-    problem: "solve.Problem | None" = None   # kept for explain_step
-
-    @property
-    def first_key(self) -> tuple:
-        return self.nodes[0].expected
 
 
 @dataclass
@@ -355,91 +306,3 @@ def made(node: Node, out) -> None:
     for k, o in enumerate(tree_flatten(out)[0]):   # indexed as decisions index outputs
         if isinstance(o, GlobalTensor):
             o._origin = (state.serial, index, k)
-
-
-# --- planning -------------------------------------------------------------------------
-
-def plan_step(record: list) -> StepPlan:
-    """The cheapest signatures for the recorded calls (``solve.py``), as a plan."""
-    problem = _problem(record)
-    start = [n.opts.greedy if n.opts is not None else 0 for n in record]
-    choice = solve.solve(problem, start)
-    for node, k in zip(record, choice):
-        node.choice = k
-    _expect(record)
-    return StepPlan(record, problem.total(start), problem.total(choice), 0.0, problem)
-
-
-def _compute_seconds(func, targets: tuple, outs: tuple) -> float:
-    """The slowest rank's compute for one signature (see SECONDS_PER_MAC)."""
-    first = _PRODUCTS.get(func.overloadpacket.__name__)
-    if first is not None and len(targets) >= first + 2:
-        a, b = targets[first], targets[first + 1]
-        return SECONDS_PER_MAC * max(math.prod(a.local_shape(r)) * b.local_shape(r)[-1]
-                                     for r in a.placement)
-    return SECONDS_PER_ELEMENT * sum(max_local_bytes(o, 1) for o in outs if o is not None)
-
-
-def _route_cost(src, dst, itemsize: int, cache: dict) -> float:
-    key = (src, dst, itemsize)
-    cost = cache.get(key)
-    if cost is None:
-        cost = cache[key] = 0.0 if src == dst else plan_route(src, dst, itemsize).cost + 1e-9
-    return cost
-
-
-def _problem(record: list) -> solve.Problem:
-    routes: dict = {}
-    computes: dict = {}   # layers repeat: one price per (op, signature)
-    unary, edges = [], []
-    for v, node in enumerate(record):
-        sigs = node.signatures()
-        costs = []
-        for sig in sigs:
-            key = (node.func, sig)
-            cost = computes.get(key)
-            if cost is None:
-                cost = computes[key] = _compute_seconds(node.func, *sig)
-            costs.append(cost)
-        inplace = node.greedy.inplace
-        for i, (producer, (layout, size, weight)) in enumerate(zip(node.producers,
-                                                                   node.inputs)):
-            if producer is None:
-                for o, (targets, outs) in enumerate(sigs):
-                    costs[o] += _route_cost(layout, targets[i], size, routes) * weight
-                continue
-            u, k = producer
-            made_as = [outs[k] for _, outs in record[u].signatures()]
-            matrix = [[_route_cost(src, targets[i], size, routes) * weight
-                       + (_INFEASIBLE if inplace and i == 0 and src != outs[0] else 0.0)
-                       for targets, outs in sigs] for src in made_as]
-            edges.append((u, v, matrix))
-        unary.append(costs)
-    return solve.Problem(unary, edges)
-
-
-def _expect(record: list) -> None:
-    """Each node's planned decision and the cache key a replayed call must have: the
-    recorded key with its operands in the layouts the plan gives them."""
-    for node in record:
-        sigs = node.signatures()
-        targets, outs = sigs[node.choice]
-        in_layouts = []
-        for producer, (layout, _, _) in zip(node.producers, node.inputs):
-            if producer is not None:
-                u, k = producer
-                layout = record[u].signatures()[record[u].choice][1][k]
-            in_layouts.append(layout)
-        node.planned = None if node.opts is None else \
-            node.opts.decision(node.choice, tuple(in_layouts))
-        node.expected = _key_with(node, in_layouts)
-
-
-def _key_with(node: Node, in_layouts: list):
-    if node.key is None:
-        return None
-    func, spec, parts = node.key
-    parts = list(parts)
-    for i, layout in zip(node.greedy.gidx, in_layouts):
-        parts[i] = (layout,) + tuple(parts[i][1:])
-    return func, spec, tuple(parts)

@@ -68,3 +68,20 @@ def test_random_graphs_close_to_brute_force():
         found = p.total(solve(p, [0] * n))
         worse += found > brute_force(p) + 1e-9
     assert worse <= 4
+
+
+def test_views_written_in_place_are_found_through_view_chains():
+    # x = mm(...); v = x.view(...); s = v.select(...); s.copy_(...) writes through both
+    # views; w = x.view(...) is only read: the plan may box at w, not at v or s
+    from types import SimpleNamespace as NS
+    import torch
+    from globaltensor.dispatch.step_plan import _written_views
+    aten = torch.ops.aten
+    call = lambda func, producers, inplace=False: NS(
+        func=func, producers=producers, greedy=NS(inplace=inplace))
+    record = [call(aten.mm.default, [None, None]),
+              call(aten.view.default, [(0, 0)]),
+              call(aten.select.int, [(1, 0)]),
+              call(aten.copy_.default, [(2, 0), None], inplace=True),
+              call(aten.view.default, [(0, 0)])]
+    assert _written_views(record) == {1, 2}

@@ -156,6 +156,29 @@ def check_changed_program_falls_back_and_stays_right():
     step.clear()
 
 
+def check_writes_into_views_stay_right_when_planned():
+    import copy
+    import torch
+    import globaltensor as gt
+    from globaltensor.dispatch import step
+    step.clear()
+    P = gt.placement.all("cpu")
+    plain = _block()
+
+    def write_first_row(module, args, out):   # a write into a view of an activation
+        out[:, 0] = 0.5
+        return out
+    plain.fc1.register_forward_hook(write_first_row)
+    model = gt.nn.to_global(copy.deepcopy(plain), P, _megatron)
+    torch.manual_seed(4)
+    x = torch.randn(B, T, C)
+    ref, _ = _train(plain, x, 4, plain=True)
+    got, _ = _train(model, gt.to_global(x, P, gt.sbp.broadcast), 4)
+    assert step.state.last is not None
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+    step.clear()
+
+
 def check_shapes_changing_every_step_are_never_recorded():
     import copy
     import torch
@@ -198,6 +221,7 @@ def check_explain_step_reports_choices():
 
 CHECKS = ["check_head_reshapes_stay_local", "check_planned_steps_replay_and_train_equal",
           "check_changed_program_falls_back_and_stays_right",
+          "check_writes_into_views_stay_right_when_planned",
           "check_shapes_changing_every_step_are_never_recorded",
           "check_explain_step_reports_choices"]
 

@@ -1,0 +1,181 @@
+"""A recorded step as a min-sum problem, and the plan its solution gives.
+
+``plan_step`` turns the calls ``step.py`` recorded into a ``solve.Problem``: per call,
+a unary cost per option (boxing the operands made before the step, and compute:
+multiply-adds for matrix products, elements written otherwise, so duplicated work is
+not free), and per producer/consumer pair a matrix of boxing costs (``plan_route``'s
+alpha-beta estimates). The solution gives each call its planned decision and the cache
+key a replayed call must match.
+
+>>> plan = plan_step(recorded_nodes)        # doctest: +SKIP
+>>> plan.planned_cost <= plan.per_op_cost
+True
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..boxing import plan_route
+from ..boxing.cost import max_local_bytes
+from . import solve
+from .decide import Decision, Options
+
+# Compute is priced too, so that duplicated work (a weight gathered and the whole
+# product computed on every rank) is not free: seconds per multiply-add of a matrix
+# product and per element any other op writes (a few GFLOP/s: a CPU core).
+SECONDS_PER_MAC = 1 / 5e9
+SECONDS_PER_ELEMENT = 1 / 1e9
+_PRODUCTS = {"mm": 0, "bmm": 0, "addmm": 1, "baddbmm": 1}
+# A parameter moved for an op has its gradient moved back in backward, which the
+# record does not show (gradients reach ``.grad`` outside dispatch).
+PARAMETER_WEIGHT = 2.0
+_INFEASIBLE = 1e9
+
+
+@dataclass
+class Node:
+    """One recorded call."""
+    func: object
+    key: tuple                 # its cache key as recorded
+    greedy: Decision           # the per-op decision it ran with
+    opts: "Options | None"     # its choices (None: the per-op decision only)
+    producers: list            # per global input: (node, output index), or None
+    inputs: list               # per global input: (layout as recorded, itemsize, weight)
+    floats: tuple              # the float arguments, when the decision depends on them
+    choice: int = 0
+    planned: "Decision | None" = None   # None: decided op by op at replay
+    expected: tuple = ()       # the cache key replay expects
+    sent_bytes: int = 0        # sent while it ran (explain_step counts)
+
+    def signatures(self) -> tuple:
+        """(input layouts, output layouts) per option."""
+        if self.opts is None:
+            return ((self.greedy.targets, self.greedy.out_layouts),)
+        return self.opts.signatures
+
+
+@dataclass
+class StepPlan:
+    """A planned step: per call, its decision and the key it must match."""
+    nodes: list
+    per_op_cost: float         # what the recorded (per-op) choice costs, seconds
+    planned_cost: float        # what the plan costs, seconds
+    seconds: float             # time taken to plan
+    problem: "solve.Problem | None" = None   # kept for explain_step
+
+    @property
+    def first_key(self) -> tuple:
+        return self.nodes[0].expected
+
+
+
+def plan_step(record: list) -> StepPlan:
+    """The cheapest signatures for the recorded calls (``solve.py``), as a plan."""
+    problem = _problem(record)
+    start = [n.opts.greedy if n.opts is not None else 0 for n in record]
+    choice = solve.solve(problem, start)
+    for node, k in zip(record, choice):
+        node.choice = k
+    _expect(record)
+    return StepPlan(record, problem.total(start), problem.total(choice), 0.0, problem)
+
+
+def _compute_seconds(func, targets: tuple, outs: tuple) -> float:
+    """The slowest rank's compute for one signature (see SECONDS_PER_MAC)."""
+    first = _PRODUCTS.get(func.overloadpacket.__name__)
+    if first is not None and len(targets) >= first + 2:
+        a, b = targets[first], targets[first + 1]
+        return SECONDS_PER_MAC * max(math.prod(a.local_shape(r)) * b.local_shape(r)[-1]
+                                     for r in a.placement)
+    return SECONDS_PER_ELEMENT * sum(max_local_bytes(o, 1) for o in outs if o is not None)
+
+
+def _returns_view(func) -> bool:
+    return any(r.alias_info is not None for r in func._schema.returns)
+
+
+def _route_cost(src, dst, itemsize: int, cache: dict) -> float:
+    key = (src, dst, itemsize)
+    cost = cache.get(key)
+    if cost is None:
+        cost = cache[key] = 0.0 if src == dst else plan_route(src, dst, itemsize).cost + 1e-9
+    return cost
+
+
+def _written_views(record: list) -> set:
+    """View calls whose output the step writes in place (directly or through further
+    views): boxed anew, such a view would no longer alias its base and the write would
+    miss it, so the plan boxes there only where per-op choice does."""
+    written = set()
+    for node in record:
+        if node.greedy.inplace and node.producers and node.producers[0] is not None:
+            u = node.producers[0][0]
+            while u not in written and _returns_view(record[u].func):
+                written.add(u)
+                if not record[u].producers or record[u].producers[0] is None:
+                    break
+                u = record[u].producers[0][0]
+    return written
+
+
+def _problem(record: list) -> solve.Problem:
+    written = _written_views(record)
+    routes: dict = {}
+    computes: dict = {}   # layers repeat: one price per (op, signature)
+    unary, edges = [], []
+    for v, node in enumerate(record):
+        sigs = node.signatures()
+        costs = []
+        for sig in sigs:
+            key = (node.func, sig)
+            cost = computes.get(key)
+            if cost is None:
+                cost = computes[key] = _compute_seconds(node.func, *sig)
+            costs.append(cost)
+        inplace = node.greedy.inplace
+        greedy = node.opts.greedy if node.opts is not None else 0
+        fixed = _INFEASIBLE if v in written else 0.0
+        for i, (producer, (layout, size, weight)) in enumerate(zip(node.producers,
+                                                                   node.inputs)):
+            if producer is None:
+                for o, (targets, outs) in enumerate(sigs):
+                    costs[o] += _route_cost(layout, targets[i], size, routes) * weight \
+                        + (fixed if o != greedy and layout != targets[i] else 0.0)
+                continue
+            u, k = producer
+            made_as = [outs[k] for _, outs in record[u].signatures()]
+            matrix = [[_route_cost(src, targets[i], size, routes) * weight
+                       + (_INFEASIBLE if inplace and i == 0 and src != outs[0] else 0.0)
+                       + (fixed if o != greedy and src != targets[i] else 0.0)
+                       for o, (targets, outs) in enumerate(sigs)] for src in made_as]
+            edges.append((u, v, matrix))
+        unary.append(costs)
+    return solve.Problem(unary, edges)
+
+
+def _expect(record: list) -> None:
+    """Each node's planned decision and the cache key a replayed call must have: the
+    recorded key with its operands in the layouts the plan gives them."""
+    for node in record:
+        sigs = node.signatures()
+        targets, outs = sigs[node.choice]
+        in_layouts = []
+        for producer, (layout, _, _) in zip(node.producers, node.inputs):
+            if producer is not None:
+                u, k = producer
+                layout = record[u].signatures()[record[u].choice][1][k]
+            in_layouts.append(layout)
+        node.planned = None if node.opts is None else \
+            node.opts.decision(node.choice, tuple(in_layouts))
+        node.expected = _key_with(node, in_layouts)
+
+
+def _key_with(node: Node, in_layouts: list):
+    if node.key is None:
+        return None
+    func, spec, parts = node.key
+    parts = list(parts)
+    for i, layout in zip(node.greedy.gidx, in_layouts):
+        parts[i] = (layout,) + tuple(parts[i][1:])
+    return func, spec, tuple(parts)
