@@ -35,7 +35,7 @@ __all__ = ["AutoPlan", "auto_parallel", "load_plan"]
 
 STATE_COPIES = 4   # parameter, gradient, two optimizer moments (Adam)
 WARM_STEPS = 3     # enough for a step to be recorded and planned
-TIMED_STEPS = 3
+TIMED_STEPS = 7
 
 
 class AutoPlan(dict):
@@ -124,8 +124,8 @@ def auto_parallel(model: torch.nn.Module, placement: Placement, example_inputs: 
         raise ValueError(f"memory_budget {memory_budget} bytes per rank cannot be met: the "
                          f"smallest footprint is {footprint[smallest]} bytes ({smallest}: "
                          f"parameters, gradients and two optimizer moments per rank)")
-    seconds = {name: _timed(copy.deepcopy(plain), candidates[name], example_inputs, loss_fn)
-               for name in fits}
+    seconds = _timed_all({name: copy.deepcopy(plain) for name in fits},
+                         candidates, example_inputs, loss_fn)
     best = min(fits, key=seconds.get)
     plan = candidates[best]
     plan.measured = {name: f"{seconds[name] * 1e3:.2f} ms per step, {footprint[name]} "
@@ -174,20 +174,32 @@ def _candidates(model, placement: Placement, inputs: tuple) -> dict:
 
 
 def _megatron_pairs(model) -> tuple[set, set]:
-    """Modules with Linear children in Megatron's pattern: the last Linear is
-    row-parallel when earlier ones feed it (their output width is its input width:
-    q, k, v into proj; fc1 into fc2), and those are column-parallel."""
+    """Linear layers in Megatron's pattern. In a ``Sequential`` the Linears chain: each
+    pair in turn whose widths meet (fc1 -> fc2) is column then row. In another module,
+    the last Linear is row-parallel when earlier ones with one input width feed it (q,
+    k, v into proj), and those are column-parallel."""
     rows, cols = set(), set()
     for prefix, module in model.named_modules():
-        linears = [(name, m) for name, m in module.named_children()
+        linears = [(f"{prefix}.{name}".lstrip("."), m) for name, m in module.named_children()
                    if isinstance(m, torch.nn.Linear)]
         if len(linears) < 2:
             continue
+        if isinstance(module, torch.nn.Sequential):
+            k = 0
+            while k + 1 < len(linears):
+                (a, fa), (b, fb) = linears[k], linears[k + 1]
+                if fa.out_features == fb.in_features:
+                    cols.add(a)
+                    rows.add(b)
+                    k += 2
+                else:
+                    k += 1
+            continue
         last_name, last = linears[-1]
-        feeds = [c for c, m in linears[:-1] if m.out_features == last.in_features]
-        if feeds:
-            rows.add(f"{prefix}.{last_name}".lstrip("."))
-            cols.update(f"{prefix}.{c}".lstrip(".") for c in feeds)
+        feeds = [(c, m) for c, m in linears[:-1] if m.out_features == last.in_features]
+        if feeds and len({m.in_features for _, m in feeds}) == 1:
+            rows.add(last_name)
+            cols.update(c for c, _ in feeds)
     return rows, cols
 
 
@@ -216,23 +228,29 @@ def _relaid(x, sbp, placement: Placement):
     return x
 
 
-def _timed(model, plan: AutoPlan, inputs: tuple, loss_fn) -> float:
-    """The slowest rank's median step time of ``model`` laid out by ``plan``."""
-    plan.apply(model)
-    times = []
+def _timed_all(models: dict, plans: dict, inputs: tuple, loss_fn) -> dict:
+    """Per candidate, the slowest rank's median step time. Candidates take turns step
+    by step, so that a load on the machine falls on all of them alike."""
+    for name, model in models.items():
+        plans[name].apply(model)
+    times = {name: [] for name in models}
     for k in range(WARM_STEPS + TIMED_STEPS):
-        started = time.perf_counter()
-        model.zero_grad(set_to_none=True)
-        out = model(*inputs)
-        loss = loss_fn(out) if loss_fn is not None else \
-            (out if out.dim() == 0 else out.float().square().mean())
-        loss.backward()
-        if k >= WARM_STEPS:
-            times.append(time.perf_counter() - started)
-    mine = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    slowest = from_local(mine, plan.placement, (partial_max,) * plan.placement.ndim,
-                         shape=(1,))
-    return float(slowest.to_global(sbp=(broadcast,) * plan.placement.ndim).to_local()[0])
+        for name, model in models.items():
+            started = time.perf_counter()
+            model.zero_grad(set_to_none=True)
+            out = model(*inputs)
+            loss = loss_fn(out) if loss_fn is not None else \
+                (out if out.dim() == 0 else out.float().square().mean())
+            loss.backward()
+            if k >= WARM_STEPS:
+                times[name].append(time.perf_counter() - started)
+    names = list(models)
+    placement = plans[names[0]].placement
+    mine = torch.tensor([statistics.median(times[n]) for n in names], dtype=torch.float64)
+    slowest = from_local(mine, placement, (partial_max,) * placement.ndim,
+                         shape=(len(names),))
+    agreed = slowest.to_global(sbp=(broadcast,) * placement.ndim).to_local()
+    return {n: float(t) for n, t in zip(names, agreed)}
 
 
 def _encode(sbp) -> list:

@@ -101,6 +101,20 @@ def check_plan_edits_saves_loads_and_applies():
     step.clear()
 
 
+def test_megatron_pairs_in_sequentials_chain_and_in_modules_fan_in():
+    from globaltensor.nn.auto import _megatron_pairs
+    from torch import nn
+    flat = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(8, 8), nn.ReLU())][:-1])
+    assert _megatron_pairs(flat) == ({"2", "6"}, {"0", "4"})
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v, self.proj = (nn.Linear(8, 8) for _ in range(4))
+    assert _megatron_pairs(Attention()) == ({"proj"}, {"q", "k", "v"})
+    assert _megatron_pairs(nn.Sequential(nn.Linear(4, 8), nn.Linear(6, 2))) == (set(), set())
+
+
 CHECKS = ["check_auto_parallel_chooses_measured_layouts_and_trains_equal",
           "check_memory_budget_rules_out_data_parallel_or_raises",
           "check_plan_edits_saves_loads_and_applies"]
