@@ -5,13 +5,31 @@ import re
 import pytest
 import torch
 
-from mp import run_example as launch, run_examples_together
+from mp import launch_examples_together
 
 pytestmark = pytest.mark.multiprocess  # every test here runs an example through the launcher
 
-@pytest.mark.timeout(160)
-def test_resnet_small_loss_decreases_on_two_ranks(tmp_path):
-    out = launch("resnet_data_parallel.py", 2, tmp_path, "--small")
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The module's runs, all started at once, by name, and their directory: the ResNet
+    on 2 ranks, the digits (the README's run, 6 epochs) on 1 and on 2."""
+    tmp = tmp_path_factory.mktemp("data_parallel")
+    digits = [("digits_data_parallel.py", nproc, "--seed", "3", "--save", str(tmp / f"{nproc}.pt"))
+              for nproc in (1, 2)]
+    outs = launch_examples_together([("resnet_data_parallel.py", 2, "--small"), *digits], tmp,
+                                    timeout=190)
+    return dict(zip(("resnet", "digits1", "digits2"), outs)), tmp
+
+
+def _stdout(run) -> str:
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout
+
+
+@pytest.mark.timeout(200)
+def test_resnet_small_loss_decreases_on_two_ranks(runs):
+    out = _stdout(runs[0]["resnet"])
     assert "ResNet-10 (width 8" in out and "2 ranks, global batch 32" in out, out
     logs = re.findall(r"\[epoch (\d), batch (\d+)\] loss: ([\d.]+), acc1: ([\d.]+), "
                       r"acc5: ([\d.]+)", out)
@@ -23,12 +41,10 @@ def test_resnet_small_loss_decreases_on_two_ranks(tmp_path):
 
 
 @pytest.mark.timeout(200)
-def test_digits_reaches_90_percent_and_two_ranks_end_with_the_single_process_parameters(tmp_path):
+def test_digits_reaches_90_percent_and_two_ranks_end_with_the_single_process_parameters(runs):
     # the README's run (6 epochs), on 1 and on 2 ranks
-    args = ["--seed", "3"]
-    out1, out2 = run_examples_together(
-        [("digits_data_parallel.py", nproc, *args, "--save", str(tmp_path / f"{nproc}.pt"))
-         for nproc in (1, 2)], tmp_path, timeout=190)
+    by_name, tmp_path = runs
+    out1, out2 = _stdout(by_name["digits1"]), _stdout(by_name["digits2"])
     epochs = re.findall(r"epoch (\d+)/6  loss ([\d.]+)  test acc ([\d.]+)", out2)
     assert [int(e) for e, _, _ in epochs] == list(range(1, 7)), out2
     losses = [float(loss) for _, loss, _ in epochs]
