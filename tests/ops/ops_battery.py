@@ -295,12 +295,21 @@ def _run_case(fn, inputs, sbps, placement, where, grad, nograd, rtol, atol):
     if not pairs:
         return gins, plains, out, ref
     # the gradient of sum_i (out_i * w_i).sum(), seeded directly: the loss's own mul,
-    # sum and their backward are not under test, and on the mesh each costs a decision
+    # sum and their backward are not under test, and on the mesh each costs a decision.
+    # An output that is an input itself (x.contiguous()) would hand its seed to the leaf
+    # as is: it goes through the loss, whose backward gives the leaf its own layout.
     weights = [randn(tuple(r.shape), f"weight{i}{tuple(r.shape)}", dtype=r.dtype)
                for i, (_, r) in enumerate(pairs)]
-    torch.autograd.backward([o for o, _ in pairs],
-                            [gt.tensor(w, placement=placement, sbp=nd(B, placement))
-                             for w in weights])
+    roots, seeds = [], []
+    for (o, _), w in zip(pairs, weights):
+        seed = gt.tensor(w, placement=placement, sbp=nd(B, placement))
+        if any(o is x for x in gins):
+            roots.append((o * seed).sum())
+            seeds.append(None)
+        else:
+            roots.append(o)
+            seeds.append(seed)
+    torch.autograd.backward(roots, seeds)
     torch.autograd.backward([r for _, r in pairs], weights)
     if has_bystanders(placement):
         same_on_every_rank(f"{where} gradients",
@@ -316,9 +325,7 @@ def _run_case(fn, inputs, sbps, placement, where, grad, nograd, rtol, atol):
             continue
         if not expect(gt.is_global(x.grad), f"{what}: not a GlobalTensor"):
             continue
-        # an op that returns its input itself (x.contiguous()) hands the seed on as is
-        returned_itself = any(o is x for o, _ in pairs)
-        expect(returned_itself or (x.grad.placement == x.placement and x.grad.sbp == x.sbp),
+        expect(x.grad.placement == x.placement and x.grad.sbp == x.sbp,
                f"{what}: grad layout {x.grad.sbp} on {x.grad.placement.ranks}, leaf "
                f"{x.sbp} on {x.placement.ranks}")
         close(x.grad.full(), v.grad, what, rtol, atol)
