@@ -452,8 +452,9 @@ def _run_ways(base: GPT, env: Env, modes: list, reference: float) -> tuple[dict,
                 continue
             if mode == "compiled" and env.backend != "inductor":
                 nbytes = None       # the counting pass is inductor's
-            elif mode == "eager":   # a later step: ours records step 2, plans step 3 on
-                nbytes = [_measured(way, graphs)[1] for _ in range(2)][-1]
+            elif mode == "eager":   # a planned step (ours records one, then plans)
+                from globaltensor.dispatch.step import RECORD_AT
+                nbytes = [_measured(way, graphs)[1] for _ in range(RECORD_AT)][-1]
             rows[name, mode], steps[name, mode] = nbytes, way.step
     return rows, steps
 

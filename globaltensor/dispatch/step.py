@@ -1,8 +1,8 @@
 """Whole-step layouts in eager mode: record a step's calls, plan them together, replay.
 
-An SPMD training program repeats one step. The second time a step runs (the first may
-differ: optimizer state made lazily), every call is decided op by op (``decide.py``)
-and recorded: every signature its rule allows
+An SPMD training program repeats one step. The fifth time a step runs (``RECORD_AT``:
+the first steps may differ, optimizer state is made lazily, and planning pays off over
+a run, not a few steps), every call is decided op by op (``decide.py``) and recorded: every signature its rule allows
 (``decide.options``) and which earlier call of the step made each operand (outputs
 carry ``_origin``). At the next step boundary the record becomes a min-sum problem
 (``step_plan.py``, ``solve.py``: options priced by the boxing between them, with the
@@ -19,8 +19,8 @@ A step begins at the outermost forward of a module made global (``step_boundary`
 called by ``gt.nn``'s hooks) and at ``gt.debug.explain_step``. Off with
 ``GLOBALTENSOR_PLAN_STEPS=0``.
 
->>> for _ in range(3):                        # doctest: +SKIP
-...     model(x).sum().backward()             # op by op, recorded, planned and replayed
+>>> for _ in range(8):                        # doctest: +SKIP
+...     model(x).sum().backward()             # 4 op by op, 1 recorded, then replayed
 """
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ ENABLED = os.environ.get("GLOBALTENSOR_PLAN_STEPS", "1") != "0"
 MAX_PLANS = 16
 MAX_MISSES = 8      # calls in a row the plan does not know before replay stops
 LOOKAHEAD = 4       # planned calls a step may skip
+RECORD_AT = 5      # the occurrence of a step that is recorded; planned from the next
 MAX_RECORDINGS = 3
 MAX_KEYS = 256      # step starts remembered
 MAX_CALLS = 20000   # a recording longer than this is dropped
@@ -222,14 +223,15 @@ def decision(func, leaves: list, spec):
 
 
 def _worth_recording(key) -> bool:
-    """Whether a step starting with this call is recorded now: from its second
-    occurrence on (a program whose shapes change every step never pays for recording
-    and planning), at most MAX_RECORDINGS times."""
+    """Whether a step starting with this call is recorded now: its RECORD_AT-th
+    occurrence (recording and planning pay off over a run, not over a few steps; a
+    program whose shapes change every step never pays for them), at most
+    MAX_RECORDINGS times."""
     seen = state.recorded.pop(key, 0) + 1
     if len(state.recorded) >= MAX_KEYS:   # oldest first: shapes seen once and gone
         state.recorded.pop(next(iter(state.recorded)))
     state.recorded[key] = seen
-    return 2 <= seen <= MAX_RECORDINGS + 1
+    return RECORD_AT <= seen < RECORD_AT + MAX_RECORDINGS
 
 
 def _give_up() -> None:

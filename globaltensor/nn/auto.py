@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..dispatch.step import RECORD_AT
 from ..factory import from_local
 from ..placement import Placement, check_placement
 from ..sbp import Broadcast, Partial, SbpParallel, Split, StridedSplit, broadcast, split
@@ -34,7 +35,7 @@ from .module import to_global
 __all__ = ["AutoPlan", "auto_parallel", "load_plan"]
 
 STATE_COPIES = 4   # parameter, gradient, two optimizer moments (Adam)
-WARM_STEPS = 3     # enough for a step to be recorded and planned
+WARM_STEPS = RECORD_AT + 1   # enough for a step to be recorded and planned
 TIMED_STEPS = 7
 
 

@@ -106,19 +106,20 @@ def check_planned_steps_replay_and_train_equal():
     model = gt.nn.to_global(copy.deepcopy(plain), P, _megatron)
     torch.manual_seed(2)
     x = torch.randn(B, T, C)
-    ref, _ = _train(plain, x, 5, plain=True)
-    losses, sent = _train(model, gt.to_global(x, P, gt.sbp.broadcast), 5)
+    n = step.RECORD_AT + 2
+    ref, _ = _train(plain, x, n, plain=True)
+    losses, sent = _train(model, gt.to_global(x, P, gt.sbp.broadcast), n)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)
     for p, q in zip(model.parameters(), plain.parameters()):
         torch.testing.assert_close(p.full(), q.detach(), rtol=1e-4, atol=1e-5)
     plan = step.state.last
     assert plan is not None and plan.planned_cost < plan.per_op_cost, plan
     assert step.state.mode == "idle" and step.state.plan is None   # replayed to its end
-    # step 1 op by op, step 2 recorded, later steps planned
-    assert sent[3] == sent[4] < sent[0] == sent[1], sent
+    # op by op until the recorded step, planned after it
+    assert sent[-1] == sent[-2] < sent[0] == sent[-3], sent
     with torch.no_grad():                          # an eval forward ends a step early;
         model(gt.to_global(x, P, gt.sbp.broadcast))   # the plan stays for training
-    assert _train(model, gt.to_global(x, P, gt.sbp.broadcast), 1)[1] == sent[4:]
+    assert _train(model, gt.to_global(x, P, gt.sbp.broadcast), 1)[1] == sent[-1:]
     step.clear()
 
 
@@ -133,8 +134,8 @@ def check_changed_program_falls_back_and_stays_right():
     model = gt.nn.to_global(copy.deepcopy(plain), P, _megatron)
     torch.manual_seed(3)
     xs = [torch.randn(B, T, C) for _ in range(2)]
-    for x in xs + xs[:1]:                           # op by op, record, then plan
-        model(gt.to_global(x, P, gt.sbp.broadcast)).sum().backward()
+    for k in range(step.RECORD_AT + 1):             # op by op, record, then plan
+        model(gt.to_global(xs[k % 2], P, gt.sbp.broadcast)).sum().backward()
     assert step.state.last is not None
     # the program changes in the middle of the step: an op the plan never saw
     model.fc1.register_forward_hook(lambda m, i, o: o * 2.0)
@@ -172,8 +173,8 @@ def check_writes_into_views_stay_right_when_planned():
     model = gt.nn.to_global(copy.deepcopy(plain), P, _megatron)
     torch.manual_seed(4)
     x = torch.randn(B, T, C)
-    ref, _ = _train(plain, x, 4, plain=True)
-    got, _ = _train(model, gt.to_global(x, P, gt.sbp.broadcast), 4)
+    ref, _ = _train(plain, x, step.RECORD_AT + 2, plain=True)
+    got, _ = _train(model, gt.to_global(x, P, gt.sbp.broadcast), step.RECORD_AT + 2)
     assert step.state.last is not None
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-6)
     step.clear()
@@ -187,7 +188,7 @@ def check_shapes_changing_every_step_are_never_recorded():
     step.clear()
     P = gt.placement.all("cpu")
     model = gt.nn.to_global(copy.deepcopy(_block()), P, _megatron)
-    for t in range(T, T - 4, -1):                  # every sequence length once
+    for t in range(T, T - step.RECORD_AT - 1, -1):  # every sequence length once
         model(gt.to_global(torch.randn(B, t, C), P, gt.sbp.broadcast)).sum().backward()
     assert step.state.last is None and not step.state.plans
     step.clear()
