@@ -60,7 +60,12 @@ def dispatch(func, types, args, kwargs):
             leaves[i] = plain.as_broadcast(x, leaves, func)
     if step.active:
         return _in_step(func, leaves, spec)
-    decision = cached_decision(func, leaves, spec)
+    return _carry_out(func, cached_decision(func, leaves, spec), leaves, spec)
+
+
+def _carry_out(func, decision: Decision, leaves, spec):
+    """Run ``decision``: a call that needs no boxing runs its local op directly, the
+    rest goes through ``_run``."""
     op = decision.direct
     if op is not None:
         local = [x._local if x.__class__ is GlobalTensor else x for x in leaves]
@@ -73,14 +78,7 @@ def dispatch(func, types, args, kwargs):
 def _in_step(func, leaves, spec):
     """A call while a step is recorded or replayed (``step.py``)."""
     decision, node = step.decision(func, leaves, spec)
-    op = decision.direct
-    if op is not None:
-        local = [x._local if x.__class__ is GlobalTensor else x for x in leaves]
-        n, names = spec
-        out = op(*local[:n], **dict(zip(names, local[n:]))) if names else op(*local)
-        out = wrap_part(out, decision.out_layouts[0], decision.out_strides[0])
-    else:
-        out = _run(func, decision, leaves, spec)
+    out = _carry_out(func, decision, leaves, spec)
     if node is not None:
         step.made(node, out)
     return out

@@ -24,8 +24,10 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..boxing.cost import max_local_bytes
 from ..dispatch.step import RECORD_AT
 from ..factory import from_local
+from ..layout import Layout
 from ..placement import Placement, check_placement
 from ..sbp import Broadcast, Partial, SbpParallel, Split, StridedSplit, broadcast, split
 from ..sbp import partial_max
@@ -208,13 +210,9 @@ def _bytes_per_rank(model, plan: AutoPlan) -> int:
     """Parameter, gradient and optimizer bytes on the rank holding the most."""
     total = 0
     for name, t in _named_tensors(model):
-        numel = t.numel()
-        for axis, s in enumerate(plan[name]):
-            if isinstance(s, (Split, StridedSplit)):
-                parts = plan.placement.shape[axis]
-                numel = -(-numel // parts)
+        layout = Layout.make(t.shape, plan.placement, plan[name])
         copies = STATE_COPIES if isinstance(t, torch.nn.Parameter) else 1
-        total += numel * t.element_size() * copies
+        total += max_local_bytes(layout, t.element_size()) * copies
     return total
 
 

@@ -46,6 +46,17 @@ def _megatron(name, t):
     return gt.sbp.broadcast
 
 
+def _fresh():
+    """No plan left from other checks; the block, and a copy with Megatron's layout."""
+    import copy
+    import globaltensor as gt
+    from globaltensor.dispatch import step
+    step.clear()
+    P = gt.placement.all("cpu")
+    plain = _block()
+    return P, plain, gt.nn.to_global(copy.deepcopy(plain), P, _megatron)
+
+
 def check_head_reshapes_stay_local():
     import math
     import torch
@@ -96,14 +107,10 @@ def _train(model, x, steps, plain=False):
 
 
 def check_planned_steps_replay_and_train_equal():
-    import copy
     import torch
     import globaltensor as gt
     from globaltensor.dispatch import step
-    step.clear()
-    P = gt.placement.all("cpu")
-    plain = _block()
-    model = gt.nn.to_global(copy.deepcopy(plain), P, _megatron)
+    P, plain, model = _fresh()
     torch.manual_seed(2)
     x = torch.randn(B, T, C)
     n = step.RECORD_AT + 2
@@ -124,14 +131,10 @@ def check_planned_steps_replay_and_train_equal():
 
 
 def check_changed_program_falls_back_and_stays_right():
-    import copy
     import torch
     import globaltensor as gt
     from globaltensor.dispatch import step
-    step.clear()
-    P = gt.placement.all("cpu")
-    plain = _block()
-    model = gt.nn.to_global(copy.deepcopy(plain), P, _megatron)
+    P, plain, model = _fresh()
     torch.manual_seed(3)
     xs = [torch.randn(B, T, C) for _ in range(2)]
     for k in range(step.RECORD_AT + 1):             # op by op, record, then plan
