@@ -13,7 +13,9 @@ them in torch's place:
 * ``torch.save`` refuses a GlobalTensor before it opens its file;
 * ``torch.get_rng_state`` / ``set_rng_state`` carry globaltensor's draw number;
 * FSDP2's ``fully_shard``, ``parallelize_module`` and DTensor's dispatcher refuse
-  GlobalTensors with advice, wrapped when the program imports them (an import hook).
+  GlobalTensors with advice, wrapped when the program imports them (an import hook);
+* ``dcp.save``/``dcp.load`` with ``checkpoint_id=<path>`` write a checksum per chunk and
+  verify it on load (``interop/checksums.py``), set when DCP is imported (the same hook).
 
 >>> import globaltensor                                  # applies them  # doctest: +SKIP
 """
@@ -177,6 +179,20 @@ def _refuse_global_in_dtensor_ops() -> None:
 _AFTER_IMPORT = {name: functools.partial(_refuse_global_modules, name)
                  for name in advice.REFUSING_GLOBAL_MODULES}
 _AFTER_IMPORT["torch.distributed.tensor._dispatch"] = _refuse_global_in_dtensor_ops
+
+
+def _verify_checkpoints() -> None:
+    # DCP records where each chunk lies but not what it holds: a flipped byte loads as a
+    # wrong value. Its storage for a checkpoint given by path (what it builds when no
+    # storage_writer/storage_reader is passed) records and checks a sum per chunk.
+    from torch.distributed.checkpoint import _storage_utils
+
+    from .checksums import ChecksummedWriter, VerifyingReader
+    _storage_utils.FileSystemWriter = ChecksummedWriter
+    _storage_utils.FileSystemReader = VerifyingReader
+
+
+_AFTER_IMPORT["torch.distributed.checkpoint._storage_utils"] = _verify_checkpoints
 
 
 class _Loader(importlib.abc.Loader):

@@ -1,0 +1,140 @@
+"""Verified checkpoints: every chunk torch.distributed.checkpoint (DCP) writes to a
+file carries a CRC-32 of its bytes, and every chunk read back is checked against it.
+
+DCP records where each chunk lies (file, offset, length) but nothing about its bytes,
+so a flipped bit loads silently as a wrong value. ``ChecksummedWriter`` hashes the bytes
+on their way to the file (one pass of zlib.crc32 over data already in memory) and
+records the sum as an extra ``crc32`` attribute on the chunk's storage entry in
+``.metadata``: torch's own reader ignores it, so the checkpoint still loads with plain
+torch, without globaltensor. ``VerifyingReader`` reads each chunk's bytes once, checks
+them and hands them on; a mismatch raises ``ChecksumError`` naming the file, the byte
+range and the tensor (its fully qualified name). Inside ``dcp.load`` the error of one
+rank reaches every rank (DCP gathers each step's exceptions), so no rank hangs.
+
+``interop/torch_patches.py`` makes these DCP's storage for ``checkpoint_id=<path>``
+(its defaults, when ``storage_writer``/``storage_reader`` are not given).
+
+>>> dcp.save(state, checkpoint_id="ckpt/step_100")            # doctest: +SKIP
+>>> dcp.load(state, checkpoint_id="ckpt/step_100")  # raises ChecksumError if damaged
+"""
+from __future__ import annotations
+
+import io
+import zlib
+from typing import Any
+
+from torch.distributed.checkpoint.filesystem import (FileSystemReader, FileSystemWriter,
+                                                     SerializationFormat,
+                                                     _StorageReaderTransforms,
+                                                     _StorageWriterTransforms)
+from torch.distributed.checkpoint.planner import LoadItemType
+from torch.futures import Future
+
+__all__ = ["ChecksumError", "ChecksummedWriter", "VerifyingReader", "CHECKSUM"]
+
+CHECKSUM = "crc32"  # the attribute of a chunk's storage entry (_StorageInfo) holding it
+
+
+class ChecksumError(RuntimeError):
+    """A chunk of a checkpoint file does not hold the bytes that were saved."""
+
+
+class _Hashing:
+    """Passes writes on to ``raw`` and keeps the CRC-32 of everything written."""
+
+    def __init__(self, raw):
+        self.raw, self.crc = raw, 0
+
+    def write(self, b) -> int:
+        self.crc = zlib.crc32(b, self.crc)
+        return self.raw.write(b)
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+
+class _HashingTransforms(_StorageWriterTransforms):
+    # Innermost, under any stream extension (compression...): the sum covers the bytes
+    # as they lie in the file, which is what a reader sees first.
+    def __init__(self, extensions):
+        super().__init__(extensions)
+        self.sums: dict = {}  # write item index -> _Hashing
+
+    def transform_save_stream(self, write_item, raw_stream):
+        hashing = self.sums[write_item.index] = _Hashing(raw_stream)
+        return super().transform_save_stream(write_item, hashing)
+
+
+class ChecksummedWriter(FileSystemWriter):
+    """DCP's FileSystemWriter that records each chunk's CRC-32 in ``.metadata``.
+
+    >>> dcp.save(state, storage_writer=ChecksummedWriter("ckpt/step_1"))  # doctest: +SKIP
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.transforms = _HashingTransforms(self.transforms.extensions)
+
+    def write_data(self, plan, planner) -> Future:
+        self.transforms.sums.clear()
+        results = super().write_data(plan, planner).wait()
+        # safetensors writes the tensors after the items, in one block: no sum per item
+        if self.serialization_format == SerializationFormat.TORCH_SAVE:
+            for result in results:
+                setattr(result.storage_data, CHECKSUM, self.transforms.sums[result.index].crc)
+        self.transforms.sums.clear()
+        done: Future = Future()
+        done.set_result(results)
+        return done
+
+
+class _VerifyingTransforms(_StorageReaderTransforms):
+    def __init__(self, reader: "VerifyingReader", registry):
+        super().__init__(registry)
+        self.reader = reader
+
+    def transform_load_stream(self, read_item, transform_descriptors, raw_stream):
+        index = read_item.storage_index
+        info = self.reader.storage_data[index]
+        want = getattr(info, CHECKSUM, None)
+        if want is not None and index not in self.reader.verified:
+            data = raw_stream.read(info.length)
+            got = zlib.crc32(data)
+            if len(data) != info.length or got != want:
+                raise ChecksumError(_mismatch(self.reader.path, info, read_item, len(data),
+                                              got, want))
+            self.reader.verified.add(index)
+            raw_stream = io.BytesIO(data)
+        return super().transform_load_stream(read_item, transform_descriptors, raw_stream)
+
+
+def _mismatch(path, info, read_item, length: int, got: int, want: int) -> str:
+    index = read_item.storage_index
+    if read_item.type == LoadItemType.BYTE_IO:
+        what = f"object '{index.fqn}'"
+    else:
+        what = f"tensor '{index.fqn}' (its chunk at offsets {tuple(index.offset or ())})"
+    found = (f"only {length} of its {info.length} bytes are there" if length != info.length
+             else f"crc32 {got:08x}, saved {want:08x}")
+    return (f"checkpoint {path}: file {info.relative_path}, bytes {info.offset}.."
+            f"{info.offset + info.length}, holding {what}, does not hold what was saved "
+            f"({found}): the file was damaged or changed after the save; load another "
+            f"checkpoint")
+
+
+class VerifyingReader(FileSystemReader):
+    """DCP's FileSystemReader that checks each chunk it reads against the CRC-32 saved
+    with it (chunks saved without one load as before).
+
+    >>> dcp.load(state, storage_reader=VerifyingReader("ckpt/step_1"))  # doctest: +SKIP
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.transforms = _VerifyingTransforms(self, self.transforms.extension_registry)
+        self.verified: set = set()  # chunks checked in this load (a chunk may be read twice)
+
+    def set_up_storage_reader(self, metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self.verified = set()
