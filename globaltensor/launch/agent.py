@@ -3,14 +3,17 @@ watcher that records when each worker ended.
 
 Both serve the failure summary (``report``): ranks that fail together (a bad config)
 get ``FAILURE_GRACE_S`` to end on their own, so they are reported as failed with their
-exit codes, not as stopped by the launcher; and when every rank ended tells the rank
-that caused a failure from the peers that failed because of it.
+exit codes, not as stopped by the launcher; when every rank ended tells the rank that
+caused a failure from the peers that failed because of it; and when the agent began
+stopping workers tells a rank the launcher signalled from one killed from outside (the
+OOM killer's SIGKILL looks the same in an exit code).
 
 Example::
 
-    launcher_api.LocalElasticAgent = grace_agent_class()  # launch_agent builds it by name
     exit_times = ExitTimes(nproc=2); exit_times.start()
-    ...; ended = exit_times.stop()                          # {rank: monotonic end time}
+    launcher_api.LocalElasticAgent = grace_agent_class(exit_times, on_restart)
+    ...; ended = exit_times.stop()            # {rank: monotonic end time}
+    exit_times.stopping_since                 # when the agent first signalled a worker
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import Any, Callable, Optional
 
 __all__ = ["FAILURE_GRACE_S", "MONITOR_INTERVAL_S", "ExitTimes", "alive", "grace_agent_class"]
 
@@ -43,6 +47,9 @@ class ExitTimes(threading.Thread):
         super().__init__(name="globaltensor-exit-times", daemon=True)
         self.nproc, self.rank_of, self.ended_at = nproc, {}, {}  # pid -> rank / monotonic time
         self.latest: dict[int, int] = {}  # rank -> pid of its newest attempt
+        # When the agent began stopping the newest attempt's workers (None: it has not):
+        # only processes that ended after it can have been ended by the launcher.
+        self.stopping_since: Optional[float] = None
         self._done = threading.Event()
         self.enabled = os.path.isfile(f"/proc/{os.getpid()}/stat")
 
@@ -53,9 +60,27 @@ class ExitTimes(threading.Thread):
     def stop(self) -> dict[int, float]:
         """Stop watching; {rank: when its newest process ended} for ranks that ended."""
         self._done.set()
+        return self.ended()
+
+    def ended(self) -> dict[int, float]:
+        """{rank: when its newest process ended} for ranks that ended (polls first)."""
         if self.enabled:
             self.poll()
         return {r: self.ended_at[p] for r, p in self.latest.items() if p in self.ended_at}
+
+    def agent_stops_workers(self) -> None:
+        """Called by the agent just before it signals its workers (the first time per
+        attempt counts): note who had already ended (on their own or by someone else's
+        signal), then the time."""
+        if self.stopping_since is not None:
+            return
+        if self.enabled:
+            self.poll()
+        self.stopping_since = time.monotonic()
+
+    def new_attempt(self) -> None:
+        """The agent starts a new attempt's workers: none of them is being stopped."""
+        self.stopping_since = None
 
     def poll(self) -> None:
         """Find new worker processes and note the ones that ended since the last poll."""
@@ -98,24 +123,55 @@ def alive(pid: int) -> bool:
         return False
 
 
-def grace_agent_class() -> type:
-    """torch's LocalElasticAgent, except that a failure is reported once every worker
-    has ended or ``FAILURE_GRACE_S`` has passed (torch stops the rest at once: a rank
-    that was about to fail the same way would be reported as stopped).
+def grace_agent_class(exit_times: ExitTimes, on_restart: Callable[[Any, int], None]) -> type:
+    """torch's LocalElasticAgent, except that
+
+    - after a failure the other workers get ``FAILURE_GRACE_S`` to end on their own
+      before they are stopped (torch stops them at once: a rank that was about to fail
+      the same way would be reported as stopped);
+    - ``exit_times`` learns when the agent starts stopping workers (``report`` tells
+      collateral ranks from the cause by it);
+    - before a restart, ``on_restart(run_result, restarts_left)`` says why the attempt
+      failed.
 
     Built on call: torch's elastic agent is imported only when a job starts."""
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     class GraceAgent(LocalElasticAgent):
+        _last_result = None
+
+        def _start_workers(self, worker_group):
+            exit_times.new_attempt()
+            result = super()._start_workers(worker_group)
+            _graceful_close(self._pcontext, exit_times)
+            return result
+
         def _monitor_workers(self, worker_group):
-            result = super()._monitor_workers(worker_group)
-            if result.state != WorkerState.FAILED or self._pcontext is None:
-                return result
-            deadline = time.monotonic() + FAILURE_GRACE_S
-            while time.monotonic() < deadline and any(
-                    alive(pid) for pid in self._pcontext.pids().values()):
-                time.sleep(0.02)  # a poll of the workers' state, not synchronisation
-            return super()._monitor_workers(worker_group)
+            self._last_result = super()._monitor_workers(worker_group)
+            return self._last_result
+
+        def _restart_workers(self, worker_group):
+            if self._last_result is not None and self._last_result.failures:
+                on_restart(self._last_result, self._remaining_restarts)
+            return super()._restart_workers(worker_group)
 
     return GraceAgent
+
+
+def _graceful_close(pcontext: Any, exit_times: ExitTimes) -> None:
+    """Wrap the process context's ``close``, which torch calls as soon as one worker
+    failed (and again when it stops or restarts the group): give the others
+    ``FAILURE_GRACE_S`` to end on their own first, and tell ``exit_times`` when the
+    first signal goes out."""
+    close = pcontext.close
+
+    def graceful_close(*args: Any, **kwargs: Any) -> None:
+        if getattr(pcontext, "_failures", None):
+            deadline = time.monotonic() + FAILURE_GRACE_S
+            while time.monotonic() < deadline and any(alive(pid) for pid in pcontext.pids().values()):
+                time.sleep(0.02)  # a poll of the workers' state, not synchronisation
+        exit_times.agent_stops_workers()
+        close(*args, **kwargs)
+
+    pcontext.close = graceful_close

@@ -25,7 +25,7 @@ from .agent import MONITOR_INTERVAL_S, ExitTimes, grace_agent_class
 from .cli import fail, node_ranks, parse_args
 from .logs import DEFAULT_LOG_ROOT, LaunchError, lock_log_dir, make_logs_specs, new_run_dir, say
 from .rendezvous import RDZV_BACKEND, RUN_ID, create_rendezvous, listen
-from .report import DropAgentFailureLine, print_banner, report_failure
+from .report import DropAgentFailureLine, print_banner, report_failure, restart_line
 
 __all__ = ["main"]
 
@@ -37,8 +37,8 @@ PS_VARIABLES = ("GLOBALTENSOR_PS_SERVER_NUM", "GLOBALTENSOR_PS_WORKER_NUM",
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Entry point of ``python -m globaltensor.launch`` and ``globaltensor-launch``.
 
-    Exits with the job's outcome: 0, the failed rank's exit code (1 when it died from a
-    signal), 1 for a problem while starting, 2 for a bad command line.
+    Exits with the job's outcome: 0, the failed rank's exit code (128 + N when signal N
+    ended it), 1 for a problem while starting, 2 for a bad command line.
 
     >>> main(["--nproc_per_node", "2", "train.py"])  # doctest: +SKIP
     """
@@ -126,14 +126,19 @@ def _run_agent(args: argparse.Namespace, listen_socket: Optional[socket.socket])
 
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(DropAgentFailureLine())
     rendezvous_handler_registry.register(RDZV_BACKEND, create_rendezvous)
-    launcher_api.LocalElasticAgent = grace_agent_class()  # launch_agent builds the agent by this name
-    config = _launch_config(args, listen_socket)
     exit_times = ExitTimes(args.nproc_per_node)
+
+    def on_restart(result: Any, left: int) -> None:
+        say(restart_line(result.failures, args.log_dir, exit_times.ended(), args.ps, left))
+
+    # launch_agent builds the agent by this name
+    launcher_api.LocalElasticAgent = grace_agent_class(exit_times, on_restart)
+    config = _launch_config(args, listen_socket)
     exit_times.start()
     try:
         launcher_api.launch_agent(config, sys.executable, _worker_command(args))
     except ChildFailedError as e:
-        sys.exit(report_failure(e, args.log_dir, exit_times.stop(), args.ps))
+        sys.exit(report_failure(e, args.log_dir, exit_times.stop(), exit_times.stopping_since, args.ps))
     except LaunchError as e:
         fail(str(e), 1)
     except SignalException as e:

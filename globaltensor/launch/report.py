@@ -2,15 +2,17 @@
 that names the rank that caused the failure instead of a traceback.
 
 The summary reads the failed ranks' logs (``logs``) and when each rank ended
-(``agent.ExitTimes``): ranks the agent stopped are collateral, a rank that said nothing
-explains nothing, and among the rest the first to end caused the others to fail.
+(``agent.ExitTimes``): a rank that ended by SIGTERM/SIGKILL after the agent began
+stopping workers is collateral; a rank whose log says a peer went away (connection
+reset, EOF) failed because of another; among the rest the first to end caused the
+failure, and when several ended together one that said why is named before a silent one.
 
 Example::
 
     try:
         launch_agent(config, sys.executable, command)
     except ChildFailedError as e:
-        sys.exit(report_failure(e, args.log_dir, exit_times.stop(), args.ps))
+        sys.exit(report_failure(e, args.log_dir, exit_times.stop(), exit_times.stopping_since, args.ps))
 """
 
 from __future__ import annotations
@@ -26,10 +28,18 @@ from typing import Any, Optional
 
 from .logs import DEFAULT_LOG_ROOT, LATEST_LINK, read_log, worker_log
 
-__all__ = ["LOG_TAIL_LINES", "DropAgentFailureLine", "print_banner", "report_failure", "where_stopped", "who"]
+__all__ = ["LOG_TAIL_LINES", "DropAgentFailureLine", "exit_code", "print_banner", "report_failure",
+           "restart_line", "where_stopped", "who"]
 
 LOG_TAIL_LINES = 20
 STOPPED_BY_AGENT = {-signal.SIGTERM, -signal.SIGKILL}
+# Ranks whose processes ended within this many seconds of each other ended "together"
+# (a config error every rank meets): the summary then prefers one that said why.
+TOGETHER_S = 0.5
+# What a rank's log says when it failed because a peer went away (gloo, TensorPipe, our
+# own collective errors name the backend's line): such a rank is not the cause.
+PEER_LOST = re.compile(r"connection (reset|closed) by peer|ECONNRESET|\bEOF\b|broken pipe|"
+                       r"connection refused|peer .*(died|exited|closed)", re.I)
 
 Roles = Optional[tuple[int, int]]  # (servers, workers) of a parameter-server job, else None
 
@@ -61,21 +71,23 @@ def where_stopped(lines: list[str]) -> Optional[str]:
     return frames[0] if frames else None
 
 
-def report_failure(error: Any, log_dir: str, ended: dict[int, float], ps: Roles = None) -> int:
+def report_failure(error: Any, log_dir: str, ended: dict[int, float], stopping_since: Optional[float],
+                   ps: Roles = None) -> int:
     """Print which rank caused the failure, why, and its log tail; return our exit code.
 
     ``error`` is elastic's ChildFailedError (``failures``: {global rank: ProcessFailure},
     this node's workers only); ``ended`` is {rank: when it ended} on this node (may be
-    empty where /proc is missing). The exit code is the failed rank's, 1 for a signal.
+    empty where /proc is missing); ``stopping_since`` when the agent began stopping
+    workers. The exit code is the failed rank's, 128 + N for a signal N (as a shell's).
     """
     failures = error.failures
     logs = {rank: read_log(log_dir, rank, ps) for rank in failures}
-    rank = _root_cause(failures, logs, ended, log_dir, ps)
+    stopped = sorted(r for r in failures if _collateral(failures[r], ended.get(r), stopping_since))
+    rank = _root_cause(failures, logs, ended, stopped, log_dir, ps)
     first = failures[rank]
-    how = (f"was killed by signal {first.signal_name()}" if first.exitcode < 0
-           else f"exited with code {first.exitcode}")
+    how = _how(first)
     tail = (logs[rank] or [])[-LOG_TAIL_LINES:]
-    stopped = sorted(r for r in failures if r != rank and failures[r].exitcode in STOPPED_BY_AGENT)
+    stopped = [r for r in stopped if r != rank]
     out = _cause_lines(rank, how, tail, stopped, failures, ended, ps)
     out.append(f"globaltensor.launch: {who(rank, ps)} {how} (local_rank {first.local_rank}, pid {first.pid})")
     if os.path.isfile(first.error_file):  # written by elastic's @record in the worker
@@ -89,26 +101,68 @@ def report_failure(error: Any, log_dir: str, ended: dict[int, float], ps: Roles 
         out.append(f"  last {len(tail)} lines of {path}:")
         out.extend(f"    {line.rstrip()}" for line in tail)
     print("\n".join(out), file=sys.stderr, flush=True)
-    return first.exitcode if 0 < first.exitcode < 256 else 1
+    return exit_code(first.exitcode)
+
+
+def exit_code(code: int) -> int:
+    """The launcher's exit code for a rank's: the same, or 128 + N for signal N.
+
+    >>> exit_code(3), exit_code(-9)
+    (3, 137)
+    """
+    return 128 - code if code < 0 else (code if code < 256 else 1)
+
+
+def restart_line(failures: dict[int, Any], log_dir: str, ended: dict[int, float], ps: Roles,
+                 left: int) -> str:
+    """One line before a restart: which rank ended the attempt, and how.
+
+    ``failures`` are the attempt's failed ranks ({global rank: ProcessFailure});
+    nobody has been stopped by the launcher yet."""
+    logs = {rank: read_log(log_dir, rank, ps) for rank in failures}
+    rank = _root_cause(failures, logs, ended, [], log_dir, ps)
+    return (f"{who(rank, ps)} {_how(failures[rank])}; restarting every worker "
+            f"({left} restart{'s' if left != 1 else ''} left, --max_restarts)")
+
+
+def _how(failure: Any) -> str:
+    return (f"was killed by signal {failure.signal_name()}" if failure.exitcode < 0
+            else f"exited with code {failure.exitcode}")
+
+
+def _collateral(failure: Any, when: Optional[float], stopping_since: Optional[float]) -> bool:
+    """Whether the launcher ended this process: a SIGTERM/SIGKILL exit after the agent
+    began stopping workers (the same exit from outside, earlier, is a cause). Without
+    end times (no /proc) every such exit counts as the launcher's."""
+    return (failure.exitcode in STOPPED_BY_AGENT and stopping_since is not None
+            and (when is None or when >= stopping_since))
 
 
 def _root_cause(failures: dict[int, Any], logs: dict[int, Optional[list[str]]], ended: dict[int, float],
-                log_dir: str, ps: Roles) -> int:
-    """The failed rank the summary names: ranks the agent stopped are collateral; a rank
-    that said nothing explains nothing; among the rest, the first to end caused the
-    others to fail (a peer of a dead rank fails *afterwards*, e.g. gloo "connection
-    closed"). Without /proc, a log's last write stands in for the end time."""
-    def key(rank: int) -> tuple[bool, bool, float]:
-        failure = failures[rank]
-        when = ended.get(rank)
-        if when is None:
-            try:
-                when = os.path.getmtime(worker_log(log_dir, rank, ps))
-            except OSError:
-                when = float(failure.timestamp)
-        return failure.exitcode in STOPPED_BY_AGENT, not logs[rank], when
+                stopped: list[int], log_dir: str, ps: Roles) -> int:
+    """The failed rank the summary names: not one the launcher stopped, not one that
+    failed because a peer went away (a peer of a dead rank fails *afterwards*, e.g.
+    gloo "connection reset"); among the rest, the first to end, and among ranks that
+    ended together (``TOGETHER_S``) one that said something. Without /proc, a log's
+    last write stands in for the end time."""
+    def when(rank: int) -> float:
+        if rank in ended:
+            return ended[rank]
+        try:
+            return os.path.getmtime(worker_log(log_dir, rank, ps))
+        except OSError:
+            return float(failures[rank].timestamp)
 
-    return min(failures, key=key)
+    def blames_peer(rank: int) -> bool:
+        return any(PEER_LOST.search(line) for line in (logs[rank] or [])[-LOG_TAIL_LINES:])
+
+    def tier(rank: int) -> tuple[bool, bool]:
+        return rank in stopped, blames_peer(rank)
+
+    best = min(tier(r) for r in failures)
+    candidates = sorted((r for r in failures if tier(r) == best), key=when)
+    together = [r for r in candidates if when(r) - when(candidates[0]) <= TOGETHER_S]
+    return next((r for r in together if logs[r]), candidates[0])
 
 
 def _cause_lines(rank: int, how: str, tail: list[str], stopped: list[int], failures: dict[int, Any],

@@ -217,16 +217,24 @@ def summary(stderr: str) -> str:
     # every rank exits 1, only rank 0 says why: rank 0 and its reason, not rank 1's empty log
     ("quiet", [r"rank 0 exited with code 1", r"config error: the reason everyone stops",
                r"other failed ranks on this node: 1 \(exit code 1, no output\)"]),
+    # rank 1 killed from outside (the OOM killer's signal) or ended silently while rank 0
+    # waits in an all_reduce: rank 1 is named with its signal or code, not its peer; the
+    # launcher exits with that code (128 + N for signal N)
+    ("sigkill", [r"^globaltensor.launch: rank 1 was killed by signal SIGKILL",
+                 r"other failed ranks on this node: 0 \(exit code 1\)"]),
+    ("sigterm", [r"^globaltensor.launch: rank 1 was killed by signal SIGTERM"]),
+    ("silent", [r"^globaltensor.launch: rank 1 exited with code 3", r"0 \(exit code 1\)"]),
 ])
 def test_summary_names_the_rank_that_caused_the_failure(tmp_path: Path, mode: str, expected: list[str]) -> None:
     # "quiet" runs with the default log directory: the summary reads the job's own one
     log_args = [] if mode == "quiet" else ["--log_dir", str(tmp_path / "log")]
     r = launch(["--nproc_per_node", "2", "--master_port", str(free_port()), *log_args,
                 str(SCRIPTS / "faults.py"), mode], cwd=tmp_path, timeout=45)
-    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.returncode == {"sigkill": 137, "sigterm": 143, "silent": 3}.get(mode, 1), r.stdout + r.stderr
     text = summary(r.stderr)
     for pattern in expected:
-        assert re.search(pattern, text), text
+        assert re.search(pattern, text, re.M), text
+    assert "stopped by the launcher" not in text or mode == "hang", text
     assert "got through" not in r.stdout
     if mode == "quiet":
         assert "rank 1 exited" not in text

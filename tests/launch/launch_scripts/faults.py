@@ -2,10 +2,14 @@
 `early` -> rank 1 exits 0 right after joining; rank 0 then waits in an all_reduce;
 `hang`  -> rank 1 never joins the barrier (stuck in `stuck_here`), rank 0 times out (3 s);
 `quiet` -> every rank exits 1, only rank 0 says why;
-`sleep` -> every rank prints its pid and sleeps (for killing the launcher).
+`sleep` -> every rank prints its pid and sleeps (for killing the launcher);
+`sigkill` / `sigsegv` / `sigterm` -> rank 1 gets that signal from outside (it sends it to
+           itself: the launcher did not) while rank 0 waits in an all_reduce;
+`silent` -> rank 1 exits 3 without a word while rank 0 waits in an all_reduce.
 """
 import datetime
 import os
+import signal
 import sys
 import time
 
@@ -34,6 +38,14 @@ def main() -> None:
             # ended first was a race the summary cannot be asked to get right.
             sys.stdout.flush()
             os._exit(0)
+        dist.all_reduce(torch.ones(4))
+    elif mode in ("sigkill", "sigsegv", "sigterm", "silent"):
+        if rank == 1:
+            if mode == "silent":
+                os._exit(3)
+            # SIGTERM's default action; the launcher's boot chains to it after its stack dump
+            os.kill(os.getpid(), getattr(signal, mode.upper()))
+            time.sleep(30)
         dist.all_reduce(torch.ones(4))
     elif mode == "hang":
         if rank == 1:
