@@ -6,8 +6,9 @@ so a flipped bit loads silently as a wrong value. ``ChecksummedWriter`` hashes t
 on their way to the file (one pass of zlib.crc32 over data already in memory) and
 records the sum as an extra ``crc32`` attribute on the chunk's storage entry in
 ``.metadata``: torch's own reader ignores it, so the checkpoint still loads with plain
-torch, without globaltensor. ``VerifyingReader`` reads each chunk's bytes once, checks
-them and hands them on; a mismatch raises ``ChecksumError`` naming the file, the byte
+torch, without globaltensor. ``VerifyingReader`` reads each chunk's bytes, checks them,
+and lets DCP read them again (from the page cache: a second copy in memory would double
+a load's peak); a mismatch raises ``ChecksumError`` naming the file, the byte
 range and the tensor (its fully qualified name). Inside ``dcp.load`` the error of one
 rank reaches every rank (DCP gathers each step's exceptions), so no rank hangs.
 
@@ -19,7 +20,6 @@ rank reaches every rank (DCP gathers each step's exceptions), so no rank hangs.
 """
 from __future__ import annotations
 
-import io
 import zlib
 from typing import Any
 
@@ -104,7 +104,7 @@ class _VerifyingTransforms(_StorageReaderTransforms):
                 raise ChecksumError(_mismatch(self.reader.path, info, read_item, len(data),
                                               got, want))
             self.reader.verified.add(index)
-            raw_stream = io.BytesIO(data)
+            raw_stream.seek(0)
         return super().transform_load_stream(read_item, transform_descriptors, raw_stream)
 
 
