@@ -7,10 +7,20 @@ Each mode trains one MLP (Linear layers of ``--dims``, GELU, AdamW, F.mse_loss, 
 batch split over the ranks) in a fresh world of ``--nproc`` processes, so peak resident
 memory is the mode's own. Peak is the kernel's high-water mark (VmHWM, reset through
 /proc/self/clear_refs) sampled per rank over the training steps, minus the resident
-size before the model was built; the step time is the median of ``--steps`` timed
-steps (slowest rank). Every mode starts from the same weights and the final parameters
+size before the model was built, after one step of a tiny model of the same mode (what
+any first step imports and caches is not the model's: ~75 MiB) ("data": the same less the code pages of torch's
+libraries that the first calls read in, i.e. the anonymous memory alone); the step time
+is the median of ``--steps`` timed steps (slowest rank). Every mode starts from the same weights and the final parameters
 are compared with single-process torch (max abs difference). FSDP2 is
 ``torch.distributed.fsdp.fully_shard`` on a "cpu" DeviceMesh (gloo).
+
+One more step runs with a ``memory_phases.PhaseRecorder``: the peak resident data of
+each phase (each Linear's forward and backward, each gradient-reduction collective,
+the optimizer step), tabled per mode next to the ZeRO floor (parameters + gradients +
+2 AdamW moments, divided by the ranks), and with ``--timeline`` a PNG of resident
+data over that step, one panel per mode. ``--param-dtype bf16`` (with
+``--reduce-dtype``) and ``--reshard-after-forward`` set the mixed-precision policy and
+resharding of fully_shard and FSDP2 alike.
 
 Then initialisation: building the whole module and moving it to split(0) vs building it
 on the meta device, ``gt.nn.to_global`` (each rank allocates its part) and
@@ -42,7 +52,20 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--plot", default=None, help="write a PNG bar chart here")
+    ap.add_argument("--timeline", default=None, help="write a PNG of memory over a step here")
+    ap.add_argument("--param-dtype", default=None, help="e.g. bf16 (fully_shard and FSDP2)")
+    ap.add_argument("--reduce-dtype", default=None, help="e.g. fp32 (fully_shard and FSDP2)")
+    ap.add_argument("--reshard-after-forward", default="true", help="true, false or an int")
+    ap.add_argument("--no-extras", action="store_true",
+                    help="skip the initialisation and random-generator tables")
     return ap
+
+
+_DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _reshard(text: str):
+    return {"true": True, "false": False}.get(text.lower()) if not text.isdigit() else int(text)
 
 
 def _mib(key: str) -> float:
@@ -73,45 +96,29 @@ def _batch(dims, rows):
     return torch.randn(rows, dims[0], generator=g), torch.randn(rows, dims[-1], generator=g)
 
 
-def _train_worker(rank, world, port, mode, dims, rows, steps, out_dir, results):
+def _train_worker(rank, world, port, mode, dims, rows, steps, out_dir, policy, results):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     import torch.distributed as dist
     import torch.nn.functional as F
     import globaltensor as gt
+    from memory_phases import PhaseRecorder, data_hwm_mib, data_mib, instrument
     gt.init()
+    _warm_up(mode, world, rank, policy)
     x_all, y_all = _batch(dims, rows)
-    base = _mib("VmRSS")
+    base, base_data = _mib("VmRSS"), data_mib()
     _reset_peak()
-    model = _model(dims)
-    p = gt.placement.all("cpu")
-    part = slice(rank * rows // world, (rank + 1) * rows // world)
-    if mode in ("broadcast", "fully_shard"):
-        if mode == "broadcast":
-            gt.nn.to_global(model, p, gt.sbp.broadcast)
-        else:
-            gt.nn.fully_shard(model, p)
-        x, y = (gt.tensor(t, placement=p, sbp=gt.sbp.split(0)) for t in (x_all, y_all))
-    elif mode == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh("cpu", (world,))
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        x, y = x_all[part], y_all[part]
-    else:
-        from torch.nn.parallel import DistributedDataParallel
-        model = DistributedDataParallel(model)
-        x, y = x_all[part], y_all[part]
+    model, x, y = _build(mode, dims, x_all, y_all, rank, world, policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     init_peak = _mib("VmHWM") - base
 
-    def step():
+    def step(rec=None):
         opt.zero_grad(set_to_none=True)
-        F.mse_loss(model(x), y).backward()
+        loss = F.mse_loss(model(x), y)
+        if rec is not None:
+            rec.mark("loss")
+        loss.backward()
         opt.step()
 
     step()
@@ -122,13 +129,86 @@ def _train_worker(rank, world, port, mode, dims, rows, steps, out_dir, results):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    peak = _mib("VmHWM") - base
+    peak, data_peak = _mib("VmHWM") - base, data_hwm_mib() - base_data
+    # one more step, instrumented: peaks per phase and the sampled timeline
+    rec = PhaseRecorder(base_data)
+    undo = instrument(model.module if mode == "ddp" else model, opt, rec)
+    dist.barrier()
+    rec.start()
+    step(rec)
+    rec.stop()
+    undo()
     params = _full_params(model, mode)
     if rank == 0:
         torch.save(params, os.path.join(out_dir, f"{mode}.pt"))
-    results.put((rank, mode, peak, init_peak, statistics.median(times)))
+    results.put((rank, mode, peak, init_peak, statistics.median(times), rec.peaks,
+                 (rec.samples, rec.marks), data_peak))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _warm_up(mode, world, rank, policy) -> None:
+    """One step of a tiny model of ``mode``, so that what the first step of any model
+    imports and caches (torch._dynamo, FSDP2's and DTensor's modules, dispatch caches,
+    gloo's buffers: ~75 MiB) is there before the base is taken; freed heap pages go back
+    to the system (malloc_trim), as ``gt.testing.peak_rise`` does."""
+    import ctypes
+    import gc
+    import torch.nn.functional as F
+    dims = [64, 64, 64]
+    model, x, y = _build(mode, dims, *_batch(dims, 2 * world), rank, world, policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    del model, x, y, opt
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _build(mode, dims, x_all, y_all, rank, world, policy):
+    """The model of ``mode`` and this rank's inputs (global tensors for ours)."""
+    import globaltensor as gt
+    model = _model(dims)
+    p = gt.placement.all("cpu")
+    part = slice(rank * len(x_all) // world, (rank + 1) * len(x_all) // world)
+    param_dtype, reduce_dtype, reshard = policy
+    if mode in ("broadcast", "fully_shard"):
+        if mode == "broadcast":
+            gt.nn.to_global(model, p, gt.sbp.broadcast)
+        elif param_dtype is None and reduce_dtype is None and reshard is True:
+            gt.nn.fully_shard(model, p)    # the call every version of fully_shard takes
+        else:
+            gt.nn.fully_shard(model, p, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                              reshard_after_forward=reshard)
+        return model, *(gt.tensor(t, placement=p, sbp=gt.sbp.split(0)) for t in (x_all, y_all))
+    if mode == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mesh = init_device_mesh("cpu", (world,))
+        mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+        return model, x_all[part], y_all[part]
+    from torch.nn.parallel import DistributedDataParallel
+    return DistributedDataParallel(model), x_all[part], y_all[part]
+
+
+def _phase_table(phases: dict, whole: float, nproc: int) -> None:
+    """Peak per phase (max over ranks), MiB above the start and as x parameter bytes; the
+    ZeRO floor (4 x parameters / N with AdamW) is what a sharded step must hold."""
+    from memory_phases import phase_order
+    modes = list(phases)
+    print(f"\nPeak resident data per phase of one step (MiB above the start, max over "
+          f"ranks; x parameter bytes). ZeRO floor, params + grads + 2 moments over "
+          f"{nproc} ranks: {4 * whole / nproc:.0f} MiB = {4 / nproc:.2f}x")
+    print("| phase | " + " | ".join(modes) + " |")
+    print("|---|" + "---:|" * len(modes))
+    for label in phase_order(phases):
+        cells = [f"{phases[m][label]:.0f} ({phases[m][label] / whole:.2f}x)"
+                 if label in phases[m] else "" for m in modes]
+        print(f"| {label} | " + " | ".join(cells) + " |")
 
 
 def _full_params(model, mode):
@@ -238,31 +318,54 @@ def main(argv=None) -> None:
     n_params = sum(a * b + b for a, b in zip(dims, dims[1:]))
     print(f"MLP {dims}: {n_params / 1e6:.1f}M parameters ({n_params * 4 / 2 ** 20:.0f} MiB fp32), "
           f"AdamW, global batch {args.batch}, {args.nproc} ranks (gloo, 1 thread each)")
-    peaks, times = {}, {}
+    policy = (_DTYPES[args.param_dtype], _DTYPES[args.reduce_dtype],
+              _reshard(args.reshard_after_forward))
+    if policy != (None, None, True):
+        print(f"fully_shard and FSDP2 with param_dtype={args.param_dtype}, "
+              f"reduce_dtype={args.reduce_dtype}, "
+              f"reshard_after_forward={args.reshard_after_forward}")
+    peaks, data_peaks, times, phases, timelines = {}, {}, {}, {}, {}
     with tempfile.TemporaryDirectory() as out_dir:
         for mode in modes:
-            out = _world(_train_worker, args.nproc, mode, dims, args.batch, args.steps, out_dir)
+            out = _world(_train_worker, args.nproc, mode, dims, args.batch, args.steps,
+                         out_dir, policy)
             peaks[mode] = max(r[2] for r in out)
+            data_peaks[mode] = max(r[7] for r in out)
             times[mode] = max(r[4] for r in out)
-            print(f"  {mode:12s} done: peak rise {peaks[mode]:.0f} MiB (max over ranks), "
+            phases[mode] = {label: max(r[5].get(label, 0.0) for r in out)
+                            for label in out[0][5]}
+            timelines[mode] = next(r[6] for r in out if r[0] == 0)
+            print(f"  {mode:12s} done: peak rise {peaks[mode]:.0f} MiB (data "
+                  f"{data_peaks[mode]:.0f}, max over ranks), "
                   f"init {max(r[3] for r in out):.0f} MiB, step {times[mode] * 1e3:.0f} ms")
-        reference = _reference(dims, args.batch, args.steps, out_dir)
+        reference = _reference(dims, args.batch, args.steps + 1, out_dir)
         diffs = {}
         for mode in modes:
             got = torch.load(os.path.join(out_dir, f"{mode}.pt"))
-            diffs[mode] = max((a - b).abs().max().item() for a, b in zip(got, reference))
+            diffs[mode] = max((a.float() - b).abs().max().item() for a, b in zip(got, reference))
     whole = n_params * 4 / 2 ** 20
-    print("\n| mode | peak memory rise per rank (MiB) | x params | step (ms) | "
-          "vs FSDP2 | params vs 1 process |")
-    print("|---|---|---|---|---|---|")
+    print("\n| mode | peak memory rise per rank (MiB) | x params | of it data (MiB) | x params "
+          "| step (ms) | vs FSDP2 | params vs 1 process |")
+    print("|---|---|---|---|---|---|---|---|")
     for mode in modes:
         vs = f"{times[mode] / times['fsdp2']:.2f}x" if "fsdp2" in times else "n/a"
         print(f"| {mode} | {peaks[mode]:.0f} | {peaks[mode] / whole:.2f} | "
+              f"{data_peaks[mode]:.0f} | {data_peaks[mode] / whole:.2f} | "
               f"{times[mode] * 1e3:.0f} | {vs} | {diffs[mode]:.1e} |")
     if "fully_shard" in peaks and "broadcast" in peaks:
         print(f"fully_shard / broadcast peak: {peaks['fully_shard'] / peaks['broadcast']:.2f}"
               + (f"; fully_shard / FSDP2 peak: {peaks['fully_shard'] / peaks['fsdp2']:.2f}"
                  if "fsdp2" in peaks else ""))
+    _phase_table(phases, whole, args.nproc)
+    if args.timeline:
+        sys.path.insert(0, os.path.dirname(__file__))
+        from memory_phases import timeline_plot
+        floor = 4 * whole / args.nproc
+        timeline_plot(args.timeline, timelines, {"params+grads+2 moments / N": floor},
+                      f"MLP {n_params / 1e6:.0f}M params, AdamW, {args.nproc} ranks: "
+                      f"one step, rank 0")
+    if args.no_extras:
+        return
 
     print(f"\nInitialisation of Linear({dims[0]}, {dims[1]}) as split(0) on {args.nproc} ranks "
           f"(peak rise per rank, MiB):")

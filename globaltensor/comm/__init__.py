@@ -1,5 +1,5 @@
 """The only code that touches torch.distributed: bootstrap, groups, collectives."""
-from .collectives import (all_gather_async, all_gather_into, all_gather_ints, all_reduce_, all_reduce_async, all_to_all_single,
+from .collectives import (all_gather_async, all_gather_into, all_gather_p2p, all_gather_ints, all_reduce_, all_reduce_async, all_to_all_single,
                           batched_p2p, broadcast_, start_p2p, get_rank, get_world_size,
                           tracing)
 from .groups import finish, get_group, init, local_device
@@ -7,7 +7,7 @@ from .guard import CollectiveError, DivergenceError, activity, agree, check_mode
 from .meet import meet
 from .stats import CommCounter
 
-__all__ = ["all_gather_async", "all_gather_into", "all_gather_ints", "all_reduce_", "all_reduce_async",
+__all__ = ["all_gather_async", "all_gather_into", "all_gather_p2p", "all_gather_ints", "all_reduce_", "all_reduce_async",
            "all_to_all_single", "batched_p2p", "broadcast_", "start_p2p",
            "tracing", "get_rank",
            "get_world_size", "finish", "get_group", "init", "local_device", "CommCounter", "CollectiveError", "DivergenceError",

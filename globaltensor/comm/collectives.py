@@ -140,9 +140,10 @@ class P2PWork:
 
 
 def start_p2p(sends: Sequence[tuple[torch.Tensor, int]],
-              recvs: Sequence[tuple[torch.Tensor, int]], kind: str = "send") -> P2PWork:
+              recvs: Sequence[tuple[torch.Tensor, int]], kind: str | None = "send") -> P2PWork:
     """Post every send and receive (tensor, peer global rank) at once; messages between
-    one pair of ranks match in the order posted. Receive tensors must be contiguous."""
+    one pair of ranks match in the order posted. Receive tensors must be contiguous.
+    Each send is counted as ``kind`` (None: not counted, the caller counts)."""
     if not sends and not recvs:
         return P2PWork([])
     if tracing():
@@ -155,7 +156,7 @@ def start_p2p(sends: Sequence[tuple[torch.Tensor, int]],
         # One message (a hand-off between single ranks): batch_isend_irecv's coalescing
         # adds nothing to one message but its own cost.
         (t, peer), post = (sends[0], dist.isend) if sends else (recvs[0], dist.irecv)
-        if sends:
+        if sends and kind is not None:
             stats.record(kind, _nbytes(t))
         t = t.contiguous() if sends else t
         peers = sorted({dist.get_rank(), peer})
@@ -163,11 +164,27 @@ def start_p2p(sends: Sequence[tuple[torch.Tensor, int]],
                        peers)
     ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
-    for t, _ in sends:
+    for t, _ in sends if kind is not None else ():
         stats.record(kind, _nbytes(t))
     peers = sorted({dist.get_rank()} | {p for _, p in sends} | {p for _, p in recvs})
     return P2PWork(guarded("point-to-point transfer", peers,
                            lambda: dist.batch_isend_irecv(ops)), peers)
+
+
+def all_gather_p2p(pieces: Sequence[torch.Tensor], mine: torch.Tensor,
+                   ranks: tuple[int, ...]) -> P2PWork:
+    """Start an all-gather by point-to-point messages: ``pieces[i]`` (contiguous, any
+    sizes) receives member ``i``'s ``mine`` (ours is copied here). Unlike gloo's
+    all_gather, which stages the whole output in a buffer of its own, the parts land in
+    place. Counted as one all_gather."""
+    me = ranks.index(dist.get_rank()) if len(ranks) > 1 else 0
+    pieces[me].copy_(mine.view(pieces[me].shape))
+    if len(ranks) == 1:
+        return P2PWork([])
+    stats.record("all_gather", _nbytes(mine) * (len(ranks) - 1))
+    sends = [(mine, m) for j, m in enumerate(ranks) if j != me and mine.numel()]
+    recvs = [(p, m) for j, (p, m) in enumerate(zip(pieces, ranks)) if j != me and p.numel()]
+    return start_p2p(sends, recvs, kind=None)
 
 
 def batched_p2p(sends: Sequence[tuple[torch.Tensor, int]],

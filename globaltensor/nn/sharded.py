@@ -2,47 +2,75 @@
 
 Every parameter is stored split(0) on the placement's data axis (other axes keep their
 sbp: tensor parallelism composes). Each module owning parameters is a unit: before
-its forward, its parameters are gathered (S -> B on the data axis, a differentiable
-``to_global``) and put in place of the shards; after its forward the shards are put
-back and the gathered copies are dropped. Autograd does not keep them either: a
-saved-tensor hook packs any view of a gathered copy as (shard, view geometry) and
-gathers again when backward unpacks it. A unit's parameters are gathered in one
-bucket (one all-gather), and the next unit's gather starts before this unit computes
-(prefetch, in the order of the previous forward). The gradient of a gathered parameter is
-partial on the data axis (split batch) and goes back to the shard as P -> S, one
-all-to-all and a local sum, so each rank's ``.grad`` and optimizer state are its part.
+its forward, its parameters are gathered (S -> B on the data axis) and put in place of
+the shards; after its forward the shards are put back and the gathered copies are
+dropped. Autograd does not keep them either: a saved-tensor hook packs any view of a
+gathered copy as (unit's regather, view geometry) and the unit gathers again, once,
+when backward first unpacks one (``reshard_after_forward=False``: autograd keeps the
+gathered copies instead; an int ``g``: each rank keeps 1/g of them and backward gathers
+within groups of g ranks). The next unit's gather starts before this unit computes
+(prefetch of one unit, in the order of the previous forward). The gradient of a
+gathered parameter is partial on the data axis (split batch); it goes to the shard's
+layout as soon as it is computed (``shard_comm.reduce_to_part``: the full-size partial
+is freed then), so each rank's ``.grad`` and optimizer state are its part.
+
+Mixed precision (FSDP2's ``MixedPrecisionPolicy``): parameters are stored and optimised
+in their own dtype; with ``param_dtype`` the parts are cast before they travel and the
+gathered copies compute in it (floating inputs of every unit are cast to it too);
+gradients are reduced in ``reduce_dtype`` (default: the dtype they come in) and land
+in ``.grad`` in the parameter's dtype.
 """
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
+from typing import Union
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from .. import comm
 from ..layout import Layout, balanced_split
 from ..placement import Placement, check_placement
 from ..sbp import Split, broadcast
-from ..tensor import GlobalTensor, to_layout
+from ..tensor import GlobalTensor
 from .module import tensor_slots, to_global
+from .shard_comm import Fetch, concatenates, gather_rows, reduce_to_part
 
 __all__ = ["fully_shard"]
 
 
-def fully_shard(module: torch.nn.Module, placement: Placement, *,
+@dataclass(frozen=True)
+class _Policy:
+    """How one ``fully_shard`` call gathers, reshards and reduces."""
+    param_dtype: Union[torch.dtype, None]
+    reduce_dtype: Union[torch.dtype, None]
+    reshard: Union[bool, int]
+    data_axis: int
+
+
+def fully_shard(module: torch.nn.Module, placement: Placement,
+                param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                reshard_after_forward: bool | int = True, *,
                 data_axis: int = 0) -> torch.nn.Module:
     """Shard every parameter of ``module`` split(0) on ``placement``'s ``data_axis``;
-    gather on use, free after forward, gather again in backward, reduce-scatter the
-    gradient. Parameters already global on ``placement`` keep their other axes' sbp
+    gather on use, free after forward, gather again in backward, reduce the gradient to
+    the parts. Parameters already global on ``placement`` keep their other axes' sbp
     (tensor parallelism on a 2-D placement); plain and meta modules are converted as
-    by ``gt.nn.to_global`` (buffers broadcast). Returns ``module``.
+    by ``gt.nn.to_global`` (buffers broadcast). As FSDP2: ``param_dtype`` is the dtype
+    gathered parameters compute in, ``reduce_dtype`` the one gradients are reduced in
+    (parameters, ``.grad`` and optimizer state keep the parameters' own dtype);
+    ``reshard_after_forward`` False keeps gathered parameters from forward to backward
+    (one gather fewer per unit, more memory), an int ``g`` (dividing the data axis'
+    size, 1 < g < size) keeps 1/g of them per rank and gathers within g ranks.
+    Returns ``module``.
 
-    >>> model = gt.nn.fully_shard(model, gt.placement.all("cpu"))       # doctest: +SKIP
-    >>> opt = torch.optim.AdamW(model.parameters())   # steps on the parts  # doctest: +SKIP
+    >>> model = gt.nn.fully_shard(model, gt.placement.all("cpu"),      # doctest: +SKIP
+    ...                           param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    >>> opt = torch.optim.AdamW(model.parameters())   # steps on the fp32 parts  # doctest: +SKIP
     """
     check_placement(placement)
-    if not 0 <= data_axis < placement.ndim:
-        raise ValueError(f"data_axis {data_axis} is not an axis of {placement} "
-                         f"({placement.ndim}-D)")
+    policy = _check_policy(placement, param_dtype, reduce_dtype, reshard_after_forward,
+                           data_axis)
     params = {id(t) for _, _, kind, _, t in tensor_slots(module) if kind == "_parameters"}
 
     def storage_sbp(name, t):
@@ -55,16 +83,39 @@ def fully_shard(module: torch.nn.Module, placement: Placement, *,
         return tuple(sbp)
 
     to_global(module, placement, storage_sbp)
-    root = _Root()
-    module.register_forward_pre_hook(root.before_forward)
+    root = _Root(policy)
+    module.register_forward_pre_hook(root.before_forward, with_kwargs=True)
     module.register_forward_hook(root.after_forward)
     for sub in _unique_modules(module):
         names = [n for n, p in sub._parameters.items() if p is not None]
         if names and not hasattr(sub, "_gt_shard_unit"):
-            sub._gt_shard_unit = _Unit(sub, names, data_axis, root)
-            sub.register_forward_pre_hook(_before_forward)
+            sub._gt_shard_unit = _Unit(sub, names, root)
+            sub.register_forward_pre_hook(_before_forward, with_kwargs=True)
             sub.register_forward_hook(_after_forward)
     return module
+
+
+def _check_policy(placement, param_dtype, reduce_dtype, reshard, data_axis) -> _Policy:
+    """The policy, or a ValueError/TypeError naming the bad argument (before any
+    communication)."""
+    if not 0 <= data_axis < placement.ndim:
+        raise ValueError(f"data_axis {data_axis} is not an axis of {placement} "
+                         f"({placement.ndim}-D)")
+    for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"fully_shard: {name} must be None or a floating-point "
+                            f"torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
+    size = placement.shape[data_axis]
+    if not isinstance(reshard, bool):
+        if not isinstance(reshard, int):
+            raise TypeError(f"fully_shard: reshard_after_forward must be True, False or an "
+                            f"int, got {reshard!r}")
+        if not 1 < reshard < size or size % reshard:
+            raise ValueError(f"fully_shard: reshard_after_forward={reshard} must divide the "
+                             f"data axis' {size} ranks and lie strictly between 1 and {size} "
+                             f"(use True to reshard to all {size}, False to keep the "
+                             f"gathered parameters)")
+    return _Policy(param_dtype, reduce_dtype, reshard, data_axis)
 
 
 def _unique_modules(module):
@@ -75,17 +126,31 @@ def _unique_modules(module):
             yield sub
 
 
+def _cast_inputs(policy: _Policy, args, kwargs):
+    """Floating tensors among ``args``/``kwargs`` in ``param_dtype`` (as FSDP2's
+    ``cast_forward_inputs``); unchanged without one."""
+    dtype = policy.param_dtype
+    if dtype is None:
+        return args, kwargs
+
+    def cast(t):
+        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+    return tree_map_only(torch.Tensor, cast, (args, kwargs))
+
+
 class _Root:
     """One ``fully_shard`` call: the order its units ran in the last forward, so each
     unit starts the next one's gather (prefetch) before it computes, as FSDP2 does."""
 
-    def __init__(self):
+    def __init__(self, policy: _Policy):
+        self.policy = policy
         self.order: list = []       # units of the last forward, in order
         self.running: list = []     # units of this forward so far
-        self.pending: dict = {}     # unit -> its started _Fetch
+        self.pending: dict = {}     # unit -> its started Fetch
 
-    def before_forward(self, module, args):
+    def before_forward(self, module, args, kwargs):
         self.running = []
+        return _cast_inputs(self.policy, args, kwargs)
 
     def after_forward(self, module, args, output):
         for fetch in self.pending.values():   # a prefetch no unit used: finish it
@@ -104,19 +169,26 @@ class _Root:
 class _Unit:
     """The parameters one module owns, gathered together for its forward."""
 
-    def __init__(self, module: torch.nn.Module, names: list, data_axis: int, root: _Root):
-        self.module, self.names, self.data_axis, self.root = module, names, data_axis, root
+    def __init__(self, module: torch.nn.Module, names: list, root: _Root):
+        self.module, self.names, self.root, self.policy = module, names, root, root.policy
         self.shards: dict = {}
-        self.hooks: list = []
+        self.saved: list = []    # per running forward: (saved-tensor hooks or None, regather)
 
     def gathered_layout(self, shard: GlobalTensor) -> Layout:
         sbp = list(shard.sbp)
-        sbp[self.data_axis] = broadcast
+        sbp[self.policy.data_axis] = broadcast
         return shard.global_layout.with_sbp(tuple(sbp))
 
-    def start(self) -> "_Fetch":
+    def fetch(self, stored: dict) -> Fetch:
+        """Start gathering the stored parameters ``stored`` (name -> parameter) that are
+        global and not 0-d."""
+        shards = {n: p for n, p in stored.items() if isinstance(p, GlobalTensor) and p.dim() > 0}
+        return Fetch(shards, {n: self.gathered_layout(s) for n, s in shards.items()},
+                     self.policy.data_axis, self.policy.param_dtype)
+
+    def start(self) -> Fetch:
         params = self.module._parameters
-        return _Fetch(self, {n: params[n] for n in self.names})
+        return self.fetch({n: params[n] for n in self.names})
 
     def gather(self) -> None:
         root = self.root
@@ -130,162 +202,113 @@ class _Unit:
         if following is not None and following not in root.pending:
             root.pending[following] = following.start()   # overlaps this unit's compute
         params = self.module._parameters
-        self.shards = fetch.shards
-        for name, full in fetch.finish().items():
-            if full.local_part.numel():
-                _gathered[full.local_part.untyped_storage().data_ptr()] = \
-                    _Regather(self, self.shards[name])
+        self.shards = dict(fetch.shards)
+        regather = _Regather(self, self.shards) if self.policy.reshard is not False else None
+        for name, local in fetch.finish().items():
+            shard = self.shards[name]
+            full = _Gathered.apply(shard, local, self.gathered_layout(shard), self.policy)
+            if regather is not None and local.numel():
+                _gathered[local.untyped_storage().data_ptr()] = (regather, name)
             params[name] = full
-        hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
-        hooks.__enter__()
-        self.hooks.append(hooks)
+        hooks = None
+        if regather is not None:
+            hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+            hooks.__enter__()
+        self.saved.append((hooks, regather))
 
     def release(self) -> None:
-        if self.hooks:
-            self.hooks.pop().__exit__(None, None, None)
+        hooks, regather = self.saved.pop() if self.saved else (None, None)
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
         params = self.module._parameters
         for name, shard in self.shards.items():
             full = params[name]
             if full is not shard and isinstance(full, GlobalTensor) and full.local_part.numel():
                 _gathered.pop(full.local_part.untyped_storage().data_ptr(), None)
+                if regather is not None and isinstance(self.policy.reshard, int) \
+                        and not isinstance(self.policy.reshard, bool):
+                    regather.keep_piece(name, full.local_part)
             params[name] = shard
         self.shards = {}
 
 
-class _Fetch:
-    """A unit's gather in flight. Parameters whose dim 0 only the data axis splits go in
-    one bucket: each member packs its parts (padded to the largest part) into one flat
-    buffer, one asynchronous all-gather moves them, and each parameter is cut out of
-    the result. Others (dim 0 split by a second axis too) are boxed one by one."""
-
-    def __init__(self, unit: _Unit, shards: dict):
-        self.unit, self.shards = unit, shards
-        self.versions = {n: s._version for n, s in shards.items()}
-        self.bucket, self.handle, self.recv = [], None, None
-        rank = comm.get_rank()
-        for name, shard in shards.items():
-            if isinstance(shard, GlobalTensor) and shard.dim() > 0 and rank in shard.placement \
-                    and self._concatenates(shard) and shard.dtype == _first_dtype(shards):
-                self.bucket.append(name)
-        if not self.bucket:
-            return
-        group = shards[self.bucket[0]].placement.group(rank, unit.data_axis)
-        sizes = []
-        for name in self.bucket:
-            shard = shards[name]
-            gathered = unit.gathered_layout(shard).local_shape(rank)
-            row = math.prod(gathered[1:])
-            parts = balanced_split(gathered[0], len(group))
-            sizes.append((row, parts, max(p for _, p in parts) * row))
-        self.group, self.sizes = group, sizes
-        total = sum(size for _, _, size in sizes)
-        first = shards[self.bucket[0]].local_part
-        send = torch.zeros(total, dtype=first.dtype, device=first.device)
-        offset = 0
-        for name, (_, _, size) in zip(self.bucket, sizes):
-            local = shards[name].local_part.reshape(-1)
-            send[offset:offset + local.numel()].copy_(local)
-            offset += size
-        self.recv = torch.empty(len(group) * total, dtype=first.dtype, device=first.device)
-        self.handle = comm.all_gather_async(self.recv, send, group, what="fully_shard gather")
-        self.send = send
-
-    def _concatenates(self, shard: GlobalTensor) -> bool:
-        # Gathering the data axis concatenates parts along dim 0 only if no other axis
-        # splits dim 0, and nothing is partial.
-        return not shard.global_layout.partial_axes and all(
-            (a == self.unit.data_axis) == (s == Split(0)) for a, s in enumerate(shard.sbp))
-
-    def stale(self) -> bool:
-        """True if a shard changed since the gather started (an optimizer step)."""
-        return any(s._version != self.versions[n] for n, s in self.shards.items())
-
-    def wait(self) -> None:
-        if self.handle is not None:
-            self.handle.wait()
-            self.handle = None
-
-    def finish(self) -> dict:
-        """name -> gathered parameter (differentiable in its shard)."""
-        self.wait()
-        out = {}
-        if self.bucket:
-            per_member = self.recv.view(len(self.group), -1)
-            offset = 0
-            for name, (row, parts, size) in zip(self.bucket, self.sizes):
-                shard = self.shards[name]
-                layout = self.unit.gathered_layout(shard)
-                shape = layout.local_shape(comm.get_rank())
-                pieces = [per_member[j, offset:offset + rows * row]
-                          for j, (_, rows) in enumerate(parts)]
-                local = torch.cat(pieces).view(shape)
-                out[name] = _Gathered.apply(shard, local, layout)
-                offset += size
-            self.recv = self.send = None
-        for name, shard in self.shards.items():
-            if name in out or not isinstance(shard, GlobalTensor) or shard.dim() == 0:
-                continue
-            full = shard.to_global(sbp=self.unit.gathered_layout(shard).sbp)
-            full._local = _dense(full._local)  # saved views are replayed on a dense copy
-            out[name] = full
-        return out
-
-
-def _first_dtype(shards: dict):
-    return next(s.dtype for s in shards.values() if isinstance(s, GlobalTensor) and s.dim() > 0)
-
-
 class _Gathered(torch.autograd.Function):
-    """A gathered parameter whose gradient goes back to its shard's layout (P -> S)."""
+    """A gathered parameter whose gradient goes back to its shard's layout, reduced in
+    the policy's reduce dtype and stored in the shard's dtype."""
 
     @staticmethod
-    def forward(ctx, shard: GlobalTensor, local: torch.Tensor, layout: Layout):
-        ctx.src = shard.global_layout
+    def forward(ctx, shard: GlobalTensor, local: torch.Tensor, layout: Layout, policy: _Policy):
+        ctx.src, ctx.policy, ctx.dtype = shard.global_layout, policy, shard.dtype
         return GlobalTensor(local, layout)
 
     @staticmethod
     def backward(ctx, grad):
-        return to_layout(grad, ctx.src.without_partials()), None, None
+        policy = ctx.policy
+        reduce_dtype = policy.reduce_dtype or grad.dtype
+        return reduce_to_part(grad, ctx.src, policy.data_axis, reduce_dtype, ctx.dtype), \
+            None, None, None
 
 
-def _before_forward(module, args):
-    module._gt_shard_unit.gather()
+def _before_forward(module, args, kwargs):
+    unit = module._gt_shard_unit
+    unit.gather()
+    return _cast_inputs(unit.policy, args, kwargs)
 
 
 def _after_forward(module, args, output):
     module._gt_shard_unit.release()
 
 
-# Storage address of each gathered copy alive in some forward -> how to gather it again.
+# Storage address of each gathered copy alive in some forward -> (its unit's regather,
+# parameter name).
 _gathered: dict = {}
 
 
 class _Regather:
-    """Gathers a shard again (once per forward use, shared by every saved view of it)."""
+    """The gathered parameters of one forward of a unit, gathered again in backward: all
+    that autograd saved, in one ``Fetch``, at the first unpack (shared by every saved
+    view, freed with the last). With ``reshard_after_forward=g`` each parameter is
+    gathered from the 1/g piece kept after forward, within this rank's g ranks."""
 
-    def __init__(self, unit: _Unit, shard: GlobalTensor):
-        self.unit, self.shard = unit, shard
-        self.full: torch.Tensor | None = None
+    def __init__(self, unit: _Unit, shards: dict):
+        self.unit, self.shards = unit, shards
+        self.saved: set = set()           # names of parameters autograd saved views of
+        self.pieces: dict = {}            # name -> (piece, group, shape) with an int g
+        self.fulls: dict | None = None
 
-    def local(self) -> torch.Tensor:
-        if self.full is None:
-            layout = self.unit.gathered_layout(self.shard)
-            self.full = _dense(to_layout(self.shard.detach(), layout).local_part)
-        return self.full
+    def keep_piece(self, name: str, full: torch.Tensor) -> None:
+        if name not in self.saved or not concatenates(self.shards[name].global_layout,
+                                                      self.unit.policy.data_axis):
+            return
+        g, rank = self.unit.policy.reshard, comm.get_rank()
+        members = self.shards[name].placement.group(rank, self.unit.policy.data_axis)
+        first = members.index(rank) // g * g
+        group = members[first:first + g]
+        offset, size = balanced_split(full.shape[0], g)[group.index(rank)]
+        self.pieces[name] = (full.narrow(0, offset, size).clone(), group, tuple(full.shape))
 
-
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    """``t`` alone in a contiguous storage from offset 0 (a copy only when it is not)."""
-    whole = t.untyped_storage().nbytes() == t.numel() * t.element_size()
-    return t if t.is_contiguous() and t.storage_offset() == 0 and whole else t.clone()
+    def local(self, name: str) -> torch.Tensor:
+        if self.fulls is None:
+            rest = sorted(self.saved - set(self.pieces))
+            # the regather's own shards: a recompute (activation checkpointing) may have
+            # put gathered copies in the module meanwhile
+            self.fulls = self.unit.fetch({n: self.shards[n] for n in rest}).finish() \
+                if rest else {}
+            started = {n: gather_rows(piece, group, shape, piece.dtype)
+                       for n, (piece, group, shape) in self.pieces.items()}
+            self.fulls.update({n: finish() for n, finish in started.items()})
+            self.pieces = {}
+        return self.fulls[name]
 
 
 def _pack(t):
     if type(t) is GlobalTensor and t.local_part.numel():
-        regather = _gathered.get(t.local_part.untyped_storage().data_ptr())
-        if regather is not None:
+        found = _gathered.get(t.local_part.untyped_storage().data_ptr())
+        if found is not None:
+            regather, name = found
+            regather.saved.add(name)
             local = t.local_part
-            return (regather, t.global_layout, tuple(t.stride()), tuple(local.size()),
+            return (regather, name, t.global_layout, tuple(t.stride()), tuple(local.size()),
                     tuple(local.stride()), local.storage_offset())
     return t
 
@@ -293,7 +316,6 @@ def _pack(t):
 def _unpack(packed):
     if type(packed) is not tuple:
         return packed
-    regather, layout, strides, size, stride, offset = packed
-    local = regather.local().as_strided(size, stride, offset)
+    regather, name, layout, strides, size, stride, offset = packed
+    local = regather.local(name).as_strided(size, stride, offset)
     return GlobalTensor(local, layout, strides=None if strides == layout.strides else strides)
-
