@@ -1,5 +1,6 @@
-"""``gt.checkpoint``: what to save besides the model for resuming (the random state),
-which checkpoint directories are complete, and DTensor conversion.
+"""``gt.checkpoint``: resuming in one line (``Autosave``), what to save besides the model
+for resuming by hand (the random state), which checkpoint directories are complete, and
+DTensor conversion.
 
 Checkpoints themselves go through torch.distributed.checkpoint (DCP), which GlobalTensor
 answers as a tensor subclass (``interop/dcp.py``): every element is written once, and
@@ -10,19 +11,26 @@ a checkpoint loads into any layout, placement or world size.
 >>> dcp.save(state, checkpoint_id="ckpt/step_100")
 >>> dcp.load(state, checkpoint_id=gt.checkpoint.latest("ckpt"))
 >>> gt.checkpoint.set_rng_state(state["rng"])
+
+Every chunk of a checkpoint saved to a path carries a checksum, verified on load
+(``interop/checksums.py``): a damaged file fails the load, naming the file and tensor.
 """
 from __future__ import annotations
 
+import io
 import os
+import re
+import shutil
 
 import torch
 
+from . import comm
 from .interop.dcp import DCP_HINT
 from .interop.dtensor import from_dtensor, to_dtensor
 from .random import get_draw, set_draw
 
-__all__ = ["from_dtensor", "to_dtensor", "rng_state", "set_rng_state", "is_complete",
-           "latest", "DCP_HINT"]
+__all__ = ["Autosave", "from_dtensor", "to_dtensor", "rng_state",
+           "set_rng_state", "is_complete", "latest", "DCP_HINT"]
 
 
 def rng_state() -> dict:
@@ -68,3 +76,143 @@ def latest(root: str | os.PathLike) -> str | None:
 
     done = [n for n in os.listdir(root) if is_complete(os.path.join(root, n))]
     return os.path.join(root, max(done, key=key)) if done else None
+
+
+# --- resuming in one line ---------------------------------------------------------------
+
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+
+def _step_dirs(root: str) -> dict[int, str]:
+    """``step_<n>`` directories under ``root`` by step (complete or not)."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return {int(m.group(1)): os.path.join(root, n)
+            for n in names if (m := _STEP_DIR.fullmatch(n))}
+
+
+def _remove(path: str) -> None:
+    # .metadata first: a removal cut short leaves an incomplete checkpoint (skipped),
+    # never a complete-looking one with files missing.
+    metadata = os.path.join(path, ".metadata")
+    if os.path.exists(metadata):
+        os.remove(metadata)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _is_stateful(value) -> bool:
+    return callable(getattr(value, "state_dict", None)) and \
+        callable(getattr(value, "load_state_dict", None))
+
+
+class Autosave:
+    """Saves ``model``, ``optimizer``, the random state, ``self.state`` (a dict the user
+    fills, e.g. the data position) and the step every ``every`` steps into
+    ``path/step_<n>`` with torch.distributed.checkpoint, keeping the newest ``keep``
+    complete checkpoints; ``restore`` loads the newest complete one into the current
+    model's layout (any world size or placement).
+
+    A save is atomic: DCP writes ``.metadata`` last, after every rank's data, and a
+    directory without it is never restored (``latest`` skips it). Values in ``state``
+    are small picklable objects, saved once; one with ``state_dict``/``load_state_dict``
+    (an LR scheduler, a data loader) is saved and restored through those.
+    Saves are synchronous: DCP's ``async_save`` shares the process group with training's
+    collectives and does not know how to stage GlobalTensors.
+
+    >>> saver = gt.checkpoint.Autosave("ckpt", model, optimizer, every=100, keep=2)  # doctest: +SKIP
+    >>> saver.state["sched"] = scheduler
+    >>> for step in range(saver.restore(), steps):
+    ...     train_one_step(); optimizer.step()
+    ...     saver.step(step + 1)
+    """
+
+    def __init__(self, path: str | os.PathLike, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | None = None, every: int = 100,
+                 keep: int = 2):
+        for name, value in (("every", every), ("keep", keep)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Autosave: {name} must be an int >= 1, got {value!r}")
+        path = os.fspath(path)
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise NotADirectoryError(f"Autosave: path {path!r} exists and is not a "
+                                     f"directory (checkpoints go to {path}/step_<n>)")
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"Autosave: model must be a torch.nn.Module, got "
+                            f"{type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"Autosave: optimizer must be a torch.optim.Optimizer or None, "
+                            f"got {type(optimizer).__name__}")
+        self.path, self.model, self.optimizer = path, model, optimizer
+        self.every, self.keep = every, keep
+        self.state: dict = {}
+
+    def restore(self) -> int:
+        """Load the newest complete checkpoint under ``path`` (model, optimizer, random
+        state, ``self.state``) and return its step; 0 if there is none. Every rank must
+        see the same one (a shared filesystem): otherwise it raises on every rank."""
+        done = [step for step, d in _step_dirs(self.path).items() if is_complete(d)]
+        step = max(done, default=0)
+        seen = sorted({s for s, in comm.all_gather_ints([step])})
+        if len(seen) > 1:
+            raise RuntimeError(f"Autosave.restore: ranks see different newest checkpoints "
+                               f"under {self.path!r} (steps {seen}); the path must be on a "
+                               f"filesystem every rank shares")
+        if step == 0:
+            return 0
+        import torch.distributed.checkpoint as dcp
+        contents = self._contents(0)
+        dcp.load(contents, checkpoint_id=_step_dirs(self.path)[step])
+        self._put_back(contents)
+        return int(contents["step"])
+
+    def step(self, step: int) -> bool:
+        """Called after each training step with the number of steps done: saves when
+        ``step`` is a multiple of ``every`` (then removes all but the newest ``keep``
+        checkpoints); returns whether it saved."""
+        if step % self.every:
+            return False
+        import torch.distributed.checkpoint as dcp
+        target = os.path.join(self.path, f"step_{step}")
+        if comm.get_rank() == 0 and os.path.exists(target):
+            # left by a save that died (or a run that went past here before): replaced.
+            # Safe before dcp.save: no rank writes data before rank 0 has planned.
+            _remove(target)
+        dcp.save(self._contents(step), checkpoint_id=target)
+        if comm.get_rank() == 0:
+            self._remove_old()
+        return True
+
+    def _contents(self, step: int) -> dict:
+        """What a checkpoint holds, in the current layouts (dcp.load fills it in)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+        if self.optimizer is None:
+            model_sd, optim_sd = get_model_state_dict(self.model), {}
+        else:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        user = {k: v.state_dict() if _is_stateful(v) else v for k, v in self.state.items()}
+        buffer = io.BytesIO()   # one object, saved once: restored whatever keys are set
+        torch.save(user, buffer)
+        return {"step": step, "model": model_sd, "optim": optim_sd, "rng": rng_state(),
+                "state": buffer}
+
+    def _put_back(self, contents: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+        if self.optimizer is None:
+            set_model_state_dict(self.model, contents["model"])
+        else:
+            set_state_dict(self.model, self.optimizer, model_state_dict=contents["model"],
+                           optim_state_dict=contents["optim"])
+        set_rng_state(contents["rng"])
+        buffer = contents["state"]   # the saved BytesIO, in place of the template's
+        buffer.seek(0)
+        for key, value in torch.load(buffer, weights_only=False).items():
+            if _is_stateful(self.state.get(key)):
+                self.state[key].load_state_dict(value)
+            else:
+                self.state[key] = value
+
+    def _remove_old(self) -> None:
+        dirs = _step_dirs(self.path)
+        kept = sorted((s for s, d in dirs.items() if is_complete(d)), reverse=True)[:self.keep]
+        for step, d in dirs.items():
+            if step < min(kept):
+                _remove(d)

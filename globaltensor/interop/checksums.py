@@ -138,3 +138,4 @@ class VerifyingReader(FileSystemReader):
                               **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self.verified = set()
+

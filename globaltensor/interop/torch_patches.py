@@ -36,7 +36,7 @@ from ..rules import random as random_rules
 from ..tensor import GlobalTensor
 from .dcp import refuse_global_tensors
 
-__all__ = ["apply", "override_function"]
+__all__ = ["apply", "override_function", "install_checkpoint_checksums"]
 
 _applied = False
 
@@ -181,10 +181,16 @@ _AFTER_IMPORT = {name: functools.partial(_refuse_global_modules, name)
 _AFTER_IMPORT["torch.distributed.tensor._dispatch"] = _refuse_global_in_dtensor_ops
 
 
-def _verify_checkpoints() -> None:
-    # DCP records where each chunk lies but not what it holds: a flipped byte loads as a
-    # wrong value. Its storage for a checkpoint given by path (what it builds when no
-    # storage_writer/storage_reader is passed) records and checks a sum per chunk.
+def install_checkpoint_checksums() -> None:
+    """DCP records where each chunk lies but not what it holds: a flipped byte loads as a
+    wrong value. Its storage for a checkpoint given by path (what it builds when no
+    storage_writer/storage_reader is passed) records and checks a sum per chunk
+    (``interop/checksums.py``). Run when DCP is imported, after ``apply``."""
+    checksums = sys.modules.get(f"{__package__}.checksums")
+    if not _applied or (checksums is not None and not hasattr(checksums, "VerifyingReader")):
+        # Not applied; or checksums is being imported and its import of DCP brought us
+        # here: this runs again when that import ends (the hook watches it too).
+        return
     from torch.distributed.checkpoint import _storage_utils
 
     from .checksums import ChecksummedWriter, VerifyingReader
@@ -192,7 +198,8 @@ def _verify_checkpoints() -> None:
     _storage_utils.FileSystemReader = VerifyingReader
 
 
-_AFTER_IMPORT["torch.distributed.checkpoint._storage_utils"] = _verify_checkpoints
+_AFTER_IMPORT["torch.distributed.checkpoint._storage_utils"] = install_checkpoint_checksums
+_AFTER_IMPORT[f"{__package__}.checksums"] = install_checkpoint_checksums
 
 
 class _Loader(importlib.abc.Loader):

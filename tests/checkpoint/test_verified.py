@@ -123,3 +123,14 @@ def check_a_damaged_chunk_fails_the_load_on_every_rank():
 CHECKS = ["check_a_damaged_chunk_fails_the_load_on_every_rank"]
 
 test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
+
+
+def test_checksums_apply_when_their_module_is_imported_before_dcp():
+    """checksums imports DCP, whose import runs the hook that installs checksums."""
+    code = ("from globaltensor.interop import checksums\n"
+            "from torch.distributed.checkpoint import _storage_utils as u\n"
+            "assert u.FileSystemWriter is checksums.ChecksummedWriter\n"
+            "assert u.FileSystemReader is checksums.VerifyingReader\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
