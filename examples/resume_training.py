@@ -9,26 +9,26 @@ The first run trains a small MLP (with dropout) tensor-parallel on 2 ranks, save
 3 steps and dies at step 8 (SIGKILL, as a lost node would). The second run, on another
 world size and layout, finds the newest complete checkpoint (step 6), loads it into
 its own layout (DCP reads each rank's region; nothing builds whole tensors), and ends
-with the parameters an uninterrupted run has. A checkpoint holds:
+with the parameters an uninterrupted run has. Resuming is one line:
 
-* the model and optimizer state from torch's ``get_state_dict`` (AdamW's moments are
-  GlobalTensors with their parameter's layout),
-* the LR scheduler's state and the data position (epoch, batch within it),
-* the random state (``gt.checkpoint.rng_state()``: dropout continues the same draws).
+    saver = gt.checkpoint.Autosave(args.ckpt, model, opt, every=3, keep=2)
+    saver.state.update(sched=sched, data=progress)   # besides model, optimizer, RNG
+    for step in range(saver.restore(), steps): ...; saver.step(step + 1)
 
-Each save goes to a new directory ``step_<n>``. DCP writes ``.metadata`` last (to a
-temporary name, then renamed), after every rank's data, so a directory without it is a
-save that crashed: ``gt.checkpoint.latest`` skips it, and ``dcp.load`` refuses it. Never
-save into the directory of the checkpoint you would resume from.
+A checkpoint holds the model and optimizer state (torch's ``get_state_dict``: AdamW's
+moments are GlobalTensors with their parameter's layout), the random state (dropout
+continues the same draws), the step, and ``saver.state``: here the LR scheduler and the
+data position (epoch, batch within it). Each save goes to a new directory
+``step_<n>``; DCP writes ``.metadata`` last, after every rank's data, so a directory
+without it is a save that crashed and is never restored. With ``--max_restarts`` the
+launcher restarts a job whose rank died and it continues from there.
 """
 import argparse
 import os
 import signal
 
 import torch
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import globaltensor as gt
 from globaltensor.utils.data import GlobalDataLoader
@@ -59,13 +59,6 @@ def say(text: str) -> None:
         print(text, flush=True)
 
 
-def checkpoint_state(model, opt, sched, progress):
-    """What a checkpoint holds; dcp.load fills it in place (non-tensors are replaced)."""
-    model_sd, optim_sd = get_state_dict(model, opt)
-    return {"model": model_sd, "optim": optim_sd, "sched": sched.state_dict(),
-            "progress": dict(progress), "rng": gt.checkpoint.rng_state()}
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layout", choices=sorted(LAYOUTS), default="dp")
@@ -84,34 +77,28 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
     loader = GlobalDataLoader(dataset(), batch_size=16, placement=P, shuffle=True, seed=0)
-    progress = {"step": 0, "epoch": 0, "batch": 0}
+    saver = gt.checkpoint.Autosave(args.ckpt, model, opt, every=args.save_every, keep=2)
+    saver.state.update(sched=sched, data={"epoch": 0, "batch": 0})
+    start = 0 if args.no_resume else saver.restore()
+    if start:
+        say(f"resumed from {os.path.join(args.ckpt, f'step_{start}')} at step {start} on "
+            f"{gt.get_world_size()} rank(s), layout {args.layout}")
 
-    resume = None if args.no_resume else gt.checkpoint.latest(args.ckpt)
-    if resume is not None:
-        state = checkpoint_state(model, opt, sched, progress)
-        dcp.load(state, checkpoint_id=resume)
-        set_state_dict(model, opt, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
-        sched.load_state_dict(state["sched"])
-        gt.checkpoint.set_rng_state(state["rng"])
-        progress = dict(state["progress"])
-        say(f"resumed from {resume} at step {progress['step']} on {gt.get_world_size()} "
-            f"rank(s), layout {args.layout}")
-
-    loader.set_epoch(progress["epoch"])
+    data = saver.state["data"]
+    loader.set_epoch(data["epoch"])
     batches = iter(loader)
-    for _ in range(progress["batch"]):  # the data position: skip what was consumed
+    for _ in range(data["batch"]):  # the data position: skip what was consumed
         next(batches)
     model.train()
-    while progress["step"] < args.steps:
-        if progress["step"] == args.crash_at and gt.get_rank() == 0:
-            say(f"crashing after step {progress['step']}")
+    for step in range(start, args.steps):
+        if step == args.crash_at and gt.get_rank() == 0:
+            say(f"crashing after step {step}")
             os.kill(os.getpid(), signal.SIGKILL)
         try:
             x, y = next(batches)
         except StopIteration:
-            progress["epoch"], progress["batch"] = progress["epoch"] + 1, 0
-            loader.set_epoch(progress["epoch"])
+            data["epoch"], data["batch"] = data["epoch"] + 1, 0
+            loader.set_epoch(data["epoch"])
             batches = iter(loader)
             x, y = next(batches)
         loss = F.cross_entropy(model(x), y)
@@ -119,13 +106,10 @@ def main():
         loss.backward()
         opt.step()
         sched.step()
-        progress["step"] += 1
-        progress["batch"] += 1
-        say(f"step {progress['step']} loss {float(loss):.6f}")
-        if progress["step"] % args.save_every == 0:
-            path = os.path.join(args.ckpt, f"step_{progress['step']}")
-            dcp.save(checkpoint_state(model, opt, sched, progress), checkpoint_id=path)
-            say(f"saved {path}")
+        data["batch"] += 1
+        say(f"step {step + 1} loss {float(loss):.6f}")
+        if saver.step(step + 1):
+            say(f"saved {os.path.join(args.ckpt, f'step_{step + 1}')}")
 
     whole = {name: p.full() for name, p in model.named_parameters()}
     if args.out and gt.get_rank() == 0:

@@ -1,13 +1,14 @@
 """examples/resume_training.py: a run killed mid-training resumes from its last complete
-checkpoint on other world sizes and layouts (2 ranks tensor parallel -> 4 ranks data
-parallel -> 1 rank), skipping a half-written checkpoint, and ends with the parameters
-of an uninterrupted run."""
+checkpoint (gt.checkpoint.Autosave, keeping 2) on other world sizes and layouts (2 ranks
+tensor parallel -> 4 ranks data parallel -> 1 rank), skipping a half-written checkpoint,
+and ends with the parameters of an uninterrupted run."""
 import re
 import shutil
 
 import pytest
 import torch
 
+from globaltensor.checkpoint import is_complete as gt_complete
 from mp import launch_example, launch_examples_together, run_example
 
 pytestmark = pytest.mark.multiprocess  # every test here runs an example through the launcher
@@ -35,6 +36,7 @@ def test_killed_run_resumes_on_other_layouts_to_the_uninterrupted_parameters(tmp
     assert re.search(r"resumed from \S+step_6 at step 6 on 4 rank\(s\), layout dp",
                      second.stdout), second.stdout
     assert second.returncode != 0 and "crashing after step 10" in second.stdout
+    assert sorted(p.name for p in ckpt.iterdir() if gt_complete(p)) == ["step_6", "step_9"]
 
     out = run_example("resume_training.py", 1, tmp_path, *ARGS, "--layout", "dp",
                       "--ckpt", str(ckpt), "--out", str(tmp_path / "resumed.pt"))
