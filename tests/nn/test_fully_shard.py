@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import globaltensor as gt
+from globaltensor.nn import shard_comm as fs_comm
 from globaltensor.nn import sharded as fs_module
 
 from mp import checks_in_worlds
@@ -144,8 +145,71 @@ def check_tensor_parallel_on_a_2d_placement():
     _assert_same(model, reference)
 
 
+def _counted_backward(model, p, x, y):
+    """(all-gathers in forward, in backward, bytes they sent in backward, gradients)."""
+    with gt.debug.comm_stats() as forward:
+        loss = F.cross_entropy(model(gt.tensor(x, placement=p, sbp=S(0))),
+                               gt.tensor(y, placement=p, sbp=S(0)))
+    with gt.debug.comm_stats() as backward:
+        loss.backward()
+    grads = [t.grad.full() for t in model.parameters()]
+    return forward.calls["all_gather"], backward.calls["all_gather"], \
+        backward.bytes["all_gather"], grads
+
+
+def check_reshard_after_forward():
+    """False keeps the gathered copies for backward: the two units whose weights autograd
+    saves (LayerNorm, the last Linear; the first Linear's input needs no gradient) are
+    not gathered again. An int g (world of 4: 2) gathers them again from the 1/g kept,
+    within g ranks, sending less. Gradients are the same."""
+    p = gt.placement.all("cpu")
+    x, y = _data()
+    runs = {}
+    choices = (True, False, 2) if gt.get_world_size() == 4 else (True, False)
+    for reshard in choices:
+        model = gt.nn.fully_shard(_mlp(), p, reshard_after_forward=reshard)
+        runs[reshard] = _counted_backward(model, p, x, y)
+        assert not fs_module._gathered
+    counts = {k: v[:3] for k, v in runs.items()}
+    assert counts[True][:2] == (3, 2) and counts[False][:2] == (3, 0), counts
+    for reshard in choices[1:]:
+        for got, want in zip(runs[reshard][3], runs[True][3]):
+            assert torch.equal(got, want), reshard
+    if 2 in runs:
+        # one gather per saved parameter (LayerNorm saves its bias too), within 2 ranks
+        assert counts[2][:2] == (3, 3) and counts[2][2] < counts[True][2], counts
+
+
+def _wide_mlp():
+    torch.manual_seed(0)   # 10 and 6 rows: on 4 ranks parts 3,3,2,2 and 2,2,1,1
+    return torch.nn.Sequential(torch.nn.Linear(12, 10), torch.nn.GELU(), torch.nn.Linear(10, 6))
+
+
+def check_large_parameters_gather_in_place():
+    """Above OWN_GATHER_BYTES a parameter has a gather of its own, into its gathered
+    storage (uneven parts included), and one in the backward; training equals one
+    process."""
+    p = gt.placement.all("cpu")
+    own = fs_comm.OWN_GATHER_BYTES
+    fs_comm.OWN_GATHER_BYTES = 0
+    try:
+        model, reference = gt.nn.fully_shard(_wide_mlp(), p), _wide_mlp()
+        x = _data()[0]
+        y = torch.randint(0, 6, (8,), generator=torch.Generator().manual_seed(2))
+        gathers = _counted_backward(model, p, x, y)[:2]
+        assert gathers == (4, 1), gathers   # every parameter; the last weight again
+        _, losses = _train(model, gt.tensor(x, placement=p, sbp=S(0)),
+                           gt.tensor(y, placement=p, sbp=S(0)))
+    finally:
+        fs_comm.OWN_GATHER_BYTES = own
+    _, ref_losses = _train(reference, x, y)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (losses, ref_losses)
+    _assert_same(model, reference)
+
+
 CHECKS = ["check_training_equals_one_process", "check_gathered_copy_is_freed_after_forward",
-          "check_tied_and_meta_modules"]
+          "check_tied_and_meta_modules", "check_reshard_after_forward",
+          "check_large_parameters_gather_in_place"]
 
 test_world2, test_world4 = checks_in_worlds(
     __name__, CHECKS, only_in_4=["check_tensor_parallel_on_a_2d_placement"])
