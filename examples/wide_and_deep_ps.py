@@ -72,8 +72,10 @@ def make_truth(slots, vocab):
             "factors": torch.randn(slots * vocab, 4, generator=g) / 2}
 
 
-def make_batch(n, slots, vocab, generator, truth):
-    """n samples: hashed ids (n, slots), dense (n, 13), labels (n,)."""
+def make_batch(n, slots, vocab, generator, truth, raw_ids=False):
+    """n samples: hashed ids (n, slots), dense (n, 13), labels (n,). ``raw_ids``: the
+    ids are the raw values (slot s's value r is s * RAW + r: 26 x 10^6 possible ids,
+    for hashed tables) instead of their buckets."""
     u = torch.rand(n, slots, generator=generator)
     raw = (u ** 3 * RAW).long()                                  # long-tailed raw values
     hashed = (raw * 2654435761 + torch.arange(slots) * 97) % vocab
@@ -83,6 +85,8 @@ def make_batch(n, slots, vocab, generator, truth):
     logit = (truth["id_weight"][ids].sum(1) / slots ** 0.5 + dense @ truth["dense_coef"]
              + 1.5 * (f[ids[:, 0]] * f[ids[:, 1]]).sum(1) - 1.0)
     labels = torch.bernoulli(torch.sigmoid(logit), generator=generator)
+    if raw_ids:
+        ids = raw + torch.arange(slots) * RAW
     return ids, dense, labels
 
 
@@ -105,7 +109,8 @@ def parse_args(argv=None):
     p.add_argument("--slots", type=int, default=SLOTS)
     p.add_argument("--vocab", type=int, default=1000, help="hash buckets per slot")
     p.add_argument("--dim", type=int, default=8)
-    p.add_argument("--optimizer", choices=("sgd", "adagrad"), default="adagrad")
+    p.add_argument("--optimizer", choices=gt.ps.OPTIMIZERS, default="adagrad",
+                   help="the tables' optimizer (the dense layers': the same; adagrad for ftrl)")
     p.add_argument("--lr", type=float, default=0.05, help="tables' learning rate")
     p.add_argument("--dense_lr", type=float, default=0.02)
     p.add_argument("--eval_size", type=int, default=8192)
@@ -114,6 +119,11 @@ def parse_args(argv=None):
     p.add_argument("--reference", action="store_true", help="one plain-torch process")
     p.add_argument("--slow_worker", type=int, default=-1)
     p.add_argument("--slow_factor", type=float, default=2.0)
+    p.add_argument("--windows", type=int, default=1, help="also print examples/s of this many equal windows")
+    p.add_argument("--hashed", type=int, default=0, metavar="CAPACITY",
+                   help="hashed tables (num_embeddings=None) of CAPACITY rows per server, fed raw ids")
+    p.add_argument("--admit_count", type=int, default=1, help="hashed tables: count filter")
+    p.add_argument("--geo_rows", type=int, default=None, help="geo: rows a worker keeps per table")
     return p.parse_args(argv)
 
 
@@ -122,11 +132,13 @@ def train(args, model, step_update, rank, workers, say):
     g = torch.Generator().manual_seed(0)  # every worker draws the same global batches
     truth = make_truth(args.slots, args.vocab)
     offset, size = balanced_split(args.batch, workers)[rank]
-    losses = []
+    losses, marks = [], []
     start = time.perf_counter()
     for step in range(args.steps):
+        if step % max(1, args.steps // args.windows) == 0:
+            marks.append((step, time.perf_counter()))
         t0 = time.perf_counter()
-        ids, dense, labels = make_batch(args.batch, args.slots, args.vocab, g, truth)
+        ids, dense, labels = make_batch(args.batch, args.slots, args.vocab, g, truth, args.hashed > 0)
         ids, dense, labels = (t[offset:offset + size] for t in (ids, dense, labels))
         # the mean over this worker's share; the servers and the dense all-reduce
         # average the workers (equal shares), which is the global batch's mean
@@ -138,6 +150,11 @@ def train(args, model, step_update, rank, workers, say):
         if rank == args.slow_worker:
             time.sleep((args.slow_factor - 1) * (time.perf_counter() - t0))  # simulated slow machine
     elapsed = time.perf_counter() - start
+    if args.windows > 1:
+        marks.append((args.steps, start + elapsed))
+        rates = [size * (s1 - s0) / (t1 - t0) for (s0, t0), (s1, t1) in zip(marks, marks[1:])]
+        print(f"worker {rank}: windows of {marks[1][0]} steps: " + " ".join(f"{r:.0f}" for r in rates)
+              + " examples/s")
     k = max(1, min(10, args.steps // 4))
     say(f"training loss: {sum(losses[:k]) / k:.4f} -> {sum(losses[-k:]) / k:.4f} "
         f"(mean of the first / last {k} steps)")
@@ -147,7 +164,7 @@ def train(args, model, step_update, rank, workers, say):
 def evaluate(args, model):
     truth = make_truth(args.slots, args.vocab)
     g = torch.Generator().manual_seed(99)
-    ids, dense, labels = make_batch(args.eval_size, args.slots, args.vocab, g, truth)
+    ids, dense, labels = make_batch(args.eval_size, args.slots, args.vocab, g, truth, args.hashed > 0)
     with torch.no_grad():
         logits = model(ids, dense)
     return auc(logits, labels), F.binary_cross_entropy_with_logits(logits, labels).item()
@@ -162,6 +179,8 @@ def save(path, model, tables):
 
 def reference(args):
     """One process, plain torch, the global batch: what sync mode must equal."""
+    if args.optimizer not in ("sgd", "adagrad") or args.hashed:
+        raise SystemExit("--reference trains row tables with sgd or adagrad (torch's sparse ones)")
     num_ids = args.slots * args.vocab
     emb = torch.nn.Embedding(num_ids, args.dim, sparse=True)
     wide = torch.nn.Embedding(num_ids, 1, sparse=True)
@@ -202,10 +221,15 @@ def main(argv=None):
     rank, workers = gt.ps.worker_rank(), gt.ps.worker_num()
     say = print if rank == 0 else (lambda *a, **k: None)
     num_ids = args.slots * args.vocab
-    emb = gt.ps.EmbeddingTable(num_ids, args.dim, args.optimizer, args.lr, init_std=0.1, seed=1)
-    wide = gt.ps.EmbeddingTable(num_ids, 1, args.optimizer, args.lr, init_std=0.0, seed=2)
+    table = dict(optimizer=args.optimizer, lr=args.lr, geo_rows=args.geo_rows)
+    if args.hashed:  # raw ids, any int64: rows made as ids are admitted, at most --hashed per server
+        num_ids = None
+        table.update(capacity=args.hashed, admit_count=args.admit_count)
+    emb = gt.ps.EmbeddingTable(num_ids, args.dim, init_std=0.1, seed=1, name="embedding", **table)
+    wide = gt.ps.EmbeddingTable(num_ids, 1, init_std=0.0, seed=2, name="wide", **table)
     model = WideAndDeep(emb, wide, args.slots, args.dim)
-    opt = gt.ps.DenseOptimizer(model.dense_parameters(), args.optimizer, args.dense_lr)
+    dense_kind = "adagrad" if args.optimizer == "ftrl" else args.optimizer
+    opt = gt.ps.DenseOptimizer(model.dense_parameters(), dense_kind, args.dense_lr)
     say(f"wide & deep, mode {args.mode}" + (f" (k_steps {args.k_steps})" if args.mode == "geo" else "")
         + f": {gt.ps.server_num()} servers, {workers} workers; tables {emb} and {wide}")
 
@@ -225,6 +249,8 @@ def main(argv=None):
         say(f"held-out AUC {auc1:.4f}, log-loss {logloss:.4f}")
         if args.save:
             save(args.save, model, {"embedding.weight": emb.weight(), "wide.weight": wide.weight()})
+        for name, t in (("embedding", emb), ("wide", wide)):
+            say(f"table {name}: {t.stats()}")
     gt.ps.stop_worker()
 
 

@@ -21,16 +21,17 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 from .. import comm
 from ..comm import rpc
 from . import server
 
 __all__ = ["Strategy", "init", "is_server", "is_worker", "run_server", "stop_worker",
-           "worker_rank", "server_rank", "worker_num", "server_num", "MODES"]
+           "worker_rank", "server_rank", "worker_num", "server_num", "MODES", "ServerError"]
 
 MODES = ("sync", "async", "geo")
 
@@ -70,7 +71,7 @@ class _State:
         self.stopped = self.failed = False
         self.tables: list = []         # this worker's tables, in creation order
         self.optimizers: list = []     # this worker's dense optimizers
-        self.pending: list = []        # futures of pushes not yet answered
+        self.pending: list = []        # Calls (pushes) not yet answered
 
 
 state = _State()
@@ -201,10 +202,58 @@ def run_server() -> None:
     rpc.shutdown(graceful=True)
 
 
+class ServerError(RuntimeError):
+    """A server could not be reached or failed while serving a call (it died, or its
+    connection broke): names the server and the table."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """A call in flight to ``server`` (its rank among the servers) about ``table``."""
+
+    server: int
+    table: str
+    what: str
+    future: Any
+
+    @staticmethod
+    def start(server: int, table: str, what: str, fn: Any, args: Sequence[Any]) -> "Call":
+        return Call(server, table, what, rpc.call_async(server_rank_of(server), fn, args))
+
+
+def _remote_message(error: BaseException) -> str:
+    # RPC re-raises a server's exception as "On WorkerInfo(...):\nValueError('msg')\nTraceback..."
+    text = str(error)
+    m = re.search(r"^\w+\((['\"])(.*?)\1\)$", text, re.M | re.S)
+    return m.group(2) if m else " ".join(text.split("Traceback")[0].split())
+
+
+def wait_calls(calls: Sequence[Call]) -> list:
+    """Results of ``calls``; the first failure is raised naming its server and table:
+    ``ValueError`` when the server refused the call, ``ServerError`` when the server
+    is gone (TensorPipe's EOF / connection reset / timeout name no server)."""
+    results = []
+    for c in calls:
+        try:
+            result = c.future.wait()
+            if isinstance(result, server.Refusal):
+                raise ValueError(result.message)
+            results.append(result)
+        except ValueError as e:
+            raise ValueError(f"server {c.server} (rank {server_rank_of(c.server)}) refused the "
+                             f"{c.what} of table {c.table!r}: {_remote_message(e)}") from None
+        except Exception as e:
+            raise ServerError(
+                f"server {c.server} (rank {server_rank_of(c.server)}) failed during the {c.what} "
+                f"of table {c.table!r}: it is unreachable (died or closed its connection; see "
+                f"its log serverlog.{c.server}): {' '.join(str(e).split())[:300]}") from None
+    return results
+
+
 def wait_pending() -> None:
     """Wait for this worker's pushes still in flight (raising the first failure)."""
     pending, state.pending = state.pending, []
-    rpc.wait_all(pending)
+    wait_calls(pending)
 
 
 def stop_worker() -> None:
@@ -220,6 +269,6 @@ def stop_worker() -> None:
         wait_pending()
     finally:
         # Tell every server even after a failure: they must not serve forever.
-        rpc.wait_all([rpc.call_async(server_rank_of(s), server.worker_done, (state.rank,))
-                      for s in range(state.servers)])
+        wait_calls([Call.start(s, "-", "end of the worker", server.worker_done, (state.rank,))
+                    for s in range(state.servers)])
         rpc.shutdown(graceful=True)

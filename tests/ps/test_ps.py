@@ -7,6 +7,7 @@ input and a failing worker.
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
 import subprocess
 import sys
@@ -188,3 +189,181 @@ def test_ps_api_checks_and_row_optimizers(monkeypatch) -> None:
             opt.step()
             row_opt.apply(ours, *coalesce(ids, w))
         torch.testing.assert_close(ours, emb.weight.detach(), rtol=1e-6, atol=1e-6)
+
+
+JOBS = Path(__file__).resolve().parent / "ps_jobs.py"
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """The geo and failures jobs of ps_jobs.py, started together: {job: (returncode,
+    seconds, {check: value})}."""
+    import os
+    import time
+    tmp = tmp_path_factory.mktemp("jobs")
+    procs = {}
+    for job in ("geo", "failures"):
+        cmd = [sys.executable, "-m", "globaltensor.launch", "--server_num", "2", "--worker_num", "2",
+               "--master_port", str(free_port()), "--log_dir", str(tmp / job), str(JOBS), job]
+        procs[job] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
+                                       env={**os.environ, "OMP_NUM_THREADS": "1"}), time.perf_counter())
+    out = {}
+    for job, (p, start) in procs.items():
+        text = p.communicate(timeout=120)[0].decode()
+        seconds = time.perf_counter() - start
+        log = (tmp / job / "workerlog.0").read_text()
+        checks = dict(line.split(" ", 2)[1:] for line in log.splitlines() if line.startswith("CHECK "))
+        out[job] = (p.returncode, seconds, checks, text)
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_geo_exchanges_only_changed_rows_and_bounds_the_copy(jobs) -> None:
+    code, _, checks, text = jobs["geo"]
+    assert code == 0, text
+    # (rows pushed, rows taken back): only this worker's own changed rows come back,
+    # not the 40 rows worker 1 changed and worker 0 never held
+    assert checks["own"] == "(40, 40)", checks
+    # nothing pushed; the 5 held rows worker 1 changed come back, with the servers' values
+    assert checks["others"] == "(0, 5)" and checks["others_equal"] == "True", checks
+    assert checks["bounded"] == "45", checks           # geo_rows=45: the coldest 5 rows went
+    # row 7 (evicted, released) changed by worker 1 does not come back; row 105 does;
+    # row 7 used again is pulled again with the current value
+    assert checks["released"] == "(0, 1)" and checks["repulled_equal"] == "True", checks
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_sync_early_finish_and_a_dead_server_are_named(jobs) -> None:
+    code, seconds, checks, text = jobs["failures"]
+    assert code != 0 and seconds < 60, (seconds, text)  # not the 300 s collective timeout
+    took, message = checks["early_finish"].split(" ", 1)
+    assert float(took[:-1]) < 5, checks
+    assert "worker 1 finished (gt.ps.stop_worker) after 3 steps of table 'clicks'" in message
+    assert "every worker must run the same number of steps" in message
+    took, message = checks["dead_server"].split(" ", 1)
+    assert float(took[:-1]) < 5, checks
+    assert message.startswith("server 1 (rank 3) failed during the pull of table 'clicks': it is unreachable")
+    # the hashed table: an id reads zeros until admitted (second lookup), then its
+    # initial values; 3 rows per server whatever the ids
+    assert checks["hashed_first_zero"] == "True" and checks["hashed_second"] == "True", checks
+    stats = re.search(r"rows=(\d+), capacity=(\d+), admitted=(\d+), evicted=(\d+)", checks["hashed_stats"])
+    rows, capacity, admitted, evicted = map(int, stats.groups())
+    assert capacity == 6 and rows == 6 == admitted - evicted and evicted > 10, stats
+
+
+def _hashed_shard(capacity: int, **policy):
+    from globaltensor.ps import server
+    config = {"num_rows": None, "dim": 4, "optimizer": "adagrad", "lr": 0.1, "options": {"eps": 1e-10},
+              "init_std": 0.1, "seed": 3, "workers": 1, "mode": "sync", "dense": False, "name": "t",
+              "hash": {"capacity": capacity, "admit_count": 1, "admit_prob": 1.0, "eviction": "lru",
+                       "ttl": None, **policy}}
+    return server.Shard(config, 0, 1, None)
+
+
+def test_hashed_shard_keeps_a_fixed_memory_bound_over_10x_capacity_ids() -> None:
+    shard = _hashed_shard(1000)
+    storage = {n: t.untyped_storage().nbytes() for n, t in
+               [("weight", shard.weight), *shard.optimizer.state.items()]}
+    g = torch.Generator().manual_seed(0)
+    hot = torch.arange(50) * 7919 - 10**15          # looked up every batch
+    stream = torch.randperm(10_000, generator=g) * 104_729 + 2**40   # 10x capacity, each once
+    for batch in stream.split(200):
+        ids = torch.unique(torch.cat([hot, batch]))
+        with shard.lock:
+            slots = shard.locate(ids, create=True)
+            assert (slots >= 0).all()
+            shard.update(ids, torch.ones(ids.numel(), 4), 1)
+        assert len(shard.slots.index) <= 1000
+    stats = shard.slots.stats()
+    assert stats["rows"] == 1000 and stats["admitted"] == 10_050 and stats["evicted"] == 9_050
+    # the same storage as at the start (no row, index or state grew past capacity)
+    assert {n: t.untyped_storage().nbytes() for n, t in
+            [("weight", shard.weight), *shard.optimizer.state.items()]} == storage
+    assert shard.slots.index.keys.numel() == 1000 and shard.slots.sketch.numel() == 0
+    # LRU: the hot ids were never evicted, and kept their 50 updates of adagrad state
+    hot_slots = shard.slots.find(hot)
+    assert (hot_slots >= 0).all()
+    torch.testing.assert_close(shard.optimizer.state["sum"][hot_slots], torch.full((50, 4), 50.0))
+
+
+def test_hashed_admission_and_ttl() -> None:
+    from globaltensor.ps.hashed import HashPolicy, HashSlots, hashed_normal
+
+    shard = _hashed_shard(100, admit_count=3)
+    once = torch.arange(1000, 1500)
+    with shard.lock:
+        assert (shard.read(shard.locate(once, create=True)) == 0).all()   # seen once: zeros
+        twice = torch.tensor([5, 9])
+        for expect_admitted in (False, False, True):    # admitted at the third lookup
+            slots = shard.locate(twice, create=True)
+            assert bool((slots >= 0).all()) == expect_admitted
+        torch.testing.assert_close(shard.read(slots), hashed_normal(twice, 4, 0.1, 3))
+        shard.update(once[:3], torch.ones(3, 4), 1)     # gradients of ids without a row: dropped
+    assert shard.slots.stats()["rows"] == 2 and shard.slots.stats()["filtered"] == 504
+
+    prob = HashSlots(HashPolicy(10_000, admit_prob=0.25), seed=1)
+    ids = torch.arange(4000)
+    prob.admit(ids, prob.find(ids))
+    assert 800 < prob.stats()["rows"] < 1200
+
+    now = [0.0]
+    ttl = HashSlots(HashPolicy(4, eviction="ttl", ttl=10.0), clock=lambda: now[0])
+    ids = torch.arange(4)
+    ttl.admit(ids, ttl.find(ids))
+    late = torch.tensor([77])
+    now[0] = 5.0
+    ttl.find(torch.tensor([0]))                  # id 0 used at t=5
+    assert (ttl.admit(late, ttl.find(late))[0].numel(), ttl.stats()["filtered"]) == (0, 1)  # full, none expired
+    now[0] = 12.0                               # ids 1-3 idle > 10 s: expired; id 0 stays
+    new_slots, _, evicted = ttl.admit(late, ttl.find(late))
+    assert new_slots.numel() == 1 and evicted.numel() == 3
+    assert ttl.find(torch.tensor([0, 1, 77])).ge(0).tolist() == [True, False, True]
+    assert ttl.stats() == {"rows": 2, "capacity": 4, "admitted": 5, "evicted": 3, "filtered": 1}
+    with pytest.raises(ValueError, match="eviction='ttl' takes ttl"):
+        HashPolicy(4, eviction="ttl")
+    with pytest.raises(ValueError, match="capacity"):
+        HashPolicy(0)
+
+
+def test_lazy_adam_and_ftrl_match_a_dense_reference_on_touched_rows() -> None:
+    from globaltensor.ps.optim import RowOptimizer, coalesce
+
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(6, 3, generator=g)
+    batches = [(torch.randint(0, 6, (5,), generator=g), torch.randn(5, 3, generator=g)) for _ in range(6)]
+    # lazy Adam: each row is torch.optim.Adam on that row alone, stepped only when touched
+    ours = start.clone()
+    adam = RowOptimizer("adam", 0.05, (6, 3), {"beta1": 0.8, "beta2": 0.99, "eps": 1e-6})
+    rows_ref = [torch.nn.Parameter(start[r].clone()) for r in range(6)]
+    ref_opts = [torch.optim.Adam([p], lr=0.05, betas=(0.8, 0.99), eps=1e-6) for p in rows_ref]
+    for ids, grad in batches:
+        rows, summed = coalesce(ids, grad)
+        adam.apply(ours, rows, summed)
+        for r, gr in zip(rows.tolist(), summed):
+            rows_ref[r].grad = gr.clone()
+            ref_opts[r].step()
+    torch.testing.assert_close(ours, torch.stack([p.detach() for p in rows_ref]), rtol=1e-6, atol=1e-6)
+    untouched = sorted(set(range(6)) - {r for ids, _ in batches for r in ids.tolist()})
+    assert torch.equal(ours[untouched], start[untouched])
+
+    # FTRL-Proximal, per coordinate, written out with Python floats
+    alpha, l1, l2, beta = 0.5, 0.3, 0.1, 1.0
+    ours = start.clone()
+    ftrl = RowOptimizer("ftrl", alpha, (6, 3), {"l1": l1, "l2": l2, "beta": beta})
+    w, z, n = start.tolist(), [[0.0] * 3 for _ in range(6)], [[0.0] * 3 for _ in range(6)]
+    for ids, grad in batches:
+        rows, summed = coalesce(ids, grad)
+        ftrl.apply(ours, rows, summed)
+        for r, gr in zip(rows.tolist(), summed.tolist()):
+            for i, gi in enumerate(gr):
+                sigma = ((n[r][i] + gi * gi) ** 0.5 - n[r][i] ** 0.5) / alpha
+                z[r][i] += gi - sigma * w[r][i]
+                n[r][i] += gi * gi
+                w[r][i] = 0.0 if abs(z[r][i]) <= l1 else \
+                    -(z[r][i] - math.copysign(l1, z[r][i])) / ((beta + n[r][i] ** 0.5) / alpha + l2)
+    torch.testing.assert_close(ours, torch.tensor(w), rtol=1e-5, atol=1e-6)
+    assert (ours == 0).any() and (ours != 0).any()  # l1 made some weights exactly zero
+    with pytest.raises(ValueError, match="takes options"):
+        RowOptimizer("ftrl", 0.1, (2, 2), {"beta1": 0.9})
