@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--groups", default="short,long,hashed")
     ap.add_argument("--long_steps", type=int, default=1000)
-    ap.add_argument("--long_vocab", type=int, default=2000)
+    ap.add_argument("--long_vocab", type=int, default=1000)
     ap.add_argument("--hash_capacity", type=int, default=5000)
     ap.add_argument("--hash_unbounded", type=int, default=1_000_000)
     ap.add_argument("--collective", action="store_true", help=argparse.SUPPRESS)

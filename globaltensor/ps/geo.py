@@ -43,6 +43,7 @@ class GeoCopy:
         self.optimizer = RowOptimizer(optimizer, lr, (0, dim), options)
         self.released = torch.zeros(0, dtype=torch.int64)  # ids evicted, not yet told
         self.clock = 0
+        self.evictions = 0  # rounds of eviction so far: slots found before one may be stale
 
     def __len__(self) -> int:
         return len(self.index)
@@ -110,6 +111,7 @@ class GeoCopy:
         over = len(self) - self.limit
         if over <= 0:
             return
+        self.evictions += 1
         held = (self.id_of >= 0).nonzero().squeeze(1)
         coldest = held[torch.argsort(self.last_used[held], stable=True)[:over]]
         ids = self.id_of[coldest]

@@ -74,6 +74,8 @@ def coalesce(rows: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, tor
     Adagrad must see one summed gradient per row (as torch coalesces a sparse
     gradient), not one update per occurrence.
     """
+    if rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all()):  # sorted and distinct already
+        return rows, grads
     unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
     if unique.numel() == rows.numel():
         order = torch.argsort(rows)

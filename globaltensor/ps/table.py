@@ -175,8 +175,9 @@ class _Lookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor: torch.Tensor, table: "EmbeddingTable", unique: torch.Tensor,
                 inverse: torch.Tensor) -> torch.Tensor:
+        values, ctx.slots = table._values(unique)
         ctx.table, ctx.unique, ctx.inverse = table, unique, inverse
-        return table._values(unique)[inverse]
+        return values[inverse]
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -184,7 +185,7 @@ class _Lookup(torch.autograd.Function):
         grad = torch.zeros(ctx.unique.numel(), table.dim, dtype=grad_out.dtype)
         # (index_put_ accumulates several times faster than index_add_ on CPU)
         grad.index_put_((ctx.inverse.reshape(-1),), grad_out.reshape(-1, table.dim), accumulate=True)
-        table._push_grad(ctx.unique, grad)
+        table._push_grad(ctx.unique, grad, ctx.slots)
         return None, None, None, None
 
 
@@ -273,17 +274,22 @@ class EmbeddingTable(torch.nn.Module):
 
     # --- pulls and pushes -------------------------------------------------------------
 
-    def _values(self, unique: torch.Tensor) -> torch.Tensor:
+    def _values(self, unique: torch.Tensor) -> tuple[torch.Tensor, Optional[tuple[int, torch.Tensor]]]:
+        """Values of ``unique``, and (geo) where they are in the local copy."""
         if self._geo is None:
-            return self._rows.pull(unique)
+            return self._rows.pull(unique), None
         slots = self._slots(unique)  # may grow the copy: read its values after
-        return self._geo.values[slots]
+        return self._geo.values[slots], (self._geo.evictions, slots)
 
-    def _push_grad(self, unique: torch.Tensor, grad: torch.Tensor) -> None:
+    def _push_grad(self, unique: torch.Tensor, grad: torch.Tensor,
+                   where: Optional[tuple[int, torch.Tensor]]) -> None:
         if self._geo is None:
             self._rows.push(unique, grad, "grad")
-        else:  # train the local copy; its change goes out in flush()
-            self._geo.train(self._slots(unique), grad)
+            return
+        # train the local copy (its change goes out in flush()); the lookup's slots
+        # unless rows were evicted since
+        evictions, slots = where
+        self._geo.train(slots if evictions == self._geo.evictions else self._slots(unique), grad)
 
     def _slots(self, unique: torch.Tensor) -> torch.Tensor:
         assert self._geo is not None
