@@ -6,9 +6,12 @@
 The same sharded state (``--tensors`` fp32 matrices, split(0) / Shard(0) over every
 rank; the DTensors share the GlobalTensors' local parts) is saved and loaded with
 ``dcp.save`` / ``dcp.load``, round-robin so machine noise hits both alike; the slowest
-rank's median counts. Then a resharding load: the checkpoint of 4 ranks into a layout
-on ranks [0, 1] only (split(1) there), with the peak rise of resident memory on those
-ranks measured (VmHWM), next to the largest local part it fills.
+rank's median counts. Then two resharding loads, with the peak rise of resident memory
+on a loading rank measured (VmHWM), next to the largest local part it fills: (a) the
+checkpoint of 4 ranks into a layout on ranks [0, 1] only (split(1) there); (b) a
+checkpoint of whole tensors (broadcast / Replicate) into split(0) over every rank, where
+each saved chunk is 4 parts (DCP's reader loads saved chunks whole; globaltensor's
+loads read only the overlap, ``interop/dcp_reads.py``).
 """
 from __future__ import annotations
 
@@ -32,6 +35,28 @@ import globaltensor as gt  # noqa: E402
 
 def _dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+
+
+def _reshard_load(kind, where, sbp, rows, cols, state, checkpoint_id):
+    """(seconds, peak RSS rise in MiB on a loading rank) of loading ``checkpoint_id`` into
+    ``rows x cols`` zeros laid out as ``sbp`` on ``where`` (DTensors for ``kind`` "dt"),
+    checked against ``state`` for ours; slowest / largest over the ranks."""
+    rank = gt.get_rank()
+    target = {k: gt.zeros(rows, cols, placement=where, sbp=sbp) for k in state}
+    if kind == "dt":
+        target = {k: v.to_dtensor() for k, v in target.items()}
+    dist.barrier()
+    t0 = time.perf_counter()
+    with peak_rise() as peak:
+        dcp.load(target, checkpoint_id=checkpoint_id)
+    seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    rise = torch.tensor([peak.mib if rank in where else 0.0], dtype=torch.float64)
+    dist.all_reduce(rise, op=dist.ReduceOp.MAX)
+    if kind == "gt":
+        for k, v in target.items():
+            assert torch.equal(v.full(), state[k].full()), f"reshard mismatch in {k}"
+    return seconds.item(), rise.item()
 
 
 def main(argv=None):
@@ -71,28 +96,24 @@ def main(argv=None):
         [lambda: dcp.load(state, checkpoint_id=f"{root}/gt1"),
          lambda: dcp.load(dstate, checkpoint_id=f"{root}/dt1")], iters=args.iters, warmup=1)
 
-    # Resharding load: 4 ranks' checkpoint into split(1) on ranks [0, 1] (DTensor: the
-    # same layout on a sub-mesh), timed once each, with the peak memory rise measured.
+    # Resharding loads, timed once each with the peak memory rise of a loading rank: (a)
+    # the 4 ranks' checkpoint into split(1) on ranks [0, 1] (DTensor: the same layout on
+    # a sub-mesh); (b) a checkpoint of whole tensors (broadcast / Replicate: one chunk
+    # each) into split(0) over every rank, where a saved chunk is `world` parts.
     two = gt.placement("cpu", [0, 1])
+    whole_state = {k: v.to_global(sbp=gt.sbp.broadcast) for k, v in state.items()}
+    dcp.save(whole_state, checkpoint_id=f"{root}/gt_whole")
+    dcp.save({k: v.to_dtensor() for k, v in whole_state.items()},
+             checkpoint_id=f"{root}/dt_whole")
+    del whole_state
+    cases = {"a": (two, gt.sbp.split(1), "1", rows * (cols // 2)),
+             "b": (P, gt.sbp.split(0), "_whole", -(-rows // world) * cols)}
     reshard = {}
-    for kind in ("gt", "dt"):
-        target = {k: gt.zeros(rows, cols, placement=two, sbp=gt.sbp.split(1))
-                  for k in state}
-        if kind == "dt":
-            target = {k: v.to_dtensor() for k, v in target.items()}
-        dist.barrier()
-        t0 = time.perf_counter()
-        with peak_rise() as peak:
-            dcp.load(target, checkpoint_id=f"{root}/{kind}1")
-        seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-        rise = torch.tensor([peak.mib if rank in two else 0.0], dtype=torch.float64)
-        dist.all_reduce(rise, op=dist.ReduceOp.MAX)
-        if kind == "gt":
-            whole = next(iter(target.values())).full()
-            assert torch.equal(whole, next(iter(state.values())).full()), "reshard mismatch"
-        reshard[kind] = (seconds.item(), rise.item())
-    largest_part_mib = rows * (cols // 2) * 4 / 2**20
+    for case, (where, sbp, saved, part_numel) in cases.items():
+        for kind in ("gt", "dt"):
+            reshard[case, kind] = _reshard_load(kind, where, sbp, rows, cols, state,
+                                                f"{root}/{kind}{saved}")
+    part_mib = {case: numel * 4 / 2**20 for case, (_, _, _, numel) in cases.items()}
 
     if rank == 0:
         shutil.rmtree(root, ignore_errors=True)
@@ -103,16 +124,23 @@ def main(argv=None):
             ("save, MB/s per rank", per_rank_mb / save_gt, per_rank_mb / save_dt),
             ("load, MB/s per rank", per_rank_mb / load_gt, per_rank_mb / load_dt),
             ("bytes on disk / state bytes", on_disk["gt"], on_disk["dt"]),
-            (f"reshard load {world} -> 2 ranks, s", reshard["gt"][0], reshard["dt"][0]),
-            ("  peak RSS rise on a loading rank, MiB", reshard["gt"][1], reshard["dt"][1]),
+            (f"reshard load (a) {world} -> 2 ranks, s", reshard["a", "gt"][0],
+             reshard["a", "dt"][0]),
+            ("  peak RSS rise on a loading rank, MiB", reshard["a", "gt"][1],
+             reshard["a", "dt"][1]),
+            (f"reshard load (b) whole -> {world} ranks, s", reshard["b", "gt"][0],
+             reshard["b", "dt"][0]),
+            ("  peak RSS rise on a loading rank, MiB", reshard["b", "gt"][1],
+             reshard["b", "dt"][1]),
         ]
         print(f"| {'':40s} | globaltensor |  DTensor | gt / DTensor |")
         print(f"|{'-' * 42}|-------------:|---------:|-------------:|")
         for name, a, b in rows_out:
             print(f"| {name:40s} | {a:12.3f} | {b:8.3f} | {a / b:12.2f} |")
-        print(f"largest local part a loading rank fills: {largest_part_mib:.1f} MiB "
-              f"(peak rise / it: gt {reshard['gt'][1] / largest_part_mib:.2f}, "
-              f"DTensor {reshard['dt'][1] / largest_part_mib:.2f})")
+        for case in ("a", "b"):
+            print(f"({case}) largest local part a loading rank fills: {part_mib[case]:.1f} MiB "
+                  f"(peak rise / it: gt {reshard[case, 'gt'][1] / part_mib[case]:.2f}, "
+                  f"DTensor {reshard[case, 'dt'][1] / part_mib[case]:.2f})")
     dist.barrier()
 
 

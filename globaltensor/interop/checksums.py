@@ -98,14 +98,25 @@ class _VerifyingTransforms(_StorageReaderTransforms):
         info = self.reader.storage_data[index]
         want = getattr(info, CHECKSUM, None)
         if want is not None and index not in self.reader.verified:
-            data = raw_stream.read(info.length)
-            got = zlib.crc32(data)
-            if len(data) != info.length or got != want:
-                raise ChecksumError(_mismatch(self.reader.path, info, read_item, len(data),
+            got, length = _crc32_of(raw_stream, info.length)
+            if length != info.length or got != want:
+                raise ChecksumError(_mismatch(self.reader.path, info, read_item, length,
                                               got, want))
             self.reader.verified.add(index)
             raw_stream.seek(0)
         return super().transform_load_stream(read_item, transform_descriptors, raw_stream)
+
+
+def _crc32_of(stream, length: int, block: int = 1 << 20) -> tuple:
+    """(CRC-32, bytes read) of the next ``length`` bytes of ``stream``, read a block at a
+    time: a load into a small part holds no whole saved chunk for its check."""
+    crc, done = 0, 0
+    while done < length:
+        data = stream.read(min(block, length - done))
+        if not data:
+            break
+        crc, done = zlib.crc32(data, crc), done + len(data)
+    return crc, done
 
 
 def _mismatch(path, info, read_item, length: int, got: int, want: int) -> str:

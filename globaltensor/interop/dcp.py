@@ -37,6 +37,7 @@ from ..layout import Layout, Region
 from ..partials import identity_fill, keep_on_first
 from ..sbp import Split, StridedSplit
 from ..tensor import GlobalTensor, to_layout
+from .dcp_reads import install as install_lean_reads
 
 __all__ = ["DCP_HINT", "create_write_items", "create_chunk_list", "get_tensor_shard",
            "refuse_global_tensors"]
@@ -134,6 +135,7 @@ def create_chunk_list(x: GlobalTensor) -> list:
     first member reads the value; the others hold the reduction's identity (set here,
     as this planning step is the load's first touch of the tensor)."""
     _stash(x).clear()
+    install_lean_reads()   # DCP reads only the overlap of each saved chunk into the part
     rank = comm.get_rank()
     layout = x.global_layout
     if layout.strided and rank in layout.placement:
