@@ -2,14 +2,17 @@
 
     python benchmarks/memory.py                       # 2 ranks, ~256 MiB of parameters
     python benchmarks/memory.py --dims 1024,1024,1024 --steps 2 --plot memory.png
+    python benchmarks/memory.py --model gpt --batch 8 --timeline gpt.png
 
 Each mode trains one MLP (Linear layers of ``--dims``, GELU, AdamW, F.mse_loss, global
-batch split over the ranks) in a fresh world of ``--nproc`` processes, so peak resident
+batch split over the ranks; ``--model gpt``: tp.py's GPT with activation checkpointing
+per block, FSDP2 wrapping each block) in a fresh world of ``--nproc`` processes, so peak resident
 memory is the mode's own. Peak is the kernel's high-water mark (VmHWM, reset through
 /proc/self/clear_refs) sampled per rank over the training steps, minus the resident
 size before the model was built, after one step of a tiny model of the same mode (what
-any first step imports and caches is not the model's: ~75 MiB) ("data": the same less the code pages of torch's
-libraries that the first calls read in, i.e. the anonymous memory alone); the step time
+any first step imports and caches is not the model's: ~75 MiB). "Data" is the same less
+the code pages of torch's libraries that the first calls read in (the anonymous memory
+alone). The step time
 is the median of ``--steps`` timed steps (slowest rank). Every mode starts from the same weights and the final parameters
 are compared with single-process torch (max abs difference). FSDP2 is
 ``torch.distributed.fsdp.fully_shard`` on a "cpu" DeviceMesh (gloo).
@@ -41,12 +44,17 @@ import time
 
 import torch
 
+from memory_models import Spec
+
 MODES = ["broadcast", "fully_shard", "fsdp2", "ddp"]
 
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="mlp", choices=["mlp", "gpt"])
     ap.add_argument("--dims", default="4096,4096,4096,4096,4096", help="MLP widths")
+    ap.add_argument("--gpt", default="768,8,12,8192,256",
+                    help="GPT dim, layers, heads, vocab, block length (--model gpt)")
     ap.add_argument("--batch", type=int, default=32, help="global batch (rows)")
     ap.add_argument("--steps", type=int, default=3, help="timed AdamW steps (after 1 untimed)")
     ap.add_argument("--nproc", type=int, default=2)
@@ -83,20 +91,7 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def _model(dims):
-    torch.manual_seed(0)
-    layers = []
-    for a, b in zip(dims, dims[1:]):
-        layers += [torch.nn.Linear(a, b), torch.nn.GELU()]
-    return torch.nn.Sequential(*layers[:-1])
-
-
-def _batch(dims, rows):
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(rows, dims[0], generator=g), torch.randn(rows, dims[-1], generator=g)
-
-
-def _train_worker(rank, world, port, mode, dims, rows, steps, out_dir, policy, results):
+def _train_worker(rank, world, port, mode, spec, rows, steps, out_dir, policy, results):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -105,17 +100,17 @@ def _train_worker(rank, world, port, mode, dims, rows, steps, out_dir, policy, r
     import globaltensor as gt
     from memory_phases import PhaseRecorder, data_hwm_mib, data_mib, instrument
     gt.init()
-    _warm_up(mode, world, rank, policy)
-    x_all, y_all = _batch(dims, rows)
+    _warm_up(mode, spec, world, rank, policy)
+    x_all, y_all = spec.batch(rows)
     base, base_data = _mib("VmRSS"), data_mib()
     _reset_peak()
-    model, x, y = _build(mode, dims, x_all, y_all, rank, world, policy)
+    model, x, y = _build(mode, spec, x_all, y_all, rank, world, policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     init_peak = _mib("VmHWM") - base
 
     def step(rec=None):
         opt.zero_grad(set_to_none=True)
-        loss = F.mse_loss(model(x), y)
+        loss = spec.loss(model, x, y)
         if rec is not None:
             rec.mark("loss")
         loss.backward()
@@ -132,7 +127,7 @@ def _train_worker(rank, world, port, mode, dims, rows, steps, out_dir, policy, r
     peak, data_peak = _mib("VmHWM") - base, data_hwm_mib() - base_data
     # one more step, instrumented: peaks per phase and the sampled timeline
     rec = PhaseRecorder(base_data)
-    undo = instrument(model.module if mode == "ddp" else model, opt, rec)
+    undo = instrument(spec.marked(model.module if mode == "ddp" else model), opt, rec)
     dist.barrier()
     rec.start()
     step(rec)
@@ -147,28 +142,27 @@ def _train_worker(rank, world, port, mode, dims, rows, steps, out_dir, policy, r
     dist.destroy_process_group()
 
 
-def _warm_up(mode, world, rank, policy) -> None:
+def _warm_up(mode, spec, world, rank, policy) -> None:
     """One step of a tiny model of ``mode``, so that what the first step of any model
     imports and caches (torch._dynamo, FSDP2's and DTensor's modules, dispatch caches,
     gloo's buffers: ~75 MiB) is there before the base is taken; freed heap pages go back
     to the system (malloc_trim), as ``gt.testing.peak_rise`` does."""
     import ctypes
     import gc
-    import torch.nn.functional as F
-    dims = [64, 64, 64]
-    model, x, y = _build(mode, dims, *_batch(dims, 2 * world), rank, world, policy)
+    tiny = Spec(spec.kind, (64, 64, 64) if spec.kind == "mlp" else (32, 1, 2, 64, 16))
+    model, x, y = _build(mode, tiny, *tiny.batch(2 * world), rank, world, policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    F.mse_loss(model(x), y).backward()
+    tiny.loss(model, x, y).backward()
     opt.step()
     del model, x, y, opt
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def _build(mode, dims, x_all, y_all, rank, world, policy):
+def _build(mode, spec, x_all, y_all, rank, world, policy):
     """The model of ``mode`` and this rank's inputs (global tensors for ours)."""
     import globaltensor as gt
-    model = _model(dims)
+    model = spec.model()
     p = gt.placement.all("cpu")
     part = slice(rank * len(x_all) // world, (rank + 1) * len(x_all) // world)
     param_dtype, reduce_dtype, reshard = policy
@@ -186,9 +180,8 @@ def _build(mode, dims, x_all, y_all, rank, world, policy):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mesh = init_device_mesh("cpu", (world,))
         mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+        for unit in spec.fsdp2_units(model):
+            fully_shard(unit, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
         return model, x_all[part], y_all[part]
     from torch.nn.parallel import DistributedDataParallel
@@ -239,14 +232,13 @@ def _world(target, nproc, *args):
     return out
 
 
-def _reference(dims, rows, steps, out_dir) -> list:
-    import torch.nn.functional as F
-    model = _model(dims)
-    x, y = _batch(dims, rows)
+def _reference(spec, rows, steps) -> list:
+    model = spec.model()
+    x, y = spec.batch(rows)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for _ in range(steps + 1):
         opt.zero_grad(set_to_none=True)
-        F.mse_loss(model(x), y).backward()
+        spec.loss(model, x, y).backward()
         opt.step()
     return [q.detach() for q in model.parameters()]
 
@@ -313,11 +305,13 @@ def _rng_table(n: int = 1 << 22, iters: int = 9):
 
 def main(argv=None) -> None:
     args = _parser().parse_args(argv)
-    dims = [int(d) for d in args.dims.split(",")]
+    dims = [int(d) for d in (args.dims if args.model == "mlp" else args.gpt).split(",")]
+    spec = Spec(args.model, tuple(dims))
     modes = args.modes.split(",")
-    n_params = sum(a * b + b for a, b in zip(dims, dims[1:]))
-    print(f"MLP {dims}: {n_params / 1e6:.1f}M parameters ({n_params * 4 / 2 ** 20:.0f} MiB fp32), "
-          f"AdamW, global batch {args.batch}, {args.nproc} ranks (gloo, 1 thread each)")
+    n_params = spec.parameters()
+    print(f"{spec.describe()}: {n_params / 1e6:.1f}M parameters ({n_params * 4 / 2 ** 20:.0f} "
+          f"MiB fp32), AdamW, global batch {args.batch}, {args.nproc} ranks (gloo, 1 thread "
+          f"each)")
     policy = (_DTYPES[args.param_dtype], _DTYPES[args.reduce_dtype],
               _reshard(args.reshard_after_forward))
     if policy != (None, None, True):
@@ -327,7 +321,7 @@ def main(argv=None) -> None:
     peaks, data_peaks, times, phases, timelines = {}, {}, {}, {}, {}
     with tempfile.TemporaryDirectory() as out_dir:
         for mode in modes:
-            out = _world(_train_worker, args.nproc, mode, dims, args.batch, args.steps,
+            out = _world(_train_worker, args.nproc, mode, spec, args.batch, args.steps,
                          out_dir, policy)
             peaks[mode] = max(r[2] for r in out)
             data_peaks[mode] = max(r[7] for r in out)
@@ -338,7 +332,7 @@ def main(argv=None) -> None:
             print(f"  {mode:12s} done: peak rise {peaks[mode]:.0f} MiB (data "
                   f"{data_peaks[mode]:.0f}, max over ranks), "
                   f"init {max(r[3] for r in out):.0f} MiB, step {times[mode] * 1e3:.0f} ms")
-        reference = _reference(dims, args.batch, args.steps + 1, out_dir)
+        reference = _reference(spec, args.batch, args.steps + 1)
         diffs = {}
         for mode in modes:
             got = torch.load(os.path.join(out_dir, f"{mode}.pt"))
@@ -362,9 +356,9 @@ def main(argv=None) -> None:
         from memory_phases import timeline_plot
         floor = 4 * whole / args.nproc
         timeline_plot(args.timeline, timelines, {"params+grads+2 moments / N": floor},
-                      f"MLP {n_params / 1e6:.0f}M params, AdamW, {args.nproc} ranks: "
+                      f"{args.model.upper()} {n_params / 1e6:.0f}M params, AdamW, {args.nproc} ranks: "
                       f"one step, rank 0")
-    if args.no_extras:
+    if args.no_extras or args.model != "mlp":
         return
 
     print(f"\nInitialisation of Linear({dims[0]}, {dims[1]}) as split(0) on {args.nproc} ranks "

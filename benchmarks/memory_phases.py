@@ -101,13 +101,12 @@ class PhaseRecorder:
             time.sleep(self.interval)
 
 
-def instrument(model: torch.nn.Module, opt: torch.optim.Optimizer, rec: PhaseRecorder):
-    """Marks at each Linear's forward (before any hook of its own: a gather counts in it)
-    and backward, around each reducing collective, and at the optimizer step. Returns
-    an undo function."""
+def instrument(modules: list, opt: torch.optim.Optimizer, rec: PhaseRecorder):
+    """Marks at each of ``modules``' forward (before any hook of its own: a gather counts
+    in it) and backward ("L<k>": the k-th module), around each reducing collective, and
+    at the optimizer step. Returns an undo function."""
     handles = []
-    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    for k, (_, m) in enumerate(linears):
+    for k, m in enumerate(modules):
         handles.append(m.register_forward_pre_hook(
             lambda *a, k=k: rec.mark(f"forward L{k}"), prepend=True))
         handles.append(m.register_full_backward_pre_hook(
