@@ -31,9 +31,9 @@ Transport: ``globaltensor.comm.rpc`` (``torch.distributed.rpc``, TensorPipe). Se
 from .dense import DenseOptimizer
 from .optim import OPTIMIZERS
 from .runtime import (MODES, ServerError, Strategy, init, is_server, is_worker, run_server, server_num,
-                      server_rank, stop_worker, worker_num, worker_rank)
+                      server_rank, stop_worker, worker_group, worker_num, worker_rank)
 from .table import EmbeddingTable, TableStats
 
 __all__ = ["MODES", "OPTIMIZERS", "Strategy", "init", "is_server", "is_worker", "run_server",
            "stop_worker", "worker_rank", "server_rank", "worker_num", "server_num", "EmbeddingTable",
-           "TableStats", "DenseOptimizer", "ServerError"]
+           "TableStats", "DenseOptimizer", "ServerError", "worker_group"]

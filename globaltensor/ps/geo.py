@@ -118,3 +118,12 @@ class GeoCopy:
         self.index.remove(ids)
         self.id_of[coldest] = -1
         self.released = torch.cat([self.released, ids])
+
+    def clear(self) -> None:
+        """Hold no row (they are released at the next exchange)."""
+        held = self.id_of >= 0
+        self.released = torch.cat([self.released, self.id_of[held]])
+        self.index.remove(self.id_of[held])
+        self.id_of[held] = -1
+        self.dirty.zero_()
+        self.evictions += 1

@@ -31,7 +31,7 @@ from ..comm import rpc
 from . import server
 
 __all__ = ["Strategy", "init", "is_server", "is_worker", "run_server", "stop_worker",
-           "worker_rank", "server_rank", "worker_num", "server_num", "MODES", "ServerError"]
+           "worker_rank", "server_rank", "worker_num", "server_num", "MODES", "ServerError", "worker_group"]
 
 MODES = ("sync", "async", "geo")
 
@@ -185,6 +185,21 @@ def worker_num() -> int:
 def server_num() -> int:
     _need_init()
     return state.servers
+
+
+def worker_group():  # type: ignore[no-untyped-def]
+    """The process group of the workers (global ranks ``0..W-1``, the same ranks in the
+    group): pass it to ``dcp.save`` / ``dcp.load`` (``process_group=``), whose
+    collectives the servers take no part in.
+
+    Example (in every worker)::
+
+        dcp.save({"model": model_sd}, checkpoint_id=path, process_group=gt.ps.worker_group())
+    """
+    _need_init()
+    if state.role != "worker":
+        raise RuntimeError("worker_group() in a server process")
+    return comm.get_group(tuple(range(state.workers)))
 
 
 def server_rank_of(server: int) -> int:

@@ -293,6 +293,31 @@ def push_sync(table: int, worker: int, keys: torch.Tensor, grads: torch.Tensor) 
     return answer
 
 
+def read_rows(table: int, keys: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Values and optimizer state of rows ``keys`` (a row table's checkpoint)."""
+    shard = _shard(table)
+    shard.check(keys)
+    if shard.slots is not None:
+        raise ValueError(f"table {shard.name!r} is hashed: checkpoints hold row tables only")
+    with shard.lock:
+        return shard.weight[keys], {n: t[keys] for n, t in shard.optimizer.state.items()}
+
+
+def write_rows(table: int, keys: torch.Tensor, values: torch.Tensor, state: dict) -> None:
+    """Set rows ``keys`` and their optimizer state (loading a checkpoint)."""
+    shard = _shard(table)
+    shard.check(keys, values)
+    expected = shard.optimizer.state
+    if shard.slots is not None or set(state) != set(expected):
+        raise ValueError(f"table {shard.name!r}: a checkpoint of a row table with optimizer state "
+                         f"{sorted(expected)} expected, got {sorted(state)}")
+    with shard.lock:
+        shard.weight[keys] = values
+        for name, t in state.items():
+            expected[name][keys] = t
+        shard.changed(keys)
+
+
 def stats(table: int) -> dict:
     """Rows held, and for hashed tables the admission / eviction counts."""
     shard = _shard(table)

@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from .. import comm
 from ..layout import balanced_split
 from . import server
 from .geo import GeoCopy
@@ -49,6 +50,11 @@ def need_worker(what: str) -> None:
         raise RuntimeError(f"{what} is used in worker processes (this is a server)")
     if state.stopped:
         raise RuntimeError(f"{what}: this worker was stopped (gt.ps.stop_worker)")
+
+
+def _workers_meet() -> None:
+    """A barrier of the workers (a collective of their group; servers take no part)."""
+    comm.all_reduce_(torch.zeros(1), "sum", tuple(range(state.workers)))
 
 
 class Rows:
@@ -139,6 +145,25 @@ class Rows:
         except Exception:
             state.pending = []  # the step failed: one error for it, not one per server
             raise
+
+    def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """Values and optimizer state of sorted distinct ``ids`` (a checkpoint)."""
+        parts = self.by_server(ids)
+        answers = wait_calls([self.call(s, "checkpoint read", server.read_rows, (self.id, keys))
+                              for s, _, keys in parts])
+        values = torch.empty(ids.numel(), self.dim)
+        state: dict = {}
+        for (_, positions, _), (part, part_state) in zip(parts, answers):
+            values[positions] = part
+            for name, t in part_state.items():
+                state.setdefault(name, torch.empty(ids.numel(), t.shape[1]))[positions] = t
+        return values, state
+
+    def write(self, ids: torch.Tensor, values: torch.Tensor, state: dict) -> None:
+        """Set sorted distinct ``ids`` and their optimizer state (loading a checkpoint)."""
+        wait_calls([self.call(s, "checkpoint load", server.write_rows,
+                              (self.id, keys, values[positions], {n: t[positions] for n, t in state.items()}))
+                    for s, positions, keys in self.by_server(ids)])
 
     def exchange(self, ids: torch.Tensor, delta: torch.Tensor,
                  released: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,6 +339,54 @@ class EmbeddingTable(torch.nn.Module):
                            for s in range(state.servers)])
         total = {k: sum(d[k] for d in each) for k in each[0]}
         return TableStats(**total, local_rows=len(self._geo) if self._geo is not None else 0)
+
+    # --- checkpoints: get_state_dict / dcp.save / dcp.load / set_state_dict -------------
+
+    def _checkpoint_block(self) -> tuple[torch.Tensor, object]:
+        """This worker's block of rows in a checkpoint, and the workers' placement."""
+        import globaltensor as gt
+        if self.num_rows is None:
+            raise ValueError(f"table {self._rows.name!r} is hashed (num_embeddings=None): checkpoints "
+                             f"hold row tables only")
+        offset, size = balanced_split(self.num_rows, state.workers)[state.rank]
+        return torch.arange(offset, offset + size), gt.placement("cpu", ranks=list(range(state.workers)))
+
+    def get_extra_state(self) -> dict:
+        """The rows and their optimizer state, as GlobalTensors split by rows over the
+        workers (each pulls its block from the servers): what ``model.state_dict()`` and
+        ``get_state_dict(model, optimizer)`` hold for the table, and ``dcp.save`` writes
+        in global row order (so it loads into any number of servers and workers)."""
+        import globaltensor as gt
+        need_worker("EmbeddingTable.state_dict")
+        ids, workers = self._checkpoint_block()
+        self.flush()
+        wait_pending()
+        _workers_meet()  # every worker's changes are in before any reads its block
+        values, opt_state = self._rows.read(ids)
+        return {name: gt.from_local(t, placement=workers, sbp=gt.sbp.split(0), shape=(self.num_rows, t.shape[1]))
+                for name, t in [("weight", values), *((f"optimizer.{n}", t) for n, t in opt_state.items())]}
+
+    def set_extra_state(self, saved: dict) -> None:
+        """Push the rows and optimizer state of ``saved`` (``get_extra_state``'s form,
+        filled by ``dcp.load``; plain whole tensors work too) to the servers."""
+        import globaltensor as gt
+        need_worker("EmbeddingTable.load_state_dict")
+        ids, workers = self._checkpoint_block()
+
+        def block(t: torch.Tensor) -> torch.Tensor:
+            if gt.is_global(t):
+                return t.to_global(placement=workers, sbp=gt.sbp.split(0)).to_local()
+            return t[ids[0]:ids[0] + ids.numel()] if ids.numel() else t[:0]
+
+        if "weight" not in saved or tuple(saved["weight"].shape) != (self.num_rows, self.dim):
+            raise ValueError(f"table {self._rows.name!r}: a checkpoint of a {self.num_rows} x {self.dim} "
+                             f"table expected, got {({k: tuple(v.shape) for k, v in saved.items()})}")
+        prefix = "optimizer."
+        self._rows.write(ids, block(saved["weight"]),
+                         {k[len(prefix):]: block(v) for k, v in saved.items() if k.startswith(prefix)})
+        if self._geo is not None:
+            self._geo.clear()  # rows held from before the load: pulled again on use
+        _workers_meet()  # no worker trains before every block is loaded
 
     def weight(self) -> torch.Tensor:
         """All rows as the servers hold them now (pulls the whole table: for checks

@@ -192,28 +192,38 @@ def test_ps_api_checks_and_row_optimizers(monkeypatch) -> None:
 
 
 JOBS = Path(__file__).resolve().parent / "ps_jobs.py"
+CHECKPOINT = Path(__file__).resolve().parent / "ps_checkpoint.py"
+
+
+def _start(log_dir: Path, servers: int, script: Path, *args: str):  # type: ignore[no-untyped-def]
+    import os
+    import time
+    cmd = [sys.executable, "-m", "globaltensor.launch", "--server_num", str(servers), "--worker_num", "2",
+           "--master_port", str(free_port()), "--log_dir", str(log_dir), str(script), *args]
+    return (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}), time.perf_counter(), log_dir)
+
+
+def _finish(started) -> tuple:  # type: ignore[no-untyped-def]
+    """(returncode, seconds, {check: value} of worker 0, output) of a started job."""
+    import time
+    p, start, log_dir = started
+    text = p.communicate(timeout=120)[0].decode()
+    seconds = time.perf_counter() - start
+    log = (log_dir / "workerlog.0").read_text()
+    checks = dict(line.split(" ", 2)[1:] for line in log.splitlines() if line.startswith("CHECK "))
+    return p.returncode, seconds, checks, text
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    """The geo and failures jobs of ps_jobs.py, started together: {job: (returncode,
-    seconds, {check: value})}."""
-    import os
-    import time
+    """The geo and failures jobs of ps_jobs.py and the save job of ps_checkpoint.py,
+    started together: {job: (returncode, seconds, {check: value}, output)}."""
     tmp = tmp_path_factory.mktemp("jobs")
-    procs = {}
-    for job in ("geo", "failures"):
-        cmd = [sys.executable, "-m", "globaltensor.launch", "--server_num", "2", "--worker_num", "2",
-               "--master_port", str(free_port()), "--log_dir", str(tmp / job), str(JOBS), job]
-        procs[job] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
-                                       env={**os.environ, "OMP_NUM_THREADS": "1"}), time.perf_counter())
-    out = {}
-    for job, (p, start) in procs.items():
-        text = p.communicate(timeout=120)[0].decode()
-        seconds = time.perf_counter() - start
-        log = (tmp / job / "workerlog.0").read_text()
-        checks = dict(line.split(" ", 2)[1:] for line in log.splitlines() if line.startswith("CHECK "))
-        out[job] = (p.returncode, seconds, checks, text)
+    started = {job: _start(tmp / job, 2, JOBS, job) for job in ("geo", "failures")}
+    started["save"] = _start(tmp / "save", 2, CHECKPOINT, "save", str(tmp / "checkpoint"))
+    out = {job: _finish(s) for job, s in started.items()}
+    out["checkpoint"] = tmp / "checkpoint"
     return out
 
 
@@ -251,6 +261,18 @@ def test_sync_early_finish_and_a_dead_server_are_named(jobs) -> None:
     stats = re.search(r"rows=(\d+), capacity=(\d+), admitted=(\d+), evicted=(\d+)", checks["hashed_stats"])
     rows, capacity, admitted, evicted = map(int, stats.groups())
     assert capacity == 6 and rows == 6 == admitted - evicted and evicted > 10, stats
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_table_checkpoint_loads_into_another_number_of_servers(jobs, tmp_path: Path) -> None:
+    code, _, _, text = jobs["save"]
+    assert code == 0, text
+    # saved by 2 servers after 4 steps of lazy Adam, loaded by 3: the next 3 steps give
+    # the rows and dense parameters the uninterrupted job ended with
+    code, _, checks, text = _finish(_start(tmp_path / "log", 3, CHECKPOINT, "load", str(jobs["checkpoint"])))
+    assert code == 0, text
+    assert float(checks["max_diff"]) <= 1e-6 and float(checks["moved"]) > 0.05, checks
 
 
 def _hashed_shard(capacity: int, **policy):
