@@ -28,10 +28,14 @@ steps take F times as long (to see that async workers do not wait for it).
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import time
 
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import globaltensor as gt
 from globaltensor.layout import balanced_split
@@ -124,21 +128,31 @@ def parse_args(argv=None):
                    help="hashed tables (num_embeddings=None) of CAPACITY rows per server, fed raw ids")
     p.add_argument("--admit_count", type=int, default=1, help="hashed tables: count filter")
     p.add_argument("--geo_rows", type=int, default=None, help="geo: rows a worker keeps per table")
+    p.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="save to DIR/step_<n> every --checkpoint_every steps; start from the newest there")
+    p.add_argument("--checkpoint_every", type=int, default=50)
+    p.add_argument("--kill_server_at", type=int, default=-1, metavar="STEP",
+                   help="worker 0 kills server 0 (SIGKILL) after STEP steps, in the job's first run "
+                        "(with the launcher's --max_restarts, the job restarts from the checkpoint)")
     return p.parse_args(argv)
 
 
-def train(args, model, step_update, rank, workers, say):
-    """The training loop shared by workers and the reference: returns examples/s."""
+def train(args, model, step_update, rank, workers, say, first_step=0, after_step=None):
+    """The training loop shared by workers and the reference: returns examples/s.
+    Steps before ``first_step`` (done before a restart) only draw their batch;
+    ``after_step(n)`` runs after the n-th step."""
     g = torch.Generator().manual_seed(0)  # every worker draws the same global batches
     truth = make_truth(args.slots, args.vocab)
     offset, size = balanced_split(args.batch, workers)[rank]
     losses, marks = [], []
     start = time.perf_counter()
     for step in range(args.steps):
-        if step % max(1, args.steps // args.windows) == 0:
+        ids, dense, labels = make_batch(args.batch, args.slots, args.vocab, g, truth, args.hashed > 0)
+        if step < first_step:
+            continue
+        if (step - first_step) % max(1, args.steps // args.windows) == 0:
             marks.append((step, time.perf_counter()))
         t0 = time.perf_counter()
-        ids, dense, labels = make_batch(args.batch, args.slots, args.vocab, g, truth, args.hashed > 0)
         ids, dense, labels = (t[offset:offset + size] for t in (ids, dense, labels))
         # the mean over this worker's share; the servers and the dense all-reduce
         # average the workers (equal shares), which is the global batch's mean
@@ -149,16 +163,18 @@ def train(args, model, step_update, rank, workers, say):
             say(f"step {step:4d}  loss {losses[-1]:.4f}")
         if rank == args.slow_worker:
             time.sleep((args.slow_factor - 1) * (time.perf_counter() - t0))  # simulated slow machine
+        if after_step:
+            after_step(step + 1)
     elapsed = time.perf_counter() - start
     if args.windows > 1:
         marks.append((args.steps, start + elapsed))
         rates = [size * (s1 - s0) / (t1 - t0) for (s0, t0), (s1, t1) in zip(marks, marks[1:])]
         print(f"worker {rank}: windows of {marks[1][0]} steps: " + " ".join(f"{r:.0f}" for r in rates)
               + " examples/s")
-    k = max(1, min(10, args.steps // 4))
+    k = max(1, min(10, len(losses) // 4))
     say(f"training loss: {sum(losses[:k]) / k:.4f} -> {sum(losses[-k:]) / k:.4f} "
         f"(mean of the first / last {k} steps)")
-    return size * args.steps / elapsed
+    return size * len(losses) / elapsed
 
 
 def evaluate(args, model):
@@ -208,6 +224,40 @@ def reference(args):
                                 "wide.weight": wide.weight.detach().clone()})
 
 
+def checkpoint_state(model, opt):
+    """What a checkpoint holds: the tables' rows and sparse optimizer state (their
+    module state), the dense layers and their optimizer (gt.ps.DenseOptimizer's torch one)."""
+    model_sd, optim_sd = get_state_dict(model, opt.local)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def resume(args, model, opt, say):
+    """Load the newest complete checkpoint under --checkpoint, if any: the steps it holds."""
+    path = gt.checkpoint.latest(args.checkpoint) if args.checkpoint else None
+    if path is None:
+        return 0
+    state = checkpoint_state(model, opt)
+    dcp.load(state, checkpoint_id=path, process_group=gt.ps.worker_group())
+    set_state_dict(model, opt.local, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    step = int(os.path.basename(path).split("_")[-1])
+    say(f"resumed from {path} (step {step})")
+    return step
+
+
+def after_step_hook(args, model, opt, rank):
+    """Checkpoints every --checkpoint_every steps, and --kill_server_at's planted failure."""
+    def after_step(step):
+        if args.checkpoint and step % args.checkpoint_every == 0:
+            dcp.save(checkpoint_state(model, opt), checkpoint_id=f"{args.checkpoint}/step_{step}",
+                     process_group=gt.ps.worker_group())
+        if (step == args.kill_server_at and rank == 0
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+            pid = gt.comm.rpc.call(gt.ps.runtime.server_rank_of(0), os.getpid)
+            print(f"worker 0: killing server 0 (pid {pid}) after step {step}", flush=True)
+            os.kill(pid, signal.SIGKILL)
+    return after_step
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.reference:
@@ -238,7 +288,10 @@ def main(argv=None):
         loss.backward()  # pushes the tables' row gradients
         opt.step()       # the dense parameters
 
-    rate = train(args, model, update, rank, workers, say)
+    if args.checkpoint and args.mode == "async":
+        raise SystemExit("--checkpoint: sync or geo mode (async keeps the dense layers on the servers)")
+    first = resume(args, model, opt, say)
+    rate = train(args, model, update, rank, workers, say, first, after_step_hook(args, model, opt, rank))
     print(f"worker {rank}: {rate:.0f} examples/s")
     if rank == 0:
         if args.mode == "geo":

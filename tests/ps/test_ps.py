@@ -71,9 +71,7 @@ def test_sync_equals_one_process_and_roles_end_cleanly(sync_run) -> None:
     _loss_falls(r.stdout)
 
     # the same training in this process with plain torch (nn.Embedding(sparse=True), SGD)
-    spec = importlib.util.spec_from_file_location("wide_and_deep_ps", EXAMPLE)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = _example_module()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -191,8 +189,8 @@ def test_ps_api_checks_and_row_optimizers(monkeypatch) -> None:
         torch.testing.assert_close(ours, emb.weight.detach(), rtol=1e-6, atol=1e-6)
 
 
-JOBS = Path(__file__).resolve().parent / "ps_jobs.py"
-CHECKPOINT = Path(__file__).resolve().parent / "ps_checkpoint.py"
+GEO_JOB = Path(__file__).resolve().parent / "ps_geo_job.py"
+SYNC_JOB = Path(__file__).resolve().parent / "ps_sync_job.py"
 
 
 def _start(log_dir: Path, servers: int, script: Path, *args: str):  # type: ignore[no-untyped-def]
@@ -217,13 +215,15 @@ def _finish(started) -> tuple:  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    """The geo and failures jobs of ps_jobs.py and the save job of ps_checkpoint.py,
-    started together: {job: (returncode, seconds, {check: value}, output)}."""
+    """ps_geo_job.py, ps_sync_job.py's save phase and the example's first 20 steps with
+    checkpoints, started together: {job: (returncode, seconds, {check: value}, output)}."""
     tmp = tmp_path_factory.mktemp("jobs")
-    started = {job: _start(tmp / job, 2, JOBS, job) for job in ("geo", "failures")}
-    started["save"] = _start(tmp / "save", 2, CHECKPOINT, "save", str(tmp / "checkpoint"))
+    started = {"geo": _start(tmp / "geo", 2, GEO_JOB),
+               "sync": _start(tmp / "sync", 2, SYNC_JOB, "save", str(tmp / "checkpoint")),
+               "first_20": _start(tmp / "first_20", 2, EXAMPLE, "--mode", "sync", "--steps", "20", *SGD,
+                                  "--checkpoint", str(tmp / "example"), "--checkpoint_every", "20")}
     out = {job: _finish(s) for job, s in started.items()}
-    out["checkpoint"] = tmp / "checkpoint"
+    out["checkpoint"], out["example"] = tmp / "checkpoint", tmp / "example"
     return out
 
 
@@ -246,15 +246,15 @@ def test_geo_exchanges_only_changed_rows_and_bounds_the_copy(jobs) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_sync_early_finish_and_a_dead_server_are_named(jobs) -> None:
-    code, seconds, checks, text = jobs["failures"]
+    code, seconds, checks, text = jobs["sync"]
     assert code != 0 and seconds < 60, (seconds, text)  # not the 300 s collective timeout
     took, message = checks["early_finish"].split(" ", 1)
     assert float(took[:-1]) < 5, checks
-    assert "worker 1 finished (gt.ps.stop_worker) after 3 steps of table 'clicks'" in message
+    assert "worker 1 finished (gt.ps.stop_worker) after 7 steps of table 'emb'" in message
     assert "every worker must run the same number of steps" in message
     took, message = checks["dead_server"].split(" ", 1)
     assert float(took[:-1]) < 5, checks
-    assert message.startswith("server 1 (rank 3) failed during the pull of table 'clicks': it is unreachable")
+    assert message.startswith("server 1 (rank 3) failed during the pull of table 'emb': it is unreachable")
     # the hashed table: an id reads zeros until admitted (second lookup), then its
     # initial values; 3 rows per server whatever the ids
     assert checks["hashed_first_zero"] == "True" and checks["hashed_second"] == "True", checks
@@ -263,16 +263,53 @@ def test_sync_early_finish_and_a_dead_server_are_named(jobs) -> None:
     assert capacity == 6 and rows == 6 == admitted - evicted and evicted > 10, stats
 
 
+@pytest.fixture(scope="module")
+def resumed(jobs, tmp_path_factory):
+    """The jobs that load what ``jobs`` saved, on 3 servers, started together."""
+    tmp = tmp_path_factory.mktemp("resumed")
+    code, _, _, text = jobs["first_20"]
+    assert code == 0, text
+    assert (jobs["checkpoint"] / "expected.pt").exists(), jobs["sync"][3]
+    load = _start(tmp / "load", 3, SYNC_JOB, "load", str(jobs["checkpoint"]))
+    resume = _start(tmp / "resume", 3, EXAMPLE, "--mode", "sync", "--steps", "40", *SGD,
+                    "--checkpoint", str(jobs["example"]), "--save", str(tmp / "ours.pt"))
+    return {"load": _finish(load), "resume": _finish(resume), "ours": tmp / "ours.pt"}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
-def test_table_checkpoint_loads_into_another_number_of_servers(jobs, tmp_path: Path) -> None:
-    code, _, _, text = jobs["save"]
-    assert code == 0, text
+def test_table_checkpoint_loads_into_another_number_of_servers(resumed) -> None:
     # saved by 2 servers after 4 steps of lazy Adam, loaded by 3: the next 3 steps give
     # the rows and dense parameters the uninterrupted job ended with
-    code, _, checks, text = _finish(_start(tmp_path / "log", 3, CHECKPOINT, "load", str(jobs["checkpoint"])))
+    code, _, checks, text = resumed["load"]
     assert code == 0, text
     assert float(checks["max_diff"]) <= 1e-6 and float(checks["moved"]) > 0.05, checks
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_example_resumes_from_its_checkpoint_like_one_process(resumed, tmp_path: Path) -> None:
+    # 20 steps on 2 servers, checkpointed; resumed on 3 servers for 20 more: the 40 steps
+    # of one plain-torch process
+    code, _, _, text = resumed["resume"]
+    assert code == 0 and "resumed from" in text and "(step 20)" in text, text
+    example = _example_module()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        example.main(["--reference", "--steps", "40", "--save", str(tmp_path / "ref.pt"), *SGD])
+    finally:
+        torch.set_num_threads(threads)
+    ours, ref = torch.load(resumed["ours"]), torch.load(tmp_path / "ref.pt")
+    for name in ref:
+        torch.testing.assert_close(ours[name], ref[name], rtol=0, atol=1e-5, msg=name)
+
+
+def _example_module():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("wide_and_deep_ps", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example
 
 
 def _hashed_shard(capacity: int, **policy):
