@@ -24,6 +24,20 @@ torch (``nn.Embedding(sparse=True)`` and torch's optimizers); with ``--save`` bo
 write the final parameters, so a sync run can be compared with it.
 ``--slow_worker W --slow_factor F`` makes worker W sleep after each step so that its
 steps take F times as long (to see that async workers do not wait for it).
+``--hashed C`` trains hashed tables (``num_embeddings=None``, C rows per server, LRU;
+``--admit_count``) on the raw ids instead of their buckets; ``--geo_rows`` bounds a geo
+worker's copy; ``--windows N`` prints examples/s per N-th of the run.
+
+Checkpoints and restarts: ``--checkpoint DIR --checkpoint_every N`` saves the tables
+(rows and optimizer state), the dense layers and their optimizer with
+``get_state_dict`` + ``dcp.save`` every N steps and starts from the newest checkpoint
+in DIR; ``--kill_server_at S`` makes worker 0 kill server 0 after step S in the job's
+first run, so that::
+
+    python -m globaltensor.launch --max_restarts 1 --server_num 2 --worker_num 2 \
+        examples/wide_and_deep_ps.py --checkpoint ckpt --checkpoint_every 20 --kill_server_at 30
+
+fails at step 30 (the workers name the dead server), restarts, and resumes at step 20.
 """
 from __future__ import annotations
 

@@ -355,7 +355,9 @@ class EmbeddingTable(torch.nn.Module):
         """The rows and their optimizer state, as GlobalTensors split by rows over the
         workers (each pulls its block from the servers): what ``model.state_dict()`` and
         ``get_state_dict(model, optimizer)`` hold for the table, and ``dcp.save`` writes
-        in global row order (so it loads into any number of servers and workers)."""
+        in global row order (so it loads into any number of servers and workers). Every
+        worker calls it, as it calls ``dcp.save`` (the workers meet first, so that the
+        blocks are of one moment in async and geo mode)."""
         import globaltensor as gt
         need_worker("EmbeddingTable.state_dict")
         ids, workers = self._checkpoint_block()
