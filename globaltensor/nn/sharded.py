@@ -8,7 +8,9 @@ dropped. Autograd does not keep them either: a saved-tensor hook packs any view 
 gathered copy as (unit's regather, view geometry) and the unit gathers again, once,
 when backward first unpacks one (``reshard_after_forward=False``: autograd keeps the
 gathered copies instead; an int ``g``: each rank keeps 1/g of them and backward gathers
-within groups of g ranks). The next unit's gather starts before this unit computes
+within groups of g ranks). Under saved-tensor hooks already active (activation
+checkpointing) those decide: a checkpointed forward keeps nothing, and its recompute
+in backward gathers once and keeps the copies for the backward that follows. The next unit's gather starts before this unit computes
 (prefetch of one unit, in the order of the previous forward). The gradient of a
 gathered parameter is partial on the data axis (split batch); it goes to the shard's
 layout as soon as it is computed (``shard_comm.reduce_to_part``: the full-size partial
@@ -85,13 +87,13 @@ def fully_shard(module: torch.nn.Module, placement: Placement,
     to_global(module, placement, storage_sbp)
     root = _Root(policy)
     module.register_forward_pre_hook(root.before_forward, with_kwargs=True)
-    module.register_forward_hook(root.after_forward)
+    module.register_forward_hook(root.after_forward, always_call=True)
     for sub in _unique_modules(module):
         names = [n for n, p in sub._parameters.items() if p is not None]
         if names and not hasattr(sub, "_gt_shard_unit"):
             sub._gt_shard_unit = _Unit(sub, names, root)
             sub.register_forward_pre_hook(_before_forward, with_kwargs=True)
-            sub.register_forward_hook(_after_forward)
+            sub.register_forward_hook(_after_forward, always_call=True)   # early-stopped recompute
     return module
 
 
@@ -198,12 +200,15 @@ class _Unit:
             if fetch is not None:
                 fetch.wait()
             fetch = self.start()
-        following = root.next_after(self)
+        # prefetch in forward order, not in a forward recomputed inside backward (there
+        # the next unit in forward order is not the next one needed)
+        in_backward = torch._C._current_graph_task_id() != -1
+        following = None if in_backward else root.next_after(self)
         if following is not None and following not in root.pending:
             root.pending[following] = following.start()   # overlaps this unit's compute
         params = self.module._parameters
         self.shards = dict(fetch.shards)
-        regather = _Regather(self, self.shards) if self.policy.reshard is not False else None
+        regather = _Regather(self, self.shards) if self._reshards() else None
         for name, local in fetch.finish().items():
             shard = self.shards[name]
             full = _Gathered.apply(shard, local, self.gathered_layout(shard), self.policy)
@@ -215,6 +220,17 @@ class _Unit:
             hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
             hooks.__enter__()
         self.saved.append((hooks, regather))
+
+    def _reshards(self) -> bool:
+        """Whether this forward's saved gathered copies are dropped and gathered again.
+        Not with ``reshard_after_forward=False``; not under saved-tensor hooks already
+        active (activation checkpointing's, in forward and in its recompute: they decide
+        what is kept, and both passes must save alike); not in a forward that runs inside
+        backward (a reentrant checkpoint's recompute), as the backward that uses the
+        copies follows at once."""
+        return (self.policy.reshard is not False
+                and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+                and torch._C._current_graph_task_id() == -1)
 
     def release(self) -> None:
         hooks, regather = self.saved.pop() if self.saved else (None, None)

@@ -207,9 +207,30 @@ def check_large_parameters_gather_in_place():
     _assert_same(model, reference)
 
 
+def check_recompute_keeps_its_gathered_copies():
+    """A forward recomputed in backward (activation checkpointing) gathers each unit once
+    and autograd keeps those copies for the backward that follows at once: 3 gathers in
+    backward, not 3 plus the 2 regathers of saved weights. Gradients equal one process."""
+    from torch.utils.checkpoint import checkpoint
+    p = gt.placement.all("cpu")
+    model, reference = gt.nn.fully_shard(_mlp(), p), _mlp()
+    x, y = _data()
+    with gt.debug.comm_stats() as forward:
+        out = checkpoint(model, gt.tensor(x, placement=p, sbp=S(0)), use_reentrant=False)
+    loss = F.cross_entropy(out, gt.tensor(y, placement=p, sbp=S(0)))
+    with gt.debug.comm_stats() as backward:
+        loss.backward()
+    assert (forward.calls["all_gather"], backward.calls["all_gather"]) == (3, 3), \
+        (forward, backward)
+    assert not fs_module._gathered
+    F.cross_entropy(reference(x), y).backward()
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad.full(), want.grad, rtol=1e-5, atol=1e-6)
+
+
 CHECKS = ["check_training_equals_one_process", "check_gathered_copy_is_freed_after_forward",
           "check_tied_and_meta_modules", "check_reshard_after_forward",
-          "check_large_parameters_gather_in_place"]
+          "check_large_parameters_gather_in_place", "check_recompute_keeps_its_gathered_copies"]
 
 test_world2, test_world4 = checks_in_worlds(
     __name__, CHECKS, only_in_4=["check_tensor_parallel_on_a_2d_placement"])
