@@ -226,7 +226,8 @@ def exchange(table: int, worker: int, keys: torch.Tensor, delta: torch.Tensor,
     shard.check(keys, delta)
     shard.check(released)
     if shard.held is None or not 0 <= worker < shard.workers:
-        raise ValueError(f"exchange: table {shard.name!r} is not a geo table, or worker {worker} out of range")
+        raise ValueError(f"exchange: table {shard.name!r} is not a geo table, or worker {worker} "
+                         f"out of range")
     with shard.lock:
         gone = shard.locate(released, create=False)
         gone = gone[gone >= 0]
@@ -241,8 +242,8 @@ def exchange(table: int, worker: int, keys: torch.Tensor, delta: torch.Tensor,
         out = shard.stale[worker].nonzero().squeeze(1)
         shard.stale[worker, out] = False
         dropped = keys[~keep]
-        return (torch.cat([shard.key_of(out), dropped]),
-                torch.cat([shard.weight[out], shard.weight.new_zeros(dropped.numel(), shard.weight.shape[1])]))
+        zeros = shard.weight.new_zeros(dropped.numel(), shard.weight.shape[1])
+        return torch.cat([shard.key_of(out), dropped]), torch.cat([shard.weight[out], zeros])
 
 
 def _unfinished_step(shard: Shard, done: int) -> Refusal:

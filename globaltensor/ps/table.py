@@ -365,7 +365,8 @@ class EmbeddingTable(torch.nn.Module):
         wait_pending()
         _workers_meet()  # every worker's changes are in before any reads its block
         values, opt_state = self._rows.read(ids)
-        return {name: gt.from_local(t, placement=workers, sbp=gt.sbp.split(0), shape=(self.num_rows, t.shape[1]))
+        return {name: gt.from_local(t, placement=workers, sbp=gt.sbp.split(0),
+                                    shape=(self.num_rows, t.shape[1]))
                 for name, t in [("weight", values), *((f"optimizer.{n}", t) for n, t in opt_state.items())]}
 
     def set_extra_state(self, saved: dict) -> None:

@@ -374,7 +374,8 @@ def test_hashed_admission_and_ttl() -> None:
     late = torch.tensor([77])
     now[0] = 5.0
     ttl.find(torch.tensor([0]))                  # id 0 used at t=5
-    assert (ttl.admit(late, ttl.find(late))[0].numel(), ttl.stats()["filtered"]) == (0, 1)  # full, none expired
+    # full, and none expired: refused
+    assert (ttl.admit(late, ttl.find(late))[0].numel(), ttl.stats()["filtered"]) == (0, 1)
     now[0] = 12.0                               # ids 1-3 idle > 10 s: expired; id 0 stays
     new_slots, _, evicted = ttl.admit(late, ttl.find(late))
     assert new_slots.numel() == 1 and evicted.numel() == 3
