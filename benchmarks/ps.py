@@ -1,8 +1,9 @@
 """Parameter servers: examples/s of sync, async, geo (2 servers x 2 workers) and of the
 collective split(0)-embedding version, in one run.
 
-    python benchmarks/ps.py                       # about a minute on 2 cores
-    python benchmarks/ps.py --steps 300 --repeats 3
+    python benchmarks/ps.py                       # the three groups: about 8 minutes on 2 cores
+    python benchmarks/ps.py --groups short --steps 300 --repeats 3
+    python benchmarks/ps.py --groups long --long_vocab 2000
 
 Every case trains the wide & deep model of ``examples/wide_and_deep_ps.py`` (26 slots
 x ``--vocab`` hashed ids, 8-wide embeddings, 13 dense features, MLP 64-32) with SGD on
@@ -27,7 +28,7 @@ Two more groups (``--groups``):
   of 26 x ``--long_vocab`` ids, each worker's examples/s per tenth of the run (does geo
   stay fast as its workers touch more of the table?);
 - ``hashed``: sync with hashed tables fed the raw ids (26 x 10^6 possible, about
-  1.6 million distinct in 150 steps): ``--hash_capacity`` rows per server with LRU
+  1.6 million distinct in 150 steps, 1.8 with the evaluation's): ``--hash_capacity`` rows per server with LRU
   eviction, with and without a count filter (2 lookups), against a table that never
   evicts (``--hash_unbounded`` rows per server): held-out AUC and rows kept.
 """
