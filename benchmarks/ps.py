@@ -28,9 +28,10 @@ Two more groups (``--groups``):
   of 26 x ``--long_vocab`` ids, each worker's examples/s per tenth of the run (does geo
   stay fast as its workers touch more of the table?);
 - ``hashed``: sync with hashed tables fed the raw ids (26 x 10^6 possible, about
-  1.6 million distinct in 150 steps, 1.8 with the evaluation's): ``--hash_capacity`` rows per server with LRU
-  eviction, with and without a count filter (2 lookups), against a table that never
-  evicts (``--hash_unbounded`` rows per server): held-out AUC and rows kept.
+  1.6 million distinct in 150 steps, 1.8 with the evaluation's): ``--hash_capacity``
+  rows per server with LRU eviction, with and without a count filter (2 lookups),
+  against a table that never evicts (``--hash_unbounded`` rows per server): held-out
+  AUC and rows kept.
 """
 from __future__ import annotations
 
