@@ -253,6 +253,8 @@ class EmbeddingTable(torch.nn.Module):
         elif capacity is not None:
             raise ValueError("capacity is for hashed tables (num_embeddings=None); a table of "
                              f"{num_embeddings} rows holds them all")
+        if geo_rows is not None and (not isinstance(geo_rows, int) or geo_rows < 1):
+            raise ValueError(f"geo_rows must be an int >= 1, got {geo_rows!r}")
         self.num_embeddings, self.num_rows, self.dim = num_embeddings, num_embeddings, dim
         table_name = name or f"table{len(state.tables) + len(state.optimizers)}"
         self._rows = Rows(num_embeddings, dim, optimizer, lr, init_std, seed, table_name,
@@ -262,8 +264,6 @@ class EmbeddingTable(torch.nn.Module):
         self._anchor = torch.zeros(0, requires_grad=True)
         self.last_exchange = (0, 0)
         size = num_embeddings if policy is None else policy.capacity * state.servers
-        if geo_rows is not None and (not isinstance(geo_rows, int) or geo_rows < 1):
-            raise ValueError(f"geo_rows must be an int >= 1, got {geo_rows!r}")
         self._geo = (GeoCopy(dim, optimizer, lr, optimizer_options, geo_rows or size, num_embeddings)
                      if self._rows.mode == "geo" else None)
         state.tables.append(self)

@@ -427,3 +427,29 @@ def test_lazy_adam_and_ftrl_match_a_dense_reference_on_touched_rows() -> None:
     assert (ours == 0).any() and (ours != 0).any()  # l1 made some weights exactly zero
     with pytest.raises(ValueError, match="takes options"):
         RowOptimizer("ftrl", 0.1, (2, 2), {"beta1": 0.9})
+
+
+def test_table_arguments_are_refused_before_any_call(monkeypatch) -> None:
+    import globaltensor as gt
+    from globaltensor.ps import runtime
+
+    monkeypatch.setattr(runtime.state, "strategy", gt.ps.Strategy(mode="geo"))
+    monkeypatch.setattr(runtime.state, "role", "worker")
+    monkeypatch.setattr(runtime.state, "servers", 2)
+    monkeypatch.setattr(runtime.state, "workers", 2)
+    monkeypatch.setattr(runtime.state, "tables", [])
+
+    def no_call(*args):  # type: ignore[no-untyped-def]
+        raise AssertionError("a server was called")
+
+    monkeypatch.setattr(runtime.Call, "start", no_call)
+    for kwargs, message in [
+            (dict(num_embeddings=None), "needs capacity"),
+            (dict(num_embeddings=10, capacity=5), "capacity is for hashed tables"),
+            (dict(num_embeddings=None, capacity=5, eviction="lfu"), "eviction must be 'lru' or 'ttl'"),
+            (dict(num_embeddings=None, capacity=5, admit_prob=0.0), "admit_prob"),
+            (dict(num_embeddings=10, geo_rows=0), "geo_rows must be an int >= 1"),
+            (dict(num_embeddings=10, optimizer="rmsprop"), "optimizer must be one of"),
+            (dict(num_embeddings=10, optimizer="adam", optimizer_options={"beta1": 1.5}), "betas < 1")]:
+        with pytest.raises(ValueError, match=message):
+            gt.ps.EmbeddingTable(dim=4, **kwargs)
