@@ -8,6 +8,12 @@ only, not on every interface (anyone who reaches the store can write into the jo
 Every node then waits up to ``--rdzv_timeout`` seconds for the others, naming the
 missing ``node_rank`` when it gives up.
 
+Workers build their process group in a store too (torch's "agent store": MASTER_PORT).
+The first attempt's workers use node 0's store itself; every restart gets a new, empty
+store on a new port of ``--master_addr`` (node 0 opens it and publishes the port to the
+other nodes), because a restarted worker reading the previous attempt's keys connects to
+a dead peer's address (gloo: "Connection refused") or waits on a stale barrier count.
+
 Example::
 
     sock = listen("127.0.0.1", 29500)    # node 0, before the agent starts
@@ -86,6 +92,7 @@ class _NodeRendezvous:
                  timeout: float, listen_socket: Optional[socket.socket]):
         super().__init__(addr, port, node_rank, nnodes, run_id, int(timeout))  # type: ignore[call-arg]
         self.timeout_s, self.listen_socket, self.round = timeout, listen_socket, 0
+        self._attempt_store: Any = None  # node 0: the current restart's workers' store
 
     def get_backend(self) -> str:
         return RDZV_BACKEND
@@ -95,7 +102,34 @@ class _NodeRendezvous:
             self._store = self._open_store()
         self.round += 1
         self._wait_for_nodes()
-        return super().next_rendezvous()  # type: ignore[misc]
+        info = super().next_rendezvous()  # type: ignore[misc]
+        if self.round == 1:
+            return info
+        from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
+
+        port = self._workers_store_port()
+        return RendezvousInfo(info.store, info.rank, info.world_size,
+                              RendezvousStoreInfo(self.master_addr, port))
+
+    def _workers_store_port(self) -> int:
+        """The port of this restart's new workers' store: node 0 opens it on
+        ``master_addr`` (dropping the previous restart's) and publishes the port in the
+        rendezvous store under this round's key; the other nodes read it there."""
+        key = f"{self.run_id}/workers_store_port/{self.round}"
+        if self.rank == 0:
+            from torch.distributed import TCPStore
+
+            self._attempt_store = None  # the previous restart's store: its workers are gone
+            sock = listen(self.master_addr, 0)
+            port = sock.getsockname()[1]
+            # The store serves on this descriptor itself (no duplicate): hand it over, so
+            # no socket object of ours closes it, or a descriptor reusing its number.
+            self._attempt_store = TCPStore(
+                self.master_addr, port, self.world_size, True, datetime.timedelta(seconds=self.timeout_s),
+                wait_for_workers=False, master_listen_fd=sock.detach())
+            self._store.set(key, str(port))
+            return port
+        return int(self._store.get(key).decode())
 
     def _open_store(self) -> Any:
         from torch.distributed import TCPStore

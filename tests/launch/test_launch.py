@@ -220,10 +220,11 @@ def summary(stderr: str) -> str:
     # rank 1 killed from outside (the OOM killer's signal) or ended silently while rank 0
     # waits in an all_reduce: rank 1 is named with its signal or code, not its peer; the
     # launcher exits with that code (128 + N for signal N)
-    ("sigkill", [r"^globaltensor.launch: rank 1 was killed by signal SIGKILL",
-                 r"other failed ranks on this node: 0 \(exit code 1\)"]),
+    # (rank 0 fails on "connection reset by peer"; on a loaded machine its teardown may
+    # outlast the grace period and the launcher stops it: either way it is not named)
+    ("sigkill", [r"^globaltensor.launch: rank 1 was killed by signal SIGKILL"]),
     ("sigterm", [r"^globaltensor.launch: rank 1 was killed by signal SIGTERM"]),
-    ("silent", [r"^globaltensor.launch: rank 1 exited with code 3", r"0 \(exit code 1\)"]),
+    ("silent", [r"^globaltensor.launch: rank 1 exited with code 3"]),
 ])
 def test_summary_names_the_rank_that_caused_the_failure(tmp_path: Path, mode: str, expected: list[str]) -> None:
     # "quiet" runs with the default log directory: the summary reads the job's own one
@@ -234,13 +235,30 @@ def test_summary_names_the_rank_that_caused_the_failure(tmp_path: Path, mode: st
     text = summary(r.stderr)
     for pattern in expected:
         assert re.search(pattern, text, re.M), text
-    assert "stopped by the launcher" not in text or mode == "hang", text
+    assert "rank 1: still running" not in text or mode == "hang", text
     assert "got through" not in r.stdout
     if mode == "quiet":
         assert "rank 1 exited" not in text
         run_dir = (tmp_path / "log" / "latest").resolve()
         assert f"last 1 lines of {run_dir.relative_to(tmp_path)}/workerlog.0:" in text, text
         assert re.fullmatch(r"\d{8}-\d{6}-\d+", run_dir.name), run_dir
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_every_restart_forms_its_group_afresh(tmp_path: Path) -> None:
+    # A restarted worker that reads the previous attempt's store keys connects to a dead
+    # peer (gloo: "Connection refused") or waits forever: each restart has its own store.
+    r = launch(["--nproc_per_node", "2", "--max_restarts", "2", "--master_port", str(free_port()),
+                "--log_dir", str(tmp_path / "log"), str(SCRIPTS / "restarts.py")], cwd=tmp_path, timeout=80)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(re.findall(r"attempt (\d) done: 8", r.stdout)) == ["2", "2"], r.stdout
+    restarts = re.findall(r"globaltensor.launch: (rank \d was killed by signal SIGKILL); restarting every "
+                          r"worker \((\d) restarts? left", r.stderr)
+    assert restarts == [("rank 1 was killed by signal SIGKILL", "1"),
+                        ("rank 0 was killed by signal SIGKILL", "0")], r.stderr
+    assert sorted(p.name for p in (tmp_path / "log").glob("workerlog.1*")) == [
+        "workerlog.1", "workerlog.1.attempt0", "workerlog.1.attempt1"]
 
 
 def wait_for_lines(proc: subprocess.Popen, prefix: str, count: int, timeout: float) -> list[str]:
