@@ -20,7 +20,9 @@ DISTRIBUTED_ALLOWED = {
                 "torch.distributed.device_mesh"),
 }
 # Known exceptions, each with its reason: (file, imported name).
-DISTRIBUTED_EXCEPTIONS: set = set()
+# gt.checkpoint (Autosave) saves through DCP and its state_dict helpers, as interop/ does.
+DISTRIBUTED_EXCEPTIONS: set = {("checkpoint.py", "torch.distributed.checkpoint"),
+                               ("checkpoint.py", "torch.distributed.checkpoint.state_dict")}
 MAX_DISPATCH_FILE_LINES = 450
 MAX_DISPATCH_FUNCTION_LINES = 60
 
