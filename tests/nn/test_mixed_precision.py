@@ -15,20 +15,10 @@ import torch.nn.functional as F
 import globaltensor as gt
 
 from mp import world_test
+from test_fully_shard import _data, _mlp   # the same small model and batch
 
 B, S = gt.sbp.broadcast, gt.sbp.split
 BF16 = torch.bfloat16
-
-
-def _mlp():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),
-                               torch.nn.Linear(32, 7))   # 7 rows: uneven parts
-
-
-def _data(rows=8):
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(rows, 12, generator=g), torch.randint(0, 7, (rows,), generator=g)
 
 
 def _steps(model, params, x, y, steps=3):
