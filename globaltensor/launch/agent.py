@@ -135,7 +135,6 @@ def grace_agent_class(exit_times: ExitTimes, on_restart: Callable[[Any, int], No
       failed.
 
     Built on call: torch's elastic agent is imported only when a job starts."""
-    from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     class GraceAgent(LocalElasticAgent):
