@@ -231,7 +231,9 @@ def test_summary_names_the_rank_that_caused_the_failure(tmp_path: Path, mode: st
     log_args = [] if mode == "quiet" else ["--log_dir", str(tmp_path / "log")]
     r = launch(["--nproc_per_node", "2", "--master_port", str(free_port()), *log_args,
                 str(SCRIPTS / "faults.py"), mode], cwd=tmp_path, timeout=45)
-    assert r.returncode == {"sigkill": 137, "sigterm": 143, "silent": 3}.get(mode, 1), r.stdout + r.stderr
+    # "early": rank 0's own failure gives the code, 1, or 134 when gloo's threads abort it
+    codes = {"sigkill": {137}, "sigterm": {143}, "silent": {3}, "early": {1, 134}}.get(mode, {1})
+    assert r.returncode in codes, r.stdout + r.stderr
     text = summary(r.stderr)
     for pattern in expected:
         assert re.search(pattern, text, re.M), text
