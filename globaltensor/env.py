@@ -58,5 +58,11 @@ def read_timeout_seconds() -> float:
     return _seconds_var("GLOBALTENSOR_READ_TIMEOUT", "10")
 
 
+def local_addr() -> str | None:
+    """The address this process's gloo groups use (``GLOBALTENSOR_LOCAL_ADDR``, set by
+    the launcher's ``--local_addr``); None: the address of the hostname, torch's default."""
+    return os.environ.get("GLOBALTENSOR_LOCAL_ADDR") or None
+
+
 def debug_enabled() -> bool:
     return os.environ.get("GLOBALTENSOR_DEBUG", "") not in ("", "0")

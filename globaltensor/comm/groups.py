@@ -29,6 +29,7 @@ from torch.distributed import distributed_c10d as c10d
 from .. import env
 
 _groups: dict[tuple[int, ...], object] = {}
+_TORCH_GLOO = c10d.ProcessGroupGloo  # torch's, whatever bind_gloo_to_address installs
 _ready = False
 
 
@@ -37,6 +38,50 @@ def _backend() -> str:
     if torch.cuda.is_available() and dist.is_nccl_available():
         return "cpu:gloo,cuda:nccl"
     return "gloo"
+
+
+def bind_gloo_to_address(addr: str) -> None:
+    """Make every gloo group this process creates from now on send and receive on
+    ``addr`` (an address of this machine), not on the address its hostname resolves to.
+
+    torch offers GLOO_SOCKET_IFNAME, an interface, which cannot tell two addresses of one
+    interface apart (two nodes on 127.0.0.2 and 127.0.0.3 of ``lo``), and no address
+    option in ``init_process_group``; so the name torch constructs gloo groups by
+    (``torch.distributed.ProcessGroupGloo``, also RPC's) is given a stand-in that makes
+    them with a device on ``addr`` (the launcher's ``--local_addr``, applied at import
+    by interop/torch_patches.py).
+
+    >>> bind_gloo_to_address("127.0.0.3")  # doctest: +SKIP
+    """
+    stand_in = _GlooOnAddress(addr)
+    c10d.ProcessGroupGloo = dist.ProcessGroupGloo = stand_in  # type: ignore[misc, assignment]
+
+
+class _GlooOnAddress:
+    """Builds torch's ProcessGroupGloo with its device on one address. Not a subclass:
+    torch checks ``isinstance(group, ProcessGroupGloo)`` for groups made elsewhere too
+    (before binding, by RPC), so it answers isinstance for torch's class, and forwards
+    the class's other attributes (``_Options``, ``create_device``)."""
+
+    def __init__(self, addr: str):
+        self.addr = addr
+
+    def __call__(self, store, rank, size, timeout=datetime.timedelta(seconds=1800)):
+        if isinstance(timeout, _TORCH_GLOO._Options):  # the options form: the caller chose devices
+            return _TORCH_GLOO(store, rank, size, timeout)
+        options = _TORCH_GLOO._Options()
+        options._timeout, options._threads = timeout, 2  # torch's own defaults
+        options._devices = [_TORCH_GLOO.create_device(hostname=self.addr)]
+        return _TORCH_GLOO(store, rank, size, options)
+
+    def __instancecheck__(self, obj) -> bool:
+        return isinstance(obj, _TORCH_GLOO)
+
+    def __repr__(self) -> str:
+        return f"<ProcessGroupGloo on {self.addr} (globaltensor --local_addr)>"
+
+    def __getattr__(self, name: str):
+        return getattr(_TORCH_GLOO, name)
 
 
 def local_device(device_type: str) -> torch.device:

@@ -10,6 +10,8 @@ them in torch's place:
 * ``torch.nn.utils``: ``clip_grad_norm_``'s total norm and clipping over gradients on
   several placements;
 * the ``_foreach_*`` paths of ``torch.optim`` and ``torch.nn.utils`` accept GlobalTensors;
+* gloo groups bind to the launcher's ``--local_addr`` when it is given
+  (``torch.distributed.distributed_c10d.ProcessGroupGloo``, comm/groups.py);
 * ``torch.save`` refuses a GlobalTensor before it opens its file;
 * ``torch.get_rng_state`` / ``set_rng_state`` carry globaltensor's draw number;
 * FSDP2's ``fully_shard``, ``parallelize_module`` and DTensor's dispatcher refuse
@@ -28,7 +30,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from .. import advice
+from .. import advice, comm, env
 from ..random import carrying_draws
 from ..rules import einsum as einsum_rules
 from ..rules import functional as functional_rules, optim as optim_rules
@@ -53,6 +55,7 @@ def apply() -> None:
     _guard_torch_save()
     _carry_draws_in_rng_state()
     _advise_when_torch_tools_are_imported()
+    _bind_gloo_to_local_addr()
 
 
 def override_function(namespace, name: str, fn) -> None:
@@ -141,6 +144,15 @@ def _carry_draws_in_rng_state() -> None:
     get_state, set_state = carrying_draws(torch.get_rng_state, torch.set_rng_state)
     for module in (torch, torch.random):
         module.get_rng_state, module.set_rng_state = get_state, set_state
+
+
+def _bind_gloo_to_local_addr() -> None:
+    # Under the launcher's --local_addr, gloo groups use that address, not the one the
+    # hostname resolves to: two nodes on one machine (127.0.0.2, 127.0.0.3), or a machine
+    # whose hostname names the wrong network (comm/groups.py).
+    addr = env.local_addr()
+    if addr is not None:
+        comm.bind_gloo_to_address(addr)
 
 
 # --- torch's distributed tools: wrapped when the program imports them ---------------------

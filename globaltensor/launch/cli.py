@@ -64,6 +64,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("node_rank", "rank of this node, 0..nnodes-1 (default 0)", type=int, default=0),
     Option("master_addr", "address of node 0; its rendezvous store listens there only (default 127.0.0.1)"),
     Option("master_port", "port of the rendezvous store on node 0 (default 29500)", type=int),
+    Option("local_addr", "address of this node for the workers' gloo connections (default: "
+           "--master_addr on node 0, else the address this machine's hostname resolves to)"),
     Option("standalone", "one node, rendezvous on a free local port (as torchrun; overrides "
            "--master_addr/port)", flag=True),
     Option("log_dir",
@@ -142,6 +144,8 @@ def _resolve_defaults(args: argparse.Namespace) -> None:
 
     args.nproc_per_node = _local_world_size(args.nproc_per_node)
     _set_master_endpoint(args)
+    if args.local_addr is None and args.node_rank == 0:
+        args.local_addr = args.master_addr  # node 0 is where master_addr points
     if args.rdzv_timeout is None:
         try:
             args.rdzv_timeout = timeout_seconds()

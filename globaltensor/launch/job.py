@@ -63,6 +63,8 @@ def _claim_port_and_log_dir(args: argparse.Namespace) -> tuple[Optional[socket.s
     directory another job writes into is one line, not a traceback or mixed logs.
     Returns the socket (None off node 0) and the descriptor holding the lock."""
     listen_socket = listen(args.master_addr, args.master_port) if args.node_rank == 0 else None
+    if args.local_addr is not None and args.local_addr != args.master_addr:
+        listen(args.local_addr, 0, option="--local_addr").close()  # an address of this machine?
     if args.standalone:
         args.master_port = listen_socket.getsockname()[1]  # the free port the system chose
     args.log_dir_is_new = args.log_dir is None
@@ -79,6 +81,9 @@ def _set_worker_environment(args: argparse.Namespace) -> bool:
     if omp_set:
         os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["GLOBALTENSOR_LAUNCHER_PID"] = str(os.getpid())  # see boot._die_with_launcher
+    os.environ.pop("GLOBALTENSOR_LOCAL_ADDR", None)
+    if args.local_addr is not None:  # gloo binds there (comm.bind_gloo_to_address)
+        os.environ["GLOBALTENSOR_LOCAL_ADDR"] = args.local_addr
     for var in PS_VARIABLES:
         os.environ.pop(var, None)
     if args.ps is not None:

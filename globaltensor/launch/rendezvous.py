@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 from .logs import LaunchError, say
 
-__all__ = ["RDZV_BACKEND", "RUN_ID", "create_rendezvous", "listen", "rendezvous_class"]
+__all__ = ["RDZV_BACKEND", "RUN_ID", "create_rendezvous", "listen", "rendezvous_class", "wait_for_listener"]
 
 # Same id on every node: the rendezvous prefixes its TCPStore keys with it.
 RUN_ID = "globaltensor"
@@ -38,10 +38,11 @@ RUN_ID = "globaltensor"
 RDZV_BACKEND = "globaltensor-static"
 
 
-def listen(addr: str, port: int) -> socket.socket:
+def listen(addr: str, port: int, option: str = "--master_addr") -> socket.socket:
     """A socket listening on ``addr:port`` only (the rendezvous store's, on node 0).
 
-    Raises LaunchError, naming the option to change, when that cannot be.
+    Raises LaunchError, naming the option to change (``option`` gave ``addr``), when
+    that cannot be.
 
     >>> listen("127.0.0.1", 0).getsockname()[0]  # doctest: +SKIP
     '127.0.0.1'
@@ -50,15 +51,37 @@ def listen(addr: str, port: int) -> socket.socket:
         family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][0]
         return socket.create_server((addr, port), family=family, backlog=1024)
     except socket.gaierror as e:
-        raise LaunchError(f"--master_addr {addr!r} does not resolve ({e.strerror})") from None
+        raise LaunchError(f"{option} {addr!r} does not resolve ({e.strerror})") from None
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
             raise LaunchError(f"--master_port {port} is already in use on {addr} (another job, or one "
                               f"still exiting?): choose another --master_port") from None
         if e.errno == errno.EADDRNOTAVAIL:
-            raise LaunchError(f"--master_addr {addr} is not an address of this machine: run node_rank 0 "
-                              f"on the machine --master_addr names") from None
+            where = "run node_rank 0 on the machine it names" if option == "--master_addr" else "give one of its own"
+            raise LaunchError(f"{option} {addr} is not an address of this machine: {where}") from None
         raise LaunchError(f"cannot listen on {addr}:{port}: {e.strerror}") from None
+
+
+def wait_for_listener(addr: str, port: int, deadline: float) -> Optional[str]:
+    """Connect to ``addr:port`` until something listens there or ``deadline`` (a
+    ``time.monotonic()`` value) passes; None when it listens, else why not.
+
+    >>> wait_for_listener("127.0.0.1", 1, time.monotonic() + 0.5)  # doctest: +SKIP
+    'connection refused'
+    """
+    reason = "nothing listens there"
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return reason
+        try:
+            socket.create_connection((addr, port), timeout=min(left, 5.0)).close()
+            return None
+        except socket.gaierror as e:
+            return f"{addr!r} does not resolve ({e.strerror})"
+        except OSError as e:
+            reason = (e.strerror or str(e) or type(e).__name__).lower()
+        time.sleep(min(0.2, max(deadline - time.monotonic(), 0)))  # a retry of a refused connect
 
 
 def create_rendezvous(params: Any) -> Any:
@@ -141,13 +164,19 @@ class _NodeRendezvous:
                             wait_for_workers=False, master_listen_fd=self.listen_socket.fileno())
         say(f"node {self.rank}: connecting to the rendezvous store of node 0 at {where} "
             f"(up to {self.timeout_s:g} s, --rdzv_timeout)")
+        deadline = time.monotonic() + self.timeout_s
+        # Wait for node 0's socket ourselves: TCPStore's client, started first, logs a C++
+        # stack per failed try and retries past its timeout (2-3x --rdzv_timeout).
+        reason = wait_for_listener(self.master_addr, self.master_port, deadline)
         try:
-            return TCPStore(self.master_addr, self.master_port, self.world_size, False, timeout)
+            if reason is None:
+                left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0))
+                return TCPStore(self.master_addr, self.master_port, self.world_size, False, left)
         except Exception as e:
-            first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise LaunchError(f"node {self.rank} could not reach node 0's rendezvous store at {where} "
-                              f"within {self.timeout_s:g} s (is node 0's launcher running with this "
-                              f"--master_addr/--master_port?): {first_line}") from None
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise LaunchError(f"node {self.rank} could not reach node 0's rendezvous store at {where} "
+                          f"within {self.timeout_s:g} s (is node 0's launcher running with this "
+                          f"--master_addr/--master_port?): {reason}")
 
     def _wait_for_nodes(self) -> None:
         key = f"{self.run_id}/nodes_joined/{self.round}"

@@ -213,6 +213,7 @@ def print_banner(args: argparse.Namespace, omp_set: bool) -> None:
         f"  nnodes          : {args.nnodes} (this is node_rank {args.node_rank})",
         f"  nproc_per_node  : {args.nproc_per_node}",
         f"  master endpoint : {args.master_addr}:{args.master_port}{_endpoint_note(args)}",
+        f"  local address   : {args.local_addr or 'as the hostname resolves'} (workers' gloo connections)",
         f"  rdzv timeout    : {args.rdzv_timeout:g} s",
         f"  log directory   : {os.path.abspath(args.log_dir)} ({_logs_note(args)})",
         f"  command         : {target}",

@@ -4,6 +4,7 @@ happens in ``interop/torch_patches.py``, nowhere else."""
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 import textwrap
@@ -110,6 +111,7 @@ def test_the_cycle_finder_finds_a_cycle():
 SCRIPT = textwrap.dedent('''
     import importlib.abc, sys
     import torch, torch.nn.functional as F, torch.nn.utils.clip_grad, torch.serialization
+    import torch.distributed as dist, torch.distributed.distributed_c10d as c10d
     import torch.distributed.tensor.parallel as tp
     from torch.optim import optimizer
     from torch.utils import _foreach_utils
@@ -129,7 +131,7 @@ SCRIPT = textwrap.dedent('''
 
     import importlib.util
     spaces = [torch, F, torch.nn.utils, torch.nn.utils.clip_grad, torch.serialization,
-              torch.random, tp]
+              torch.random, tp, dist, c10d]
     before = [dict(vars(ns)) for ns in spaces]
     lists = [optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types]
     lists_before = [list(l) for l in lists]
@@ -154,8 +156,10 @@ SCRIPT = textwrap.dedent('''
 
 
 def test_every_change_to_torch_is_made_by_torch_patches():
+    # with the launcher's --local_addr set, gloo's class is bound to it (comm/groups.py)
+    env = {**os.environ, "GLOBALTENSOR_LOCAL_ADDR": "127.0.0.1"}
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                         timeout=240)
+                         timeout=240, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     changed = out.stdout.strip().splitlines()[-1]
     for name in ("torch.nn.functional.one_hot", "torch.nn.functional.dropout2d",
@@ -163,5 +167,6 @@ def test_every_change_to_torch_is_made_by_torch_patches():
                  "torch.nn.utils.clip_grad._get_total_norm", "torch.nn.utils.get_total_norm",
                  "torch.save", "torch.serialization.save", "torch.get_rng_state",
                  "torch.random.set_rng_state", "parallel.parallelize_module",
-                 "foreach list 0", "foreach list 1", "meta_path"):
+                 "foreach list 0", "foreach list 1", "meta_path",
+                 "torch.distributed.ProcessGroupGloo", "torch.distributed.distributed_c10d.ProcessGroupGloo"):
         assert name in changed, (name, changed)
