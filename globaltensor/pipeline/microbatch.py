@@ -1,6 +1,8 @@
 """Cutting a batch into micro-batches on a stage's placement (``Pipeline.step``)."""
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 from .. import comm
@@ -25,6 +27,48 @@ def describe(t) -> str:
     if isinstance(t, torch.Tensor):
         return f"a plain tensor of shape {tuple(t.shape)}"
     return type(t).__name__
+
+
+def batch_signature(t, values: bool) -> list[int]:
+    """Integers that differ when two ranks pass different batches (or targets): rank
+    count of dims, the shape, a digest of the dtype and, for a GlobalTensor, of its
+    placement and sbp; with ``values`` (check mode), of a plain tensor's values too.
+    ``describe_signature`` reads the shape back."""
+    kind = str(t.dtype) + (f"|{t.placement}|{t.sbp}" if isinstance(t, GlobalTensor) else "")
+    out = [t.dim(), *t.shape, zlib.crc32(kind.encode())]
+    if values and not isinstance(t, GlobalTensor):
+        out.append(zlib.crc32(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()))
+    return out
+
+
+def describe_signature(sig: list[int]) -> str:
+    return str(tuple(sig[1:1 + sig[0]]))
+
+
+def agree_on_batches(ranks: tuple[int, ...], batches: tuple) -> None:
+    """Raise ``DivergenceError`` on every rank of ``ranks`` unless all pass batches (and
+    targets) of one shape, dtype and layout: the micro-batches' hand-offs would
+    otherwise pair messages of different sizes (gloo aborts the process) or mix values.
+    One small all-gather of integers; in check mode plain batches' values are compared too."""
+    sigs = [batch_signature(t, comm.check_mode()) for t in batches if t is not None]
+    flat = [len(sigs)] + [v for sig in sigs for v in [len(sig), *sig]]
+    everyone = comm.all_gather_ints(flat, ranks)
+    if all(other == flat for other in everyone):
+        return
+    by_batch: dict = {}
+    for rank, other in zip(ranks, everyone):
+        shapes, i = [], 1
+        for _ in range(other[0]):
+            shapes.append(describe_signature(other[i + 1:i + 1 + other[i]]))
+            i += 1 + other[i]
+        by_batch.setdefault((" and target ".join(shapes), tuple(other)), []).append(rank)
+    what = "; ".join(f"ranks {rs} a batch {shapes}" for (shapes, _), rs in by_batch.items())
+    same_shapes = len({shapes for shapes, _ in by_batch}) == 1
+    raise comm.DivergenceError(
+        f"globaltensor: the ranks of a Pipeline.step passed different batches ({what}"
+        f"{': same shapes, different dtype, layout or values' if same_shapes else ''}). Every "
+        f"rank of the pipeline passes the same batch and target (a plain tensor: the whole "
+        f"batch, equal on every rank; or one GlobalTensor)")
 
 
 def cut_micro_batches(x, sizes, placement: Placement, sbp) -> list:

@@ -32,7 +32,7 @@ from ..sbp import broadcast
 from ..tensor import GlobalTensor, from_local_part
 from . import schedule as S
 from .handoff import Handoff
-from .microbatch import batch_rows, cut_micro_batches, describe
+from .microbatch import agree_on_batches, batch_rows, cut_micro_batches, describe
 from .plain_stage import PlainStage, agrees, runs_locally
 from .timeline import Timeline
 
@@ -102,6 +102,7 @@ class Pipeline:
             if p not in workers:
                 workers.append(p)
         self.workers = workers
+        self._ranks = tuple(sorted({r for p in workers for r in p.flat_ranks}))
         self.stage_worker = tuple(workers.index(p) for p in self.placements)
         n = len(stages)
         self.schedule = schedule
@@ -124,8 +125,6 @@ class Pipeline:
         broadcast on every rank of the pipeline (each reads it without communication)."""
         if self.loss_fn is None:
             raise ValueError("Pipeline.step needs a loss_fn")
-        if batch_rows(target) != batch_rows(x):
-            raise ValueError(f"target has {batch_rows(target)} rows, the batch {batch_rows(x)}")
         return self._run(x, target, train=True)
 
     @torch.no_grad()
@@ -151,7 +150,13 @@ class Pipeline:
 
     def _run_micro_batches(self, x, target, train: bool):
         m = self.micro_batches
-        sizes = [size for _, size in balanced_split(batch_rows(x), m)]
+        rows = batch_rows(x), batch_rows(target) if train else None  # tensors with a batch dim
+        # Before anything that depends on this rank's batch: one shape on every rank
+        if comm.get_rank() in self._ranks:
+            agree_on_batches(self._ranks, (x, target))
+        if train and rows[1] != rows[0]:
+            raise ValueError(f"target has {rows[1]} rows, the batch {rows[0]}")
+        sizes = [size for _, size in balanced_split(rows[0], m)]
         if min(sizes) == 0:
             raise ValueError(f"a batch of {batch_rows(x)} rows cannot make {m} micro-batches")
         with torch.no_grad():
@@ -175,8 +180,7 @@ class Pipeline:
                 loss = GlobalTensor(empty_local(layout, routes[-1].dtype), layout)
             # to every rank of the pipeline, so that each can read it without
             # communication: `if rank == 0: log(loss.item())` with rank 0 in stage 0
-            everyone = Placement(layout.placement.type,
-                                 sorted({r for p in self.workers for r in p.flat_ranks}))
+            everyone = Placement(layout.placement.type, list(self._ranks))
             return loss.to_global(everyone, broadcast)
         outs = results if results is not None and comm.get_rank() in self.placements[-1] \
             else [GlobalTensor(empty_local(r.outs[-1], r.dtype), r.outs[-1])

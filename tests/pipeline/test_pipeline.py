@@ -2,6 +2,7 @@
 training of the whole model on the whole batch (data- and tensor-parallel stages,
 uneven micro-batches, 2-4 stages, SGD and Adam), forward-only calls, idle ranks,
 errors, and the timeline picture."""
+import contextlib
 import copy
 import os
 import shutil
@@ -164,6 +165,33 @@ def check_bad_input_is_refused_before_any_message():
         gt.pipeline.Pipeline([a, b], micro_batches=2, schedule="1f1b")
     with pytest.raises(ValueError, match="positive"):
         gt.pipeline.Pipeline([a, b], micro_batches=0)
+
+
+def check_batches_that_differ_between_ranks_raise_on_every_rank():
+    # a rank-dependent batch: before, the hand-offs paired messages of different sizes
+    # (gloo aborted the process) or mixed values; now every rank raises, naming the shapes
+    a, b = cut(layers((3, 4, 3)), 2)
+    gt.nn.to_global(a, P(0), B)
+    gt.nn.to_global(b, P(1), B)
+    pipe = gt.pipeline.Pipeline([a, b], micro_batches=2, loss_fn=F.mse_loss)
+    rank = gt.get_rank()
+    rows = 6 if rank == 0 else 5
+
+    def raises(match):  # ranks outside the pipeline (a world of 4) take no part
+        return pytest.raises(gt.debug.DivergenceError, match=match) if rank < 2 else contextlib.nullcontext()
+    with raises(r"ranks \[0\] a batch \(6, 3\) and target \(6, 3\); ranks \[1\] a batch \(5, 3\) "
+                r"and target \(5, 3\)"):
+        pipe.step(torch.ones(rows, 3), torch.ones(rows, 3))
+    with raises("different batches"):
+        pipe(torch.ones(rows, 3))
+    # equal shapes, values that differ: found in check mode only (the values are digested)
+    x = torch.full((4, 3), float(rank))
+    with gt.debug.check_consistency():
+        with raises("same shapes, different dtype, layout or values"):
+            pipe.step(x, torch.ones(4, 3))
+    # the world still works, and so does the pipeline
+    loss = pipe.step(torch.ones(4, 3), torch.ones(4, 3))
+    assert float(loss) >= 0
 
 
 def check_timeline_picture():
