@@ -31,6 +31,7 @@ from .. import env
 _groups: dict[tuple[int, ...], object] = {}
 _TORCH_GLOO = c10d.ProcessGroupGloo  # torch's, whatever bind_gloo_to_address installs
 _ready = False
+_generation = 0  # default groups made so far, less one (the program may destroy and reuse)
 
 
 def _backend() -> str:
@@ -101,9 +102,15 @@ def init() -> None:
     >>> gt.init(); gt.get_world_size()
     1
     """
-    global _ready
+    global _ready, _generation
     if _ready:
-        return
+        if dist.is_initialized():
+            return
+        # The program destroyed the default group (torch.distributed.destroy_process_group):
+        # our sub-groups died with it; the next global op makes the world again.
+        _groups.clear()
+        _ready = False
+        _generation += 1
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=env.timeout_seconds())
         world = env.get_world_size()
@@ -117,8 +124,17 @@ def init() -> None:
         else:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
-            dist.init_process_group(_backend(), init_method="env://", rank=env.get_rank(),
-                                    world_size=world, timeout=timeout, device_id=device_id)
+            if _generation == 0:
+                dist.init_process_group(_backend(), init_method="env://", rank=env.get_rank(),
+                                        world_size=world, timeout=timeout, device_id=device_id)
+            else:
+                # Made again after the program destroyed it: the same store (the launcher's
+                # lives on) under a new prefix, or gloo would read the dead group's addresses.
+                store, rank, world = next(dist.rendezvous("env://", env.get_rank(), world,
+                                                          timeout=timeout))
+                dist.init_process_group(_backend(), store=dist.PrefixStore(
+                    f"globaltensor/generation{_generation}", store), rank=rank, world_size=world,
+                    timeout=timeout, device_id=device_id)
     if torch.cuda.is_available():
         # Also when the program made the group: outputs of transfers land on the
         # current device, which must be this rank's.
@@ -145,9 +161,10 @@ def finish() -> None:
 
 
 def _destroy() -> None:
-    global _ready
+    global _ready, _generation
     if dist.is_initialized():
         dist.destroy_process_group()
+        _generation += 1
     _groups.clear()  # the last references to sub-groups, also after a user's own destroy
     _ready = False
     gc.collect()
@@ -171,8 +188,9 @@ def get_group(ranks: tuple[int, ...]):
     """The process group whose group rank ``i`` is ``ranks[i]``; made on first use by
     its members (the caller must be one)."""
     group = _groups.get(ranks)
-    if group is None:
+    if group is None or not dist.is_initialized():
         init()
+        group = None
         if ranks == tuple(range(dist.get_world_size())):
             group = dist.group.WORLD
         elif dist.get_rank() not in ranks:

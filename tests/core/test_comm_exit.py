@@ -33,9 +33,27 @@ def _gloo_threads_end_in_destroy():
     assert not left, f"gloo threads still running after _destroy: {left}"
 
 
+def _global_ops_after_the_program_destroys_the_group():
+    # torch.distributed.destroy_process_group() in the program, then global ops again:
+    # the world is made again (a new store prefix each time), twice over
+    import torch
+    import torch.distributed as dist
+
+    import globaltensor as gt
+    P = gt.placement.all("cpu")
+    x = gt.tensor(torch.arange(4.0), placement=P, sbp=gt.sbp.split(0))
+    for _ in range(2):
+        dist.destroy_process_group()
+        y = gt.tensor(torch.arange(4.0), placement=P, sbp=gt.sbp.split(0))
+        assert y.to_global(sbp=gt.sbp.broadcast).to_local().tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert (x * 2).sum().item() == 12.0
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_destroy_joins_the_gloo_threads():
-    world = World(2, __name__, ["_gloo_threads_end_in_destroy"])
+def test_destroy_joins_the_gloo_threads_and_the_world_can_be_made_again():
+    world = World(2, __name__, ["_global_ops_after_the_program_destroys_the_group",
+                                "_gloo_threads_end_in_destroy"])
+    world.check("_global_ops_after_the_program_destroys_the_group")
     world.check("_gloo_threads_end_in_destroy")
