@@ -99,6 +99,12 @@ class Layout:
             if isinstance(s, StridedSplit) and shape[s.dim] % s.blocks:
                 raise ValueError(f"{s}: dim {s.dim} of shape {shape} does not hold "
                                  f"{s.blocks} equal blocks")
+        return Layout.interned(shape, placement, nd_sbp)
+
+    @staticmethod
+    def interned(shape: tuple[int, ...], placement: Placement, nd_sbp: tuple) -> "Layout":
+        """``make`` for a shape tuple and an nd-sbp that are already normalised (the
+        planners' search states): no checks, the one object per layout."""
         key = (shape, placement, nd_sbp)  # not the layout: a weak dict holds keys strongly
         found = _interned.get(key)
         if found is None:

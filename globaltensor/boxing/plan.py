@@ -69,10 +69,9 @@ def plan_route(src: Layout, dst: Layout, itemsize: int = 4) -> Plan:
     if src.strided or dst.strided:
         return _strided_route(src, dst, itemsize)
     same = plan_boxing(src, dst, itemsize)
-    general = general_plan(src, dst, itemsize)
-    if same is not None and same.cost <= general.cost:
-        return same
-    return general
+    # the general route only where it is cheaper (ties go to the collectives)
+    general = general_plan(src, dst, itemsize, same.cost if same is not None else float("inf"))
+    return same if general is None else general
 
 
 def _strided_route(src: Layout, dst: Layout, itemsize: int) -> Plan:
@@ -124,8 +123,12 @@ def _valid(nd_sbp: tuple, axis: int, new: SbpParallel) -> bool:
     return True
 
 
-def _candidates(ndim: int) -> list[SbpParallel]:
-    return [broadcast, Partial("sum"), Partial("max")] + [Split(d) for d in range(ndim)]
+def _candidates(ndim: int, ends: tuple) -> list[SbpParallel]:
+    """The sbp an axis may pass through. A partial_max state is a detour unless an end
+    holds one: entered from broadcast or split (free) and left by a reduction, it costs
+    what the same detour through partial_sum costs, which stays a candidate."""
+    partials = [Partial("sum")] + ([Partial("max")] if Partial("max") in ends else [])
+    return [broadcast, *partials] + [Split(d) for d in range(ndim)]
 
 
 @lru_cache(maxsize=2048)
@@ -139,7 +142,7 @@ def plan_boxing(src: Layout, dst: Layout, itemsize: int = 4) -> Plan | None:
         return None
     if src.sbp == dst.sbp:
         return Plan(src, dst, (), 0.0, itemsize)
-    cands = _candidates(len(src.shape))
+    cands = _candidates(len(src.shape), src.sbp + dst.sbp)
     begin, goal = src.sbp, dst.sbp
     best = {begin: 0.0}
     heap = [(0.0, 0, begin, ())]
@@ -150,13 +153,13 @@ def plan_boxing(src: Layout, dst: Layout, itemsize: int = 4) -> Plan | None:
             return Plan(src, dst, path, cost, itemsize)
         if cost > best.get(state, float("inf")):
             continue
-        here = Layout(src.shape, src.placement, state)
+        here = Layout.interned(src.shape, src.placement, state)
         for axis in range(len(state)):
             for new in cands:
                 if new == state[axis] or not _valid(state, axis, new):
                     continue
                 nxt = state[:axis] + (new,) + state[axis + 1:]
-                step = _axis_step(here, Layout(src.shape, src.placement, nxt), axis, itemsize)
+                step = _axis_step(here, Layout.interned(src.shape, src.placement, nxt), axis, itemsize)
                 if step is None:
                     continue
                 c = cost + step.cost(itemsize)
@@ -179,15 +182,20 @@ def _reduced_sources(src: Layout):
         yield Layout(src.shape, src.placement, tuple(combo))
 
 
-def general_plan(src: Layout, dst: Layout, itemsize: int) -> Plan:
-    """The general route: reduce the source's partials, then one ``Transfer``."""
-    best = None
+def general_plan(src: Layout, dst: Layout, itemsize: int,
+                 bound: float = float("inf")) -> Plan | None:
+    """The general route: reduce the source's partials, then one ``Transfer``; None
+    when every such route costs ``bound`` or more (the caller has one that cheap).
+    The transfer is priced first: a reduction is planned only where it could still win."""
+    best, best_cost = None, bound
     for mid in _reduced_sources(src):
-        pre = plan_boxing(src, mid, itemsize)
-        if pre is None:
-            continue
         transfer = Transfer.between(mid, dst)
-        cost = pre.cost + transfer.cost(itemsize)
-        if best is None or cost < best.cost:
-            best = Plan(src, dst, pre.steps + (transfer,), cost, itemsize, "general (p2p)")
+        moved = transfer.cost(itemsize)
+        if moved >= best_cost:
+            continue
+        pre = plan_boxing(src, mid, itemsize) if mid != src else Plan(src, src, (), 0.0, itemsize)
+        if pre is None or pre.cost + moved >= best_cost:
+            continue
+        best_cost = pre.cost + moved
+        best = Plan(src, dst, pre.steps + (transfer,), best_cost, itemsize, "general (p2p)")
     return best
