@@ -18,7 +18,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -171,6 +173,11 @@ def _graceful_close(pcontext: Any, exit_times: ExitTimes) -> None:
             while time.monotonic() < deadline and any(alive(pid) for pid in pcontext.pids().values()):
                 time.sleep(0.02)  # a poll of the workers' state, not synchronisation
         exit_times.agent_stops_workers()
+        for pid in pcontext.pids().values():
+            # a stopped worker (SIGSTOP, a debugger's) handles torch's SIGTERM only once it
+            # runs again: without this, close waits its full timeout before SIGKILL
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
         close(*args, **kwargs)
 
     pcontext.close = graceful_close

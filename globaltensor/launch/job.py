@@ -134,7 +134,8 @@ def _run_agent(args: argparse.Namespace, listen_socket: Optional[socket.socket])
     exit_times = ExitTimes(args.nproc_per_node)
 
     def on_restart(result: Any, left: int) -> None:
-        say(restart_line(result.failures, args.log_dir, exit_times.ended(), args.ps, left))
+        say(restart_line(result.failures, args.log_dir, exit_times.ended(), args.ps, left, node_ranks(args),
+                         exit_times.stopping_since))
 
     # launch_agent builds the agent by this name
     launcher_api.LocalElasticAgent = grace_agent_class(exit_times, on_restart)

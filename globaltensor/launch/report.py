@@ -24,7 +24,7 @@ import re
 import shlex
 import signal
 import sys
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from .logs import DEFAULT_LOG_ROOT, LATEST_LINK, read_log, worker_log
 
@@ -114,14 +114,22 @@ def exit_code(code: int) -> int:
 
 
 def restart_line(failures: dict[int, Any], log_dir: str, ended: dict[int, float], ps: Roles,
-                 left: int) -> str:
-    """One line before a restart: which rank ended the attempt, and how.
+                 left: int, ranks: Sequence[int] = (), stopping_since: Optional[float] = None) -> str:
+    """One line before a restart: which rank ended the attempt, and how; after a timeout,
+    also which of this node's ``ranks`` were still running (a hung rank: stuck?).
 
-    ``failures`` are the attempt's failed ranks ({global rank: ProcessFailure});
-    nobody has been stopped by the launcher yet."""
+    ``failures`` are the attempt's failed ranks ({global rank: ProcessFailure}),
+    among them those the launcher stopped (ended after ``stopping_since``)."""
     logs = {rank: read_log(log_dir, rank, ps) for rank in failures}
-    rank = _root_cause(failures, logs, ended, [], log_dir, ps)
-    return (f"{who(rank, ps)} {_how(failures[rank])}; restarting every worker "
+    # ranks the launcher may have stopped already (torch closes at the first failure)
+    stopped = sorted(r for r in failures if _collateral(failures[r], ended.get(r), stopping_since))
+    rank = _root_cause(failures, logs, ended, stopped, log_dir, ps)
+    how = _how(failures[rank])
+    running = [r for r in ranks if r != rank and (r in stopped or r not in failures)]
+    if running and any(re.search(r"timed? ?out", line, re.I) for line in (logs[rank] or [])[-LOG_TAIL_LINES:]):
+        how += (f" after a timeout; {', '.join(who(r, ps) for r in running)} "
+                f"{'was' if len(running) == 1 else 'were'} still running (stuck?)")
+    return (f"{who(rank, ps)} {how}; restarting every worker "
             f"({left} restart{'s' if left != 1 else ''} left, --max_restarts)")
 
 
