@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from . import comm
+from . import comm, origins
 from .boxing.run import call_site
 from .placement import Placement
 from .sbp import Broadcast, broadcast
@@ -43,6 +43,8 @@ def whole_value(x: GlobalTensor, call: str) -> torch.Tensor:
     everyone = tuple(range(world))
     if not comm.tracing():  # a traced read runs on every rank by construction
         same = f"a {x.dtype} {tuple(x.shape)} tensor with sbp {layout.sbp} on {placement}"
+        if comm.check_mode():  # also which tensor: made on which line, by which ops
+            same += f" of origin {origins.of(x):08x}"
         read = f"{call} of {same}, called from {call_site()}"
         comm.meet(everyone, call, read, _advice(call, layout.placement, broadcast_here), same)
     return to_layout(x, sbp=(broadcast,), placement=Placement(placement.type, list(everyone)))._local

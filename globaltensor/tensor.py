@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from . import comm
+from . import comm, origins
 from .boxing.run import box
 from .layout import Layout
 from .local_parts import device_of, empty_local
@@ -256,6 +256,8 @@ def _wrap(cls, local: torch.Tensor, layout: Layout, requires_grad: bool = False,
     r._local = local
     r._layout = layout
     r._key = (layout, dtype) if strides is None else (layout, dtype, strides)  # cache key
+    if comm.check_mode():  # where it was made (dispatch re-stamps an op's outputs)
+        origins.made_by_program(r)
     return r
 
 
@@ -277,7 +279,7 @@ class _ToGlobal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: GlobalTensor, dst: Layout):
         ctx.src = x._layout
-        return GlobalTensor(box(x._local, x._layout, dst), dst)
+        return GlobalTensor(box(x._local, x._layout, dst, why=_boxing_of(x)), dst)
 
     @staticmethod
     def backward(ctx, grad):
@@ -325,7 +327,13 @@ def to_layout(x, layout: Layout | None = None, donate: bool = False, *, sbp=None
         layout = Layout.make(x.shape, x.placement if placement is None else placement, sbp)
     if x._layout == layout:
         return x
-    return GlobalTensor(box(x._local, x._layout, layout, donate), layout)
+    return GlobalTensor(box(x._local, x._layout, layout, donate, _boxing_of(x)), layout)
+
+
+def _boxing_of(x: GlobalTensor) -> str:
+    """How a boxing of ``x`` is named; in check mode with ``x``'s origin, so that ranks
+    boxing different tensors from one line are told apart (origins.py)."""
+    return f"to_global of origin {origins.of(x):08x}" if comm.check_mode() else "to_global"
 
 
 def from_local_part(t: torch.Tensor, layout: Layout, requires_grad: bool = False

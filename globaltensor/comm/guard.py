@@ -22,11 +22,14 @@ from .. import env
 
 _doing: list = []  # descriptions (str or objects with __str__), innermost last
 _checking = 0      # open check_consistency() contexts
+# Read once: check_mode() runs on every tensor made (origins.py), so it must be cheap.
+_DEBUG = env.debug_enabled()
 
 
 def check_mode() -> bool:
-    """True under GLOBALTENSOR_DEBUG=1 or inside ``gt.debug.check_consistency()``."""
-    return _checking > 0 or env.debug_enabled()
+    """True under GLOBALTENSOR_DEBUG=1 (read when globaltensor is imported) or inside
+    ``gt.debug.check_consistency()``."""
+    return _checking > 0 or _DEBUG
 
 
 @contextlib.contextmanager

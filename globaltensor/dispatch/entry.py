@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .. import comm, gradsync, rules  # noqa: F401  (rules: every family registers)
+from .. import comm, gradsync, origins, rules  # noqa: F401  (rules: every family registers)
 from ..boxing.run import box
 from ..layout import Layout
 from ..local_parts import device_of, empty_local
@@ -60,19 +60,30 @@ def dispatch(func, types, args, kwargs):
             leaves[i] = plain.as_broadcast(x, leaves, func)
     if step.active:
         return _in_step(func, leaves, spec)
+    if comm.check_mode():
+        return _checked(func, leaves, spec)
     return _carry_out(func, cached_decision(func, leaves, spec), leaves, spec)
 
 
-def _carry_out(func, decision: Decision, leaves, spec):
+def _checked(func, leaves, spec):
+    """A call in check mode: its boxing is named (and fingerprinted) with its inputs'
+    origins, and its outputs take the origin of the op on those inputs (origins.py)."""
+    why = origins.OpOnInputs(func, leaves)
+    out = _carry_out(func, cached_decision(func, leaves, spec), leaves, spec, why)
+    origins.made_by_op(why, tree_flatten(out)[0])
+    return out
+
+
+def _carry_out(func, decision: Decision, leaves, spec, why=None):
     """Run ``decision``: a call that needs no boxing runs its local op directly, the
-    rest goes through ``_run``."""
+    rest goes through ``_run`` (``why`` names its boxing: by default ``func``)."""
     op = decision.direct
     if op is not None:
         local = [x._local if x.__class__ is GlobalTensor else x for x in leaves]
         n, names = spec
         out = op(*local[:n], **dict(zip(names, local[n:]))) if names else op(*local)
         return wrap_part(out, decision.out_layouts[0], decision.out_strides[0])
-    return _run(func, decision, leaves, spec)
+    return _run(func, decision, leaves, spec, why)
 
 
 def _in_step(func, leaves, spec):
@@ -99,7 +110,7 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _run(func, decision: Decision, leaves, spec):
+def _run(func, decision: Decision, leaves, spec, why=None):
     """Carry out ``decision``: box each global input to its target layout, run the op
     (or the rule's local implementation) on this rank's parts, and wrap the outputs with
     their layouts. A rank outside the placement computes nothing and returns empty
@@ -114,7 +125,7 @@ def _run(func, decision: Decision, leaves, spec):
         x = leaves[i]
         layout = x._layout
         local_leaves[i] = x._local if layout is target or layout == target else \
-            box(x._local, layout, target, why=func)
+            box(x._local, layout, target, why=why or func)
     if not inside:
         out = None
     elif decision.empty_shortcut:
@@ -129,7 +140,7 @@ def _run(func, decision: Decision, leaves, spec):
         return leaves[0]
     like = None if inside else leaves[gidx[0]]._local  # empty parts are made from it
     if decision.reduced:
-        return _wrap_reduced(func, decision, out, inside, like)
+        return _wrap_reduced(why or func, decision, out, inside, like)
     if decision.single:  # one tensor out: skip the pytree round trip
         layout = decision.out_layouts[0]
         return wrap_part(out if inside else empty_local(layout, decision.out_dtypes[0], like),

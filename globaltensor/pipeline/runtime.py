@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .. import comm
+from .. import comm, origins
 from ..dispatch.step import paused
 from ..random import get_draw
 from ..gradsync import no_sync
@@ -178,6 +178,7 @@ class Pipeline:
                 loss = functools.reduce(torch.add, results)
             else:
                 loss = GlobalTensor(empty_local(layout, routes[-1].dtype), layout)
+            self._same_origins([loss] + [p.grad for s in self.stages for p in s.parameters()])
             # to every rank of the pipeline, so that each can read it without
             # communication: `if rank == 0: log(loss.item())` with rank 0 in stage 0
             everyone = Placement(layout.placement.type, list(self._ranks))
@@ -185,7 +186,18 @@ class Pipeline:
         outs = results if results is not None and comm.get_rank() in self.placements[-1] \
             else [GlobalTensor(empty_local(r.outs[-1], r.dtype), r.outs[-1])
                   for r in routes]
+        self._same_origins(outs)
         return outs[0] if m == 1 else torch.cat(outs, dim=0)
+
+    @staticmethod
+    def _same_origins(tensors) -> None:
+        """Check mode: what a step leaves (loss, outputs, gradients) was computed on some
+        ranks and stood in for on the others; it counts as made by the step's line on
+        every rank (origins.py), or later boxings of it would differ by origin alone."""
+        if comm.check_mode():
+            for t in tensors:
+                if isinstance(t, GlobalTensor):
+                    origins.made_by_program(t)
 
     def _grads_outside_stages(self) -> None:
         """On a rank outside a stage, give its trainable parameters the ``.grad`` that a

@@ -66,6 +66,32 @@ def check_read_of_different_tensors():
         assert a.tolist() == [11.0, 22.0, 33.0] and b.tolist() == [22.0, 44.0, 66.0]
 
 
+def check_same_line_ops_on_different_tensors():
+    # A logging helper: one line, called with a on rank 0 and b on rank 1 (same shape,
+    # layout and dtype). Without the check mode both ranks get a mix; with it, each
+    # tensor's origin (the line that made it, the ops since) is part of the fingerprint.
+    import globaltensor as gt
+    r = gt.get_rank()
+    p = gt.placement("cpu", [0, 1])
+
+    def log(t):
+        return t.sum().item()
+    with gt.debug.check_consistency():
+        a = gt.tensor([11.0, 22.0, 33.0], placement=p, sbp=gt.sbp.split(0))
+        b = gt.tensor([22.0, 44.0, 66.0], placement=p, sbp=gt.sbp.split(0))
+        mine = a if r == 0 else b
+        with pytest.raises(gt.debug.DivergenceError, match="ranks"):
+            log(mine)
+        with pytest.raises(gt.debug.DivergenceError, match="ranks"):
+            mine.tolist()
+        with pytest.raises(gt.debug.DivergenceError, match="ranks"):
+            mine.to_global(sbp=gt.sbp.broadcast)
+        with pytest.raises(gt.debug.DivergenceError, match="ranks"):
+            (mine * 2).tolist()  # an op's output: the op on inputs of other origins
+        assert (log(a), log(b)) == (66.0, 132.0)
+        assert (a * 2).tolist() == [22.0, 44.0, 66.0]
+
+
 def check_dtype_differs_per_rank():
     import torch
     import globaltensor as gt
@@ -144,7 +170,8 @@ def check_profiler_and_debug_log_name_the_boxing():
 
 
 CHECKS3 = ["check_member_only_groups"]
-CHECKS2 = ["check_read_of_different_tensors", "check_dtype_differs_per_rank",
+CHECKS2 = ["check_read_of_different_tensors", "check_same_line_ops_on_different_tensors",
+           "check_dtype_differs_per_rank",
            "check_load_state_dict_differs_per_rank", "check_from_local_exchanges_no_pickles",
            "check_profiler_and_debug_log_name_the_boxing"]
 
