@@ -57,8 +57,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("nproc_per_node",
            "worker processes on this node: a number, or as torchrun auto (one per GPU, else one "
            "per CPU core), cpu, gpu (default 1)"),
-    Option("server_num", "parameter-server job: number of server processes (with --worker_num; one node)",
-           type=int),
+    Option("server_num", "parameter-server job: number of server processes (with --worker_num; over "
+           "--nnodes, workers first, an equal share per node)", type=int),
     Option("worker_num", "parameter-server job: number of worker processes (with --server_num)", type=int),
     Option("nnodes", "number of nodes (default 1)", type=int, default=1),
     Option("node_rank", "rank of this node, 0..nnodes-1 (default 0)", type=int, default=0),
@@ -192,12 +192,17 @@ def _set_ps_roles(args: argparse.Namespace) -> None:
         fail("--server_num and --worker_num go together (a parameter-server job needs both)")
     if servers < 1 or workers < 1:
         fail(f"--server_num and --worker_num must be >= 1, got {servers} and {workers}")
-    if args.nnodes != 1:
-        fail("parameter-server jobs (--server_num/--worker_num) run on one node (--nnodes 1)")
-    if args.nproc_per_node not in (None, servers + workers):
+    # The job's roles go by global rank (workers first), so on several nodes the first
+    # nodes run the workers and the last ones the servers, an equal share each.
+    total = servers + workers
+    if total % max(args.nnodes, 1):
+        fail(f"--server_num {servers} + --worker_num {workers} = {total} processes do not split "
+             f"evenly over --nnodes {args.nnodes}")
+    per_node = total // max(args.nnodes, 1)
+    if args.nproc_per_node not in (None, per_node):
         fail(f"--nproc_per_node {args.nproc_per_node} disagrees with --server_num {servers} + "
-             f"--worker_num {workers}; leave it out")
-    args.nproc_per_node, args.ps = servers + workers, (servers, workers)
+             f"--worker_num {workers} over --nnodes {args.nnodes}; leave it out")
+    args.nproc_per_node, args.ps = per_node, (servers, workers)
 
 
 def _local_world_size(value: Optional[str]) -> Optional[int]:

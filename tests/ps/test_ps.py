@@ -143,6 +143,9 @@ def test_launcher_role_arguments(capsys) -> None:
     args = parse_args(["--server_num", "2", "--worker_num", "3", script, "--x"])
     assert args.nproc_per_node == 5 and args.ps == (2, 3) and args.script_args == ["--x"]
     assert parse_args([script]).ps is None and parse_args([script]).nproc_per_node == 1
+    # over two nodes: workers 0-2 on node 0, worker 3 and the servers on node 1
+    args = parse_args(["--server_num", "2", "--worker_num", "4", "--nnodes", "2", "--node_rank", "1", script])
+    assert args.nproc_per_node == 3 and args.ps == (2, 4)
     assert [_log_name(r, (2, 3)) for r in range(5)] == [
         "workerlog.0", "workerlog.1", "workerlog.2", "serverlog.0", "serverlog.1"]
     assert _who(3, (2, 3)) == "server 0 (rank 3)" and _who(1, (2, 3)) == "worker 1 (rank 1)"
@@ -152,7 +155,8 @@ def test_launcher_role_arguments(capsys) -> None:
             (["--server_num", "0", "--worker_num", "2", script], "must be >= 1, got 0 and 2"),
             (["--server_num", "1", "--worker_num", "1", "--nproc_per_node", "3", script],
              "--nproc_per_node 3 disagrees"),
-            (["--server_num", "1", "--worker_num", "1", "--nnodes", "2", script], "run on one node")]:
+            (["--server_num", "2", "--worker_num", "1", "--nnodes", "2", script],
+             "3 processes do not split evenly over --nnodes 2")]:
         with pytest.raises(SystemExit) as e:
             parse_args(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
@@ -193,35 +197,46 @@ GEO_JOB = Path(__file__).resolve().parent / "ps_geo_job.py"
 SYNC_JOB = Path(__file__).resolve().parent / "ps_sync_job.py"
 
 
-def _start(log_dir: Path, servers: int, script: Path, *args: str):  # type: ignore[no-untyped-def]
+def _start(log_dir: Path, servers: int, script: Path, *args: str, nodes: int = 1):  # type: ignore[no-untyped-def]
+    """A job of 2 workers and ``servers`` servers; with ``nodes``, one launcher per node
+    (workers on the first, servers on the last), sharing ``log_dir``."""
     import os
     import time
-    cmd = [sys.executable, "-m", "globaltensor.launch", "--server_num", str(servers), "--worker_num", "2",
-           "--master_port", str(free_port()), "--log_dir", str(log_dir), str(script), *args]
-    return (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"}), time.perf_counter(), log_dir)
+    port = free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "globaltensor.launch", "--server_num", str(servers), "--worker_num", "2",
+         "--nnodes", str(nodes), "--node_rank", str(node), "--master_port", str(port),
+         "--log_dir", str(log_dir), str(script), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        for node in range(nodes)]
+    return procs, time.perf_counter(), log_dir
 
 
 def _finish(started) -> tuple:  # type: ignore[no-untyped-def]
-    """(returncode, seconds, {check: value} of worker 0, output) of a started job."""
+    """(returncode, seconds, {check: value} of worker 0, output) of a started job (of
+    several nodes: the first non-zero code, the outputs one after another)."""
     import time
-    p, start, log_dir = started
-    text = p.communicate(timeout=120)[0].decode()
+    procs, start, log_dir = started
+    texts = [p.communicate(timeout=120)[0].decode() for p in procs]
     seconds = time.perf_counter() - start
     log = (log_dir / "workerlog.0").read_text()
     checks = dict(line.split(" ", 2)[1:] for line in log.splitlines() if line.startswith("CHECK "))
-    return p.returncode, seconds, checks, text
+    code = next((p.returncode for p in procs if p.returncode), 0)
+    return code, seconds, checks, "\n".join(texts)
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     """ps_geo_job.py, ps_sync_job.py's save phase and the example's first 20 steps with
-    checkpoints, started together: {job: (returncode, seconds, {check: value}, output)}."""
+    checkpoints (two nodes), started together: {job: (returncode, seconds, {check: value},
+    output)}."""
     tmp = tmp_path_factory.mktemp("jobs")
     started = {"geo": _start(tmp / "geo", 2, GEO_JOB),
                "sync": _start(tmp / "sync", 2, SYNC_JOB, "save", str(tmp / "checkpoint")),
+               # on two nodes (workers on node 0, servers on node 1); resumed on one
                "first_20": _start(tmp / "first_20", 2, EXAMPLE, "--mode", "sync", "--steps", "20", *SGD,
-                                  "--checkpoint", str(tmp / "example"), "--checkpoint_every", "20")}
+                                  "--checkpoint", str(tmp / "example"), "--checkpoint_every", "20",
+                                  nodes=2)}
     out = {job: _finish(s) for job, s in started.items()}
     out["checkpoint"], out["example"] = tmp / "checkpoint", tmp / "example"
     return out
@@ -269,6 +284,7 @@ def resumed(jobs, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resumed")
     code, _, _, text = jobs["first_20"]
     assert code == 0, text
+    assert text.count("nnodes          : 2") == 2, text  # both launchers of the two-node job
     assert (jobs["checkpoint"] / "expected.pt").exists(), jobs["sync"][3]
     load = _start(tmp / "load", 3, SYNC_JOB, "load", str(jobs["checkpoint"]))
     resume = _start(tmp / "resume", 3, EXAMPLE, "--mode", "sync", "--steps", "40", *SGD,
@@ -289,8 +305,8 @@ def test_table_checkpoint_loads_into_another_number_of_servers(resumed) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_example_resumes_from_its_checkpoint_like_one_process(resumed, tmp_path: Path) -> None:
-    # 20 steps on 2 servers, checkpointed; resumed on 3 servers for 20 more: the 40 steps
-    # of one plain-torch process
+    # 20 steps on 2 servers (two nodes), checkpointed; resumed on 3 servers (one node)
+    # for 20 more: the 40 steps of one plain-torch process
     code, _, _, text = resumed["resume"]
     assert code == 0 and "resumed from" in text and "(step 20)" in text, text
     example = _example_module()
