@@ -86,12 +86,13 @@ class ExitTimes(threading.Thread):
 
     def poll(self) -> None:
         """Find new worker processes and note the ones that ended since the last poll."""
-        now = time.monotonic()
         if len(self.rank_of) - len(self.ended_at) < self.nproc:  # workers still to find
             self._find_workers()
-        for pid in self.rank_of:
+        for pid in list(self.rank_of):
             if pid not in self.ended_at and not alive(pid):
-                self.ended_at[pid] = now
+                # the time seen, not the poll's start: a slow scan of /proc (a loaded
+                # machine) must not date a death before the launcher's signal
+                self.ended_at[pid] = time.monotonic()
 
     def _find_workers(self) -> None:
         me = str(os.getpid())
