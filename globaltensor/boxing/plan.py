@@ -153,21 +153,38 @@ def plan_boxing(src: Layout, dst: Layout, itemsize: int = 4) -> Plan | None:
             return Plan(src, dst, path, cost, itemsize)
         if cost > best.get(state, float("inf")):
             continue
-        here = Layout.interned(src.shape, src.placement, state)
         for axis in range(len(state)):
             for new in cands:
-                if new == state[axis] or not _valid(state, axis, new):
+                edge = _edge(src.shape, src.placement, state, axis, new, itemsize)
+                if edge is None:
                     continue
-                nxt = state[:axis] + (new,) + state[axis + 1:]
-                step = _axis_step(here, Layout.interned(src.shape, src.placement, nxt), axis, itemsize)
-                if step is None:
-                    continue
-                c = cost + step.cost(itemsize)
+                nxt, step, step_cost = edge
+                c = cost + step_cost
                 if c < best.get(nxt, float("inf")) - 1e-15:
                     best[nxt] = c
                     heapq.heappush(heap, (c, counter, nxt, path + (step,)))
                     counter += 1
     return None
+
+
+@lru_cache(maxsize=8192)
+def _edge(shape: tuple, placement, state: tuple, axis: int, new: SbpParallel, itemsize: int):
+    """(next state, step, its cost) changing ``axis`` of ``state`` to ``new``, or None.
+    Cached: searches on one shape and placement (every signature an op weighs, every
+    target of a partial output) walk the same edges."""
+    if new == state[axis] or not _valid(state, axis, new):
+        return None
+    nxt = state[:axis] + (new,) + state[axis + 1:]
+    step = _axis_step(Layout.interned(shape, placement, state), Layout.interned(shape, placement, nxt),
+                      axis, itemsize)
+    return None if step is None else (nxt, step, step.cost(itemsize))
+
+
+def clear_caches() -> None:
+    """Forget every plan and search edge (a new step kind was registered, or a test
+    counts the layouts still held)."""
+    for cached in (plan_route, plan_boxing, _edge):
+        cached.cache_clear()
 
 
 def _reduced_sources(src: Layout):

@@ -138,7 +138,7 @@ def test_a_new_step_kind_is_one_class():
             return self.by_group(locals_, lambda ms, xs: [torch.zeros_like(x) if k < len(xs) - 1
                                                           else x for k, x in enumerate(xs)])
 
-    planning.plan_boxing.cache_clear()
+    planning.clear_caches()
     try:
         p = Placement("cpu", [0, 1, 2])
         src, dst = Layout.make((3, 2), p, S.broadcast), Layout.make((3, 2), p, S.partial_sum)
@@ -150,9 +150,9 @@ def test_a_new_step_kind_is_one_class():
         torch.testing.assert_close(materialize(out, dst), value)
         assert "KeepOnLast(axis=0" in str(plan) and "groups: [0, 1, 2]" in str(plan)
         KeepOnLast.price = 1.0                       # dearer than ZeroNonRoot now
-        planning.plan_boxing.cache_clear()
+        planning.clear_caches()
         assert [type(s) for s in plan_boxing(src, dst, 8).steps] == [St.ZeroNonRoot]
     finally:
         St.AXIS_STEPS.remove(KeepOnLast)
         St.ALL_STEPS.remove(KeepOnLast)
-        planning.plan_boxing.cache_clear()
+        planning.clear_caches()

@@ -53,8 +53,7 @@ def check_cache_and_layouts_bounded_over_many_shapes():
         from globaltensor.boxing import cost, plan
         from globaltensor.dispatch import step
         step.clear()   # whole-step plans hold layouts too (at most step.MAX_PLANS)
-        plan.plan_route.cache_clear()
-        plan.plan_boxing.cache_clear()
+        plan.clear_caches()
         cost._max_local_numel.cache_clear()
         gc.collect()
         assert len(layout._interned) < 300, len(layout._interned)
