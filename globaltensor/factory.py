@@ -15,6 +15,8 @@ True
 """
 from __future__ import annotations
 
+import zlib
+
 from typing import Sequence
 
 import torch
@@ -158,10 +160,11 @@ def from_local(t: torch.Tensor, placement: Placement = None, sbp=None, shape=Non
     """A GlobalTensor whose part on this rank is ``t`` (for a partial sbp: this rank's
     full-shape addend). Differentiable in ``t``. ``shape=None`` derives the global
     shape from every rank's local shape (a collective); parts that do not fit the sbp
-    raise ``ValueError`` on every rank. On a rank outside the placement ``t`` is a
-    placeholder: with ``shape=None`` the tensor takes the members' dtype there; with a
-    given shape nothing is exchanged, so the placeholder must have the members' dtype
-    (``torch.empty(0, dtype=...)``).
+    raise ``ValueError`` on every rank. With a given shape the placement's ranks compare
+    it, the sbp and dtype (one small all-gather; ``DivergenceError`` when they differ).
+    On a rank outside the placement ``t`` is a placeholder: with ``shape=None`` the
+    tensor takes the members' dtype there; with a given shape that rank exchanges
+    nothing, so the placeholder must have the members' dtype (``torch.empty(0, dtype=...)``).
 
     >>> x = gt.from_local(torch.ones(2, 3), placement=p, sbp=gt.sbp.split(0))  # doctest: +SKIP
     >>> x.shape   # with 2 ranks                                                # doctest: +SKIP
@@ -175,8 +178,8 @@ def from_local(t: torch.Tensor, placement: Placement = None, sbp=None, shape=Non
     check_placement(placement)
     comm.init()
     rank = comm.get_rank()
-    inside = rank in placement
-    if shape is None:
+    inside, given = rank in placement, shape is not None
+    if not given:
         shape, dtype = _derive_shape(t if inside else None, placement, sbp)
         if not inside:
             # A rank outside holds nothing: its argument is a placeholder, and the
@@ -184,6 +187,8 @@ def from_local(t: torch.Tensor, placement: Placement = None, sbp=None, shape=Non
             t = t.new_empty((0,), dtype=dtype)
     layout = _layout(_size((shape,)), placement, sbp)
     if inside:
+        if given:
+            _agree_on_given_shape(t, layout)
         want = layout.local_shape(rank)
         if tuple(t.shape) != want:
             raise ValueError(f"rank {rank}: local tensor of shape {tuple(t.shape)} does not fit "
@@ -192,6 +197,36 @@ def from_local(t: torch.Tensor, placement: Placement = None, sbp=None, shape=Non
         if t.device != device_of(placement):
             t = t.to(device_of(placement))
     return from_local_part(t, layout)
+
+
+def _agree_on_given_shape(t: torch.Tensor, layout: Layout) -> None:
+    """``from_local`` with a given shape: the placement's ranks compare it (with the sbp
+    and dtype) and whether each part fits, in one small all-gather of integers, so a
+    part that does not fit or a shape that differs raises on every rank of the placement.
+    Raised on one rank only, the others would go on to collectives of other sizes
+    (gloo aborts the process, or values mix)."""
+    ranks = layout.placement.flat_ranks
+    if len(ranks) == 1:
+        return
+    rank = comm.get_rank()
+    fits = tuple(t.shape) == layout.local_shape(rank)
+    claim = f"global shape {layout.shape}, {layout.sbp}, {t.dtype}"
+    everyone = comm.all_gather_ints([int(fits), zlib.crc32(claim.encode())], ranks, same_length=True)
+    misfit = [r for r, (ok, _) in zip(ranks, everyone) if not ok]
+    if misfit:
+        mine = "" if fits else (f" (rank {rank}: local tensor of shape {tuple(t.shape)}, "
+                                f"expected {layout.local_shape(rank)})")
+        raise ValueError(f"from_local: the local tensors of ranks {misfit} do not fit "
+                         f"{layout.sbp} of global shape {layout.shape} on {layout.placement}"
+                         f"{mine}; each rank's part must be its part of that shape")
+    groups: dict = {}
+    for r, (_, digest) in zip(ranks, everyone):
+        groups.setdefault(digest, []).append(r)
+    if len(groups) > 1:
+        raise comm.DivergenceError(
+            f"globaltensor: from_local on rank {rank} ({claim}) met other shapes, sbp or dtypes: "
+            f"ranks {' / '.join(str(g) for g in groups.values())} passed different ones; every "
+            f"rank of the placement must pass the same shape, sbp and dtype")
 
 
 # Every dtype, in one order on every rank: a dtype travels as its index.

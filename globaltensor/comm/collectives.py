@@ -193,8 +193,10 @@ def batched_p2p(sends: Sequence[tuple[torch.Tensor, int]],
     start_p2p(sends, recvs, kind).wait()
 
 
-def all_gather_ints(values: Sequence[int], ranks: tuple[int, ...] | None = None) -> list:
-    """Every member's list of integers (lengths may differ), in member order (the whole
+def all_gather_ints(values: Sequence[int], ranks: tuple[int, ...] | None = None,
+                    same_length: bool = False) -> list:
+    """Every member's list of integers (lengths may differ, unless ``same_length``
+    promises they do not: one collective instead of two), in member order (the whole
     world by default). Integers only: nothing from a peer is unpickled."""
     init()
     if ranks is None:
@@ -202,11 +204,14 @@ def all_gather_ints(values: Sequence[int], ranks: tuple[int, ...] | None = None)
     if len(ranks) == 1:
         return [list(values)]
     group = get_group(ranks)
-    stats.record("all_gather", 8 * (len(values) + 1) * (len(ranks) - 1))
+    stats.record("all_gather", 8 * (len(values) + (not same_length)) * (len(ranks) - 1))
     n = len(ranks)
-    lengths = torch.empty(n, dtype=torch.int64)
-    guarded("all_gather", ranks, lambda: _all_gather_single(
-        lengths, torch.tensor([len(values)], dtype=torch.int64), group=group))
+    if same_length:
+        lengths = torch.full((n,), len(values), dtype=torch.int64)
+    else:
+        lengths = torch.empty(n, dtype=torch.int64)
+        guarded("all_gather", ranks, lambda: _all_gather_single(
+            lengths, torch.tensor([len(values)], dtype=torch.int64), group=group))
     width = max(int(lengths.max()), 1)
     mine = torch.zeros(width, dtype=torch.int64)
     mine[:len(values)] = torch.tensor(list(values), dtype=torch.int64)

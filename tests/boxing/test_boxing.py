@@ -124,8 +124,20 @@ def check_from_local_derives_uneven_shapes():
     with pytest.raises(ValueError, match="do not fit"):
         bad = 3 if rank == 0 else 1  # 3 + 1 (+1 +1) does not split in balance
         gt.from_local(torch.zeros(bad, 2), placement=p, sbp=gt.sbp.split(0))
-    with pytest.raises(ValueError, match="does not fit"):
+    with pytest.raises(ValueError, match=r"rank \d: local tensor of shape \(5, 2\), expected"):
         gt.from_local(torch.zeros(5, 2), placement=p, sbp=gt.sbp.split(0), shape=(7, 2))
+    # with a given shape, a part that does not fit on one rank raises on every rank (the
+    # others would go on to collectives of other sizes), and so do shapes that differ
+    parts = [len(range(r, 7, n)) for r in range(n)]
+    mine = torch.zeros(parts[rank] + (rank == 0), 2)
+    with pytest.raises(ValueError, match=r"the local tensors of ranks \[0\] do not fit"):
+        gt.from_local(mine, placement=p, sbp=gt.sbp.split(0), shape=(7, 2))
+    claim = (7 + (rank == n - 1), 2)
+    part = torch.zeros(len(range(rank, claim[0], n)), 2)
+    with pytest.raises(gt.debug.DivergenceError, match="passed different ones"):
+        gt.from_local(part, placement=p, sbp=gt.sbp.split(0), shape=claim)
+    ok = gt.from_local(torch.zeros(parts[rank], 2), placement=p, sbp=gt.sbp.split(0), shape=(7, 2))
+    assert tuple(ok.shape) == (7, 2)
 
 
 def check_random_factories_are_placement_invariant():
