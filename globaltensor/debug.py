@@ -31,11 +31,12 @@ __all__ = ["explain", "explain_step", "StepReport", "comm_stats", "show_layout",
 
 @contextlib.contextmanager
 def check_consistency() -> Iterator[None]:
-    """Check mode (also on with GLOBALTENSOR_DEBUG=1): before each boxing communicates,
-    the ranks involved compare a fingerprint of it (op, layouts, dtype and the program
-    line that caused it) and all raise ``DivergenceError`` when they differ, instead of
-    hanging or mixing up values (e.g. ``.item()`` called on different tensors on
-    different ranks). It costs one small all-gather per boxing.
+    """Check mode (also on with GLOBALTENSOR_DEBUG=1, read at import): before each
+    boxing communicates, the ranks involved compare a fingerprint of it (op, layouts,
+    dtype, the program line that caused it and the origins of the tensors involved,
+    see ``globaltensor/origins.py``) and all raise ``DivergenceError`` when they differ,
+    instead of hanging or mixing up values (e.g. ``.item()`` called on different tensors
+    on different ranks, even from one line). It costs one small all-gather per boxing.
 
     >>> with gt.debug.check_consistency():      # doctest: +SKIP
     ...     loss = model(x).sum()
