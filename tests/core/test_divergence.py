@@ -98,8 +98,13 @@ def check_dtype_differs_per_rank():
     r = gt.get_rank()
     p = gt.placement("cpu", [0, 1])
     dtype = torch.float32 if r == 0 else torch.float64
-    x = gt.from_local(torch.ones(2, dtype=dtype), placement=p, sbp=gt.sbp.split(0),
-                      shape=(4,))
+    # from_local with a given shape compares the dtype too: both ranks raise there
+    with pytest.raises(gt.debug.DivergenceError, match=r"ranks \[0\] / \[1\] passed different ones"):
+        gt.from_local(torch.ones(2, dtype=dtype), placement=p, sbp=gt.sbp.split(0), shape=(4,))
+    # a tensor made some other way (here: a trusted part) is caught by the check mode
+    from globaltensor.layout import Layout
+    from globaltensor.tensor import from_local_part
+    x = from_local_part(torch.ones(2, dtype=dtype), Layout.make((4,), p, gt.sbp.split(0)))
     with gt.debug.check_consistency():
         with pytest.raises(gt.debug.DivergenceError):
             x.to_global(sbp=gt.sbp.broadcast)
