@@ -43,6 +43,23 @@ def launch(args: list[str], cwd: Path, env: dict[str, str] | None = None, timeou
     )
 
 
+def launch_nodes(per_node: list[list[str]], cwd: Path, timeout: float) -> list[tuple]:
+    """One launcher per entry of ``per_node`` (that node's arguments), started together:
+    per node (exit code, stdout, stderr, seconds until it had ended)."""
+    procs = [subprocess.Popen([sys.executable, "-m", "globaltensor.launch", *args], cwd=cwd,
+                              env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for args in per_node]
+    start, done = time.monotonic(), []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            done.append((p.returncode, out, err, time.monotonic() - start))
+    finally:
+        for p in procs:
+            p.kill()
+    return done
+
+
 def env_reports(text: str) -> dict[int, dict]:
     """{rank: report} from the `ENV {...}` lines the workers print (prefix allowed)."""
     reports = [json.loads(m) for m in re.findall(r"ENV (\{.*\})", text)]
@@ -141,24 +158,13 @@ def test_raise_while_peer_waits_in_barrier_ends_promptly(tmp_path: Path) -> None
 @pytest.mark.timeout(120)
 def test_two_nodes_on_one_machine(tmp_path: Path) -> None:
     port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "globaltensor.launch", "--nnodes", "2", "--node_rank", str(node),
-             "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
-             "--log_dir", str(tmp_path / f"node{node}"), str(SCRIPTS / "report_env.py"), "node-arg"],
-            cwd=tmp_path, env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        for node in (0, 1)
-    ]
-    try:
-        outs = [p.communicate(timeout=100) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, out + err
+    runs = launch_nodes([["--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "2",
+                          "--master_addr", "127.0.0.1", "--master_port", str(port),
+                          "--log_dir", str(tmp_path / f"node{node}"), str(SCRIPTS / "report_env.py"),
+                          "node-arg"] for node in (0, 1)], tmp_path, timeout=100)
+    for node, (code, out, err, _) in enumerate(runs):
+        assert code == 0, out + err
         assert re.search(r"world size\s*:\s*4", err)
-    for node, (out, _) in enumerate(outs):
         reports = env_reports(out)
         assert sorted(reports) == [2 * node, 2 * node + 1]
         for rank, rep in reports.items():
@@ -176,22 +182,13 @@ def test_two_nodes_on_their_own_loopback_addresses(tmp_path: Path) -> None:
     # node 0 on 127.0.0.2 (--master_addr: the store's address, and by default its gloo
     # address), node 1 on 127.0.0.3 (--local_addr); the hostname here resolves to 127.0.0.1
     port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "globaltensor.launch", "--nnodes", "2", "--node_rank", str(node),
-             "--master_addr", "127.0.0.2", "--master_port", str(port), *local,
-             "--log_dir", str(tmp_path / f"node{node}"), str(SCRIPTS / "addresses.py")],
-            cwd=tmp_path, env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for node, local in ((0, []), (1, ["--local_addr", "127.0.0.3"]))
-    ]
-    try:
-        outs = [p.communicate(timeout=60) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    runs = launch_nodes([["--nnodes", "2", "--node_rank", str(node), "--master_addr", "127.0.0.2",
+                          "--master_port", str(port), *local, "--log_dir", str(tmp_path / f"node{node}"),
+                          str(SCRIPTS / "addresses.py")]
+                         for node, local in ((0, []), (1, ["--local_addr", "127.0.0.3"]))], tmp_path, timeout=60)
     reports = []
-    for node, (p, (out, err)) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, out + err
+    for node, (code, out, err, _) in enumerate(runs):
+        assert code == 0, out + err
         assert f"local address   : 127.0.0.{2 + node}" in err, err
         reports.append(json.loads(re.search(r"SOCKETS (\{.*\})", out).group(1)))
         assert reports[node]["rank"] == node and reports[node]["sum"] == 2.0, reports[node]
@@ -366,29 +363,16 @@ def test_sigkill_of_the_launcher_takes_the_workers_down(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_a_missing_node_is_named_and_times_out(tmp_path: Path) -> None:
     # node 0 of 2 alone (waits for node 1); node 1 of 2 alone (no node 0 to reach)
-    runs = {
-        node: subprocess.Popen(
-            [sys.executable, "-m", "globaltensor.launch", "--nnodes", "2", "--node_rank", str(node),
-             "--master_port", str(free_port()), "--rdzv_timeout", "2", "--log_dir", str(tmp_path / f"log{node}"),
-             str(SCRIPTS / "report_env.py")],
-            cwd=tmp_path, env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for node in (0, 1)
-    }
-    start, outs, took = time.monotonic(), {}, {}
-    try:
-        for node, p in runs.items():
-            outs[node] = p.communicate(timeout=40)
-            took[node] = time.monotonic() - start
-    finally:
-        for p in runs.values():
-            p.kill()
-    for node, (out, err) in outs.items():
-        assert runs[node].returncode == 1, out + err
+    runs = launch_nodes([["--nnodes", "2", "--node_rank", str(node), "--master_port", str(free_port()),
+                          "--rdzv_timeout", "2", "--log_dir", str(tmp_path / f"log{node}"),
+                          str(SCRIPTS / "report_env.py")] for node in (0, 1)], tmp_path, timeout=40)
+    for code, out, err, took in runs:
+        assert code == 1, out + err
         assert "Traceback" not in err and "frame #" not in err, err  # no C++ stack dump either
         assert "ENV" not in out  # no worker started
         # --rdzv_timeout 2, plus the launcher's start (a torch import: seconds on a loaded machine)
-        assert took[node] < 2 + 12, took
-    err0, err1 = outs[0][1], outs[1][1]
+        assert took < 2 + 12, took
+    err0, err1 = runs[0][2], runs[1][2]
     assert re.search(r"node 0: waiting for 1 more of 2 nodes to join at 127\.0\.0\.1:\d+ \(up to 2 s", err0), err0
     assert re.search(r"timed out after 2 s waiting for nodes .*: 1 of 2 joined; missing node_rank 1", err0), err0
     assert "node 1: connecting to the rendezvous store of node 0" in err1, err1
