@@ -144,7 +144,9 @@ def init() -> None:
     # so it takes the GIL to free them; during finalisation Python ends such a thread
     # (pthread_exit) inside a noexcept destructor: "terminate called without an active
     # exception". Freeing the groups joins these threads; do it, and drop our own
-    # references to them, while Python still runs. It is local.
+    # references to them, while Python still runs. It is local. (Once: the world may be
+    # made again after the program destroyed it.)
+    atexit.unregister(_destroy)
     atexit.register(_destroy)
     _ready = True
 
