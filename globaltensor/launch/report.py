@@ -40,6 +40,8 @@ TOGETHER_S = 0.5
 # own collective errors name the backend's line): such a rank is not the cause.
 PEER_LOST = re.compile(r"connection (reset|closed) by peer|ECONNRESET|\bEOF\b|broken pipe|"
                        r"connection refused|peer .*(died|exited|closed)", re.I)
+# a wait that timed out (a peer never came: stuck?)
+TIMED_OUT = re.compile(r"timed? ?out", re.I)
 
 Roles = Optional[tuple[int, int]]  # (servers, workers) of a parameter-server job, else None
 
@@ -126,7 +128,7 @@ def restart_line(failures: dict[int, Any], log_dir: str, ended: dict[int, float]
     rank = _root_cause(failures, logs, ended, stopped, log_dir, ps)
     how = _how(failures[rank])
     running = [r for r in ranks if r != rank and (r in stopped or r not in failures)]
-    if running and any(re.search(r"timed? ?out", line, re.I) for line in (logs[rank] or [])[-LOG_TAIL_LINES:]):
+    if running and _timed_out((logs[rank] or [])[-LOG_TAIL_LINES:]):
         how += (f" after a timeout; {', '.join(who(r, ps) for r in running)} "
                 f"{'was' if len(running) == 1 else 'were'} still running (stuck?)")
     return (f"{who(rank, ps)} {how}; restarting every worker "
@@ -136,6 +138,11 @@ def restart_line(failures: dict[int, Any], log_dir: str, ended: dict[int, float]
 def _how(failure: Any) -> str:
     return (f"was killed by signal {failure.signal_name()}" if failure.exitcode < 0
             else f"exited with code {failure.exitcode}")
+
+
+def _timed_out(lines: list[str]) -> bool:
+    """Whether a log tail says a wait timed out (a peer never came: stuck?)."""
+    return any(TIMED_OUT.search(line) for line in lines)
 
 
 def _collateral(failure: Any, when: Optional[float], stopping_since: Optional[float]) -> bool:
@@ -183,7 +190,7 @@ def _cause_lines(rank: int, how: str, tail: list[str], stopped: list[int], failu
         return [f"globaltensor.launch: rank {', '.join(map(str, early))} exited with code 0 while other "
                 f"ranks were still running; then {who(rank, ps)} {how}",
                 "  a rank that ends early leaves its peers waiting in collectives it never joins"]
-    if stopped and any(re.search(r"timed? ?out", line, re.I) for line in tail):
+    if stopped and _timed_out(tail):
         return [f"globaltensor.launch: {who(rank, ps)} {how} after a timeout; rank "
                 f"{', '.join(map(str, stopped))} was still running then (stuck?), see where below"]
     return []
