@@ -315,7 +315,9 @@ def main(argv=None):
         auc1, logloss = evaluate(args, model)
         say(f"held-out AUC {auc1:.4f}, log-loss {logloss:.4f}")
         if args.save:
-            save(args.save, model, {"embedding.weight": emb.weight(), "wide.weight": wide.weight()})
+            # (a hashed table has no row numbers to list: the dense parameters only)
+            save(args.save, model, {} if args.hashed else {"embedding.weight": emb.weight(),
+                                                           "wide.weight": wide.weight()})
         for name, t in (("embedding", emb), ("wide", wide)):
             say(f"table {name}: {t.stats()}")
     gt.ps.stop_worker()

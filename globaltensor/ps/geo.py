@@ -35,7 +35,8 @@ class GeoCopy:
                  num_rows: Optional[int] = None):
         self.dim, self.limit = dim, limit
         self.index = IdIndex(num_rows)  # ids of a row table are < num_rows: a direct map
-        self.id_of = torch.zeros(0, dtype=torch.int64)   # -1: a free slot
+        self.id_of = torch.zeros(0, dtype=torch.int64)
+        self.taken = torch.zeros(0, dtype=torch.bool)    # (any int64 is an id)
         self.values = torch.zeros(0, dim)
         self.base = torch.zeros(0, dim)
         self.dirty = torch.zeros(0, dtype=torch.bool)    # trained since the last exchange
@@ -58,6 +59,7 @@ class GeoCopy:
             fresh = pull(missing)
             new = self._allocate(missing.numel())
             self.id_of[new], self.values[new], self.base[new] = missing, fresh, fresh
+            self.taken[new] = True
             self.dirty[new] = False
             self.optimizer.reset(new)
             self.index.insert(missing, new)
@@ -69,11 +71,12 @@ class GeoCopy:
         return slots
 
     def _allocate(self, n: int) -> torch.Tensor:
-        free = (self.id_of < 0).nonzero().squeeze(1)[:n]
+        free = (~self.taken).nonzero().squeeze(1)[:n]
         grow = n - free.numel()
         if grow > 0:
             held = self.id_of.numel()
-            self.id_of = torch.cat([self.id_of, torch.full((grow,), -1, dtype=torch.int64)])
+            self.id_of = torch.cat([self.id_of, self.id_of.new_zeros(grow)])
+            self.taken = torch.cat([self.taken, self.taken.new_zeros(grow)])
             self.values = torch.cat([self.values, self.values.new_zeros(grow, self.dim)])
             self.base = torch.cat([self.base, self.base.new_zeros(grow, self.dim)])
             self.dirty = torch.cat([self.dirty, self.dirty.new_zeros(grow)])
@@ -112,18 +115,18 @@ class GeoCopy:
         if over <= 0:
             return
         self.evictions += 1
-        held = (self.id_of >= 0).nonzero().squeeze(1)
+        held = self.taken.nonzero().squeeze(1)
         coldest = held[torch.argsort(self.last_used[held], stable=True)[:over]]
         ids = self.id_of[coldest]
         self.index.remove(ids)
-        self.id_of[coldest] = -1
+        self.taken[coldest] = False
         self.released = torch.cat([self.released, ids])
 
     def clear(self) -> None:
         """Hold no row (they are released at the next exchange)."""
-        held = self.id_of >= 0
+        held = self.taken.clone()
         self.released = torch.cat([self.released, self.id_of[held]])
         self.index.remove(self.id_of[held])
-        self.id_of[held] = -1
+        self.taken.zero_()
         self.dirty.zero_()
         self.evictions += 1

@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["IdIndex", "HashSlots", "HashPolicy", "server_of", "hashed_normal", "mix"]
+__all__ = ["IdIndex", "HashSlots", "HashPolicy", "HashedRows", "server_of", "part_of", "hashed_normal", "mix"]
 
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # splitmix64's constants as signed int64
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)
@@ -65,6 +65,40 @@ def hashed_normal(ids: torch.Tensor, dim: int, std: float, seed: int) -> torch.T
     u1 = (_shr(h, 40).double() + 1) / (1 << 24)            # (0, 1]
     u2 = (_shr(h, 16) & ((1 << 24) - 1)).double() / (1 << 24)
     return ((-2 * u1.log()).sqrt() * torch.cos(2 * torch.pi * u2) * std).float()
+
+
+def part_of(ids: torch.Tensor, parts: int) -> torch.Tensor:
+    """The checkpoint part of each id of a hashed table (``HashedRows``): a hash of
+    its own, so parts spread over the servers whatever their number."""
+    return torch.remainder(_shr(mix(mix(ids)), 1), parts)
+
+
+@dataclass(frozen=True)
+class HashedRows:
+    """Rows of a hashed table as a checkpoint keeps them: ids, values, the sparse
+    optimizer's state (name -> one row per id), and their recency (``age``: lookups of
+    their server since last use; ``idle``: seconds). ``counters``: the table's
+    ``stats()`` counts (``admitted``, ``evicted``, ``filtered``, ``rows``), kept in part 0."""
+
+    ids: torch.Tensor
+    values: torch.Tensor
+    state: dict
+    age: torch.Tensor
+    idle: torch.Tensor
+    counters: Optional[dict] = None
+
+    def __len__(self) -> int:
+        return self.ids.numel()
+
+    def select(self, which: torch.Tensor) -> "HashedRows":
+        return HashedRows(self.ids[which], self.values[which], {n: t[which] for n, t in self.state.items()},
+                          self.age[which], self.idle[which])
+
+    @staticmethod
+    def cat(rows: "list[HashedRows]") -> "HashedRows":
+        return HashedRows(torch.cat([r.ids for r in rows]), torch.cat([r.values for r in rows]),
+                          {n: torch.cat([r.state[n] for r in rows]) for n in rows[0].state},
+                          torch.cat([r.age for r in rows]), torch.cat([r.idle for r in rows]))
 
 
 class IdIndex:
@@ -118,6 +152,14 @@ class IdIndex:
             self.keys, self.slots = self.keys[keep], self.slots[keep]
 
 
+def _least_recent(last_tick: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the ``k`` least recently used rows; ties go by id, so the choice
+    does not depend on which slots the rows happen to occupy (a table restored from a
+    checkpoint evicts as the saved one would have)."""
+    by_id = torch.argsort(ids)
+    return by_id[torch.argsort(last_tick[by_id], stable=True)[:k]]
+
+
 @dataclass(frozen=True)
 class HashPolicy:
     """Admission and eviction of a hashed table (see the module docstring).
@@ -154,7 +196,8 @@ class HashSlots:
         self.policy, self.clock = policy, clock
         cap = policy.capacity
         self.index = IdIndex()
-        self.id_of = torch.full((cap,), -1, dtype=torch.int64)   # -1: a free slot
+        self.id_of = torch.zeros(cap, dtype=torch.int64)
+        self.taken = torch.zeros(cap, dtype=torch.bool)          # (any int64 is an id)
         self.last_tick = torch.zeros(cap, dtype=torch.int64)     # lru: the call that used it last
         self.last_time = torch.zeros(cap, dtype=torch.float64)   # ttl
         self.tick = 0
@@ -192,19 +235,53 @@ class HashSlots:
         evicted = self._expire()
         short = candidates.numel() - self._room()
         if short > 0 and self.policy.eviction == "lru":
-            idle = ((self.id_of >= 0) & (self.last_tick < self.tick)).nonzero().squeeze(1)
-            oldest = idle[torch.argsort(self.last_tick[idle], stable=True)[:short]]
+            idle = (self.taken & (self.last_tick < self.tick)).nonzero().squeeze(1)
+            oldest = idle[_least_recent(self.last_tick[idle], self.id_of[idle], short)]
             evicted = torch.cat([evicted, self._drop(oldest)])
         candidates = candidates[:self._room()]  # the rest wait (no room)
         self.filtered += missing.numel() - candidates.numel()
         new_slots, new_ids = self._take(candidates.numel()), ids[candidates]
         slots[candidates] = new_slots
-        self.id_of[new_slots] = new_ids
+        self.id_of[new_slots], self.taken[new_slots] = new_ids, True
         self.index.insert(new_ids, new_slots)
         self.last_tick[new_slots] = self.tick
         self.last_time[new_slots] = self.clock()
         self.admitted += new_ids.numel()
         return new_slots, new_ids, evicted
+
+    def held(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(slots, ids, calls since last use, seconds since last use) of the rows held:
+        what a checkpoint keeps of them besides their values."""
+        self._expire()
+        slots = self.taken.nonzero().squeeze(1)
+        return (slots, self.id_of[slots], self.tick - self.last_tick[slots],
+                self.clock() - self.last_time[slots])
+
+    def restore(self, ids: torch.Tensor, age: torch.Tensor, idle: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Take rows of a checkpoint (``held``'s ids, ages and idle seconds; distinct ids
+        not held here) without admission. If they do not all fit, the most recently used
+        of the rows held and those given stay. Returns (slot of each id, -1 for those
+        left out; evicted slots)."""
+        ticks = self.tick - age
+        evicted = torch.zeros(0, dtype=torch.int64)
+        keep = torch.ones(ids.numel(), dtype=torch.bool)
+        short = ids.numel() - self._room()
+        if short > 0:
+            held = self.taken.nonzero().squeeze(1)
+            out = _least_recent(torch.cat([self.last_tick[held], ticks]),
+                                torch.cat([self.id_of[held], ids]), short)
+            evicted = self._drop(held[out[out < held.numel()]])
+            keep[out[out >= held.numel()] - held.numel()] = False
+            self.evicted += int((~keep).sum())  # counted as admitted, then evicted
+        slots = torch.full_like(ids, -1)
+        slots[keep] = self._take(int(keep.sum()))
+        new_slots, new_ids = slots[keep], ids[keep]
+        self.id_of[new_slots], self.taken[new_slots] = new_ids, True
+        self.index.insert(new_ids, new_slots)
+        self.last_tick[new_slots] = ticks[keep]
+        self.last_time[new_slots] = self.clock() - idle[keep]
+        self.admitted += ids.numel()
+        return slots, evicted
 
     def _room(self) -> int:
         return self.free.numel() + self.policy.capacity - self.fresh
@@ -236,12 +313,12 @@ class HashSlots:
     def _expire(self) -> torch.Tensor:
         if self.policy.ttl is None:
             return torch.zeros(0, dtype=torch.int64)
-        old = ((self.id_of >= 0) & (self.clock() - self.last_time > self.policy.ttl)).nonzero().squeeze(1)
+        old = (self.taken & (self.clock() - self.last_time > self.policy.ttl)).nonzero().squeeze(1)
         return self._drop(old)
 
     def _drop(self, slots: torch.Tensor) -> torch.Tensor:
         self.index.remove(self.id_of[slots])
-        self.id_of[slots] = -1
+        self.taken[slots] = False
         self.free = torch.cat([self.free, slots])
         self.evicted += slots.numel()
         return slots

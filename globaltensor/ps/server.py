@@ -32,7 +32,7 @@ import torch
 
 from ..comm import rpc
 from ..layout import balanced_split
-from .hashed import HashPolicy, HashSlots, hashed_normal
+from .hashed import HashedRows, HashPolicy, HashSlots, hashed_normal, part_of
 from .optim import RowOptimizer, add_rows, coalesce
 
 # Rows per initialisation block: a block's values depend only on (seed, block), so a
@@ -65,8 +65,9 @@ class Shard:
     def __init__(self, config: dict, server: int, servers: int, initial: Optional[torch.Tensor]):
         self.config, self.name, dim = config, config["name"], config["dim"]
         self.slots: Optional[HashSlots] = None
+        self.slot_seed = config["seed"] * 7919 + server
         if config["num_rows"] is None:
-            self.slots = HashSlots(HashPolicy(**config["hash"]), seed=config["seed"] * 7919 + server)
+            self.slots = HashSlots(HashPolicy(**config["hash"]), seed=self.slot_seed)
             self.offset, self.rows = 0, self.slots.policy.capacity
             self.weight = torch.zeros(self.rows, dim)
         else:
@@ -132,6 +133,37 @@ class Shard:
         rows, grads = coalesce(slots[keep], grads[keep])
         self.optimizer.apply(self.weight, rows, grads / divisor)
         self.changed(rows)
+
+    def export(self, parts: torch.Tensor, count: int) -> HashedRows:
+        """The held rows of a hashed table whose checkpoint part (of ``count``) is in
+        ``parts``. Call with the lock held."""
+        slots, ids, age, idle = self.slots.held()
+        mine = torch.isin(part_of(ids, count), parts)
+        slots = slots[mine]
+        return HashedRows(ids[mine], self.weight[slots], {n: t[slots] for n, t in self.optimizer.state.items()},
+                          age[mine], idle[mine])
+
+    def restore(self, rows: HashedRows) -> None:
+        """Take a hashed table's rows from a checkpoint. Call with the lock held."""
+        slots, evicted = self.slots.restore(rows.ids, rows.age, rows.idle)
+        keep = slots >= 0
+        self.weight[slots[keep]] = rows.values[keep]
+        for name, t in self.optimizer.state.items():
+            t[slots[keep]] = rows.state[name][keep]
+        if self.held is not None:
+            self.held[:, evicted] = False
+            self.stale[:, evicted] = False
+
+    def clear(self) -> None:
+        """Forget every row of a hashed table (before a checkpoint is loaded); geo
+        workers clear their copies too. Call with the lock held."""
+        self.slots = HashSlots(self.slots.policy, seed=self.slot_seed)
+        self.weight.zero_()
+        for t in self.optimizer.state.values():
+            t.zero_()
+        if self.held is not None:
+            self.held.zero_()
+            self.stale.zero_()
 
     def changed(self, rows: torch.Tensor) -> None:
         """geo: the workers holding ``rows`` must get them at their next exchange."""
@@ -299,7 +331,7 @@ def read_rows(table: int, keys: torch.Tensor) -> tuple[torch.Tensor, dict]:
     shard = _shard(table)
     shard.check(keys)
     if shard.slots is not None:
-        raise ValueError(f"table {shard.name!r} is hashed: checkpoints hold row tables only")
+        raise ValueError(f"table {shard.name!r} is hashed: read_rows is for tables with row numbers")
     with shard.lock:
         return shard.weight[keys], {n: t[keys] for n, t in shard.optimizer.state.items()}
 
@@ -317,6 +349,48 @@ def write_rows(table: int, keys: torch.Tensor, values: torch.Tensor, state: dict
         for name, t in state.items():
             expected[name][keys] = t
         shard.changed(keys)
+
+
+def _hashed_shard(table: int, what: str) -> Shard:
+    shard = _shard(table)
+    if shard.slots is None:
+        raise ValueError(f"table {shard.name!r} has row numbers: {what} is for hashed tables")
+    return shard
+
+
+def read_hashed(table: int, parts: torch.Tensor, count: int) -> HashedRows:
+    """A hashed table's held rows in checkpoint ``parts`` (of ``count``)."""
+    shard = _hashed_shard(table, "read_hashed")
+    with shard.lock:
+        return shard.export(parts, count)
+
+
+def clear_hashed(table: int) -> None:
+    """Drop every row of a hashed table (a checkpoint's rows come next)."""
+    shard = _hashed_shard(table, "clear_hashed")
+    with shard.lock:
+        shard.clear()
+
+
+def write_hashed(table: int, rows: HashedRows) -> None:
+    """Add rows of a checkpoint to a hashed table (after ``clear_hashed``)."""
+    shard = _hashed_shard(table, "write_hashed")
+    shard.check(rows.ids, rows.values)
+    expected = shard.optimizer.state
+    if set(rows.state) != set(expected):
+        raise ValueError(f"table {shard.name!r}: a checkpoint with optimizer state {sorted(expected)} "
+                         f"expected, got {sorted(rows.state)}")
+    with shard.lock:
+        shard.restore(rows)
+
+
+def add_counts(table: int, counts: dict) -> None:
+    """Add ``counts`` (admitted, evicted, filtered) to a hashed table's statistics: a
+    loaded table carries on its checkpoint's counts."""
+    shard = _hashed_shard(table, "add_counts")
+    with shard.lock:
+        for name in ("admitted", "evicted", "filtered"):
+            setattr(shard.slots, name, getattr(shard.slots, name) + int(counts[name]))
 
 
 def stats(table: int) -> dict:

@@ -30,9 +30,8 @@ from typing import Optional
 
 import torch
 
-from .. import comm
 from ..layout import balanced_split
-from . import server
+from . import checkpoint, server
 from .geo import GeoCopy
 from .hashed import HashPolicy, server_of
 from .optim import check_options
@@ -50,11 +49,6 @@ def need_worker(what: str) -> None:
         raise RuntimeError(f"{what} is used in worker processes (this is a server)")
     if state.stopped:
         raise RuntimeError(f"{what}: this worker was stopped (gt.ps.stop_worker)")
-
-
-def _workers_meet() -> None:
-    """A barrier of the workers (a collective of their group; servers take no part)."""
-    comm.all_reduce_(torch.zeros(1), "sum", tuple(range(state.workers)))
 
 
 class Rows:
@@ -342,54 +336,33 @@ class EmbeddingTable(torch.nn.Module):
 
     # --- checkpoints: get_state_dict / dcp.save / dcp.load / set_state_dict -------------
 
-    def _checkpoint_block(self) -> tuple[torch.Tensor, object]:
-        """This worker's block of rows in a checkpoint, and the workers' placement."""
-        import globaltensor as gt
-        if self.num_rows is None:
-            raise ValueError(f"table {self._rows.name!r} is hashed (num_embeddings=None): checkpoints "
-                             f"hold row tables only")
-        offset, size = balanced_split(self.num_rows, state.workers)[state.rank]
-        return torch.arange(offset, offset + size), gt.placement("cpu", ranks=list(range(state.workers)))
-
     def get_extra_state(self) -> dict:
-        """The rows and their optimizer state, as GlobalTensors split by rows over the
-        workers (each pulls its block from the servers): what ``model.state_dict()`` and
-        ``get_state_dict(model, optimizer)`` hold for the table, and ``dcp.save`` writes
-        in global row order (so it loads into any number of servers and workers). Every
-        worker calls it, as it calls ``dcp.save`` (the workers meet first, so that the
-        blocks are of one moment in async and geo mode)."""
-        import globaltensor as gt
+        """The rows and their optimizer state: what ``model.state_dict()`` and
+        ``get_state_dict(model, optimizer)`` hold for the table, so that ``dcp.save``
+        writes them and a job with any number of servers and workers loads them (row
+        tables: GlobalTensors split by rows over the workers; hashed tables: parts by
+        id; see ``globaltensor.ps.checkpoint``). Every worker calls it, as it calls
+        ``dcp.save``."""
         need_worker("EmbeddingTable.state_dict")
-        ids, workers = self._checkpoint_block()
         self.flush()
         wait_pending()
-        _workers_meet()  # every worker's changes are in before any reads its block
-        values, opt_state = self._rows.read(ids)
-        return {name: gt.from_local(t, placement=workers, sbp=gt.sbp.split(0),
-                                    shape=(self.num_rows, t.shape[1]))
-                for name, t in [("weight", values), *((f"optimizer.{n}", t) for n, t in opt_state.items())]}
+        checkpoint.workers_meet()  # every worker's changes are in before any reads
+        if self.num_rows is None:
+            return checkpoint.hashed_state(self._rows)
+        return checkpoint.row_state(self._rows)
 
     def set_extra_state(self, saved: dict) -> None:
-        """Push the rows and optimizer state of ``saved`` (``get_extra_state``'s form,
-        filled by ``dcp.load``; plain whole tensors work too) to the servers."""
-        import globaltensor as gt
+        """Replace the rows and optimizer state by ``saved`` (``get_extra_state``'s
+        form, filled by ``dcp.load``)."""
         need_worker("EmbeddingTable.load_state_dict")
-        ids, workers = self._checkpoint_block()
-
-        def block(t: torch.Tensor) -> torch.Tensor:
-            if gt.is_global(t):
-                return t.to_global(placement=workers, sbp=gt.sbp.split(0)).to_local()
-            return t[ids[0]:ids[0] + ids.numel()] if ids.numel() else t[:0]
-
-        if "weight" not in saved or tuple(saved["weight"].shape) != (self.num_rows, self.dim):
-            raise ValueError(f"table {self._rows.name!r}: a checkpoint of a {self.num_rows} x {self.dim} "
-                             f"table expected, got {({k: tuple(v.shape) for k, v in saved.items()})}")
-        prefix = "optimizer."
-        self._rows.write(ids, block(saved["weight"]),
-                         {k[len(prefix):]: block(v) for k, v in saved.items() if k.startswith(prefix)})
+        wait_pending()
+        if self.num_rows is None:
+            checkpoint.load_hashed_state(self._rows, saved)
+        else:
+            checkpoint.load_row_state(self._rows, saved)
         if self._geo is not None:
             self._geo.clear()  # rows held from before the load: pulled again on use
-        _workers_meet()  # no worker trains before every block is loaded
+        checkpoint.workers_meet()  # no worker trains before every block is loaded
 
     def weight(self) -> torch.Tensor:
         """All rows as the servers hold them now (pulls the whole table: for checks

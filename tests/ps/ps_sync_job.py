@@ -1,8 +1,9 @@
 """Sync-mode jobs for tests/ps/test_ps.py, printing ``CHECK <name> <value>`` lines the
 tests read from worker 0's log.
 
-``save DIR`` (2 servers): 4 steps of a table with lazy Adam and a dense head; save with
-get_state_dict + dcp.save; 3 more steps, whose result goes to DIR/expected.pt. Then, in
+``save DIR`` (2 servers): 4 steps of a table with lazy Adam, a hashed table with Adagrad
+and a dense head; save with get_state_dict + dcp.save; 3 more steps, whose result (and
+the hashed table's counts at the save) goes to DIR/expected.pt. Then, in
 the same job: a hashed table's admission and bound; worker 1 finishes while worker 0
 starts another step (a clear error within seconds, naming worker 1); worker 0 kills
 server 1 and looks up a row it holds (an error naming the server and the table).
@@ -32,6 +33,10 @@ if gt.ps.is_server():
 rank = gt.ps.worker_rank()
 model = torch.nn.Module()
 model.emb = gt.ps.EmbeddingTable(50, 3, "adam", lr=0.05, init_std=0.1, seed=4, name="emb")
+# hashed, raw ids; room for every id on 2 or 3 servers (eviction after a load: test_ps's
+# shard-level test)
+model.tags = gt.ps.EmbeddingTable(None, 3, "adagrad", lr=0.1, init_std=0.1, seed=5, capacity=64, name="tags")
+TAGS = torch.arange(40) * 1_000_003 - 2**40
 torch.manual_seed(0)
 model.head = torch.nn.Linear(3, 1)
 opt = gt.ps.DenseOptimizer(model.head.parameters(), "adam", lr=0.05)
@@ -45,12 +50,18 @@ def step(i: int) -> None:
     g = torch.Generator().manual_seed(100 * i + rank)
     ids = torch.randint(0, 50, (8,), generator=g)
     opt.zero_grad()
-    torch.nn.functional.softplus(model.head(model.emb(ids))).mean().backward()
+    torch.nn.functional.softplus(model.head(model.emb(ids) + model.tags(TAGS[ids % 40]))).mean().backward()
     opt.step()
 
 
 def result() -> dict:
-    return {"emb": model.emb.weight(), **{k: v.detach().clone() for k, v in model.head.named_parameters()}}
+    return {"emb": model.emb.weight(), "tags": model.tags(TAGS).detach(),
+            **{k: v.detach().clone() for k, v in model.head.named_parameters()}}
+
+
+def counts() -> tuple:
+    s = model.tags.stats()
+    return s.rows, s.admitted, s.evicted, s.filtered
 
 
 def hashed() -> None:
@@ -94,10 +105,11 @@ if phase == "save":
         step(i)
     model_sd, optim_sd = get_state_dict(model, opt.local)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=gt.ps.worker_group())
+    saved_counts = counts()
     for i in range(4, 7):
         step(i)
     if rank == 0:
-        torch.save(result(), f"{path}/expected.pt")
+        torch.save({"counts": saved_counts, **result()}, f"{path}/expected.pt")
     hashed()
     failures()
 else:
@@ -105,10 +117,13 @@ else:
     model_sd, optim_sd = get_state_dict(model, opt.local)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=gt.ps.worker_group())
     set_state_dict(model, opt.local, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    loaded_counts = counts()
     for i in range(4, 7):
         step(i)
     if rank == 0:
         expected, ours = torch.load(f"{path}/expected.pt"), result()
+        check("counts", f"{loaded_counts} {expected.pop('counts')}")
         check("max_diff", max(float((ours[k] - expected[k]).abs().max()) for k in expected))
         check("moved", float((ours["emb"] - start["emb"]).abs().max()))
+        check("tags_moved", float((ours["tags"] - start["tags"]).abs().max()))
     gt.ps.stop_worker()

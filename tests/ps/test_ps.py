@@ -265,7 +265,7 @@ def test_sync_early_finish_and_a_dead_server_are_named(jobs) -> None:
     assert code != 0 and seconds < 60, (seconds, text)  # not the 300 s collective timeout
     took, message = checks["early_finish"].split(" ", 1)
     assert float(took[:-1]) < 5, checks
-    assert "worker 1 finished (gt.ps.stop_worker) after 7 steps of table 'emb'" in message
+    assert re.search(r"worker 1 finished \(gt.ps.stop_worker\) after 7 steps of table '(emb|tags)'", message)
     assert "every worker must run the same number of steps" in message
     took, message = checks["dead_server"].split(" ", 1)
     assert float(took[:-1]) < 5, checks
@@ -295,11 +295,15 @@ def resumed(jobs, tmp_path_factory):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_table_checkpoint_loads_into_another_number_of_servers(resumed) -> None:
-    # saved by 2 servers after 4 steps of lazy Adam, loaded by 3: the next 3 steps give
-    # the rows and dense parameters the uninterrupted job ended with
+    # saved by 2 servers after 4 steps of lazy Adam (and a hashed table), loaded by 3: the
+    # next 3 steps give the rows and dense parameters the uninterrupted job ended with
     code, _, checks, text = resumed["load"]
     assert code == 0, text
     assert float(checks["max_diff"]) <= 1e-6 and float(checks["moved"]) > 0.05, checks
+    # the hashed table too (its rows re-hashed to 3 servers), and its counts carry on
+    assert float(checks["tags_moved"]) > 0.05, checks
+    loaded, saved = checks["counts"].split(") (")
+    assert loaded + ")" == "(" + saved and "(40, 40, 0, 0)" not in checks["counts"], checks
 
 
 @pytest.mark.multiprocess
@@ -361,6 +365,72 @@ def test_hashed_shard_keeps_a_fixed_memory_bound_over_10x_capacity_ids() -> None
     hot_slots = shard.slots.find(hot)
     assert (hot_slots >= 0).all()
     torch.testing.assert_close(shard.optimizer.state["sum"][hot_slots], torch.full((50, 4), 50.0))
+
+
+def test_hashed_shard_restored_from_its_checkpoint_goes_on_as_the_saved_one() -> None:
+    from globaltensor.ps.checkpoint import PARTS
+
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.unique(torch.randint(0, 80, (12,), generator=g) * 1_000_003 - 2**50) for _ in range(40)]
+
+    def train(shard, some) -> None:  # type: ignore[no-untyped-def]
+        for ids in some:
+            with shard.lock:
+                shard.locate(ids, create=True)
+                shard.update(ids, torch.sin(ids.double()).float()[:, None].expand(-1, 4), 1)
+
+    def held(shard) -> dict:  # type: ignore[no-untyped-def]
+        slots, ids, _, _ = shard.slots.held()
+        order = torch.argsort(ids)
+        return {"ids": ids[order], "values": shard.weight[slots[order]],
+                "sum": shard.optimizer.state["sum"][slots[order]]}
+
+    saved = _hashed_shard(30)                    # 80 ids through 30 slots: LRU evicts
+    train(saved, batches[:20])
+    assert saved.slots.stats()["evicted"] > 20
+    with saved.lock:                             # two workers' parts, loaded in reverse order
+        parts = [saved.export(torch.arange(w, PARTS, 2), PARTS) for w in (1, 0)]
+    assert sum(len(p) for p in parts) == 30
+    loaded = _hashed_shard(30)
+    train(loaded, batches[30:33])                # rows the load replaces
+    with loaded.lock:
+        loaded.clear()
+        for p in parts:
+            loaded.restore(p)
+    assert all(torch.equal(a, b) for a, b in zip(held(saved).values(), held(loaded).values()))
+    train(saved, batches[20:])
+    train(loaded, batches[20:])                  # same evictions (ties go by id, not slot)
+    assert all(torch.equal(a, b) for a, b in zip(held(saved).values(), held(loaded).values()))
+
+    small = _hashed_shard(10)                    # less room than rows: the most recent stay
+    with saved.lock:
+        rows = saved.export(torch.arange(PARTS), PARTS)
+    with small.lock:
+        small.restore(rows)
+    kept = torch.isin(rows.ids, small.slots.held()[1])
+    assert int(kept.sum()) == 10 and int(rows.age[kept].max()) <= int(rows.age[~kept].min())
+    assert small.slots.stats()["rows"] == 10
+
+
+def test_geo_copy_holds_negative_ids_and_evicts_the_coldest() -> None:
+    from globaltensor.ps.geo import GeoCopy
+
+    copy, pulled = GeoCopy(2, "sgd", 0.1, None, limit=3), []
+
+    def pull(ids: torch.Tensor) -> torch.Tensor:
+        pulled.append(ids.tolist())
+        return ids.float()[:, None].expand(-1, 2).clone()
+
+    copy.slots(torch.tensor([-5, -1, 7]), pull)
+    copy.slots(torch.tensor([-5, 7]), pull)          # -1 is now the coldest
+    slot = copy.slots(torch.tensor([-9]), pull)
+    assert copy.values[slot].tolist() == [[-9.0, -9.0]] and len(copy) == 4
+    copy.refresh(torch.zeros(0, dtype=torch.int64), torch.zeros(0, 2))   # beyond limit: goes
+    assert len(copy) == 3 and copy.take_released().tolist() == [-1]
+    copy.slots(torch.tensor([-5, -1]), pull)         # -1 pulled again, -5 still held
+    assert pulled == [[-5, -1, 7], [-9], [-1]]
+    copy.clear()
+    assert len(copy) == 0 and sorted(copy.take_released().tolist()) == [-9, -5, -1, 7]
 
 
 def test_hashed_admission_and_ttl() -> None:
