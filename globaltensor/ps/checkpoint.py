@@ -19,7 +19,7 @@ mode, and no worker trains before every block is loaded).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -29,8 +29,8 @@ from . import server
 from .hashed import HashedRows, part_of, server_of
 from .runtime import state, wait_calls
 
-if TYPE_CHECKING:
-    from .table import Rows
+# `rows` below is a table's ``table.Rows`` (not imported: table.py imports this module)
+Rows = Any
 
 __all__ = ["PARTS", "workers_meet", "row_state", "load_row_state", "hashed_state", "load_hashed_state"]
 
@@ -49,13 +49,13 @@ def _workers_placement():  # type: ignore[no-untyped-def]
     return gt.placement("cpu", ranks=list(range(state.workers)))
 
 
-def _block(rows: "Rows") -> torch.Tensor:
+def _block(rows: Rows) -> torch.Tensor:
     """The rows of a row table this worker saves and loads."""
     offset, size = balanced_split(rows.num_rows, state.workers)[state.rank]
     return torch.arange(offset, offset + size)
 
 
-def row_state(rows: "Rows") -> dict:
+def row_state(rows: Rows) -> dict:
     """{"weight": ..., "optimizer.<name>": ...}: GlobalTensors split by rows over the workers."""
     import globaltensor as gt
     ids = _block(rows)
@@ -65,7 +65,7 @@ def row_state(rows: "Rows") -> dict:
             for name, t in [("weight", values), *((f"optimizer.{n}", t) for n, t in opt_state.items())]}
 
 
-def load_row_state(rows: "Rows", saved: dict) -> None:
+def load_row_state(rows: Rows, saved: dict) -> None:
     """Push ``row_state``'s form (filled by ``dcp.load``; plain whole tensors work too)."""
     import globaltensor as gt
     ids = _block(rows)
@@ -87,7 +87,7 @@ def _my_parts() -> list[int]:
     return [p for p in range(PARTS) if p % state.workers == state.rank]
 
 
-def hashed_state(rows: "Rows") -> dict:
+def hashed_state(rows: Rows) -> dict:
     """{"hashed_parts": {"07": HashedRows, ...}}: this worker's parts, rows sorted by id;
     part "00" (always worker 0's) also carries the table's counts."""
     mine = _my_parts()
@@ -104,7 +104,7 @@ def hashed_state(rows: "Rows") -> dict:
     return {"hashed_parts": parts}
 
 
-def load_hashed_state(rows: "Rows", saved: dict) -> None:
+def load_hashed_state(rows: Rows, saved: dict) -> None:
     """Replace the table's rows by ``hashed_state``'s parts (filled by ``dcp.load``):
     each row goes to the server its id hashes to now."""
     parts = saved.get("hashed_parts")
