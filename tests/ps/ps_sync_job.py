@@ -106,6 +106,7 @@ if phase == "save":
     model_sd, optim_sd = get_state_dict(model, opt.local)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=gt.ps.worker_group())
     saved_counts = counts()
+    torch.distributed.barrier(group=gt.ps.worker_group())  # before anyone's next lookup
     for i in range(4, 7):
         step(i)
     if rank == 0:
