@@ -38,6 +38,15 @@ def _layout(shape, placement, sbp) -> Layout:
     return Layout.make(shape, placement, sbp)
 
 
+def made(layout: Layout, dtype: torch.dtype) -> None:
+    """A tensor of ``layout`` was made from this rank's arguments: its members compare
+    shape, sbp and dtype at their next boxing (``comm.settle``), so an argument that
+    differs between ranks raises there instead of aborting a collective."""
+    if layout.placement.size > 1 and comm.get_rank() in layout.placement and not comm.tracing():
+        comm.claim(tuple(sorted(layout.placement.flat_ranks)),
+                   f"{tuple(layout.shape)} {layout.sbp} {dtype} on {layout.placement}")
+
+
 def _size(size) -> tuple[int, ...]:
     if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
         size = tuple(size[0])
@@ -61,6 +70,7 @@ def _from_local_fn(make):
         else:
             local = make(layout.local_shape(rank), dtype, device_of(placement), **fill)
             local = _zero_non_first(local, layout, rank, fill)
+        made(layout, local.dtype)
         return GlobalTensor(local, layout, requires_grad=requires_grad)
     return factory
 
@@ -94,6 +104,7 @@ def _random_fn(kind: str, doc: str):
         layout = _layout(_size(size), placement, sbp)
         dtype = dtype or torch.get_default_dtype()
         local = local_sample(kind, layout, next_draw(), dtype)  # every rank takes the draw
+        made(layout, dtype)
         return GlobalTensor(local, layout, requires_grad=requires_grad)
     factory.__name__, factory.__doc__ = {"normal": "randn", "uniform": "rand"}[kind], doc
     return factory
@@ -121,6 +132,7 @@ def randint(low: int, high: int | None = None, size: Sequence[int] = None, *,
         raise ValueError(f"randint needs low < high, got low={low}, high={high}")
     layout = _layout(_size((size,)), placement, sbp)
     local = local_sample("integers", layout, next_draw(), dtype, low=low, high=high)
+    made(layout, dtype)
     return GlobalTensor(local, layout, requires_grad=requires_grad)
 
 
@@ -134,6 +146,7 @@ def normal(mean: float, std: float, size: Sequence[int], *, placement: Placement
     layout = _layout(_size((size,)), placement, sbp)
     local = local_sample("normal", layout, next_draw(), dtype or torch.get_default_dtype(),
                          mean=mean, std=std)
+    made(layout, local.dtype)
     return GlobalTensor(local, layout, requires_grad=requires_grad)
 
 
@@ -142,7 +155,9 @@ def arange(start, end=None, step=1, *, placement: Placement = None, sbp=None,
     """``gt.arange(10, placement=p, sbp=gt.sbp.split(0))``, values as torch.arange."""
     value = torch.arange(start, end, step, dtype=dtype) if end is not None else \
         torch.arange(start, step=step, dtype=dtype) if step != 1 else torch.arange(start, dtype=dtype)
-    return from_full(value, _layout(value.shape, placement, sbp), requires_grad=requires_grad)
+    layout = _layout(value.shape, placement, sbp)
+    made(layout, value.dtype)
+    return from_full(value, layout, requires_grad=requires_grad)
 
 
 def tensor(data, *, placement: Placement = None, sbp=None, dtype: torch.dtype | None = None,
@@ -153,7 +168,9 @@ def tensor(data, *, placement: Placement = None, sbp=None, dtype: torch.dtype | 
     >>> gt.tensor([[1., 2.], [3., 4.]], placement=p, sbp=gt.sbp.split(0))   # doctest: +SKIP
     """
     value = torch.as_tensor(data, dtype=dtype).detach()
-    return from_full(value, _layout(value.shape, placement, sbp), requires_grad=requires_grad)
+    layout = _layout(value.shape, placement, sbp)
+    made(layout, value.dtype)
+    return from_full(value, layout, requires_grad=requires_grad)
 
 
 def from_local(t: torch.Tensor, placement: Placement = None, sbp=None, shape=None) -> GlobalTensor:

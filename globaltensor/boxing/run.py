@@ -48,8 +48,22 @@ def run(plan: Plan, local: torch.Tensor, why: object, donate: bool = False) -> t
     """Run ``plan`` (planned by the caller) on this rank's ``local`` part and wait: its
     part of ``plan.dst``. Every rank of both placements takes part."""
     rank = comm.get_rank()
+    if comm.claims_pending() and not comm.tracing():  # (a traced graph compares nothing)
+        _settle_claims(plan, rank)
     with _watch(plan, local.dtype, why, rank):
         return execute(plan, local, rank, donate)
+
+
+def _settle_claims(plan: Plan, rank: int) -> None:
+    """Before the first boxing of the ranks of either end since they made global
+    tensors from their own arguments, compare what they made (``comm.settle``): the
+    members of each end are all here."""
+    done = []
+    for placement in (plan.src.placement, plan.dst.placement):
+        ranks = tuple(sorted(placement.flat_ranks))
+        if rank in ranks and ranks not in done:
+            done.append(ranks)
+            comm.settle(ranks)
 
 
 def start(plan: Plan, local: torch.Tensor, why: object, ranks: tuple[int, ...]) -> Handle:

@@ -3,7 +3,8 @@ from .collectives import (all_gather_async, all_gather_into, all_gather_p2p, all
                           batched_p2p, broadcast_, start_p2p, get_rank, get_world_size,
                           tracing)
 from .groups import bind_gloo_to_address, finish, get_group, init, local_device
-from .guard import CollectiveError, DivergenceError, activity, agree, check_mode, checking
+from .guard import (CollectiveError, DivergenceError, activity, agree, check_mode, checking, claim,
+                    claims_pending, settle)
 from .meet import meet
 from .stats import CommCounter
 
@@ -11,4 +12,4 @@ __all__ = ["all_gather_async", "all_gather_into", "all_gather_p2p", "all_gather_
            "all_to_all_single", "batched_p2p", "broadcast_", "start_p2p",
            "tracing", "get_rank",
            "get_world_size", "bind_gloo_to_address", "finish", "get_group", "init", "local_device", "CommCounter", "CollectiveError", "DivergenceError",
-           "activity", "agree", "check_mode", "checking", "meet"]
+           "activity", "agree", "check_mode", "checking", "claim", "claims_pending", "settle", "meet"]

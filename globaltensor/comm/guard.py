@@ -13,6 +13,7 @@ if they differ, every rank raises naming the ranks that disagree.
 from __future__ import annotations
 
 import contextlib
+import zlib
 from typing import Callable
 
 import torch
@@ -108,7 +109,40 @@ _ELSEWHERE = ("reached a different communication (another op, layout, dtype or l
               "Every rank of a placement must run the same ops.")
 
 
-def agree(fingerprint: int, ranks: tuple[int, ...], what: str, differ: str = _ELSEWHERE) -> None:
+_MADE_ELSEWHERE = ("made others (a shape, sbp or dtype from rank-dependent arguments, such as a "
+                   "batch size). Every rank of a placement must make the same global tensors.")
+
+# Global tensors made from this rank's arguments (factories, module conversion) since
+# their ranks last boxed together, by sorted ranks: (digest, the last one). Compared
+# (``settle``) before those ranks' next boxing, so a rank-dependent argument raises a
+# DivergenceError on every member, where the boxing's collective of other sizes would
+# abort the process (gloo) or leave garbage (a receive of fewer bytes than expected).
+_claims: dict[tuple[int, ...], tuple[int, str]] = {}
+
+
+def claim(ranks: tuple[int, ...], what: str) -> None:
+    """Note that this rank made a global tensor on ``ranks`` (sorted) as ``what``
+    (shape, sbp, dtype): compared with the other members at their next boxing."""
+    digest = _claims[ranks][0] if ranks in _claims else 0
+    _claims[ranks] = (zlib.crc32(what.encode(), digest), what)
+
+
+def claims_pending() -> bool:
+    return bool(_claims)
+
+
+def settle(ranks: tuple[int, ...]) -> None:
+    """Compare the tensors made on ``ranks`` (sorted) since they last boxed together:
+    one small all-gather among them, nothing when none was made. Every member calls it
+    at the same boxing (they made the same calls, so all or none have claims)."""
+    pending = _claims.pop(ranks, None)
+    if pending is not None:
+        agree(pending[0], ranks, f"the global tensors made on ranks {list(ranks)} since their last "
+              f"boxing (the last: {pending[1]})", _MADE_ELSEWHERE, prefix="globaltensor")
+
+
+def agree(fingerprint: int, ranks: tuple[int, ...], what: str, differ: str = _ELSEWHERE,
+          prefix: str = "globaltensor check mode") -> None:
     """Raise ``DivergenceError`` on every member unless all members of ``ranks`` pass
     the same ``fingerprint`` (sorted ``ranks``: one group whatever the order)."""
     from .groups import get_group
@@ -122,5 +156,5 @@ def agree(fingerprint: int, ranks: tuple[int, ...], what: str, differ: str = _EL
             everyone, mine, group=get_group(members)))
     others = [r for r, f in zip(members, everyone.tolist()) if f != mine.item()]
     if others:
-        raise DivergenceError(f"globaltensor check mode: rank {dist.get_rank()} is at {what}, "
+        raise DivergenceError(f"{prefix}: rank {dist.get_rank()} is at {what}, "
                               f"but ranks {others} (of {list(members)}) {differ}")

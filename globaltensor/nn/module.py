@@ -18,6 +18,7 @@ import torch
 from .. import comm
 from ..dispatch import implicit_broadcast
 from ..dispatch.step import step_boundary
+from ..factory import made
 from ..layout import Layout
 from ..local_parts import device_of, empty_local
 from ..placement import Placement, check_placement
@@ -125,6 +126,7 @@ def globalize(t: torch.Tensor, layout: Layout) -> GlobalTensor:
     if isinstance(t, GlobalTensor):
         return to_layout(t, layout)
     rank = comm.get_rank()
+    made(layout, t.dtype)  # this rank's module: its members compare shapes before sending any
     if t.device.type == "meta":
         if rank not in layout.placement:
             return GlobalTensor(empty_local(layout, t.dtype), layout)

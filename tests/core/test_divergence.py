@@ -110,6 +110,28 @@ def check_dtype_differs_per_rank():
             x.to_global(sbp=gt.sbp.broadcast)
 
 
+def check_rank_dependent_shapes_raise_at_the_next_boxing():
+    import torch
+    import globaltensor as gt
+    from globaltensor.comm import guard
+    r = gt.get_rank()
+    p = gt.placement("cpu", [0, 1])
+    # a factory given a rank-dependent size: the collective of the next boxing would
+    # abort the process (gloo: "Received data size doesn't match expected size")
+    x = gt.randn(4 + 2 * r, 3, placement=p, sbp=gt.sbp.split(0))
+    with pytest.raises(gt.debug.DivergenceError, match=rf"the last: \({4 + 2 * r}, 3\) .*ranks \[{1 - r}\]"):
+        x.to_global(sbp=gt.sbp.broadcast)
+    # a plain module built differently per rank: its broadcast would leave garbage
+    with pytest.raises(gt.debug.DivergenceError, match=rf"the last: \(2, {3 + r}\) "):
+        gt.nn.to_global(torch.nn.Linear(3 + r, 2), p, gt.sbp.broadcast)
+    # tensors made alike: compared once at the next boxing, then nothing is pending
+    a = gt.arange(4, placement=p, sbp=gt.sbp.split(0))
+    b = gt.ones(4, placement=p, sbp=gt.sbp.split(0))
+    assert guard._claims
+    assert (a + b).to_global(sbp=gt.sbp.broadcast).to_local().tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert not guard._claims
+
+
 def check_load_state_dict_differs_per_rank():
     import torch
     import globaltensor as gt
@@ -176,7 +198,7 @@ def check_profiler_and_debug_log_name_the_boxing():
 
 CHECKS3 = ["check_member_only_groups"]
 CHECKS2 = ["check_read_of_different_tensors", "check_same_line_ops_on_different_tensors",
-           "check_dtype_differs_per_rank",
+           "check_dtype_differs_per_rank", "check_rank_dependent_shapes_raise_at_the_next_boxing",
            "check_load_state_dict_differs_per_rank", "check_from_local_exchanges_no_pickles",
            "check_profiler_and_debug_log_name_the_boxing"]
 

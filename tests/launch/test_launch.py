@@ -239,9 +239,7 @@ def summary(stderr: str) -> str:
     return "\n".join(line for line in stderr.splitlines() if line.startswith(("globaltensor.launch", "  ")))
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode, expected", [
+FAULT_CASES = [
     # rank 1 exits 0 at once; rank 0's all_reduce then fails: rank 1 is named first (rank 0
     # then exits 1, or gloo's threads abort it at exit: that is torch's, not the summary's)
     ("early", [r"rank 1 exited with code 0 while other ranks were still running; then rank 0 "
@@ -260,12 +258,47 @@ def summary(stderr: str) -> str:
     ("sigkill", [r"^globaltensor.launch: rank 1 was killed by signal SIGKILL"]),
     ("sigterm", [r"^globaltensor.launch: rank 1 was killed by signal SIGTERM"]),
     ("silent", [r"^globaltensor.launch: rank 1 exited with code 3"]),
-])
-def test_summary_names_the_rank_that_caused_the_failure(tmp_path: Path, mode: str, expected: list[str]) -> None:
-    # "quiet" runs with the default log directory: the summary reads the job's own one
-    log_args = [] if mode == "quiet" else ["--log_dir", str(tmp_path / "log")]
-    r = launch(["--nproc_per_node", "2", "--master_port", str(free_port()), *log_args,
-                str(SCRIPTS / "faults.py"), mode], cwd=tmp_path, timeout=45)
+]
+
+
+@pytest.fixture(scope="module")
+def fault_jobs(tmp_path_factory) -> dict:
+    """Every job of ``faults.py``'s summary cases, started together (each is mostly
+    process start-up and waiting): {mode: (CompletedProcess, its directory)}."""
+    tmp = tmp_path_factory.mktemp("faults")
+    started = {}
+    try:
+        for mode, _ in FAULT_CASES:
+            where = tmp / mode
+            where.mkdir()
+            # "quiet" runs with the default log directory: the summary reads the job's own one
+            log_args = [] if mode == "quiet" else ["--log_dir", str(where / "log")]
+            cmd = [sys.executable, "-m", "globaltensor.launch", "--nproc_per_node", "2", "--master_port",
+                   str(free_port()), *log_args, str(SCRIPTS / "faults.py"), mode]
+            out, err = open(where / "out", "w+"), open(where / "err", "w+")
+            started[mode] = (where, out, err, subprocess.Popen(cmd, cwd=where, env=launcher_env(),
+                                                                stdout=out, stderr=err, text=True))
+        done, deadline = {}, time.monotonic() + 60
+        for mode, (where, out, err, proc) in started.items():
+            proc.wait(max(0.1, deadline - time.monotonic()))
+            out.seek(0)
+            err.seek(0)
+            done[mode] = (subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read()), where)
+        return done
+    finally:
+        for _, out, err, proc in started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            out.close()
+            err.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode, expected", FAULT_CASES)
+def test_summary_names_the_rank_that_caused_the_failure(fault_jobs: dict, mode: str, expected: list[str]) -> None:
+    r, tmp_path = fault_jobs[mode]
     # "early": rank 0's own failure gives the code, 1, or 134 when gloo's threads abort it
     codes = {"sigkill": {137}, "sigterm": {143}, "silent": {3}, "early": {1, 134}}.get(mode, {1})
     assert r.returncode in codes, r.stdout + r.stderr
