@@ -43,8 +43,16 @@ def made(layout: Layout, dtype: torch.dtype) -> None:
     shape, sbp and dtype at their next boxing (``comm.settle``), so an argument that
     differs between ranks raises there instead of aborting a collective."""
     if layout.placement.size > 1 and comm.get_rank() in layout.placement and not comm.tracing():
-        comm.claim(tuple(sorted(layout.placement.flat_ranks)),
-                   f"{tuple(layout.shape)} {layout.sbp} {dtype} on {layout.placement}")
+        key = (layout, dtype)
+        if key not in _fingerprints:  # (string hashes differ between processes: crc32)
+            if len(_fingerprints) > 4096:  # shapes that change every step: stay bounded
+                _fingerprints.clear()
+            what = f"{tuple(layout.shape)} {layout.sbp} {dtype} on {layout.placement}"
+            _fingerprints[key] = (tuple(sorted(layout.placement.flat_ranks)), zlib.crc32(what.encode()), what)
+        comm.claim(*_fingerprints[key])
+
+
+_fingerprints: dict = {}  # (layout, dtype) -> (sorted ranks, fingerprint, description)
 
 
 def _size(size) -> tuple[int, ...]:

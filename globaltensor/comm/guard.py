@@ -13,7 +13,6 @@ if they differ, every rank raises naming the ranks that disagree.
 from __future__ import annotations
 
 import contextlib
-import zlib
 from typing import Callable
 
 import torch
@@ -117,14 +116,15 @@ _MADE_ELSEWHERE = ("made others (a shape, sbp or dtype from rank-dependent argum
 # (``settle``) before those ranks' next boxing, so a rank-dependent argument raises a
 # DivergenceError on every member, where the boxing's collective of other sizes would
 # abort the process (gloo) or leave garbage (a receive of fewer bytes than expected).
-_claims: dict[tuple[int, ...], tuple[int, str]] = {}
+_claims: dict[tuple[int, ...], tuple[int, object]] = {}
 
 
-def claim(ranks: tuple[int, ...], what: str) -> None:
-    """Note that this rank made a global tensor on ``ranks`` (sorted) as ``what``
-    (shape, sbp, dtype): compared with the other members at their next boxing."""
+def claim(ranks: tuple[int, ...], fingerprint: int, what: object) -> None:
+    """Note that this rank made a global tensor on ``ranks`` (sorted): ``fingerprint``
+    (the same on every rank for the same shape, sbp and dtype) is compared with the
+    other members at their next boxing; ``what`` describes it (formatted on a mismatch)."""
     digest = _claims[ranks][0] if ranks in _claims else 0
-    _claims[ranks] = (zlib.crc32(what.encode(), digest), what)
+    _claims[ranks] = ((digest * 1_000_003 + fingerprint) & (2**62 - 1), what)
 
 
 def claims_pending() -> bool:
