@@ -51,7 +51,7 @@ def _loss_falls(out: str) -> None:
 @pytest.fixture(scope="module")
 def sync_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sync")
-    r = ps_launch(tmp / "log", EXAMPLE, "--mode", "sync", "--save", str(tmp / "sync.pt"), *SGD)
+    r = ps_launch(tmp / "log", EXAMPLE, "--mode", "sync", "--steps", SYNC_STEPS, "--save", str(tmp / "sync.pt"), *SGD)
     return r, tmp
 
 
@@ -75,7 +75,7 @@ def test_sync_equals_one_process_and_roles_end_cleanly(sync_run) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        example.main(["--reference", "--save", str(tmp / "ref.pt"), *SGD])
+        example.main(["--reference", "--steps", SYNC_STEPS, "--save", str(tmp / "ref.pt"), *SGD])
     finally:
         torch.set_num_threads(threads)
     ours, ref = torch.load(tmp / "sync.pt"), torch.load(tmp / "ref.pt")
@@ -85,7 +85,7 @@ def test_sync_equals_one_process_and_roles_end_cleanly(sync_run) -> None:
     # and training moved the tables' rows far beyond the tolerance (the wide table
     # starts at zero)
     start = example.gt.ps.EmbeddingTable.initial_weight(26000, 8, 0.1, seed=1)
-    assert (ref["embedding.weight"] - start).abs().max() > 5e-4
+    assert (ref["embedding.weight"] - start).abs().max() > 2e-4
     assert ref["wide.weight"].abs().max() > 0.03
 
 
@@ -93,7 +93,7 @@ def test_sync_equals_one_process_and_roles_end_cleanly(sync_run) -> None:
 @pytest.mark.timeout(150)
 def test_async_worker_does_not_wait_for_a_slow_one(tmp_path: Path) -> None:
     r = ps_launch(tmp_path / "log", EXAMPLE, "--mode", "async", "--slow_worker", "1",
-                  "--slow_factor", "3", "--steps", "80", *SGD)   # the slowed worker sets the pace
+                  "--slow_factor", "3", "--steps", "50", *SGD)   # the slowed worker sets the pace
     assert r.returncode == 0, r.stdout + r.stderr
     fast = _value(r"worker 0: (\d+) examples/s", r.stdout)
     slow = _value(r"worker 1: (\d+) examples/s", r.stdout)
@@ -107,7 +107,7 @@ def test_async_worker_does_not_wait_for_a_slow_one(tmp_path: Path) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_geo_trains(tmp_path: Path) -> None:
-    r = ps_launch(tmp_path / "log", EXAMPLE, "--mode", "geo", "--k_steps", "10", "--steps", "80",
+    r = ps_launch(tmp_path / "log", EXAMPLE, "--mode", "geo", "--k_steps", "10", "--steps", "60",
                   *SGD)
     assert r.returncode == 0, r.stdout + r.stderr
     assert _auc(r.stdout) > 0.7
@@ -195,6 +195,7 @@ def test_ps_api_checks_and_row_optimizers(monkeypatch) -> None:
 
 GEO_JOB = Path(__file__).resolve().parent / "ps_geo_job.py"
 SYNC_JOB = Path(__file__).resolve().parent / "ps_sync_job.py"
+SYNC_STEPS = "60"  # sync vs one plain-torch process: steps of the example (50+)
 
 
 def _start(log_dir: Path, servers: int, script: Path, *args: str, nodes: int = 1):  # type: ignore[no-untyped-def]
