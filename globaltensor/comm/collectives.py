@@ -17,11 +17,9 @@ import torch.distributed._functional_collectives as funcol
 
 from . import stats
 from .groups import get_group, init
-from .guard import Waiting, guarded
+from .guard import Waiting, all_gather_single as _all_gather_single, guarded
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-# Renamed in recent torch; the old name still works but warns.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def tracing() -> bool:

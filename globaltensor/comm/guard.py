@@ -20,6 +20,10 @@ import torch.distributed as dist
 
 from .. import env
 
+# Renamed in recent torch; the old name still works but warns (once per process, in
+# the program's output).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 _doing: list = []  # descriptions (str or objects with __str__), innermost last
 _checking = 0      # open check_consistency() contexts
 # Read once: check_mode() runs on every tensor made (origins.py), so it must be cheap.
@@ -152,7 +156,7 @@ def agree(fingerprint: int, ranks: tuple[int, ...], what: str, differ: str = _EL
     mine = torch.tensor([fingerprint & (2**63 - 1)], dtype=torch.int64)
     everyone = torch.empty(len(members), dtype=torch.int64)
     with activity(f"check mode: comparing {what}"):
-        guarded("check-mode all_gather", members, lambda: dist.all_gather_into_tensor(
+        guarded("check-mode all_gather", members, lambda: all_gather_single(
             everyone, mine, group=get_group(members)))
     others = [r for r, f in zip(members, everyone.tolist()) if f != mine.item()]
     if others:
