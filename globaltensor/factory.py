@@ -15,6 +15,7 @@ True
 """
 from __future__ import annotations
 
+import functools
 import zlib
 
 from typing import Sequence
@@ -43,16 +44,15 @@ def made(layout: Layout, dtype: torch.dtype) -> None:
     shape, sbp and dtype at their next boxing (``comm.settle``), so an argument that
     differs between ranks raises there instead of aborting a collective."""
     if layout.placement.size > 1 and comm.get_rank() in layout.placement and not comm.tracing():
-        key = (layout, dtype)
-        if key not in _fingerprints:  # (string hashes differ between processes: crc32)
-            if len(_fingerprints) > 4096:  # shapes that change every step: stay bounded
-                _fingerprints.clear()
-            what = f"{tuple(layout.shape)} {layout.sbp} {dtype} on {layout.placement}"
-            _fingerprints[key] = (tuple(sorted(layout.placement.flat_ranks)), zlib.crc32(what.encode()), what)
-        comm.claim(*_fingerprints[key])
+        comm.claim(*_claim_of(layout, dtype))
 
 
-_fingerprints: dict = {}  # (layout, dtype) -> (sorted ranks, fingerprint, description)
+@functools.lru_cache(maxsize=64)   # (bounded: shapes that change every step)
+def _claim_of(layout: Layout, dtype: torch.dtype) -> tuple:
+    """(sorted ranks, fingerprint, description); crc32, as string hashes differ
+    between processes."""
+    what = f"{tuple(layout.shape)} {layout.sbp} {dtype} on {layout.placement}"
+    return tuple(sorted(layout.placement.flat_ranks)), zlib.crc32(what.encode()), what
 
 
 def _size(size) -> tuple[int, ...]:
