@@ -142,23 +142,25 @@ def settle(ranks: tuple[int, ...]) -> None:
     pending = _claims.pop(ranks, None)
     if pending is not None:
         agree(pending[0], ranks, f"the global tensors made on ranks {list(ranks)} since their last "
-              f"boxing (the last: {pending[1]})", _MADE_ELSEWHERE, prefix="globaltensor")
+              f"boxing (the last: {pending[1]})", _MADE_ELSEWHERE, check=False)
 
 
 def agree(fingerprint: int, ranks: tuple[int, ...], what: str, differ: str = _ELSEWHERE,
-          prefix: str = "globaltensor check mode") -> None:
+          check: bool = True) -> None:
     """Raise ``DivergenceError`` on every member unless all members of ``ranks`` pass
-    the same ``fingerprint`` (sorted ``ranks``: one group whatever the order)."""
+    the same ``fingerprint`` (sorted ``ranks``: one group whatever the order). ``check``:
+    the check mode's comparison, so named in errors (False: one made always, ``settle``)."""
     from .groups import get_group
     members = tuple(sorted(ranks))
     if len(members) == 1:
         return
     mine = torch.tensor([fingerprint & (2**63 - 1)], dtype=torch.int64)
     everyone = torch.empty(len(members), dtype=torch.int64)
-    with activity(f"check mode: comparing {what}"):
-        guarded("check-mode all_gather", members, lambda: all_gather_single(
+    with activity(f"{'check mode: ' if check else ''}comparing {what}"):
+        guarded("comparing all_gather", members, lambda: all_gather_single(
             everyone, mine, group=get_group(members)))
     others = [r for r, f in zip(members, everyone.tolist()) if f != mine.item()]
     if others:
-        raise DivergenceError(f"{prefix}: rank {dist.get_rank()} is at {what}, "
+        mode = " check mode" if check else ""
+        raise DivergenceError(f"globaltensor{mode}: rank {dist.get_rank()} is at {what}, "
                               f"but ranks {others} (of {list(members)}) {differ}")
