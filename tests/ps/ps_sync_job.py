@@ -119,6 +119,7 @@ else:
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=gt.ps.worker_group())
     set_state_dict(model, opt.local, model_state_dict=model_sd, optim_state_dict=optim_sd)
     loaded_counts = counts()
+    torch.distributed.barrier(group=gt.ps.worker_group())  # before anyone's next lookup
     for i in range(4, 7):
         step(i)
     if rank == 0:
