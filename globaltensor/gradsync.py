@@ -38,6 +38,14 @@ _pending: "_Reducer | None" = None
 # leaf -> weak references to (its kept .grad, the partial .grad that replaced it until
 # the reducing backward); see ``keep_partial``
 _kept = WeakIdKeyDictionary()
+# Called as fn(grad, leaf layout) when a gradient not in its leaf's layout reaches
+# ``.grad`` (the step planner prices boxing it there: the dispatcher installs it).
+_grad_arrived = None
+
+
+def install_grad_watch(fn) -> None:
+    global _grad_arrived
+    _grad_arrived = fn
 
 
 @contextlib.contextmanager
@@ -153,6 +161,8 @@ def _after_accumulate(leaf: GlobalTensor) -> None:
     grad = leaf.grad
     if not isinstance(grad, GlobalTensor) or grad.global_layout == leaf.global_layout or not _sync:
         return
+    if _grad_arrived is not None:
+        _grad_arrived(grad, leaf.global_layout)
     axes = _reducible_axes(grad.global_layout, leaf.global_layout)
     if axes is None:  # anything but a plain partial-sum reduction: box right away
         _settle(leaf, grad, to_layout(grad, leaf.global_layout))

@@ -45,10 +45,11 @@ class Problem:
                 + sum(cost[choice[u]][choice[v]] for u, v, cost in self.edges))
 
 
-def solve(problem: Problem, start: list) -> list:
-    """The cheapest choice found: dynamic programming and ``start`` (the per-op
-    choice), each improved by single moves; the better, improved by propagated moves."""
-    found = [improve(problem, list(start)), improve(problem, forward_dp(problem))]
+def solve(problem: Problem, start: list, seeds: tuple = ()) -> list:
+    """The cheapest choice found: dynamic programming, ``start`` (the per-op choice)
+    and ``seeds``, each improved by single moves; the best, improved by propagated
+    moves."""
+    found = [improve(problem, list(c)) for c in (start, forward_dp(problem), *seeds)]
     return propagate(problem, min(found, key=problem.total))
 
 
@@ -84,8 +85,12 @@ def _scores(problem: Problem, v: int, choice, consumers: bool = True) -> list:
         row = cost[choice[u]]
         for o in range(len(scores)):
             scores[o] += row[o]
-    if not consumers:
-        return scores
+    if consumers:
+        _add_consumers(problem, v, choice, scores)
+    return scores
+
+
+def _add_consumers(problem: Problem, v: int, choice, scores: list) -> list:
     for k in problem.out_of[v]:
         _, w, cost = problem.edges[k]
         cw = choice[w]
@@ -94,75 +99,74 @@ def _scores(problem: Problem, v: int, choice, consumers: bool = True) -> list:
     return scores
 
 
-class _Overlay:
-    """``choice`` with some nodes changed, without copying it."""
-    __slots__ = ("base", "changed")
-
-    def __init__(self, base, changed):
-        self.base, self.changed = base, changed
-
-    def __getitem__(self, v):
-        return self.changed.get(v, self.base[v])
-
-
-def _energy(problem: Problem, nodes, choice) -> float:
-    """The part of the total that involves ``nodes``."""
-    edges = {k for v in nodes for k in problem.into[v] + problem.out_of[v]}
-    return (sum(problem.unary[v][choice[v]] for v in nodes)
-            + sum(problem.edges[k][2][choice[problem.edges[k][0]]][choice[problem.edges[k][1]]]
-                  for k in edges))
-
-
 def propagate(problem: Problem, choice: list, window: int = 24, sweeps: int = 2) -> list:
-    """Moves that change one node and let its consumers follow: node v takes option
+    """Moves that change one node and let its neighbours follow: node v takes option
     o, then each consumer reached (in call order, at most ``window`` of them) takes its
     best option (given its producers only, as per-op choice would, or given all its
-    neighbours); the better of the two is kept when the total falls. Single moves
-    cannot cross a chain of views whose links must change together (a residual stream
-    going from batch-split to broadcast); these can. Moves are tried near the edges
-    that cost something (``_near_costs``): elsewhere nothing is boxed."""
+    neighbours), or each producer reached (in reverse call order) takes its best
+    option given all its neighbours; the best of the three is kept when the total
+    falls. Single moves cannot cross a chain of views whose links must change together
+    (a residual stream going from batch-split to broadcast), nor change two branches
+    that meet in one call (a tied weight's two gradients); these can. Moves are tried
+    near the edges that cost something (``_near_costs``): elsewhere nothing is boxed."""
+    touched = None   # after the first sweep: where the last one moved something
     for _ in range(sweeps):
-        moved = False
+        moved = set()
         for v in _near_costs(problem, choice):
+            if touched is not None and v not in touched:
+                continue
             for o in range(len(problem.unary[v])):
                 if o == choice[v]:
                     continue
                 best = None
-                for consumers in (False, True):
-                    changed = _follow(problem, choice, v, o, window, consumers)
-                    gain = (_energy(problem, changed, choice)
-                            - _energy(problem, changed, _Overlay(choice, changed)))
+                for way in ("consumers", "neighbours", "producers"):
+                    gain, changed = _follow(problem, choice, v, o, window, way)
                     if gain > 1e-12 and (best is None or gain > best[0]):
                         best = (gain, changed)
                 if best is not None:
                     for w, c in best[1].items():
                         choice[w] = c
-                    moved = True
+                    moved |= best[1].keys()
         if not moved:
             break
+        touched = moved | {problem.edges[k][end] for w in moved
+                           for end, links in ((0, problem.into), (1, problem.out_of))
+                           for k in links[w]}
     return choice
 
 
-def _follow(problem: Problem, choice: list, v: int, o: int, window: int,
-            consumers: bool) -> dict:
-    """Node v in option o and the consumers that change their choice after it."""
-    changed = {v: o}
-    trial = _Overlay(choice, changed)
-    todo = sorted({problem.edges[k][1] for k in problem.out_of[v]})
+def _follow(problem: Problem, choice: list, v: int, o: int, window: int, way: str):
+    """(how much the total falls, {node: option}) when node v takes option o and the
+    nodes after it re-choose: its consumers onwards (``way`` "consumers": each given
+    its producers; "neighbours": given all its neighbours) or its producers backwards
+    ("producers"). ``choice`` is changed while trying and restored."""
+    old = {v: choice[v]}
+    scores = _scores(problem, v, choice)
+    gain = scores[choice[v]] - scores[o]
+    choice[v] = o
+    up = way == "producers"
+    end, links = (0, problem.into) if up else (1, problem.out_of)   # the neighbour's end
+    todo = sorted({problem.edges[k][end] for k in links[v]}, reverse=up)
     seen = set(todo)
-    while todo and len(changed) < window:
+    while todo and len(old) < window:
         w = todo.pop(0)
-        scores = _scores(problem, w, trial, consumers)
-        best = min(range(len(scores)), key=scores.__getitem__)
-        if best != trial[w]:
-            changed[w] = best
-            for k in problem.out_of[w]:
-                x = problem.edges[k][1]
+        mine = _scores(problem, w, choice, consumers=False)
+        full = _add_consumers(problem, w, choice, list(mine))
+        pick = mine if way == "consumers" else full
+        best, now = min(range(len(pick)), key=pick.__getitem__), choice[w]
+        if best != now:
+            gain += full[now] - full[best]
+            old[w], choice[w] = now, best
+            for k in links[w]:
+                x = problem.edges[k][end]
                 if x not in seen:
                     seen.add(x)
                     todo.append(x)
-            todo.sort()
-    return changed
+            todo.sort(reverse=up)
+    changed = {w: choice[w] for w in old}
+    for w, c in old.items():
+        choice[w] = c
+    return gain, changed
 
 
 def _near_costs(problem: Problem, choice: list, up: int = 3) -> list:

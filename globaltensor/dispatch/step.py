@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_flatten
 
-from .. import comm
+from .. import comm, gradsync
 from ..tensor import GlobalTensor
 from .cache import cached_decision, key_of_call
 from .decide import Decision, options
@@ -57,12 +57,14 @@ MAX_CALLS = 20000   # a recording longer than this is dropped
 class _State:
     mode: str = "idle"         # "armed" | "recording" | "replaying" | "idle"
     record: list = field(default_factory=list)
+    sinks: list = field(default_factory=list)   # (call, output, leaf layout, itemsize)
     serial: int = 0            # tells this recording's outputs from older ones
     plan: "StepPlan | None" = None
     cursor: int = 0
     misses: int = 0            # calls in a row that the plan did not expect
     owner: int = 0                                 # token of the module the step is of
     hold: bool = False                             # explain_step is recording
+    also: "int | None" = None                      # its step's module, if it has one
     sent: object = None                            # explain_step's CommCounter
     plans: dict = field(default_factory=dict)      # (owner, first key) -> StepPlan
     recorded: dict = field(default_factory=dict)   # (owner, first key) -> times seen
@@ -82,7 +84,9 @@ def _set(mode: str) -> None:
 def step_boundary(owner: object = None) -> None:
     """A step of ``owner`` (the module whose forward begins) begins: plan what was
     recorded, and watch the next call."""
-    if state.hold:      # explain_step records its function whole
+    if state.hold:      # explain_step records its function whole; a module whose
+        if not state.record and state.also is None:   # forward starts it also keys
+            state.also = _token(owner)                 # the plan (steps replay it)
         return
     if torch._C._current_graph_task_id() != -1:
         return          # a forward recomputed in backward (activation checkpointing)
@@ -138,22 +142,22 @@ def start_recording(owner: object, hold: bool = True) -> None:
     if state.mode == "recording":
         finish_recording()
     state.serial += 1
-    state.record = []
-    state.owner = _token(owner)
+    state.record, state.sinks = [], []
+    state.owner, state.also = _token(owner), None
     state.hold = hold
     _set("recording")
 
 
 def finish_recording() -> "StepPlan | None":
     """Plan the recorded calls; keep and return the plan (None when nothing fits)."""
-    record, state.record = state.record, []
+    record, sinks, state.record, state.sinks = state.record, state.sinks, [], []
     _set("idle")
     if not record:
         state.hold = False
         return None
     started = time.perf_counter()
     try:
-        plan = plan_step(record)
+        plan = plan_step(record, sinks)
     except Exception as e:  # noqa: BLE001  (every rank fails alike: SPMD records agree)
         log.warning("globaltensor: a step could not be planned (%s: %s); it runs op by "
                     "op", type(e).__name__, e)
@@ -162,9 +166,11 @@ def finish_recording() -> "StepPlan | None":
     plan.seconds = time.perf_counter() - started
     if not state.hold:
         plan.problem = None
-    if len(state.plans) >= MAX_PLANS:
-        state.plans.pop(next(iter(state.plans)))
-    state.plans[state.owner, plan.first_key] = plan
+    for owner in {state.owner, state.also} - {None}:
+        if len(state.plans) >= MAX_PLANS:
+            state.plans.pop(next(iter(state.plans)))
+        state.plans[owner, plan.first_key] = plan
+    state.also = None
     state.last = plan
     state.hold = False
     log.debug("globaltensor: planned a step of %d calls in %.3f s: %.3f ms per op, "
@@ -185,7 +191,7 @@ def decision(func, leaves: list, spec):
             _set("replaying")
         elif key[1] is not None and _worth_recording(key):
             state.serial += 1
-            state.record = []
+            state.record, state.sinks = [], []
             _set("recording")
         else:
             _set("idle")
@@ -287,6 +293,19 @@ def _record(func, leaves: list, spec, greedy: Decision) -> Node:
         state.record = []
         _set("idle")
     return node
+
+
+def grad_arrived(grad: GlobalTensor, layout) -> None:
+    """A gradient that a recorded call made reached its leaf's ``.grad`` in another
+    layout (``gradsync`` will box it there): the plan prices that boxing too."""
+    if state.mode != "recording":
+        return
+    origin = getattr(grad, "_origin", None)
+    if origin is not None and origin[0] == state.serial and _made_as(origin) is grad._layout:
+        state.sinks.append((origin[1], origin[2], layout, grad.element_size()))
+
+
+gradsync.install_grad_watch(grad_arrived)
 
 
 def _made_as(origin: tuple):

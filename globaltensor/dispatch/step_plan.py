@@ -17,14 +17,15 @@ import math
 from dataclasses import dataclass
 
 from ..boxing import plan_route
-from ..boxing.cost import max_local_bytes
+from ..boxing.cost import LAUNCH, max_local_bytes
+from ..sbp import Broadcast, Partial
 from . import solve
 from .decide import Decision, Options
 
 # Compute is priced too, so that duplicated work (a weight gathered and the whole
 # product computed on every rank) is not free: seconds per multiply-add of a matrix
 # product and per element any other op writes (a few GFLOP/s: a CPU core).
-SECONDS_PER_MAC = 1 / 5e9
+SECONDS_PER_MAC = 1 / 40e9
 SECONDS_PER_ELEMENT = 1 / 1e9
 _PRODUCTS = {"mm": 0, "bmm": 0, "addmm": 1, "baddbmm": 1}
 # A parameter moved for an op has its gradient moved back in backward, which the
@@ -70,11 +71,19 @@ class StepPlan:
 
 
 
-def plan_step(record: list) -> StepPlan:
-    """The cheapest signatures for the recorded calls (``solve.py``), as a plan."""
-    problem = _problem(record)
+def plan_step(record: list, sinks: tuple = ()) -> StepPlan:
+    """The cheapest signatures for the recorded calls (``solve.py``), as a plan.
+    ``sinks``: (call, output index, layout, itemsize) per gradient that call made for
+    a leaf of that layout (boxed there after backward)."""
+    problem, compute = _problem(record, sinks)
     start = [n.opts.greedy if n.opts is not None else 0 for n in record]
-    choice = solve.solve(problem, start)
+    # Communication alone (compute free) gives a second start: the layouts that move
+    # the fewest bytes (Megatron's, on a transformer) differ from per-op choice in long
+    # chains that no local move flips at once.
+    talk = solve.Problem([[c - w for c, w in zip(cs, ws)] for cs, ws in zip(problem.unary, compute)],
+                         problem.edges)
+    seed = solve.propagate(talk, solve.improve(talk, solve.forward_dp(talk)), sweeps=1)
+    choice = solve.solve(problem, start, seeds=(seed,))
     for node, k in zip(record, choice):
         node.choice = k
     _expect(record)
@@ -119,11 +128,21 @@ def _written_views(record: list) -> set:
     return written
 
 
-def _problem(record: list) -> solve.Problem:
+def _sink_cost(src, leaf, itemsize: int, cache: dict) -> float:
+    """Boxing a gradient into its leaf's layout. A partial sum reduced to broadcast goes
+    into a bucket with other gradients (``gradsync``): one launch shared by many."""
+    cost = _route_cost(src, leaf, itemsize, cache)
+    if cost and leaf.sbp == tuple(Broadcast() if isinstance(g, Partial) and g.reduce == "sum"
+                                  else g for g in src.sbp):
+        cost = max(cost - LAUNCH, 1e-9)
+    return cost
+
+
+def _problem(record: list, sinks: tuple = ()) -> solve.Problem:
     written = _written_views(record)
     routes: dict = {}
     computes: dict = {}   # layers repeat: one price per (op, signature)
-    unary, edges = [], []
+    unary, edges, compute = [], [], []
     for v, node in enumerate(record):
         sigs = node.signatures()
         costs = []
@@ -133,6 +152,7 @@ def _problem(record: list) -> solve.Problem:
             if cost is None:
                 cost = computes[key] = _compute_seconds(node.func, *sig)
             costs.append(cost)
+        compute.append(list(costs))
         inplace = node.greedy.inplace
         greedy = node.opts.greedy if node.opts is not None else 0
         fixed = _INFEASIBLE if v in written else 0.0
@@ -151,7 +171,11 @@ def _problem(record: list) -> solve.Problem:
                        for o, (targets, outs) in enumerate(sigs)] for src in made_as]
             edges.append((u, v, matrix))
         unary.append(costs)
-    return solve.Problem(unary, edges)
+    for u, k, leaf, size in sinks:
+        for o, (_, outs) in enumerate(record[u].signatures()):
+            if k < len(outs) and outs[k] is not None:
+                unary[u][o] += _sink_cost(outs[k], leaf, size, routes)
+    return solve.Problem(unary, edges), compute
 
 
 def _expect(record: list) -> None:

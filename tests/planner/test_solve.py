@@ -38,6 +38,17 @@ def test_propagated_move_crosses_a_chain_of_views():
     assert p.total(propagate(p, list(start))) < p.total(start)
 
 
+def test_propagated_move_changes_two_branches_that_meet():
+    # a and b both feed c (a tied weight's two gradients summed): c's cheap option
+    # needs both producers changed, which no single move and no move following
+    # consumers does; following producers does
+    edge = [[0.0, 6.0], [6.0, 0.0]]
+    p = Problem([[0.0, 1.0], [0.0, 1.0], [5.0, 0.0]], [(0, 2, edge), (1, 2, edge)])
+    start = [0, 0, 0]
+    assert improve(p, list(start)) == start
+    assert propagate(p, list(start)) == [1, 1, 1] and p.total([1, 1, 1]) == 2.0
+
+
 def test_never_worse_than_the_start_and_optimal_on_random_trees():
     rng = random.Random(0)
     for trial in range(40):

@@ -106,6 +106,21 @@ def _train(model, x, steps, plain=False):
     return losses, sent
 
 
+def _train_lm(model, args, steps):
+    """Losses of ``steps`` SGD steps, and what the last one sent."""
+    import torch
+    import globaltensor as gt
+    opt, losses = torch.optim.SGD(model.parameters(), lr=0.1), []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        with gt.debug.comm_stats() as stats:
+            loss = model(*args)
+            loss.backward()
+        opt.step()
+        losses.append(loss.full().item() if isinstance(loss, gt.GlobalTensor) else loss.item())
+    return losses, stats
+
+
 def check_planned_steps_replay_and_train_equal():
     import torch
     import globaltensor as gt
@@ -124,9 +139,55 @@ def check_planned_steps_replay_and_train_equal():
     assert step.state.mode == "idle" and step.state.plan is None   # replayed to its end
     # op by op until the recorded step, planned after it
     assert sent[-1] == sent[-2] < sent[0] == sent[-3], sent
+    # planned, the step sends what Megatron's layout does: an all-reduce of the block's
+    # B x T x C activation after proj and fc2, and two in backward (plus the loss)
+    n = P.size
+    megatron = 4 * 2 * (B * T * C * 4) * (n - 1) // n
+    assert sent[-1] <= 1.02 * megatron, (sent, megatron)
     with torch.no_grad():                          # an eval forward ends a step early;
         model(gt.to_global(x, P, gt.sbp.broadcast))   # the plan stays for training
     assert _train(model, gt.to_global(x, P, gt.sbp.broadcast), 1)[1] == sent[-1:]
+    step.clear()
+
+
+def check_tied_gpt_plans_megatrons_collectives():
+    # Two blocks, an lm head tied to the token embedding, cross entropy: planned, the
+    # step all-reduces the activation twice per block each way, and one more (the loss or
+    # the tied weight's gradient): batch-splitting the head instead pays an all-gather and
+    # a reduce-scatter per sublayer in backward (per-op choice: 31 collectives)
+    import copy
+    import torch
+    from torch import nn
+    import torch.nn.functional as F
+    import globaltensor as gt
+    from globaltensor.dispatch import step
+    step.clear()
+    V = 64
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(V, C)
+            self.h = nn.ModuleList(_block() for _ in range(2))
+            self.ln_f, self.head = nn.LayerNorm(C), nn.Linear(C, V, bias=False)
+            self.head.weight = self.wte.weight
+
+        def forward(self, idx, y):
+            x = self.wte(idx)
+            for block in self.h:
+                x = block(x)
+            return F.cross_entropy(self.head(self.ln_f(x)).view(-1, V), y.view(-1))
+
+    torch.manual_seed(5)
+    plain = GPT()
+    P = gt.placement.all("cpu")
+    model = gt.nn.to_global(copy.deepcopy(plain), P, _megatron)
+    idx, y = (torch.randint(0, V, (B, T)) for _ in range(2))
+    ref, _ = _train_lm(plain, (idx, y), step.RECORD_AT + 2)
+    got, stats = _train_lm(model, [gt.to_global(t, P, gt.sbp.broadcast) for t in (idx, y)],
+                           step.RECORD_AT + 2)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+    assert set(stats.calls) == {"all_reduce"} and stats.calls["all_reduce"] <= 9, stats
     step.clear()
 
 
@@ -220,10 +281,16 @@ def check_explain_step_reports_choices():
     assert sum(c.sent_bytes for c in report.calls) > 0
     text = str(report)
     assert "planned" in text and "addmm" in text and "=>" in text
+    # the plan is kept for the module's steps: the next one replays it to its end
+    with gt.debug.comm_stats() as stats:
+        train_step()
+    assert step.state.mode == "idle" and step.state.plan is None
+    assert set(stats.calls) == {"all_reduce"}, stats
     step.clear()
 
 
 CHECKS = ["check_head_reshapes_stay_local", "check_planned_steps_replay_and_train_equal",
+          "check_tied_gpt_plans_megatrons_collectives",
           "check_changed_program_falls_back_and_stays_right",
           "check_writes_into_views_stay_right_when_planned",
           "check_shapes_changing_every_step_are_never_recorded",
