@@ -24,7 +24,8 @@ from .decide import Decision, Options
 
 # Compute is priced too, so that duplicated work (a weight gathered and the whole
 # product computed on every rank) is not free: seconds per multiply-add of a matrix
-# product and per element any other op writes (a few GFLOP/s: a CPU core).
+# product (one CPU core with MKL: 45-48 GMAC/s measured here for 256 x 128 x 512) and
+# per element any other op writes (1.5 G/s for a softmax, 8 G/s for an add).
 SECONDS_PER_MAC = 1 / 40e9
 SECONDS_PER_ELEMENT = 1 / 1e9
 _PRODUCTS = {"mm": 0, "bmm": 0, "addmm": 1, "baddbmm": 1}
