@@ -4,7 +4,10 @@ Candidates are whole-model layouts, each a plan {parameter name: sbp} plus the s
 the batch inputs: data parallel (parameters broadcast, inputs split on the batch),
 Megatron tensor parallel (consecutive Linear layers of a module split column then row,
 the rest broadcast, inputs broadcast), and fully sharded (parameters split(0), gathered
-where used, so ZeRO-3; inputs split on the batch). Each candidate that fits the memory
+where used, so ZeRO-3; inputs split on the batch); on a 2-D placement data parallel and
+fully sharded span both axes, and two hybrids take the outer axis for the batch (data x
+tensor parallel) or for ZeRO-3 (fully sharded x tensor parallel) and the inner axis for
+Megatron's layout. Each candidate that fits the memory
 budget (parameters, gradients and two optimizer moments per rank) runs a few training
 steps on the example inputs, whose activation layouts the whole-step planner chooses
 (dispatch/step.py); the fastest (the slowest rank's median step) wins, and every rank
@@ -103,7 +106,8 @@ def auto_parallel(model: torch.nn.Module, placement: Placement, example_inputs: 
                   memory_budget: int | None = None,
                   loss_fn: Callable | None = None) -> AutoPlan:
     """Choose ``model``'s parameter layouts on ``placement`` (data parallel, Megatron
-    tensor parallel or fully sharded, see the module docstring) by timing a few
+    tensor parallel, fully sharded, and on 2-D placements their hybrids; see the
+    module docstring) by timing a few
     training steps of each on ``example_inputs`` (GlobalTensors or plain tensors, the
     batch first), among those whose parameters, gradients and two optimizer moments
     fit ``memory_budget`` bytes per rank; apply the fastest to ``model`` and return its
@@ -148,32 +152,65 @@ def _named_tensors(model: torch.nn.Module):
 
 
 def _candidates(model, placement: Placement, inputs: tuple) -> dict:
-    n = placement.ndim
-    batch = tuple(split(0) if x.dim() and x.shape[0] >= placement.shape[0] else broadcast
-                  for x in inputs)
-    whole = tuple(broadcast for _ in inputs)
-    rows, cols = _megatron_pairs(model)
-    plans = {}
-    one = lambda s: (s,) + (broadcast,) * (n - 1)
+    """Whole-model layouts. On a 1-D placement: data parallel, tensor parallel (when
+    Megatron's pattern is found) and fully sharded. On a 2-D placement every axis takes
+    part: data parallel and fully sharded over both axes, and the hybrids of the outer
+    axis's batch split with the inner axis's tensor parallelism (data x tensor) or of
+    ZeRO-3 on the outer axis with tensor parallelism on the inner (torchtitan's FSDP +
+    TP). Each is {name: sbp per axis} with the batch inputs' sbp."""
     named = list(_named_tensors(model))
-    plans["data parallel"] = AutoPlan({k: one(broadcast) for k, _ in named}, placement,
-                                      tuple(one(s) for s in batch), "data parallel")
-    if rows or cols:
-        def tp(name, t):
-            module = name.rsplit(".", 1)[0]
-            if module in cols and t.dim() >= 1:
-                return one(split(0))
-            if module in rows and name.endswith("weight"):
-                return one(split(1))
-            return one(broadcast)
-        plans["tensor parallel"] = AutoPlan({k: tp(k, t) for k, t in named}, placement,
-                                            tuple(one(s) for s in whole), "tensor parallel")
-    shard = lambda t: one(split(0)) if t.dim() and t.shape[0] >= placement.shape[0] \
-        else one(broadcast)
-    plans["fully sharded"] = AutoPlan(
-        {k: shard(t) if isinstance(t, torch.nn.Parameter) else one(broadcast)
-         for k, t in named}, placement, tuple(one(s) for s in batch), "fully sharded")
+    rows, cols = _megatron_pairs(model)
+
+    def per_axis(kind: str, size: int):
+        """(parameter sbp of name and tensor, batch input sbp) for one placement axis."""
+        def param(name, t):
+            if kind == "sharded":
+                return split(0) if isinstance(t, torch.nn.Parameter) and t.dim() \
+                    and t.shape[0] >= size else broadcast
+            if kind == "tensor":
+                module = name.rsplit(".", 1)[0]
+                if module in cols and t.dim() >= 1:
+                    return split(0)
+                if module in rows and name.endswith("weight"):
+                    return split(1)
+            return broadcast
+        batch = lambda x: broadcast if kind in ("tensor", "replicated") else split(0)
+        return param, batch
+
+    if placement.ndim == 1:
+        combos = {"data parallel": ("data",), "tensor parallel": ("tensor",),
+                  "fully sharded": ("sharded",)}
+    elif placement.ndim == 2:
+        combos = {"data parallel": ("data", "data"), "fully sharded": ("sharded", "sharded"),
+                  "data x tensor parallel": ("data", "tensor"),
+                  "fully sharded x tensor parallel": ("sharded", "tensor")}
+    else:   # deeper placements: the outer axis only, the others replicate
+        rest = ("replicated",) * (placement.ndim - 1)
+        combos = {"data parallel": ("data",) + rest, "tensor parallel": ("tensor",) + rest,
+                  "fully sharded": ("sharded",) + rest}
+    plans = {}
+    for strategy, kinds in combos.items():
+        if "tensor" in kinds and not (rows or cols):
+            continue
+        axes = [per_axis(kind, size) for kind, size in zip(kinds, placement.shape)]
+        layouts = {k: tuple(param(k, t) for param, _ in axes) for k, t in named}
+        batch = tuple(_batch_sbp(x, [b for _, b in axes], placement) for x in inputs)
+        plans[strategy] = AutoPlan(layouts, placement, batch, strategy)
     return plans
+
+
+def _batch_sbp(x, per_axis: list, placement: Placement) -> tuple:
+    """A batch input's sbp: split(0) on the axes that split the batch, while its batch
+    still divides among them (else broadcast there)."""
+    sbp, ranks = [], 1
+    for batch, size in zip(per_axis, placement.shape):
+        s = batch(x)
+        if isinstance(s, Split) and x.dim() and x.shape[0] >= ranks * size:
+            ranks *= size
+            sbp.append(s)
+        else:
+            sbp.append(broadcast)
+    return tuple(sbp)
 
 
 def _megatron_pairs(model) -> tuple[set, set]:

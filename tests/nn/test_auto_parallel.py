@@ -1,5 +1,6 @@
 """gt.nn.auto_parallel: a measured choice among data parallel, Megatron tensor parallel
-and fully sharded layouts, under a memory budget; plans edit, save, load and apply."""
+and fully sharded layouts (and their hybrids on 2-D placements), under a memory budget;
+plans edit, save, load and apply."""
 from mp import world_test
 
 
@@ -101,6 +102,44 @@ def check_plan_edits_saves_loads_and_applies():
     step.clear()
 
 
+def check_two_d_placements_offer_hybrids_that_train_equal():
+    # On 2 x 2 every axis takes part: data parallel and fully sharded over both axes,
+    # the batch split on the outer axis with Megatron on the inner, ZeRO-3 on the outer
+    # with Megatron on the inner; each trains equal to one process
+    import copy
+    import torch
+    import globaltensor as gt
+    from globaltensor.dispatch import step
+    from globaltensor.nn.auto import _candidates
+    B, S0, S1 = gt.sbp.broadcast, gt.sbp.split(0), gt.sbp.split(1)
+    P = gt.placement("cpu", [[0, 1], [2, 3]])
+    plain = _mlp()
+    torch.manual_seed(1)
+    x = gt.tensor(torch.randn(8, 16), placement=P, sbp=(B, B))
+    ref = plain(x.full())
+    ref.square().mean().backward()
+    plans = _candidates(plain, P, (x,))
+    assert set(plans) == {"data parallel", "fully sharded", "data x tensor parallel",
+                          "fully sharded x tensor parallel"}
+    assert plans["data parallel"].inputs == ((S0, S0),)
+    assert plans["fully sharded"]["fc1.weight"] == (S0, S0)
+    assert plans["data x tensor parallel"]["fc2.weight"] == (B, S1)
+    assert plans["data x tensor parallel"].inputs == ((S0, B),)
+    assert plans["fully sharded x tensor parallel"]["fc1.weight"] == (S0, S0)
+    assert plans["fully sharded x tensor parallel"]["fc2.bias"] == (S0, B)
+    for name, plan in plans.items():
+        model = plan.apply(copy.deepcopy(plain))
+        out = model(x.to_global(sbp=plan.inputs[0]))
+        torch.testing.assert_close(out.full(), ref.detach(), rtol=1e-5, atol=1e-6, msg=name)
+        out.square().mean().backward()
+        for (k, p), q in zip(model.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad.full(), q.grad, rtol=1e-5, atol=1e-6,
+                                       msg=f"{name}: {k}")
+    plan = gt.nn.auto_parallel(copy.deepcopy(plain), P, (x,))
+    assert set(plan.measured) == set(plans) and plan.strategy in plans
+    step.clear()
+
+
 def test_megatron_pairs_in_sequentials_chain_and_in_modules_fan_in():
     from globaltensor.nn.auto import _megatron_pairs
     from torch import nn
@@ -120,3 +159,4 @@ CHECKS = ["check_auto_parallel_chooses_measured_layouts_and_trains_equal",
           "check_plan_edits_saves_loads_and_applies"]
 
 test_world2 = world_test(__name__, 2, CHECKS)
+test_world4 = world_test(__name__, 4, ["check_two_d_placements_offer_hybrids_that_train_equal"])
