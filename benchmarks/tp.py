@@ -14,7 +14,9 @@ and under ``torch.compile(fullgraph=True)`` (``--no-compile`` skips those):
 
 - ours annotated: ``gt.nn.to_global`` with Megatron's parameter layout (q/k/v/fc1
   weight and bias split(0), proj/fc2 weight split(1), the rest broadcast), input ids
-  broadcast, every activation's layout left to the framework;
+  broadcast, every activation's layout left to the framework (compiled: one eager step
+  is planned first with ``gt.debug.explain_step``, and the traced graphs follow the
+  plan);
 - ours pinned: the same, and the forward pins Megatron's activation layouts with
   ``to_global``: residual stream broadcast after the embedding and each add, q/k/v and
   attention weights split on heads, merged heads and MLP hidden split on features;
@@ -309,6 +311,9 @@ def ours(model: GPT, env: Env, compiled: bool, pinned: bool = False, auto: bool 
         gt.nn.to_global(model, P, lambda name, t: _megatron_sbp(name))
     pins = {"stream": bcast, "heads": gt.sbp.split(1), "features": gt.sbp.split(2)} \
         if pinned else None
+    if compiled and not auto:   # one eager step planned; the traced graphs replay it
+        gt.debug.explain_step(lambda: model(ids, targets, pins).backward())
+        model.zero_grad(set_to_none=True)
     fn = _maybe_compiled(lambda i, t: model(i, t, pins), env, compiled)
 
     def loss():

@@ -58,7 +58,7 @@ def dispatch(func, types, args, kwargs):
         elif isinstance(x, torch.Tensor) and x.numel() > 1 and (
                 plain.implicit_depth or _in_backward()):
             leaves[i] = plain.as_broadcast(x, leaves, func)
-    if step.active:
+    if step.active or (step.state.plans and comm.tracing()):  # traced: may replay a plan
         return _in_step(func, leaves, spec)
     if comm.check_mode():
         return _checked(func, leaves, spec)

@@ -69,6 +69,7 @@ class _State:
     plans: dict = field(default_factory=dict)      # (owner, first key) -> StepPlan
     recorded: dict = field(default_factory=dict)   # (owner, first key) -> times seen
     last: "StepPlan | None" = None                 # the latest plan made
+    traced: "list | None" = None                   # [plan, cursor] replayed while tracing
 
 
 state = _State()
@@ -182,7 +183,7 @@ def finish_recording() -> "StepPlan | None":
 def decision(func, leaves: list, spec):
     """The decision for a call inside a step, and the node recording it (or None)."""
     if comm.tracing():   # torch.compile's graphs are not eager steps
-        return cached_decision(func, leaves, spec), None
+        return _traced(func, leaves, spec), None
     if state.mode == "armed":
         key = (state.owner, key_of_call(func, leaves, spec))
         plan = state.plans.get(key)
@@ -226,6 +227,35 @@ def decision(func, leaves: list, spec):
     if state.mode != "recording":
         return greedy, None
     return greedy, _record(func, leaves, spec, greedy)
+
+
+def _traced(func, leaves: list, spec) -> Decision:
+    """A call while torch.compile traces. Tracing runs the program's calls on fake parts,
+    with no step boundary (dynamo, then AOTAutograd's forward and backward): a call that
+    goes on the plan being replayed takes its planned decision, as in eager mode; else
+    a call that begins a planned step (a plan's first call, e.g. made eagerly by
+    ``explain_step``) starts replaying that plan; else it is decided op by op."""
+    key = key_of_call(func, leaves, spec)
+    found = _follow_traced(func, leaves, spec, key)
+    if found is None and key is not None:
+        for (_, first), plan in state.plans.items():
+            if key == first:
+                state.traced = [plan, 0]
+                found = _follow_traced(func, leaves, spec, key)
+                break
+    return found if found is not None else cached_decision(func, leaves, spec)
+
+
+def _follow_traced(func, leaves: list, spec, key) -> "Decision | None":
+    if state.traced is None:
+        return None
+    plan, cursor = state.traced
+    for ahead in range(cursor, min(cursor + LOOKAHEAD, len(plan.nodes))):
+        found = _replayed(plan.nodes[ahead], func, leaves, spec, key)
+        if found is not None:
+            state.traced[1] = ahead + 1
+            return found
+    return None
 
 
 def _worth_recording(key) -> bool:

@@ -191,6 +191,51 @@ def check_tied_gpt_plans_megatrons_collectives():
     step.clear()
 
 
+def check_compiled_graphs_follow_the_eager_plan():
+    # A step planned eagerly (explain_step), then compiled: the traced forward and
+    # backward follow the plan (Megatron's four all-reduces, nothing else), where
+    # graphs traced op by op also gather and exchange; both train equal to one process
+    import copy
+    import torch
+    import globaltensor as gt
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from globaltensor.dispatch import step
+
+    def collectives(planned: bool) -> list:
+        P, plain, model = _fresh()
+        x = gt.to_global(torch.randn(B, T, C, generator=torch.Generator().manual_seed(6)),
+                         P, gt.sbp.broadcast)
+        if planned:
+            gt.debug.explain_step(lambda: model(x).square().mean().backward())
+            model.zero_grad(set_to_none=True)
+        graphs = []
+
+        def keep(gm, example_inputs):
+            graphs.append(gm)
+            return make_boxed_func(gm.forward)
+        torch._dynamo.reset()
+        loss_of = torch.compile(lambda m, x: m(x).square().mean(), fullgraph=True,
+                                backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+        with gt.implicit_broadcast():
+            loss = loss_of(model, x)
+        loss.backward()
+        ref = plain(x.full()).square().mean()
+        ref.backward()
+        torch.testing.assert_close(loss.full(), ref.detach(), rtol=1e-5, atol=1e-6)
+        for p, q in zip(model.parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad.full(), q.grad, rtol=1e-4, atol=1e-6)
+        assert len(graphs) == 2   # forward and backward
+        step.clear()
+        return [n.target._opname for gm in graphs for n in gm.graph.nodes
+                if getattr(n.target, "namespace", None) == "_c10d_functional"
+                and n.target._opname != "wait_tensor"]
+
+    planned, per_op = collectives(True), collectives(False)
+    assert sorted(set(planned)) == ["all_reduce"] and len(planned) <= 5, planned
+    assert set(per_op) - {"all_reduce"}, per_op
+
+
 def check_changed_program_falls_back_and_stays_right():
     import torch
     import globaltensor as gt
@@ -291,6 +336,7 @@ def check_explain_step_reports_choices():
 
 CHECKS = ["check_head_reshapes_stay_local", "check_planned_steps_replay_and_train_equal",
           "check_tied_gpt_plans_megatrons_collectives",
+          "check_compiled_graphs_follow_the_eager_plan",
           "check_changed_program_falls_back_and_stays_right",
           "check_writes_into_views_stay_right_when_planned",
           "check_shapes_changing_every_step_are_never_recorded",
