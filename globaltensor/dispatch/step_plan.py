@@ -17,7 +17,8 @@ import math
 from dataclasses import dataclass
 
 from ..boxing import plan_route
-from ..boxing.cost import max_local_bytes
+from ..boxing.cost import LAUNCH, max_local_bytes
+from ..sbp import Broadcast, Partial
 from . import solve
 from .decide import Decision, Options
 
@@ -128,6 +129,16 @@ def _written_views(record: list) -> set:
     return written
 
 
+def _sink_cost(src, leaf, itemsize: int, cache: dict) -> float:
+    """Boxing a gradient into its leaf's layout. A partial sum reduced to broadcast goes
+    into a bucket with other gradients (``gradsync``): one launch shared by many."""
+    cost = _route_cost(src, leaf, itemsize, cache)
+    if cost and leaf.sbp == tuple(Broadcast() if isinstance(g, Partial) and g.reduce == "sum"
+                                  else g for g in src.sbp):
+        cost = max(cost - LAUNCH, 1e-9)
+    return cost
+
+
 def _problem(record: list, sinks: tuple = ()) -> solve.Problem:
     written = _written_views(record)
     routes: dict = {}
@@ -164,10 +175,7 @@ def _problem(record: list, sinks: tuple = ()) -> solve.Problem:
     for u, k, leaf, size in sinks:
         for o, (_, outs) in enumerate(record[u].signatures()):
             if k < len(outs) and outs[k] is not None:
-                # as gradsync boxes it: one collective per gradient that needs it (a
-                # bucket shares a launch among several, but a plan that leaves only
-                # the tied embedding's gradient partial pays a launch for it alone)
-                unary[u][o] += _route_cost(outs[k], leaf, size, routes)
+                unary[u][o] += _sink_cost(outs[k], leaf, size, routes)
     return solve.Problem(unary, edges), compute
 
 

@@ -195,7 +195,6 @@ def check_compiled_graphs_follow_the_eager_plan():
     # A step planned eagerly (explain_step), then compiled: the traced forward and
     # backward follow the plan (Megatron's four all-reduces, nothing else), where
     # graphs traced op by op also gather and exchange; both train equal to one process
-    import copy
     import torch
     import globaltensor as gt
     from functorch.compile import make_boxed_func
