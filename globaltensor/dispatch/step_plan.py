@@ -81,8 +81,8 @@ def plan_step(record: list, sinks: tuple = ()) -> StepPlan:
     # Communication alone (compute free) gives a second start: the layouts that move
     # the fewest bytes (Megatron's, on a transformer) differ from per-op choice in long
     # chains that no local move flips at once.
-    talk = solve.Problem([[c - w for c, w in zip(cs, ws)] for cs, ws in zip(problem.unary, compute)],
-                         problem.edges)
+    talk = solve.Problem([[c - w for c, w in zip(costs, work)]
+                          for costs, work in zip(problem.unary, compute)], problem.edges)
     seed = solve.propagate(talk, solve.improve(talk, solve.forward_dp(talk)), sweeps=1)
     choice = solve.solve(problem, start, seeds=(seed,))
     for node, k in zip(record, choice):
@@ -139,7 +139,8 @@ def _sink_cost(src, leaf, itemsize: int, cache: dict) -> float:
     return cost
 
 
-def _problem(record: list, sinks: tuple = ()) -> solve.Problem:
+def _problem(record: list, sinks: tuple = ()) -> tuple:
+    """(the min-sum problem of the recorded calls, each option's compute cost)."""
     written = _written_views(record)
     routes: dict = {}
     computes: dict = {}   # layers repeat: one price per (op, signature)
