@@ -105,7 +105,8 @@ def check_plan_edits_saves_loads_and_applies():
 def check_two_d_placements_offer_hybrids_that_train_equal():
     # On 2 x 2 every axis takes part: data parallel and fully sharded over both axes,
     # the batch split on the outer axis with Megatron on the inner, ZeRO-3 on the outer
-    # with Megatron on the inner; each trains equal to one process
+    # with Megatron on the inner (auto_parallel's candidates); each trains equal to one
+    # process
     import copy
     import torch
     import globaltensor as gt
@@ -135,9 +136,8 @@ def check_two_d_placements_offer_hybrids_that_train_equal():
         for (k, p), q in zip(model.named_parameters(), plain.parameters()):
             torch.testing.assert_close(p.grad.full(), q.grad, rtol=1e-5, atol=1e-6,
                                        msg=f"{name}: {k}")
-    plan = gt.nn.auto_parallel(copy.deepcopy(plain), P, (x,))
-    assert set(plan.measured) == set(plans) and plan.strategy in plans
-    step.clear()
+    step.clear()   # (choosing among them is auto_parallel's, checked on 2 ranks: timing
+    #                all four on 4 oversubscribed ranks costs 10 s of the suite)
 
 
 def test_megatron_pairs_in_sequentials_chain_and_in_modules_fan_in():
