@@ -275,6 +275,8 @@ def _give_up() -> None:
     step is recorded again (at most MAX_RECORDINGS times per step start)."""
     if state.plan is not None:
         state.plans = {k: p for k, p in state.plans.items() if p is not state.plan}
+        if state.traced is not None and state.traced[0] is state.plan:
+            state.traced = None   # nor does a later trace go on with it
         state.plan = None
     _set("idle")
 
