@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import globaltensor as gt
+from globaltensor.nn import heap as fs_heap
 from globaltensor.nn import shard_comm as fs_comm
 from globaltensor.nn import sharded as fs_module
 
@@ -230,9 +231,41 @@ def check_recompute_keeps_its_gathered_copies():
         torch.testing.assert_close(got.grad.full(), want.grad, rtol=1e-5, atol=1e-6)
 
 
+def check_heap_is_trimmed_as_large_units_start_and_when_backward_ends():
+    """Freed host memory goes back to the system before each unit of MIN_UNIT_BYTES or
+    more is gathered (forward and backward's regather) and once when backward ends;
+    GLOBALTENSOR_TRIM_HEAP=0 turns it off."""
+    import os
+    p = gt.placement.all("cpu")
+    x, y = _data()
+    calls = []
+    release, least = fs_heap.release_free_heap, fs_heap.MIN_UNIT_BYTES
+    # the Linear units hold 1664 and 924 bytes, the LayerNorm 256
+    fs_heap.release_free_heap, fs_heap.MIN_UNIT_BYTES = lambda: calls.append(1), 900
+    try:
+        counts = []
+        for off in (False, True):
+            if off:
+                os.environ["GLOBALTENSOR_TRIM_HEAP"] = "0"
+            model = gt.nn.fully_shard(_mlp(), p)
+            os.environ.pop("GLOBALTENSOR_TRIM_HEAP", None)
+            loss = F.cross_entropy(model(gt.tensor(x, placement=p, sbp=S(0))),
+                                   gt.tensor(y, placement=p, sbp=S(0)))
+            counts.append(len(calls))
+            loss.backward()
+            counts.append(len(calls))
+            calls.clear()
+    finally:
+        fs_heap.release_free_heap, fs_heap.MIN_UNIT_BYTES = release, least
+    # forward: both Linears; backward: the last Linear's regather (the first one's
+    # weight is not saved) and the end
+    assert counts == [2, 4, 0, 0], counts
+
+
 CHECKS = ["check_training_equals_one_process", "check_gathered_copy_is_freed_after_forward",
           "check_tied_and_meta_modules", "check_reshard_after_forward",
-          "check_large_parameters_gather_in_place", "check_recompute_keeps_its_gathered_copies"]
+          "check_large_parameters_gather_in_place", "check_recompute_keeps_its_gathered_copies",
+          "check_heap_is_trimmed_as_large_units_start_and_when_backward_ends"]
 
 test_world2, test_world4 = checks_in_worlds(
     __name__, CHECKS, only_in_4=["check_tensor_parallel_on_a_2d_placement"])
