@@ -96,7 +96,6 @@ def _train_worker(rank, world, port, mode, spec, rows, steps, out_dir, policy, r
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     import torch.distributed as dist
-    import torch.nn.functional as F
     import globaltensor as gt
     from memory_phases import PhaseRecorder, data_hwm_mib, data_mib, instrument
     gt.init()
@@ -147,8 +146,9 @@ def _warm_up(mode, spec, world, rank, policy) -> None:
     imports and caches (torch._dynamo, FSDP2's and DTensor's modules, dispatch caches,
     gloo's buffers: ~75 MiB) is there before the base is taken; freed heap pages go back
     to the system (malloc_trim), as ``gt.testing.peak_rise`` does."""
-    import ctypes
     import gc
+
+    from globaltensor.nn.heap import release_free_heap
     tiny = Spec(spec.kind, (64, 64, 64) if spec.kind == "mlp" else (32, 1, 2, 64, 16))
     model, x, y = _build(mode, tiny, *tiny.batch(2 * world), rank, world, policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -156,7 +156,7 @@ def _warm_up(mode, spec, world, rank, policy) -> None:
     opt.step()
     del model, x, y, opt
     gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    release_free_heap()
 
 
 def _build(mode, spec, x_all, y_all, rank, world, policy):

@@ -213,12 +213,13 @@ def peak_rise():
     ...     x = torch.ones(2 ** 20)
     >>> p.mib                     # about 4
     """
-    import ctypes
     import gc
+
+    from .nn.heap import release_free_heap
     gc.collect()
     # free heap pages go back to the OS first: in a process that ran other checks, a
     # block could otherwise reuse resident pages and show a rise smaller than it is
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    release_free_heap()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     peak = Peak()
