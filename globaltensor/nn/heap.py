@@ -42,8 +42,8 @@ MIN_UNIT_BYTES = 1 << 20
 
 def release_free_heap() -> bool:
     """Return the C heap's free pages to the system (glibc's ``malloc_trim(0)``); False
-    where the C library has none. It walks every free chunk: 0.1-1.8 ms on average
-    per call in ``benchmarks/memory.py``, up to 20 ms.
+    where the C library has none. It walks every free chunk: 0.1-2.7 ms on average
+    per call in ``benchmarks/memory.py`` (MLP and GPT, 2 and 4 ranks), up to 26 ms.
 
     >>> release_free_heap()    # doctest: +SKIP
     True

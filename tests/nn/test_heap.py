@@ -8,14 +8,7 @@ import pytest
 import torch
 
 from globaltensor.nn import heap
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
+from globaltensor.testing import _status_mib
 
 
 @pytest.mark.skipif(heap._MALLOC_TRIM is None, reason="the C library has no malloc_trim")
@@ -26,12 +19,12 @@ def test_free_blocks_inside_the_heap_go_back_to_the_system():
     big = torch.ones(2 << 20)
     del big
     blocks = [torch.ones(1 << 20) for _ in range(20)]
-    before = _rss_mib()
+    before = _status_mib("VmRSS")
     del blocks[:-1]
     gc.collect()
-    kept = _rss_mib()
+    kept = _status_mib("VmRSS")
     assert heap.release_free_heap()
-    after = _rss_mib()
+    after = _status_mib("VmRSS")
     assert kept > before - 8, (before, kept)        # freeing alone returned (almost) nothing
     assert kept - after > 60, (before, kept, after)  # 19 blocks of 4 MiB: 76 MiB
 
