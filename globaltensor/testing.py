@@ -41,7 +41,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world: int, port: int, module: str, names: list, results, env: dict):
+def _start_context():
+    """The multiprocessing context of test worlds: a fork server that imported torch
+    once starts a world's processes in ~30 ms instead of ~2 s of interpreter start and
+    torch import each (the suite starts about 200 worlds). It imports nothing of
+    globaltensor, whose modules read environment variables at import."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch"])
+    return ctx
+
+
+def _child(rank: int, world: int, port: int, module: str, names: list, results,
+           parent_env: dict, env: dict):
+    # A forked child has the fork server's environment: take the test process's instead.
+    os.environ.clear()
+    os.environ.update(parent_env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
@@ -88,11 +104,12 @@ class World:
         self.nprocs, self.names, self.timeout, self.lazy = nprocs, list(names), timeout, lazy
         self.errors: dict = {}
         self.done: dict = {name: 0 for name in names}
-        ctx = mp.get_context("spawn")
+        ctx = _start_context()
         self._results = ctx.Queue()
         port = free_port()
         self._procs = [ctx.Process(target=_child, args=(r, nprocs, port, module, self.names,
-                                                          self._results, env or {}), daemon=True)
+                                                          self._results, dict(os.environ),
+                                                          env or {}), daemon=True)
                        for r in range(nprocs)]
         self._received, self._closed = 0, False
         for p in self._procs:
