@@ -9,7 +9,7 @@ block LayerNorm, attention with separate q/k/v Linear(C, C), ``view(B, T, H, hd)
 .transpose(1, 2)``, a causal tril buffer with masked_fill, softmax, ``att @ v``,
 ``transpose(1, 2).contiguous().view``, proj; LayerNorm, MLP fc1 GELU fc2; final
 LayerNorm, lm head tied to the token embedding; cross entropy). One training step
-(forward, loss, backward, the gradient reduction the layout needs) in six ways, eager
+(forward, loss, backward, the gradient reduction the layout needs) in seven ways, eager
 and under ``torch.compile(fullgraph=True)`` (``--no-compile`` skips those):
 
 - ours annotated: ``gt.nn.to_global`` with Megatron's parameter layout (q/k/v/fc1
@@ -17,6 +17,9 @@ and under ``torch.compile(fullgraph=True)`` (``--no-compile`` skips those):
   broadcast, every activation's layout left to the framework (compiled: one eager step
   is planned first with ``gt.debug.explain_step``, and the traced graphs follow the
   plan);
+- ours compiled as is (compiled only): the same model compiled with no eager step
+  first: the first call's graphs are traced op by op and recorded, the next call plans
+  them and traces again (the measured step);
 - ours pinned: the same, and the forward pins Megatron's activation layouts with
   ``to_global``: residual stream broadcast after the embedding and each add, q/k/v and
   attention weights split on heads, merged heads and MLP hidden split on features;
@@ -70,8 +73,8 @@ from globaltensor.testing import spawn
 
 LOSS_RTOL = 1e-4
 COLUMN, ROW = {"q", "k", "v", "fc1"}, {"proj", "fc2"}    # Megatron's split per Linear
-WAYS = ["ours annotated", "ours pinned", "ours auto_parallel", "DTensor TP",
-        "DTensor TP+SP", "Megatron by hand"]
+WAYS = ["ours annotated", "ours compiled as is", "ours pinned", "ours auto_parallel",
+        "DTensor TP", "DTensor TP+SP", "Megatron by hand"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -299,7 +302,8 @@ class NotBuilt(Exception):
     """The framework has no such function yet."""
 
 
-def ours(model: GPT, env: Env, compiled: bool, pinned: bool = False, auto: bool = False) -> Way:
+def ours(model: GPT, env: Env, compiled: bool, pinned: bool = False, auto: bool = False,
+         traced: bool = False) -> Way:
     import globaltensor as gt
     bcast, P = gt.sbp.broadcast, env.placement
     ids, targets = (gt.tensor(t, placement=P, sbp=bcast) for t in (env.ids, env.targets))
@@ -311,7 +315,13 @@ def ours(model: GPT, env: Env, compiled: bool, pinned: bool = False, auto: bool 
         gt.nn.to_global(model, P, lambda name, t: _megatron_sbp(name))
     pins = {"stream": bcast, "heads": gt.sbp.split(1), "features": gt.sbp.split(2)} \
         if pinned else None
-    if compiled and not auto:   # one eager step planned; the traced graphs replay it
+    if traced and not compiled:
+        raise NotBuilt    # the same as "ours annotated" in eager mode
+    if traced:            # as a fresh program: no plan from the ways before
+        from globaltensor.dispatch import step
+        kept = dict(step.state.plans)
+        step.state.plans.clear()
+    if compiled and not auto and not traced:   # one eager step planned; traces replay it
         gt.debug.explain_step(lambda: model(ids, targets, pins).backward())
         model.zero_grad(set_to_none=True)
     fn = _maybe_compiled(lambda i, t: model(i, t, pins), env, compiled)
@@ -320,6 +330,10 @@ def ours(model: GPT, env: Env, compiled: bool, pinned: bool = False, auto: bool 
         # compiled code skips the modules' own implicit-broadcast scope
         with gt.implicit_broadcast():
             return fn(ids, targets)
+    if traced:   # the first call's trace is recorded; the measured step traces it again
+        loss().backward()
+        model.zero_grad(set_to_none=True)
+        step.state.plans.update(kept)   # (the newest plan of a first call is replayed)
     return Way(model, loss, compiled, torch_comm=False)
 
 
@@ -397,6 +411,7 @@ def megatron(model: GPT, env: Env, compiled: bool) -> Way:
 BUILDERS = {"ours annotated": ours,
             "ours pinned": lambda m, e, c: ours(m, e, c, pinned=True),
             "ours auto_parallel": lambda m, e, c: ours(m, e, c, auto=True),
+            "ours compiled as is": lambda m, e, c: ours(m, e, c, traced=True),
             "DTensor TP": dtensor,
             "DTensor TP+SP": lambda m, e, c: dtensor(m, e, c, sp=True),
             "Megatron by hand": megatron}

@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from . import comm, origins
+from . import comm, origins, retrace
 from .boxing.run import box
 from .layout import Layout
 from .local_parts import device_of, empty_local
@@ -203,11 +203,17 @@ class GlobalTensor(torch.Tensor):
             # dispatch, where eager code meets a parameter first: gradient sync is set
             # up here instead.
             _watch_leaf(self)
-        return ["_local"], (self._layout, self.requires_grad)
+        return ["_local"], (self._layout, self.requires_grad, retrace.current)
+
+    @classmethod
+    def __metadata_guard__(cls, saved, now) -> bool:
+        # dynamo's guard on a graph input: its layout, and no plan made since the graph
+        # was traced that would trace it differently (retrace.py)
+        return saved[:2] == now[:2] and retrace.guard(saved[2])
 
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
-        layout, requires_grad = ctx
+        layout, requires_grad, _ = ctx
         strides = tuple(outer_stride)
         return _wrap(GlobalTensor, inner["_local"], layout, requires_grad,
                      None if strides == layout.strides else strides)
@@ -215,7 +221,13 @@ class GlobalTensor(torch.Tensor):
     def _stable_hash_for_caching(self) -> str:
         # torch.compile's cache key for this input: the same on every run and process.
         # It holds the rank: a graph traced on one rank holds that rank's part offsets
-        # and groups, and ranks share the cache directory.
+        # and groups, and ranks share the cache directory. A graph traced while step
+        # plans are made is not taken from AOTAutograd's cache: its trace is what gets
+        # recorded and planned, and the plans (not the inputs) decide its collectives.
+        # Inductor's own cache of the traced graph still applies.
+        if retrace.planning:
+            from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
+            raise BypassAOTAutogradCache("globaltensor plans the steps of traced graphs")
         layout = self._layout
         key = repr((comm.get_rank(), layout.shape, layout.placement, layout.sbp, self.dtype,
                     tuple(self.stride()), tuple(self._local.shape), self.requires_grad))

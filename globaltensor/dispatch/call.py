@@ -60,6 +60,9 @@ class Call:
     leaves: list          # every flattened argument (tensors and constants)
     spec: object          # pytree spec to rebuild (args, kwargs) from leaves
     mesh: tuple           # the placement's hierarchy shape
+    # Block counts of strided splits that the step planner has seen in this step: its
+    # options also offer operands strided so, where the operands do not hold it now.
+    strided_blocks: tuple = ()
     # Arguments looked up by name so far. A Call's non-tensor arguments are part of the
     # dispatch cache key, so the local implementations of one cached decision can reuse
     # them; a schema walk per lookup would cost more than the op.

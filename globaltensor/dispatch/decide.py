@@ -214,9 +214,11 @@ class Options:
                        self.inplace, False, in_layouts)
 
 
-def options(func, leaves: list, spec, greedy: Decision) -> "Options | None":
+def options(func, leaves: list, spec, greedy: Decision,
+            strided_blocks: tuple = ()) -> "Options | None":
     """Every signature the call's rule allows on these operands (None when it has no
-    rule or none fits: the per-op fallback is the only way then)."""
+    rule or none fits: the per-op fallback is the only way then); ``strided_blocks``:
+    strided splits of these block counts are offered too (``Call.strided_blocks``)."""
     if greedy.fallback:
         return None
     gidx = greedy.gidx
@@ -225,7 +227,7 @@ def options(func, leaves: list, spec, greedy: Decision) -> "Options | None":
     placement = leaves[gidx[0]].placement
     call = Call(func, [leaves[i] for i in gidx], [tuple(leaves[i].shape) for i in gidx],
                 [tuple(meta.out_leaves[i].shape) for i in meta.out_tensors], leaves, spec,
-                placement.shape)
+                placement.shape, tuple(strided_blocks))
     rule, local = lookup(func)
     found = []
     for targets, outs in _signatures(call, rule, meta, gidx, greedy.inplace, local is None):
@@ -268,7 +270,7 @@ def _with_strided(call: Call, axis: int, cands: list) -> list:
     operand's split dim with element i of the others', and a strided split of equal
     lengths puts equal indices on one rank in one order, as a plain split does."""
     blocks = {s.blocks for x in call.inputs for s in (x._layout.sbp[axis],)
-              if isinstance(s, StridedSplit)}
+              if isinstance(s, StridedSplit)} | set(call.strided_blocks)
     if not blocks:
         return cands
     shapes = list(call.in_shapes) + list(call.out_shapes)

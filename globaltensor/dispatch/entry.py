@@ -24,12 +24,13 @@ from ..local_parts import device_of, empty_local
 from ..partials import identity_value
 from ..rules.registry import lookup_decomposition
 from ..tensor import GlobalTensor, install_dispatcher, wrap_part
-from . import plain, step
+from . import plain, step, traced
 from .cache import cached_decision
 from .call import flatten_args, unflatten_args
 from .decide import Decision
 
 aten = torch.ops.aten
+_PLAIN = torch.Tensor
 
 
 def dispatch(func, types, args, kwargs):
@@ -51,14 +52,18 @@ def dispatch(func, types, args, kwargs):
         if out is not NotImplemented:
             return out
     leaves, spec = flatten_args(args, kwargs)
+    fake = False    # a part that is no plain tensor: torch.compile may be tracing
     for i, x in enumerate(leaves):
         if type(x) is GlobalTensor:
             if x.requires_grad and x.is_leaf:
                 gradsync.watch(x)
+            if x._local.__class__ is not _PLAIN:
+                fake = True
         elif isinstance(x, torch.Tensor) and x.numel() > 1 and (
                 plain.implicit_depth or _in_backward()):
             leaves[i] = plain.as_broadcast(x, leaves, func)
-    if step.active or (step.state.plans and comm.tracing()):  # traced: may replay a plan
+    if step.active or (fake and (step.ENABLED or step.state.plans) and comm.tracing()):
+        # traced: may replay a plan, or be recorded to plan the graph
         return _in_step(func, leaves, spec)
     if comm.check_mode():
         return _checked(func, leaves, spec)
@@ -87,8 +92,8 @@ def _carry_out(func, decision: Decision, leaves, spec, why=None):
 
 
 def _in_step(func, leaves, spec):
-    """A call while a step is recorded or replayed (``step.py``)."""
-    decision, node = step.decision(func, leaves, spec)
+    """A call while a step is recorded or replayed (``step.py``), or traced."""
+    decision, node = (traced.decision if comm.tracing() else step.decision)(func, leaves, spec)
     out = _carry_out(func, decision, leaves, spec)
     if node is not None:
         step.made(node, out)

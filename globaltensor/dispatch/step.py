@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_flatten
 
-from .. import comm, gradsync
+from .. import gradsync, retrace
+from ..sbp import StridedSplit
 from ..tensor import GlobalTensor
 from .cache import cached_decision, key_of_call
 from .decide import Decision, options
@@ -70,10 +71,16 @@ class _State:
     recorded: dict = field(default_factory=dict)   # (owner, first key) -> times seen
     last: "StepPlan | None" = None                 # the latest plan made
     traced: "list | None" = None                   # [plan, cursor] replayed while tracing
+    session: object = None        # weak reference to the make_fx session traced last
+    trace: object = None          # that session's recording (traced.Trace)
+    pending: list = field(default_factory=list)    # traces recorded, not yet planned
+    traced_firsts: set = field(default_factory=set)   # first keys of graphs recorded
+    strided_blocks: tuple = (0, set())   # (serial, strided block counts its calls held)
 
 
 state = _State()
 active = False   # read by entry.dispatch on every call: not in ``state`` for speed
+retrace.planning = ENABLED
 
 
 def _set(mode: str) -> None:
@@ -167,7 +174,9 @@ def finish_recording() -> "StepPlan | None":
     plan.seconds = time.perf_counter() - started
     if not state.hold:
         plan.problem = None
+    retrace.planning = True   # traced graphs may replay it
     for owner in {state.owner, state.also} - {None}:
+        state.plans.pop((owner, plan.first_key), None)   # (re)inserted as the newest
         if len(state.plans) >= MAX_PLANS:
             state.plans.pop(next(iter(state.plans)))
         state.plans[owner, plan.first_key] = plan
@@ -181,9 +190,8 @@ def finish_recording() -> "StepPlan | None":
 
 
 def decision(func, leaves: list, spec):
-    """The decision for a call inside a step, and the node recording it (or None)."""
-    if comm.tracing():   # torch.compile's graphs are not eager steps
-        return _traced(func, leaves, spec), None
+    """The decision for a call inside an eager step, and the node recording it (or
+    None); a call while torch.compile traces goes to ``traced.decision``."""
     if state.mode == "armed":
         key = (state.owner, key_of_call(func, leaves, spec))
         plan = state.plans.get(key)
@@ -202,7 +210,7 @@ def decision(func, leaves: list, spec):
         # skips (no_grad saves nothing for backward: no detach) are passed over.
         key = key_of_call(func, leaves, spec)
         for ahead in range(state.cursor, min(state.cursor + LOOKAHEAD, len(nodes))):
-            found = _replayed(nodes[ahead], func, leaves, spec, key)
+            found = replayed(nodes[ahead], func, leaves, spec, key)
             if found is not None:
                 state.cursor = ahead
                 break
@@ -226,36 +234,7 @@ def decision(func, leaves: list, spec):
     greedy = cached_decision(func, leaves, spec)
     if state.mode != "recording":
         return greedy, None
-    return greedy, _record(func, leaves, spec, greedy)
-
-
-def _traced(func, leaves: list, spec) -> Decision:
-    """A call while torch.compile traces. Tracing runs the program's calls on fake parts,
-    with no step boundary (dynamo, then AOTAutograd's forward and backward): a call that
-    goes on the plan being replayed takes its planned decision, as in eager mode; else
-    a call that begins a planned step (a plan's first call, e.g. made eagerly by
-    ``explain_step``) starts replaying that plan; else it is decided op by op."""
-    key = key_of_call(func, leaves, spec)
-    found = _follow_traced(func, leaves, spec, key)
-    if found is None and key is not None:
-        for (_, first), plan in state.plans.items():
-            if key == first:
-                state.traced = [plan, 0]
-                found = _follow_traced(func, leaves, spec, key)
-                break
-    return found if found is not None else cached_decision(func, leaves, spec)
-
-
-def _follow_traced(func, leaves: list, spec, key) -> "Decision | None":
-    if state.traced is None:
-        return None
-    plan, cursor = state.traced
-    for ahead in range(cursor, min(cursor + LOOKAHEAD, len(plan.nodes))):
-        found = _replayed(plan.nodes[ahead], func, leaves, spec, key)
-        if found is not None:
-            state.traced[1] = ahead + 1
-            return found
-    return None
+    return greedy, record_call(func, leaves, spec, greedy, state.record, state.serial)
 
 
 def _worth_recording(key) -> bool:
@@ -281,7 +260,7 @@ def _give_up() -> None:
     _set("idle")
 
 
-def _replayed(node: Node, func, leaves: list, spec, key) -> "Decision | None":
+def replayed(node: Node, func, leaves: list, spec, key) -> "Decision | None":
     """The planned decision when this call is the one the plan expects, else None. A
     call the plan could not choose for runs as decided op by op, provided that gives
     the outputs the plan counted on."""
@@ -302,28 +281,36 @@ def _floats(decision: Decision, leaves: list) -> tuple:
     return tuple(x for x in leaves if x.__class__ is float) if decision.by_value else ()
 
 
-def _record(func, leaves: list, spec, greedy: Decision) -> Node:
+def record_call(func, leaves: list, spec, greedy: Decision, record: list, serial: int) -> Node:
+    """Append the node of this call to ``record`` (made with ``serial``)."""
     key = key_of_call(func, leaves, spec)
+    if state.strided_blocks[0] != serial:
+        state.strided_blocks = (serial, set())
+    blocks = state.strided_blocks[1]
+    for i in greedy.gidx:
+        blocks.update(s.blocks for s in leaves[i]._layout.sbp if isinstance(s, StridedSplit))
     opts = None
     if key is not None and not greedy.fallback:
-        opts = options(func, leaves, spec, greedy)
+        opts = options(func, leaves, spec, greedy, tuple(sorted(blocks)))
     producers, inputs = [], []
     for i in greedy.gidx:
         x = leaves[i]
         origin = getattr(x, "_origin", None)
-        if origin is not None and (origin[0] != state.serial or _made_as(origin) is not x._layout):
+        if origin is not None and (origin[0] != serial or _made_as(origin, record) is not x._layout):
             origin = None   # an older step's, or changed since (an in-place view op)
         producers.append(None if origin is None else origin[1:])
         weight = PARAMETER_WEIGHT if x.requires_grad and x.is_leaf else 1.0
         inputs.append((x._layout, x.element_size(), weight))
-    node = Node(func, key, greedy, opts, producers, inputs, _floats(greedy, leaves))
+    node = Node(func, key, greedy, opts, producers, inputs, _floats(greedy, leaves),
+                origin=(serial, len(record)))
     if state.sent is not None:
         node.sent_bytes = -state.sent.total_bytes
-    state.record.append(node)
-    if len(state.record) >= MAX_CALLS:   # no step boundary came: this is no step
+    record.append(node)
+    if len(record) >= MAX_CALLS:   # no step boundary came: this is no step
         log.debug("globaltensor: %d calls without a step boundary: not planned", MAX_CALLS)
-        state.record = []
-        _set("idle")
+        record.clear()
+        if record is state.record:
+            _set("idle")
     return node
 
 
@@ -333,29 +320,32 @@ def grad_arrived(grad: GlobalTensor, layout) -> None:
     if state.mode != "recording":
         return
     origin = getattr(grad, "_origin", None)
-    if origin is not None and origin[0] == state.serial and _made_as(origin) is grad._layout:
+    if origin is not None and origin[0] == state.serial \
+            and _made_as(origin, state.record) is grad._layout:
         state.sinks.append((origin[1], origin[2], layout, grad.element_size()))
 
 
 gradsync.install_grad_watch(grad_arrived)
 
 
-def _made_as(origin: tuple):
+def _made_as(origin: tuple, record: list):
     _, u, k = origin
-    layouts = state.record[u].greedy.out_layouts
+    if u >= len(record):
+        return None
+    layouts = record[u].greedy.out_layouts
     return layouts[k] if k < len(layouts) else None
 
 
 def made(node: Node, out) -> None:
     """Mark the GlobalTensors a recorded call returned as made by it."""
-    index = len(state.record) - 1
+    serial, index = node.origin
     if state.sent is not None:
         node.sent_bytes += state.sent.total_bytes
     if node.greedy.fallback:   # its outputs count as made outside the step
         return
     if isinstance(out, GlobalTensor):
-        out._origin = (state.serial, index, 0)
+        out._origin = (serial, index, 0)
         return
     for k, o in enumerate(tree_flatten(out)[0]):   # indexed as decisions index outputs
         if isinstance(o, GlobalTensor):
-            o._origin = (state.serial, index, k)
+            o._origin = (serial, index, k)

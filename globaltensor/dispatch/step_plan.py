@@ -49,6 +49,7 @@ class Node:
     planned: "Decision | None" = None   # None: decided op by op at replay
     expected: tuple = ()       # the cache key replay expects
     sent_bytes: int = 0        # sent while it ran (explain_step counts)
+    origin: tuple = ()         # (recording serial, index): what its outputs' origins hold
 
     def signatures(self) -> tuple:
         """(input layouts, output layouts) per option."""
@@ -75,7 +76,7 @@ class StepPlan:
 def plan_step(record: list, sinks: tuple = ()) -> StepPlan:
     """The cheapest signatures for the recorded calls (``solve.py``), as a plan.
     ``sinks``: (call, output index, layout, itemsize) per gradient that call made for
-    a leaf of that layout (boxed there after backward)."""
+    a leaf of that layout (boxed there after backward; None: reduced where it is)."""
     problem, compute = _problem(record, sinks)
     start = [n.opts.greedy if n.opts is not None else 0 for n in record]
     # Communication alone (compute free) gives a second start: the layouts that move
@@ -130,8 +131,11 @@ def _written_views(record: list) -> set:
 
 
 def _sink_cost(src, leaf, itemsize: int, cache: dict) -> float:
-    """Boxing a gradient into its leaf's layout. A partial sum reduced to broadcast goes
-    into a bucket with other gradients (``gradsync``): one launch shared by many."""
+    """Boxing a gradient into its leaf's layout (None: its partial sums reduced, where
+    the leaf is not known). A partial sum reduced to broadcast goes into a bucket with
+    other gradients (``gradsync``): one launch shared by many."""
+    if leaf is None:
+        leaf = src.without_partials()
     cost = _route_cost(src, leaf, itemsize, cache)
     if cost and leaf.sbp == tuple(Broadcast() if isinstance(g, Partial) and g.reduce == "sum"
                                   else g for g in src.sbp):

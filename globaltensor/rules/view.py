@@ -225,17 +225,19 @@ def view_rule(call, axis):
         else None
     cands = _same_sbp(1, 1, {})
     cands += [((s,), (t,)) for s, t in _view_splits(a, b, call.mesh[axis],
-                                                    math.prod(call.mesh), held)]
+                                                    math.prod(call.mesh), held,
+                                                    call.strided_blocks)]
     return cands
 
 
-def _view_splits(a, b, n, total_mesh, held=None) -> list:
+def _view_splits(a, b, n, total_mesh, held=None, blocks=()) -> list:
     """(input sbp, output sbp) pairs of splits that survive reshaping ``a`` to ``b``
     on an axis of ``n`` ranks: a split dim left untouched keeps its split (strided or
     not); a split dim merged under outer dims (``(B, H) -> B * H`` with ``H`` split)
     becomes a strided split with one block per outer index; a strided split (``held``,
-    the input's sbp) whose blocks become their own dims becomes a plain split again.
-    Parts must stay whole rows of the output dim, with balanced parts on both sides."""
+    the input's sbp, or one of ``blocks`` that a planner asks about) whose blocks
+    become their own dims becomes a plain split again. Parts must stay whole rows of
+    the output dim, with balanced parts on both sides."""
     if 0 in a or 0 in b:
         return []
     pairs = []
@@ -260,6 +262,11 @@ def _view_splits(a, b, n, total_mesh, held=None) -> list:
                 pairs.append((Split(d), Split(e) if outer == 1 else StridedSplit(e, outer)))
         if isinstance(held, StridedSplit) and in_big == [held.dim]:
             pairs += _unblocked(held, a, b, out_dims, n)
+        elif len(in_big) == 1:
+            d = in_big[0]
+            for k in blocks:
+                if 1 < k < a[d] and a[d] % k == 0:
+                    pairs += _unblocked(StridedSplit(d, k), a, b, out_dims, n)
     return pairs
 
 

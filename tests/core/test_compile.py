@@ -57,6 +57,8 @@ def _train_fullgraph(tensor_parallel: bool, backend: str) -> None:
     import torch.nn.functional as F
     import torch._dynamo.testing
     import globaltensor as gt
+    from globaltensor.dispatch import step
+    step.clear()
     P = gt.placement.all("cpu")
     data_sbp = gt.sbp.broadcast if tensor_parallel else gt.sbp.split(0)
     graphs: list = []
@@ -86,9 +88,12 @@ def _train_fullgraph(tensor_parallel: bool, backend: str) -> None:
         opt_c.zero_grad()
     for pa, pb in zip(eager.parameters(), compiled.parameters()):
         torch.testing.assert_close(pb.full(), pa.full())
-    assert counter.frame_count == 1, f"compiled {counter.frame_count} times in 3 steps"
+    # once, and once more if the plan made from the first trace beats it (step.py)
+    assert counter.frame_count == 1 + bool(step.state.plans), \
+        f"compiled {counter.frame_count} times in 3 steps"
+    step.clear()
     if graphs:
-        assert len(graphs) == 2  # one forward, one backward
+        assert len(graphs) == 2 * counter.frame_count  # one forward, one backward each
         assert _graph_ops(graphs) <= set(_ALLOWED_NAMESPACES), _graph_ops(graphs)
         if tensor_parallel:  # the row-parallel layer's partial sum is reduced in the graph
             assert "_c10d_functional" in _graph_ops(graphs)

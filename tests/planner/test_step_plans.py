@@ -235,6 +235,55 @@ def check_compiled_graphs_follow_the_eager_plan():
     assert set(per_op) - {"all_reduce"}, per_op
 
 
+def check_compiled_graphs_plan_their_own_trace():
+    # Compiled with no eager step first: the first call's graphs are traced op by op and
+    # recorded; at the next call the record is planned, the graphs trace again and follow
+    # the plan (Megatron's four all-reduces); every step trains equal to one process
+    import torch
+    import globaltensor as gt
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from globaltensor.dispatch import step
+
+    P, plain, model = _fresh()
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+    torch._dynamo.reset()
+    loss_of = torch.compile(lambda m, x: m(x).square().mean(), fullgraph=True,
+                            backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, plain))
+    g = torch.Generator().manual_seed(7)
+    for k in range(3):
+        full = torch.randn(B, T, C, generator=g)
+        with gt.implicit_broadcast():
+            loss = loss_of(model, gt.to_global(full, P, gt.sbp.broadcast))
+        loss.backward()
+        ref = plain(full).square().mean()
+        ref.backward()
+        torch.testing.assert_close(loss.full(), ref.detach(), rtol=1e-5, atol=1e-6)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad(set_to_none=True)
+        if k == 0:
+            assert len(graphs) == 2 and step.state.pending, len(graphs)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.full(), q.detach(), rtol=1e-4, atol=1e-6)
+
+    def collectives(gms):
+        return [n.target._opname for gm in gms for n in gm.graph.nodes
+                if getattr(n.target, "namespace", None) == "_c10d_functional"
+                and n.target._opname != "wait_tensor"]
+    assert len(graphs) == 4, len(graphs)     # traced twice: op by op, then planned
+    first, planned = collectives(graphs[:2]), collectives(graphs[2:])
+    assert set(first) - {"all_reduce"}, first
+    assert sorted(set(planned)) == ["all_reduce"] and len(planned) <= 5, planned
+    torch._dynamo.reset()
+    step.clear()
+
+
 def check_changed_program_falls_back_and_stays_right():
     import torch
     import globaltensor as gt
@@ -342,4 +391,5 @@ CHECKS = ["check_head_reshapes_stay_local", "check_planned_steps_replay_and_trai
 
 test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
 # compiling twice on 4 oversubscribed ranks costs 7 s; 2 ranks show the same
-test_compiled_world2 = world_test(__name__, 2, ["check_compiled_graphs_follow_the_eager_plan"])
+test_compiled_world2 = world_test(__name__, 2, ["check_compiled_graphs_follow_the_eager_plan",
+                                                 "check_compiled_graphs_plan_their_own_trace"])

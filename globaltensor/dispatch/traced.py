@@ -1,0 +1,137 @@
+"""Whole-step layouts for compiled graphs: replay a plan while torch.compile traces, and
+plan a graph from its own trace.
+
+Tracing runs the program's calls on fake parts with no step boundary: dynamo's pass,
+then AOTAutograd's metadata pass and its trace of forward and backward (one make_fx
+session, the graph that is compiled). A call that begins a planned step (the newest
+plan whose first call it is: made eagerly, by ``explain_step``, or from an earlier
+trace of the graph) starts replaying that plan, and the calls that follow take their
+planned decisions as in eager mode (``step.py``). A graph whose trace begins with no
+plan is recorded (``Trace``) and planned at its next guard check (``plan_traces``);
+a plan at least ``MIN_GAIN`` cheaper than the traced per-op choice is kept and the
+recorded graphs trace again (``retrace.py``), replaying it. Each graph (by its first
+call) is recorded once.
+
+>>> loss_fn = torch.compile(step_fn)      # doctest: +SKIP
+>>> loss_fn(x)          # traced op by op and recorded
+>>> loss_fn(x)          # planned, traced again: the planned collectives from here on
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+from .. import retrace
+from . import step
+from .cache import cached_decision, key_of_call
+from .step_plan import plan_step
+
+log = logging.getLogger("globaltensor")
+
+MIN_GAIN = 0.01     # a traced graph is traced again for a plan at least this much cheaper
+
+
+@dataclass
+class Trace:
+    """A compiled graph's calls as torch.compile traced them: AOTAutograd's forward and
+    backward over fake parts, in one make_fx session."""
+    serial: int
+    record: list = field(default_factory=list)
+    backward: set = field(default_factory=set)   # the calls made in backward
+
+
+def decision(func, leaves: list, spec) -> tuple:
+    """A call while torch.compile traces: (its decision, the node recording it or None)."""
+    state = step.state
+    key = key_of_call(func, leaves, spec)
+    session = get_proxy_mode()   # make_fx's: AOTAutograd traces the graph it compiles
+    fresh = session is not None and (state.session is None or state.session() is not session)
+    if fresh:   # a graph's trace begins: it replays a plan from its first call, or none
+        state.session, state.trace, state.traced = weakref.ref(session), None, None
+        retrace.trace_begins(recorded=False)
+    found = _follow(func, leaves, spec, key)
+    if found is None and key is not None:
+        for (_, first), plan in reversed(state.plans.items()):   # the newest first
+            if key == first:
+                state.traced = [plan, 0]
+                found = _follow(func, leaves, spec, key)
+                break
+    if found is not None:
+        return found, None
+    greedy = cached_decision(func, leaves, spec)
+    if fresh and step.ENABLED and key is not None and state.mode != "recording" \
+            and key not in state.traced_firsts and len(state.traced_firsts) < step.MAX_KEYS:
+        state.traced_firsts.add(key)
+        state.serial += 1
+        state.trace = Trace(state.serial)
+        state.pending.append(state.trace)
+        retrace.at_next_guard(plan_traces)
+        retrace.trace_begins(recorded=True)
+    trace = state.trace
+    if session is None or trace is None:
+        return greedy, None
+    node = step.record_call(func, leaves, spec, greedy, trace.record, trace.serial)
+    if torch._C._current_graph_task_id() != -1:
+        trace.backward.add(len(trace.record) - 1)
+    return greedy, node
+
+
+def plan_traces() -> None:
+    """Plan the graphs recorded while torch.compile traced them (at a guard check, when
+    their traces have ended). A plan cheaper than the traced per-op choice is kept, and
+    the compiled graphs trace again (``retrace.py``) and replay it."""
+    state = step.state
+    pending, state.pending, state.trace = state.pending, [], None
+    better = False
+    for trace in pending:
+        if not trace.record:
+            continue
+        try:
+            plan = plan_step(trace.record, _graph_outputs(trace))
+        except Exception as e:  # noqa: BLE001  (every rank fails alike: SPMD records agree)
+            log.warning("globaltensor: a compiled graph could not be planned (%s: %s); it "
+                        "stays decided op by op", type(e).__name__, e)
+            continue
+        plan.problem = None
+        if plan.planned_cost < (1 - MIN_GAIN) * plan.per_op_cost:
+            state.plans.pop((0, plan.first_key), None)   # (re)inserted as the newest
+            if len(state.plans) >= step.MAX_PLANS:
+                state.plans.pop(next(iter(state.plans)))
+            state.plans[0, plan.first_key] = plan   # owner 0: replayed by traces only
+            state.last, better = plan, True
+    if better:
+        retrace.retrace_recorded()
+
+
+def _graph_outputs(trace: Trace) -> list:
+    """Sinks for the outputs that no later call of the trace uses: the graph's outputs.
+    A forward output (the loss) keeps the layout the trace gave it (its caller sees that
+    layout); a backward output (a gradient the compiled backward returns) has its
+    partial sums reduced after backward (``gradsync``), into a layout the trace does not
+    show: priced as reduced in place."""
+    used = {p for node in trace.record for p in node.producers if p is not None}
+    sinks = []
+    for u, node in enumerate(trace.record):
+        decision = node.greedy
+        for k, (layout, dtype) in enumerate(zip(decision.out_layouts, decision.out_dtypes)):
+            if (u, k) not in used and layout is not None:
+                sinks.append((u, k, None if u in trace.backward else layout, dtype.itemsize))
+    return sinks
+
+
+def _follow(func, leaves: list, spec, key):
+    """The planned decision when this call goes on the plan being replayed, else None."""
+    traced = step.state.traced
+    if traced is None:
+        return None
+    plan, cursor = traced
+    for ahead in range(cursor, min(cursor + step.LOOKAHEAD, len(plan.nodes))):
+        found = step.replayed(plan.nodes[ahead], func, leaves, spec, key)
+        if found is not None:
+            traced[1] = ahead + 1
+            return found
+    return None
