@@ -18,6 +18,7 @@ call) is recorded once.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from .. import retrace
+from ..tensor import GlobalTensor
 from . import step
 from .cache import cached_decision, key_of_call
 from .step_plan import plan_step
@@ -42,6 +44,24 @@ class Trace:
     serial: int
     record: list = field(default_factory=list)
     backward: set = field(default_factory=set)   # the calls made in backward
+    sinks: list = field(default_factory=list)    # step_plan's sinks: gradients of inputs
+    watched: set = field(default_factory=set)    # ids of the inputs given a hook
+
+    def watch_inputs(self, leaves: list) -> None:
+        """Hook the graph's inputs that require grad (parameters): the gradient the
+        traced backward computes for each is a sink in the input's layout, where
+        ``gradsync`` boxes it after backward."""
+        for x in leaves:
+            if x.__class__ is GlobalTensor and x.requires_grad and id(x) not in self.watched:
+                origin = getattr(x, "_origin", None)
+                if origin is None or origin[0] != self.serial:
+                    self.watched.add(id(x))
+                    x.register_hook(functools.partial(self._arrived, x._layout))
+
+    def _arrived(self, layout, grad) -> None:
+        origin = getattr(grad, "_origin", None)
+        if origin is not None and origin[0] == self.serial:
+            self.sinks.append((origin[1], origin[2], layout, grad.element_size()))
 
 
 def decision(func, leaves: list, spec) -> tuple:
@@ -74,6 +94,8 @@ def decision(func, leaves: list, spec) -> tuple:
     trace = state.trace
     if session is None or trace is None:
         return greedy, None
+    if torch._C._current_graph_task_id() == -1:
+        trace.watch_inputs(leaves)
     node = step.record_call(func, leaves, spec, greedy, trace.record, trace.serial)
     if torch._C._current_graph_task_id() != -1:
         trace.backward.add(len(trace.record) - 1)
@@ -109,12 +131,12 @@ def plan_traces() -> None:
 
 def _graph_outputs(trace: Trace) -> list:
     """Sinks for the outputs that no later call of the trace uses: the graph's outputs.
-    A forward output (the loss) keeps the layout the trace gave it (its caller sees that
-    layout); a backward output (a gradient the compiled backward returns) has its
-    partial sums reduced after backward (``gradsync``), into a layout the trace does not
-    show: priced as reduced in place."""
+    A gradient of an input goes into the input's layout (``Trace.watch_inputs``); a
+    forward output (the loss) keeps the layout the trace gave it (its caller sees that
+    layout); another backward output has its partial sums reduced where it is."""
     used = {p for node in trace.record for p in node.producers if p is not None}
-    sinks = []
+    sinks = list(trace.sinks)
+    used.update((u, k) for u, k, _, _ in trace.sinks)
     for u, node in enumerate(trace.record):
         decision = node.greedy
         for k, (layout, dtype) in enumerate(zip(decision.out_layouts, decision.out_dtypes)):
