@@ -125,10 +125,19 @@ class World:
         try:
             while (self._received < expected and not self.errors
                    and (until is None or self.done[until] < self.nprocs)):
+                left = self._deadline - time.monotonic()
                 try:
-                    rank, name, err = self._results.get(
-                        timeout=max(0.1, self._deadline - time.monotonic()))
+                    rank, name, err = self._results.get(timeout=min(1.0, max(0.1, left)))
                 except queue.Empty:
+                    dead = [(r, p.exitcode) for r, p in enumerate(self._procs)
+                            if p.exitcode not in (None, 0)]
+                    if dead:   # a process that died without reporting (a crash, a kill)
+                        self.errors["<exited>"] = "; ".join(
+                            f"rank {r} exited with code {code} before reporting"
+                            for r, code in dead) + f"; checks done: {self.done}"
+                        break
+                    if left > 1.0:
+                        continue
                     self.errors["<timeout>"] = (f"world of {self.nprocs} did not finish within "
                                                 f"{self.timeout} s; checks done: {self.done}")
                     break
