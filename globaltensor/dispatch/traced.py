@@ -67,6 +67,8 @@ class Trace:
 def decision(func, leaves: list, spec) -> tuple:
     """A call while torch.compile traces: (its decision, the node recording it or None)."""
     state = step.state
+    if state.hold and state.mode == "idle":   # inside step.paused(): op by op
+        return cached_decision(func, leaves, spec), None
     key = key_of_call(func, leaves, spec)
     session = get_proxy_mode()   # make_fx's: AOTAutograd traces the graph it compiles
     fresh = session is not None and (state.session is None or state.session() is not session)
