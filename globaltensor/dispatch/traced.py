@@ -99,6 +99,10 @@ def decision(func, leaves: list, spec) -> tuple:
     if torch._C._current_graph_task_id() == -1:
         trace.watch_inputs(leaves)
     node = step.record_call(func, leaves, spec, greedy, trace.record, trace.serial)
+    if not trace.record:   # too long (``step.MAX_CALLS``): this graph is not planned
+        state.trace = None
+        state.pending.remove(trace)
+        return greedy, None
     if torch._C._current_graph_task_id() != -1:
         trace.backward.add(len(trace.record) - 1)
     return greedy, node
