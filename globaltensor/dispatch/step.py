@@ -16,8 +16,9 @@ by op, and the replay goes on when the next calls match again (up to ``MAX_MISSE
 in a row; then the rest of the step is decided op by op and the plan is dropped).
 
 A step begins at the outermost forward of a module made global (``step_boundary``,
-called by ``gt.nn``'s hooks) and at ``gt.debug.explain_step``. Off with
-``GLOBALTENSOR_PLAN_STEPS=0``.
+called by ``gt.nn``'s hooks) and at ``gt.debug.explain_step``. Graphs torch.compile
+traces replay plans and plan themselves in ``traced.py``, with the recording and
+replay of this module. Off with ``GLOBALTENSOR_PLAN_STEPS=0``.
 
 >>> for _ in range(8):                        # doctest: +SKIP
 ...     model(x).sum().backward()             # 4 op by op, 1 recorded, then replayed

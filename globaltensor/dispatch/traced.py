@@ -10,7 +10,10 @@ planned decisions as in eager mode (``step.py``). A graph whose trace begins wit
 plan is recorded (``Trace``) and planned at its next guard check (``plan_traces``);
 a plan at least ``MIN_GAIN`` cheaper than the traced per-op choice is kept and the
 recorded graphs trace again (``retrace.py``), replaying it. Each graph (by its first
-call) is recorded once.
+call) is recorded once. The trace shows no ``.grad``: the graph's inputs that require
+grad get a hook while their forward is traced, and the gradient the traced backward
+computes for each is priced into the input's layout (``gradsync`` boxes it there).
+Inside ``step.paused()`` (pipeline stages) traced calls are decided op by op.
 
 >>> loss_fn = torch.compile(step_fn)      # doctest: +SKIP
 >>> loss_fn(x)          # traced op by op and recorded
