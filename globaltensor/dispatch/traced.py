@@ -54,8 +54,9 @@ class Trace:
         """Hook the graph's inputs that require grad (parameters): the gradient the
         traced backward computes for each is a sink in the input's layout, where
         ``gradsync`` boxes it after backward."""
-        for x in leaves:
-            if x.__class__ is GlobalTensor and x.requires_grad and id(x) not in self.watched:
+        for x in leaves:   # (fake parts only: a hook must not outlive the trace)
+            if x.__class__ is GlobalTensor and x.requires_grad and id(x) not in self.watched \
+                    and x._local.__class__ is not torch.Tensor:
                 origin = getattr(x, "_origin", None)
                 if origin is None or origin[0] != self.serial:
                     self.watched.add(id(x))
