@@ -44,8 +44,8 @@ def free_port() -> int:
 def _start_context():
     """The multiprocessing context of test worlds: a fork server that imported torch
     once starts a world's processes in ~30 ms instead of ~2 s of interpreter start and
-    torch import each (the suite starts about 200 worlds). It imports nothing of
-    globaltensor, whose modules read environment variables at import."""
+    torch import each. It imports nothing of globaltensor, whose modules read
+    environment variables at import."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
