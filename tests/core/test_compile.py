@@ -88,7 +88,7 @@ def _train_fullgraph(tensor_parallel: bool, backend: str) -> None:
         opt_c.zero_grad()
     for pa, pb in zip(eager.parameters(), compiled.parameters()):
         torch.testing.assert_close(pb.full(), pa.full())
-    # once, and once more if the plan made from the first trace beats it (step.py)
+    # once, and once more if the plan made from the first trace beats it (traced.py)
     assert counter.frame_count == 1 + bool(step.state.plans), \
         f"compiled {counter.frame_count} times in 3 steps"
     step.clear()
