@@ -191,14 +191,34 @@ def check_tied_gpt_plans_megatrons_collectives():
     step.clear()
 
 
+def _compiled_loss(graphs: list):
+    """``m(x).square().mean()`` compiled whole, keeping each graph traced (forward and
+    backward) in ``graphs``."""
+    import torch
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+    torch._dynamo.reset()
+    return torch.compile(lambda m, x: m(x).square().mean(), fullgraph=True,
+                         backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+
+
+def _collectives(graphs: list) -> list:
+    """The collectives the graphs issue, by name."""
+    return [n.target._opname for gm in graphs for n in gm.graph.nodes
+            if getattr(n.target, "namespace", None) == "_c10d_functional"
+            and n.target._opname != "wait_tensor"]
+
+
 def check_compiled_graphs_follow_the_eager_plan():
     # A step planned eagerly (explain_step), then compiled: the traced forward and
     # backward follow the plan (Megatron's four all-reduces, nothing else), where
     # graphs traced op by op also gather and exchange; both train equal to one process
     import torch
     import globaltensor as gt
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
     from globaltensor.dispatch import step
 
     def collectives(planned: bool) -> list:
@@ -209,13 +229,7 @@ def check_compiled_graphs_follow_the_eager_plan():
             gt.debug.explain_step(lambda: model(x).square().mean().backward())
             model.zero_grad(set_to_none=True)
         graphs = []
-
-        def keep(gm, example_inputs):
-            graphs.append(gm)
-            return make_boxed_func(gm.forward)
-        torch._dynamo.reset()
-        loss_of = torch.compile(lambda m, x: m(x).square().mean(), fullgraph=True,
-                                backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+        loss_of = _compiled_loss(graphs)
         with gt.implicit_broadcast():
             loss = loss_of(model, x)
         loss.backward()
@@ -226,9 +240,7 @@ def check_compiled_graphs_follow_the_eager_plan():
             torch.testing.assert_close(p.grad.full(), q.grad, rtol=1e-4, atol=1e-6)
         assert len(graphs) == 2   # forward and backward
         step.clear()
-        return [n.target._opname for gm in graphs for n in gm.graph.nodes
-                if getattr(n.target, "namespace", None) == "_c10d_functional"
-                and n.target._opname != "wait_tensor"]
+        return _collectives(graphs)
 
     planned, per_op = collectives(True), collectives(False)
     assert sorted(set(planned)) == ["all_reduce"] and len(planned) <= 5, planned
@@ -241,19 +253,11 @@ def check_compiled_graphs_plan_their_own_trace():
     # the plan (Megatron's four all-reduces); every step trains equal to one process
     import torch
     import globaltensor as gt
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
     from globaltensor.dispatch import step
 
     P, plain, model = _fresh()
     graphs = []
-
-    def keep(gm, example_inputs):
-        graphs.append(gm)
-        return make_boxed_func(gm.forward)
-    torch._dynamo.reset()
-    loss_of = torch.compile(lambda m, x: m(x).square().mean(), fullgraph=True,
-                            backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    loss_of = _compiled_loss(graphs)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, plain))
     g = torch.Generator().manual_seed(7)
     for k in range(3):
@@ -276,13 +280,8 @@ def check_compiled_graphs_plan_their_own_trace():
             assert eager.total_calls == eager.calls["all_gather"] == 1, eager
     for p, q in zip(model.parameters(), plain.parameters()):
         torch.testing.assert_close(p.full(), q.detach(), rtol=1e-4, atol=1e-6)
-
-    def collectives(gms):
-        return [n.target._opname for gm in gms for n in gm.graph.nodes
-                if getattr(n.target, "namespace", None) == "_c10d_functional"
-                and n.target._opname != "wait_tensor"]
     assert len(graphs) == 4, len(graphs)     # traced twice: op by op, then planned
-    first, planned = collectives(graphs[:2]), collectives(graphs[2:])
+    first, planned = _collectives(graphs[:2]), _collectives(graphs[2:])
     assert set(first) - {"all_reduce"}, first
     assert sorted(set(planned)) == ["all_reduce"] and len(planned) <= 5, planned
     torch._dynamo.reset()
