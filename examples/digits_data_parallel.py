@@ -54,6 +54,13 @@ def evaluate(model, loader):
     return correct / total
 
 
+def save(model, path, rank):
+    """Write the parameters as plain tensors (torch.save) from rank 0."""
+    state = {name: t.detach().full() for name, t in model.state_dict().items()}  # collective
+    if rank == 0:
+        torch.save(state, path)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=6)
@@ -63,7 +70,9 @@ def main():
     ap.add_argument("--test-size", type=int, default=360)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--min-acc", type=float, default=0.9, help="fail below this test accuracy")
-    ap.add_argument("--save", default=None, help="write the final parameters (torch.save)")
+    ap.add_argument("--save", default=None,
+                    help="write the final parameters (torch.save); a path holding {epoch} "
+                         "gets them after every epoch")
     args = ap.parse_args()
 
     gt.manual_seed(args.seed)
@@ -94,11 +103,9 @@ def main():
         if rank == 0:
             print(f"epoch {epoch + 1}/{args.epochs}  loss {loss_sum / len(train_set):.4f}  "
                   f"test acc {acc:.4f}  ({time.perf_counter() - start:.1f} s)", flush=True)
-
-    state = {name: t.detach().full() for name, t in model.state_dict().items()}  # collective
+        if args.save and ("{epoch}" in args.save or epoch + 1 == args.epochs):
+            save(model, args.save.format(epoch=epoch + 1), rank)
     if rank == 0:
-        if args.save:
-            torch.save(state, args.save)
         print(f"final test accuracy {acc:.4f} on {world} ranks")
     assert acc >= args.min_acc, f"test accuracy {acc:.4f} < {args.min_acc}"
 

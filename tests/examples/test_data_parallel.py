@@ -15,7 +15,8 @@ def runs(tmp_path_factory):
     """The module's runs, all started at once, by name, and their directory: the ResNet
     on 2 ranks, the digits (the README's run, 6 epochs) on 1 and on 2."""
     tmp = tmp_path_factory.mktemp("data_parallel")
-    digits = [("digits_data_parallel.py", nproc, "--seed", "3", "--save", str(tmp / f"{nproc}.pt"))
+    digits = [("digits_data_parallel.py", nproc, "--seed", "3", "--save",
+               str(tmp / f"{nproc}-{{epoch}}.pt"))
               for nproc in (1, 2)]
     outs = launch_examples_together([("resnet_data_parallel.py", 2, "--small"), *digits], tmp,
                                     timeout=190)
@@ -51,12 +52,17 @@ def test_digits_reaches_90_percent_and_two_ranks_end_with_the_single_process_par
     assert losses[-1] < losses[0] / 4, losses
     final = float(re.search(r"final test accuracy ([\d.]+) on 2 ranks", out2).group(1))
     assert final >= 0.9, out2
-    one, two = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
-    assert one.keys() == two.keys() and len(one) == 8
-    for name, ref in one.items():
-        assert type(two[name]) is torch.Tensor and two[name].shape == ref.shape, name
-        error = ((two[name] - ref).abs().max() / ref.abs().max()).item()
-        assert error <= 1e-5, f"{name}: relative difference {error:.2e}"
+    # One process sums a batch's 64 per-row gradients in one order, two ranks 32 + 32:
+    # about 5e-7 apart per step (measured), and training amplifies it (a first-layer
+    # weight 1.3e-5 apart after 3 epochs, 8e-4 after 6, on an AVX-512 machine). So the
+    # parameters must be equal after the first epoch, and stay close at the end.
+    for epoch, tolerance in ((1, 1e-5), (6, 1e-2)):
+        one, two = (torch.load(tmp_path / f"{n}-{epoch}.pt") for n in (1, 2))
+        assert one.keys() == two.keys() and len(one) == 8
+        for name, ref in one.items():
+            assert type(two[name]) is torch.Tensor and two[name].shape == ref.shape, name
+            error = ((two[name] - ref).abs().max() / ref.abs().max()).item()
+            assert error <= tolerance, f"epoch {epoch}, {name}: relative difference {error:.2e}"
     # The same batches in the same order: the same per-epoch loss and test accuracy.
     curve = r"epoch \d/6  loss ([\d.]+)  test acc ([\d.]+)"
     c1, c2 = re.findall(curve, out1), re.findall(curve, out2)
