@@ -3,10 +3,36 @@
 This module reads variables only; ``comm`` turns them into process groups. It sits
 below ``placement`` so that a placement can check its ranks against the world size
 without any communication.
+
+A setting read from the environment when globaltensor is imported is registered with
+``read_at_import``: the launcher's fork server imports globaltensor before it knows a
+worker's environment and runs every such reader again in each worker (``reread``).
 """
 from __future__ import annotations
 
 import os
+from typing import Callable
+
+_READ_AT_IMPORT: list = []
+
+
+def read_at_import(read: Callable[[], None]) -> Callable[[], None]:
+    """Run ``read`` (it turns environment variables into settings) now, and again at each
+    ``reread``; usable as a decorator.
+
+    >>> @read_at_import
+    ... def _read_my_variable(): ...
+    """
+    _READ_AT_IMPORT.append(read)
+    read()
+    return read
+
+
+def reread() -> None:
+    """Apply this process's environment to every setting read at import (a worker forked
+    from a process that imported globaltensor with another environment)."""
+    for read in _READ_AT_IMPORT:
+        read()
 
 
 def _int_var(name: str, default: int) -> int:

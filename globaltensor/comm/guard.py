@@ -26,8 +26,13 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 
 _doing: list = []  # descriptions (str or objects with __str__), innermost last
 _checking = 0      # open check_consistency() contexts
-# Read once: check_mode() runs on every tensor made (origins.py), so it must be cheap.
-_DEBUG = env.debug_enabled()
+_DEBUG = False  # GLOBALTENSOR_DEBUG
+
+
+@env.read_at_import  # once: check_mode() runs on every tensor made (origins.py)
+def _read_debug_variable() -> None:
+    global _DEBUG
+    _DEBUG = env.debug_enabled()
 
 
 def check_mode() -> bool:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_flatten
 
-from .. import gradsync, retrace
+from .. import env, gradsync, retrace
 from ..sbp import StridedSplit
 from ..tensor import GlobalTensor
 from .cache import cached_decision, key_of_call
@@ -45,7 +45,7 @@ from .step_plan import PARAMETER_WEIGHT, Node, StepPlan, plan_step
 
 log = logging.getLogger("globaltensor")
 
-ENABLED = os.environ.get("GLOBALTENSOR_PLAN_STEPS", "1") != "0"
+ENABLED = True      # GLOBALTENSOR_PLAN_STEPS=0 turns whole-step planning off (see below)
 MAX_PLANS = 16
 MAX_MISSES = 8      # calls in a row the plan does not know before replay stops
 LOOKAHEAD = 4       # planned calls a step may skip
@@ -81,7 +81,13 @@ class _State:
 
 state = _State()
 active = False   # read by entry.dispatch on every call: not in ``state`` for speed
-retrace.planning = ENABLED
+
+
+@env.read_at_import
+def _read_plan_steps_variable() -> None:
+    global ENABLED
+    ENABLED = os.environ.get("GLOBALTENSOR_PLAN_STEPS", "1") != "0"
+    retrace.planning = ENABLED
 
 
 def _set(mode: str) -> None:

@@ -55,7 +55,7 @@ def apply() -> None:
     _guard_torch_save()
     _carry_draws_in_rng_state()
     _advise_when_torch_tools_are_imported()
-    _bind_gloo_to_local_addr()
+    env.read_at_import(_bind_gloo_to_local_addr)
 
 
 def override_function(namespace, name: str, fn) -> None:

@@ -45,8 +45,11 @@ class ExitTimes(threading.Thread):
     Reading /proc never reaps a child, so it does not interfere with the agent's waits.
     """
 
-    def __init__(self, nproc: int):
+    def __init__(self, nproc: int, find_workers: bool = True):
         super().__init__(name="globaltensor-exit-times", daemon=True)
+        # False: workers are not the launcher's children (the fork server's); the
+        # launcher names them with ``add_worker`` instead of a scan of /proc.
+        self.find_workers = find_workers
         self.nproc, self.rank_of, self.ended_at = nproc, {}, {}  # pid -> rank / monotonic time
         self.latest: dict[int, int] = {}  # rank -> pid of its newest attempt
         # When the agent began stopping the newest attempt's workers (None: it has not):
@@ -84,9 +87,14 @@ class ExitTimes(threading.Thread):
         """The agent starts a new attempt's workers: none of them is being stopped."""
         self.stopping_since = None
 
+    def add_worker(self, pid: int, rank: int) -> None:
+        """Worker process ``pid`` of global rank ``rank`` started."""
+        self.rank_of[pid] = rank
+        self.latest[rank] = pid
+
     def poll(self) -> None:
         """Find new worker processes and note the ones that ended since the last poll."""
-        if len(self.rank_of) - len(self.ended_at) < self.nproc:  # workers still to find
+        if self.find_workers and len(self.rank_of) - len(self.ended_at) < self.nproc:
             self._find_workers()
         for pid in list(self.rank_of):
             if pid not in self.ended_at and not alive(pid):
@@ -109,8 +117,7 @@ class ExitTimes(threading.Thread):
             except (OSError, IndexError):
                 continue
             if b"TORCHELASTIC_RUN_ID" in env and b"RANK" in env:  # exec'ed as a worker
-                self.rank_of[int(name)] = rank = int(env[b"RANK"])
-                self.latest[rank] = int(name)
+                self.add_worker(int(name), int(env[b"RANK"]))
 
 
 def alive(pid: int) -> bool:

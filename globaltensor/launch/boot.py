@@ -1,7 +1,8 @@
 """The first code of every worker process: prepare the process, then run the target in
 it as ``python [-m] target args`` would.
 
-The agent starts ``python -u <this file> [-m] target args``: run as a file, not with
+The agent starts ``python -u <this file> [-m] target args`` (or the fork server runs
+``main`` in a forked copy of the launcher as if it had; see ``forkserver``): run as a file, not with
 ``-m globaltensor.launch.boot``, so that the worker imports neither globaltensor nor
 torch before its script asks for them. It imports only the standard library (the
 directory of this file is ``sys.path[0]`` until the target's replaces it; none of the
@@ -48,7 +49,14 @@ def main() -> None:
 
 
 def _die_with_launcher() -> None:
-    """Die with the launcher, even when it is SIGKILLed: no orphaned workers (Linux)."""
+    """Die with the launcher, even when it is SIGKILLed: no orphaned workers (Linux).
+    A worker forked by the launcher's fork server dies with that server, which dies with
+    the launcher (``GLOBALTENSOR_LAUNCHER_PID`` then names the server)."""
+    _die_with_parent(int(os.environ["GLOBALTENSOR_LAUNCHER_PID"]))
+
+
+def _die_with_parent(parent: int) -> None:
+    """Get SIGKILL when ``parent`` (this process's parent) dies (Linux)."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -56,8 +64,8 @@ def _die_with_launcher() -> None:
 
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
-    if os.getppid() != int(os.environ["GLOBALTENSOR_LAUNCHER_PID"]):
-        os._exit(1)  # the launcher died before prctl took effect
+    if os.getppid() != parent:
+        os._exit(1)  # the parent died before prctl took effect
 
 
 def _dump_stacks_on_sigterm() -> None:

@@ -25,6 +25,7 @@ from .logs import DEFAULT_LOG_ROOT, LATEST_LINK, say, worker_log
 __all__ = ["OPTIONS", "Option", "build_parser", "fail", "node_ranks", "parse_args"]
 
 PROG = "python -m globaltensor.launch"
+START_METHODS = ("forkserver", "spawn")
 USAGE_HINT = f"usage: {PROG} [options] script.py [args]"
 
 
@@ -75,6 +76,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("rdzv_timeout", "seconds to wait for the other nodes (default: GLOBALTENSOR_TIMEOUT, else 300)",
            type=float),
     Option("module", "run the target as a module, like python -m", flag=True, short="-m"),
+    Option("start_method", "forkserver (default: workers are forked from a copy of the launcher, "
+           "which imported torch already, and start in milliseconds) or spawn (a fresh interpreter "
+           "per worker, as torchrun: for a script that sets environment variables before importing "
+           "torch)", default="forkserver"),
 )
 
 
@@ -168,6 +173,8 @@ def _problems(args: argparse.Namespace) -> list[str]:
         (not args.standalone and not 1 <= args.master_port <= 65535,
          f"--master_port must be in 1..65535, got {args.master_port}"),
         (args.max_restarts < 0, f"--max_restarts must be >= 0, got {args.max_restarts}"),
+        (args.start_method not in START_METHODS,
+         f"--start_method must be one of {', '.join(START_METHODS)}, got {args.start_method!r}"),
         (not args.rdzv_timeout > 0, f"--rdzv_timeout must be > 0 seconds, got {args.rdzv_timeout}"),
         (os.path.islink(log_dir),
          f"--log_dir {log_dir!r} is a symbolic link; refusing to write worker logs through it"),

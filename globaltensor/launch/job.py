@@ -23,6 +23,7 @@ from typing import Any, Optional, Sequence
 from . import boot
 from .agent import MONITOR_INTERVAL_S, ExitTimes, grace_agent_class
 from .cli import fail, node_ranks, parse_args
+from .forkserver import ForkServer, can_fork, handler_factory
 from .logs import DEFAULT_LOG_ROOT, LaunchError, lock_log_dir, make_logs_specs, new_run_dir, say
 from .rendezvous import RDZV_BACKEND, RUN_ID, create_rendezvous, listen
 from .report import DropAgentFailureLine, print_banner, report_failure, restart_line
@@ -54,7 +55,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     # The rank-prefixed worker lines are written from tailer threads; flush per line
     # so they show up promptly even when our stdout is a pipe.
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    _run_agent(args, listen_socket)
+    _run_agent(args, listen_socket, log_lock)
 
 
 def _claim_port_and_log_dir(args: argparse.Namespace) -> tuple[Optional[socket.socket], int]:
@@ -121,17 +122,26 @@ def _launch_config(args: argparse.Namespace, listen_socket: Optional[socket.sock
     )
 
 
-def _run_agent(args: argparse.Namespace, listen_socket: Optional[socket.socket]) -> None:
+def _run_agent(args: argparse.Namespace, listen_socket: Optional[socket.socket], log_lock: int) -> None:
     """Run the job under torch's elastic agent; exit as its outcome says (returns on
     success)."""
     from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing import api as processes_api
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
     from torch.distributed.launcher import api as launcher_api
 
+    # Forked before any thread starts (the agent's, the store's, the log tailers').
+    server = None
+    if args.start_method == "forkserver" and can_fork() is None:
+        held = [log_lock] + ([listen_socket.fileno()] if listen_socket is not None else [])
+        server = ForkServer.start(close_fds=held)
+    exit_times = ExitTimes(args.nproc_per_node, find_workers=server is None)
+    if server is not None:
+        processes_api.get_subprocess_handler = handler_factory(
+            server, lambda pid, env: exit_times.add_worker(pid, int(env["RANK"])))
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(DropAgentFailureLine())
     rendezvous_handler_registry.register(RDZV_BACKEND, create_rendezvous)
-    exit_times = ExitTimes(args.nproc_per_node)
 
     def on_restart(result: Any, left: int) -> None:
         say(restart_line(result.failures, args.log_dir, exit_times.ended(), args.ps, left, node_ranks(args),
@@ -151,3 +161,6 @@ def _run_agent(args: argparse.Namespace, listen_socket: Optional[socket.socket])
         # Ctrl-C / SIGTERM: the agent has already stopped the workers.
         say(f"interrupted by {e.sigval.name}, workers stopped")
         sys.exit(128 + int(e.sigval))
+    finally:
+        if server is not None:
+            server.close()

@@ -83,6 +83,7 @@ def test_two_ranks_env_collective_logs_prefixes_and_args(tmp_path: Path) -> None
         assert rep["LOCAL_RANK"] == str(rank)
         assert (rep["MASTER_ADDR"], rep["MASTER_PORT"]) == ("127.0.0.1", str(port))
         assert rep["OMP_NUM_THREADS"] == "1"  # unset in our env, nproc_per_node > 1
+        assert rep["threads"] == 1  # torch's threads follow it (the launcher's was unset)
         assert rep["allreduce"] == 3.0  # 1 + 2
         assert rep["argv"] == script_args  # untouched, option-looking ones included
         assert rep["module"] is None  # script mode
@@ -98,7 +99,7 @@ def test_two_ranks_env_collective_logs_prefixes_and_args(tmp_path: Path) -> None
     for rank in (0, 1):
         lines = (log_dir / f"workerlog.{rank}").read_text().splitlines()
         assert lines[0].startswith("ENV ") and json.loads(lines[0][4:])["RANK"] == str(rank)
-        assert lines[1:] == [f"stderr-line-from-rank-{rank}", f"stdout-after-stderr-rank-{rank}"]
+        assert lines[1:3] == [f"stderr-line-from-rank-{rank}", f"stdout-after-stderr-rank-{rank}"]
 
     # Banner, once.
     assert r.stderr.count("world size") == 1
@@ -119,8 +120,36 @@ def test_module_mode_and_omp_num_threads_left_alone(tmp_path: Path) -> None:
     for rep in reports.values():
         assert rep["module"] == "report_env"  # ran via `python -m`
         assert rep["argv"] == ["--flag"]
-        assert rep["OMP_NUM_THREADS"] == "3"
+        assert rep["OMP_NUM_THREADS"] == "3" and rep["threads"] == 3
     assert "OMP_NUM_THREADS" not in r.stderr  # the banner does not claim to have set it
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_forked_and_spawned_workers_start_alike(tmp_path: Path) -> None:
+    """The default start (forked from the launcher's fork server) gives a worker what a
+    fresh interpreter (--start_method spawn) gives it; only the import is done already."""
+    runs = {method: ["--nproc_per_node", "2", "--master_port", str(free_port()), "--log_dir",
+                     str(tmp_path / method), "--start_method", method,
+                     str(SCRIPTS / "report_env.py"), "x"]
+            for method in ("forkserver", "spawn")}
+    results = dict(zip(runs, launch_nodes(list(runs.values()), tmp_path, timeout=80)))
+    same = {}
+    for method, (code, out, err, _) in results.items():
+        assert code == 0, out + err
+        reports = env_reports(out)
+        assert sorted(reports) == [0, 1], out
+        assert all(rep["preloaded"] == (method == "forkserver") for rep in reports.values())
+        assert reports[0]["random"] != reports[1]["random"]  # seeded per process
+        for rank in (0, 1):
+            log = (tmp_path / method / f"workerlog.{rank}").read_text().splitlines()
+            assert log[-2:] == ["thread joined", "atexit ran"], log
+        same[method] = {rank: {k: v for k, v in rep.items()
+                               if k not in ("MASTER_PORT", "random", "preloaded")}
+                        for rank, rep in reports.items()}
+    assert same["forkserver"] == same["spawn"]
+    bad = launch(["--start_method", "fork", str(SCRIPTS / "report_env.py")], cwd=tmp_path)
+    assert bad.returncode == 2 and "--start_method must be one of forkserver, spawn, got 'fork'" in bad.stderr
 
 
 @pytest.mark.multiprocess

@@ -1,11 +1,18 @@
-"""Each rank prints its launcher-provided environment, runs an all_reduce, echoes its args."""
+"""Each rank prints its launcher-provided environment, runs an all_reduce, echoes its args;
+at exit a non-daemon thread it started prints, then an atexit handler."""
 import json
 import os
 import socket
 import struct
 import sys
 
-import torch
+PRELOADED = "torch" in sys.modules  # the launcher's fork server imported it already
+
+import atexit  # noqa: E402
+import random  # noqa: E402
+import threading  # noqa: E402
+
+import torch  # noqa: E402
 import torch.distributed as dist
 
 KEYS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS"]
@@ -38,11 +45,17 @@ def main() -> None:
     info = {k: os.environ.get(k) for k in KEYS}
     # __spec__ is set only when run with `python -m`.
     info.update(listening=listening_addresses(int(os.environ["MASTER_PORT"])),
-                allreduce=t.item(), argv=sys.argv[1:], module=__spec__.name if __spec__ else None)
+                allreduce=t.item(), argv=sys.argv[1:], module=__spec__.name if __spec__ else None,
+                threads=torch.get_num_threads(), random=random.random(), preloaded=PRELOADED)
     print("ENV " + json.dumps(info, sort_keys=True))
     print(f"stderr-line-from-rank-{rank}", file=sys.stderr)
     print(f"stdout-after-stderr-rank-{rank}")
     dist.destroy_process_group()
+    # the interpreter's exit: non-daemon threads first, then atexit handlers
+    release = threading.Event()
+    threading.Thread(target=lambda: (release.wait(), print("thread joined"))).start()
+    atexit.register(print, "atexit ran")
+    release.set()
 
 
 if __name__ == "__main__":
