@@ -46,7 +46,10 @@ from . import boot
 
 __all__ = ["ForkServer", "ForkedProcess", "can_fork", "handler_factory"]
 
-_MAX_MESSAGE = 1 << 20  # a request carries the worker's environment: a few KiB
+# A request carries the worker's environment (a few KiB) in one message, which must fit
+# the socket's buffer (about 200 KiB by default on Linux).
+_MAX_ENVIRONMENT = 64 << 10
+_MAX_MESSAGE = 1 << 20
 
 
 def can_fork() -> Optional[str]:
@@ -64,6 +67,8 @@ def can_fork() -> Optional[str]:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "the launcher initialized CUDA"
+    if len(json.dumps(dict(os.environ))) > _MAX_ENVIRONMENT:
+        return f"the environment is over {_MAX_ENVIRONMENT >> 10} KiB"
     return None
 
 
@@ -164,10 +169,6 @@ class ForkedProcess:
             raise subprocess.TimeoutExpired(self.args, timeout)
         return self.returncode
 
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
 
 def handler_factory(server: ForkServer, on_start: Callable[[int, dict], None]) -> Callable[..., Any]:
     """A stand-in for torch's ``get_subprocess_handler`` whose workers ``server`` forks;
@@ -180,6 +181,17 @@ def handler_factory(server: ForkServer, on_start: Callable[[int, dict], None]) -
             proc = server.spawn(list(args[1:]), env, _fileno(self._stdout), _fileno(self._stderr))
             on_start(proc.pid, env)
             return proc
+
+        def close(self, death_sig: Optional[signal.Signals] = None) -> None:
+            # The server reaps a worker as it ends, before the agent hears of it: signalling
+            # its group may then find no process, which is what the agent wanted.
+            try:
+                os.killpg(self.proc.pid, death_sig or signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            for stream in (self._stdout, self._stderr):
+                if stream is not None:
+                    stream.close()
 
     def get_subprocess_handler(entrypoint, args, env, stdout, stderr, local_rank_id,
                                numa_options=None):

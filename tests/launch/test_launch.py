@@ -866,3 +866,10 @@ def test_the_stated_lower_bounds_hold() -> None:
     assert "master_listen_fd" in (torch.distributed.TCPStore.__init__.__doc__ or "")  # launch/rendezvous.py
     for path in sorted((REPO / "globaltensor").rglob("*.py")):
         ast.parse(path.read_text(), filename=str(path), feature_version=python_min)
+
+
+@pytest.mark.timeout(60)
+def test_fork_server_reports_exits_as_popen_and_survives_a_reaped_worker(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, str(SCRIPTS / "forkserver_checks.py"), str(tmp_path)],
+                       cwd=tmp_path, env=launcher_env(), capture_output=True, text=True, timeout=50)
+    assert r.returncode == 0 and r.stdout.strip() == "OK", r.stdout + r.stderr
