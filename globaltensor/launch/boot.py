@@ -1,14 +1,14 @@
 """The first code of every worker process: prepare the process, then run the target in
 it as ``python [-m] target args`` would.
 
-The agent starts ``python -u <this file> [-m] target args`` (or the fork server runs
-``main`` in a forked copy of the launcher as if it had; see ``forkserver``): run as a file, not with
-``-m globaltensor.launch.boot``, so that the worker imports neither globaltensor nor
-torch before its script asks for them. It imports only the standard library (the
-directory of this file is ``sys.path[0]`` until the target's replaces it; none of the
-launcher's module names is a standard library one). The launcher sets
-``GLOBALTENSOR_LAUNCHER_PID`` and, in a parameter-server job,
-``GLOBALTENSOR_PS_WORKER_NUM``.
+The agent starts ``python -u <this file> [-m] target args`` (``--start_method spawn``;
+by default the fork server runs ``main`` in a forked copy of the launcher as if it had,
+see ``forkserver``): run as a file, not with ``-m globaltensor.launch.boot``, so that a
+spawned worker imports neither globaltensor nor torch before its script asks for them.
+It imports only the standard library (the directory of this file is ``sys.path[0]``
+until the target's replaces it; none of the launcher's module names is a standard
+library one). The launcher sets ``GLOBALTENSOR_LAUNCHER_PID`` and, in a
+parameter-server job, ``GLOBALTENSOR_PS_WORKER_NUM``.
 
 What it does, in order, and why:
 

@@ -24,9 +24,10 @@ dies (``boot._die_with_launcher``, with ``GLOBALTENSOR_LAUNCHER_PID`` naming the
 
 Example (what ``job`` does)::
 
-    server = ForkServer.start(close_fds=[listen_fd, lock_fd])   # None: spawn instead
-    proc = server.spawn(["-u", boot.__file__, "train.py"], env, stdout_fd, stderr_fd)
-    proc.poll(), proc.wait(5.0)
+    if can_fork() is None:                                       # else: spawn
+        server = ForkServer.start(close_fds=[listen_fd, lock_fd])
+        proc = server.spawn(["-u", boot.__file__, "train.py"], env, stdout_fd, stderr_fd)
+        proc.poll(), proc.wait(5.0)
 """
 
 from __future__ import annotations
@@ -211,6 +212,13 @@ def _fileno(stream: Any) -> Optional[int]:
 def _serve(sock: socket.socket, launcher: int) -> tuple[dict, list[int]]:
     """Fork a worker per request and report exits, until the launcher closes the socket
     (then exit). Returns ``(request, fds)`` in a forked worker only."""
+    try:
+        return _serve_until_closed(sock, launcher)
+    except (BrokenPipeError, ConnectionResetError):
+        os._exit(0)  # the launcher went away while an exit was being reported
+
+
+def _serve_until_closed(sock: socket.socket, launcher: int) -> tuple[dict, list[int]]:
     boot._die_with_parent(launcher)
     # Ctrl-C reaches the launcher's whole process group; the launcher stops the workers
     # itself (gracefully), so the server must outlive the signal.
