@@ -296,10 +296,10 @@ def _run_worker(request: dict, fds: list[int]) -> int:
         boot.main()
     except SystemExit as e:
         code = _exit_code(e.code)
-    # what the interpreter does at exit: wait for non-daemon threads, run atexit handlers
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # What the interpreter does at exit: threading's own exit hooks (they stop the
+    # workers of idle thread pools, torch.compile's among them), then wait for the
+    # non-daemon threads, then the atexit handlers.
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -9,6 +9,7 @@ import sys
 PRELOADED = "torch" in sys.modules  # the launcher's fork server imported it already
 
 import atexit  # noqa: E402
+import concurrent.futures  # noqa: E402
 import random  # noqa: E402
 import threading  # noqa: E402
 
@@ -51,7 +52,11 @@ def main() -> None:
     print(f"stderr-line-from-rank-{rank}", file=sys.stderr)
     print(f"stdout-after-stderr-rank-{rank}")
     dist.destroy_process_group()
-    # the interpreter's exit: non-daemon threads first, then atexit handlers
+    # the interpreter's exit: non-daemon threads first, then atexit handlers; an idle
+    # pool's worker thread is stopped by threading's exit hook (torch.compile keeps one)
+    global POOL
+    POOL = concurrent.futures.ThreadPoolExecutor(1)  # kept, as torch.compile keeps its pool
+    POOL.submit(int).result()
     release = threading.Event()
     threading.Thread(target=lambda: (release.wait(), print("thread joined"))).start()
     atexit.register(print, "atexit ran")
