@@ -1,7 +1,7 @@
 """End-to-end tests of ``python -m globaltensor.launch`` (real worker processes, gloo on CPU).
 
-Each launcher run costs a few seconds (torch import in every process), so one run
-checks several things at once. Every run gets its own free port and log dir.
+Each launcher run costs a few seconds (the launcher imports torch; its workers are
+forked from it), so one run checks several things at once. Every run gets its own free port and log dir.
 """
 
 from __future__ import annotations
