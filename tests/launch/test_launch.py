@@ -1,7 +1,8 @@
 """End-to-end tests of ``python -m globaltensor.launch`` (real worker processes, gloo on CPU).
 
 Each launcher run costs a few seconds (the launcher imports torch; its workers are
-forked from it), so one run checks several things at once. Every run gets its own free port and log dir.
+forked from it), so one run checks several things at once. Every run gets its own free
+port and log dir.
 """
 
 from __future__ import annotations
@@ -868,6 +869,7 @@ def test_the_stated_lower_bounds_hold() -> None:
         ast.parse(path.read_text(), filename=str(path), feature_version=python_min)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_fork_server_reports_exits_as_popen_and_survives_a_reaped_worker(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, str(SCRIPTS / "forkserver_checks.py"), str(tmp_path)],
