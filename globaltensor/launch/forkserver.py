@@ -5,7 +5,7 @@ globaltensor already; ``--start_method spawn`` starts fresh interpreters instead
 The launcher forks this server once, before it starts any thread (forking a process
 with threads copies locks that no thread will release). The server stays
 single-threaded and runs no user code: for each worker the agent asks for, it forks a
-child that turns into ``python -u boot.py [-m] target args`` would be, and it reports
+child that becomes what ``python -u boot.py [-m] target args`` would be, and it reports
 each child's exit code. A worker is the server's child, so the launcher cannot wait for
 it; ``ForkedProcess`` stands in for the ``Popen`` torch's agent polls, waits for and
 signals (by process group, as with ``Popen(start_new_session=True)``).
@@ -13,9 +13,9 @@ signals (by process group, as with ``Popen(start_new_session=True)``).
 What a forked worker gets that a fresh interpreter would: the job's environment (the
 launcher's plus the rank's variables), globaltensor's settings read from it
 (``env.reread``), OpenMP threads set from ``OMP_NUM_THREADS`` (the OpenMP runtime read
-the launcher's environment when it loaded), its log files as
-stdout/stderr, unbuffered, default signal handlers, fresh ``random`` state, non-daemon
-threads joined and ``atexit`` handlers run at exit. What it does not: a library that
+the launcher's environment when it loaded), its log files as stdout/stderr,
+unbuffered, default signal handlers, fresh ``random`` state, and at exit threading's
+exit hooks, its non-daemon threads joined and its ``atexit`` handlers. What it does not: a library that
 reads an environment variable when it is imported reads the launcher's value, so a
 script that sets such a variable before ``import torch`` needs ``--start_method spawn``.
 
