@@ -3,14 +3,17 @@
 torch.compile's first trace of a graph decides every call op by op (there is no plan
 yet) while ``dispatch/step.py`` records it; the plan made from that record only helps
 if the graph is traced again. Dynamo re-traces a graph when one of its guards fails:
-every GlobalTensor input carries a ``Mark`` in its flatten metadata, which the guard
-saves when the graph's trace ends, and ``guard`` fails for the marks of recorded traces
-older than the last ``retrace_recorded()``. The planning itself waits for the next
-guard check (``at_next_guard``): a guard runs only when compiled code is about to run
-again, after the trace that was recorded has ended.
+every GlobalTensor input carries a ``Mark`` in its flatten metadata (the recorded trace
+the graph came from, if any), which the guard saves when the graph's trace ends, and
+``guard`` fails for the marks of traces named by ``retrace``. Graphs whose plans did
+not improve, and graphs traced without recording (pipeline stages), keep their code.
+The planning itself waits for the next guard check (``at_next_guard``): a guard runs
+only when compiled code is about to run again, after the trace that was recorded has
+ended.
 
->>> trace_begins(recorded=True)   # dispatch/step.py, as a graph's trace begins
->>> retrace_recorded()            # graphs traced so far while recorded trace again
+>>> mark = new_trace()
+>>> trace_begins(mark)   # dispatch/traced.py, as a recorded trace begins
+>>> retrace({mark})      # the graph traced then traces again at its next call
 """
 from __future__ import annotations
 
@@ -20,14 +23,13 @@ from torch._guards import CompileContext
 
 
 class Mark:
-    """The trace epoch a graph's guard was made in, and whether its trace was recorded.
-    Marks compare equal to each other, so that metadata compared at run time
-    (AOTAutograd checks its tangents') never differs by its mark alone; only ``guard``
-    reads them."""
-    __slots__ = ("epoch", "recorded")
+    """The recorded trace a graph's guard was made after (0: none). Marks compare equal
+    to each other, so that metadata compared at run time (AOTAutograd checks its
+    tangents') never differs by its mark alone; only ``guard`` reads them."""
+    __slots__ = ("trace",)
 
-    def __init__(self, epoch: int, recorded: bool = False):
-        self.epoch, self.recorded = epoch, recorded
+    def __init__(self, trace: int = 0):
+        self.trace = trace
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Mark)
@@ -36,29 +38,37 @@ class Mark:
         return 0
 
     def __deepcopy__(self, memo) -> "Mark":
-        return Mark(self.epoch, self.recorded)
+        return Mark(self.trace)
 
     def __repr__(self) -> str:
-        return f"Mark({self.epoch}, recorded={self.recorded})"
+        return f"Mark({self.trace})"
 
 
-current = Mark(0)       # what a GlobalTensor's flatten metadata carries now
+current = Mark()        # what a GlobalTensor's flatten metadata carries now
 planning = False        # dispatch/step.py plans traced graphs (not cached by AOTAutograd)
+_stale: set = set()     # recorded traces whose graphs trace again
+_traces = 0             # recorded traces so far (never reset: marks stay unique)
 _pending: "Callable[[], None] | None" = None
 
 
-def trace_begins(recorded: bool) -> None:
-    """A graph's trace begins (AOTAutograd's): the guards made when it ends save whether
-    it was recorded."""
-    global current
-    current = Mark(current.epoch, recorded)
+def new_trace() -> int:
+    """A mark for a trace that is recorded, unique for the process."""
+    global _traces
+    _traces += 1
+    return _traces
 
 
-def retrace_recorded() -> None:
-    """Make every compiled graph whose trace was recorded before now fail its guard once
-    (and so be traced again) at its next call."""
+def trace_begins(trace: int) -> None:
+    """A graph's trace begins (AOTAutograd's): the guards made when it ends save which
+    recorded trace it is (``new_trace()``; 0: not recorded)."""
     global current
-    current = Mark(current.epoch + 1)
+    current = Mark(trace)
+
+
+def retrace(traces: set) -> None:
+    """Make the compiled graphs of these recorded traces fail their guard once (and so
+    be traced again) at their next call."""
+    _stale.update(traces)
 
 
 def at_next_guard(fn: Callable[[], None]) -> None:
@@ -75,4 +85,4 @@ def guard(saved: Mark) -> bool:
     if _pending is not None and CompileContext.current_compile_id() is None:
         fn, _pending = _pending, None
         fn()
-    return not saved.recorded or saved.epoch == current.epoch
+    return saved.trace not in _stale

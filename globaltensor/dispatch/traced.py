@@ -9,7 +9,7 @@ trace of the graph) starts replaying that plan, and the calls that follow take t
 planned decisions as in eager mode (``step.py``). A graph whose trace begins with no
 plan is recorded (``Trace``) and planned at its next guard check (``plan_traces``);
 a plan at least ``MIN_GAIN`` cheaper than the traced per-op choice is kept and the
-recorded graphs trace again (``retrace.py``), replaying it. Each graph (by its first
+graph recorded then traces again (``retrace.py``), replaying it. Each graph (by its first
 call) is recorded once. The trace shows no ``.grad``: the graph's inputs that require
 grad get a hook while their forward is traced, and the gradient the traced backward
 computes for each is priced into the input's layout (``gradsync`` boxes it there).
@@ -45,6 +45,7 @@ class Trace:
     """A compiled graph's calls as torch.compile traced them: AOTAutograd's forward and
     backward over fake parts, in one make_fx session."""
     serial: int
+    mark: int = field(default_factory=retrace.new_trace)   # what its guards save
     record: list = field(default_factory=list)
     backward: set = field(default_factory=set)   # the calls made in backward
     sinks: list = field(default_factory=list)    # step_plan's sinks: gradients of inputs
@@ -71,14 +72,14 @@ class Trace:
 def decision(func, leaves: list, spec) -> tuple:
     """A call while torch.compile traces: (its decision, the node recording it or None)."""
     state = step.state
-    if state.hold and state.mode == "idle":   # inside step.paused(): op by op
-        return cached_decision(func, leaves, spec), None
-    key = key_of_call(func, leaves, spec)
     session = get_proxy_mode()   # make_fx's: AOTAutograd traces the graph it compiles
     fresh = session is not None and (state.session is None or state.session() is not session)
     if fresh:   # a graph's trace begins: it replays a plan from its first call, or none
         state.session, state.trace, state.traced = weakref.ref(session), None, None
-        retrace.trace_begins(recorded=False)
+        retrace.trace_begins(0)
+    if state.hold and state.mode == "idle":   # inside step.paused(): op by op
+        return cached_decision(func, leaves, spec), None
+    key = key_of_call(func, leaves, spec)
     found = _follow(func, leaves, spec, key)
     if found is None and key is not None:
         for (_, first), plan in reversed(state.plans.items()):   # the newest first
@@ -96,7 +97,7 @@ def decision(func, leaves: list, spec) -> tuple:
         state.trace = Trace(state.serial)
         state.pending.append(state.trace)
         retrace.at_next_guard(plan_traces)
-        retrace.trace_begins(recorded=True)
+        retrace.trace_begins(state.trace.mark)
     trace = state.trace
     if session is None or trace is None:
         return greedy, None
@@ -115,10 +116,10 @@ def decision(func, leaves: list, spec) -> tuple:
 def plan_traces() -> None:
     """Plan the graphs recorded while torch.compile traced them (at a guard check, when
     their traces have ended). A plan cheaper than the traced per-op choice is kept, and
-    the compiled graphs trace again (``retrace.py``) and replay it."""
+    its graph traces again (``retrace.py``) and replays it."""
     state = step.state
     pending, state.pending, state.trace = state.pending, [], None
-    better = False
+    better = set()
     for trace in pending:
         if not trace.record:
             continue
@@ -134,9 +135,9 @@ def plan_traces() -> None:
             if len(state.plans) >= step.MAX_PLANS:
                 state.plans.pop(next(iter(state.plans)))
             state.plans[0, plan.first_key] = plan   # owner 0: replayed by traces only
-            state.last, better = plan, True
-    if better:
-        retrace.retrace_recorded()
+            state.last = plan
+            better.add(trace.mark)
+    retrace.retrace(better)
 
 
 def _graph_outputs(trace: Trace) -> list:
