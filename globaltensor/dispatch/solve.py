@@ -50,7 +50,107 @@ def solve(problem: Problem, start: list, seeds: tuple = ()) -> list:
     and ``seeds``, each improved by single moves; the best, improved by propagated
     moves."""
     found = [improve(problem, list(c)) for c in (start, forward_dp(problem), *seeds)]
-    return propagate(problem, min(found, key=problem.total))
+    best = min(found, key=problem.total)
+    for other in found:
+        best = fuse(problem, best, other)
+    return propagate(problem, refine(problem, best))
+
+
+def refine(problem: Problem, choice: list) -> list:
+    """``choice`` improved by ``tree_dp`` and single moves in turn while the total
+    falls."""
+    total = problem.total(choice)
+    for _ in range(MAX_SWEEPS):
+        choice = improve(problem, tree_dp(problem, choice))
+        now = problem.total(choice)
+        if now >= total - 1e-12:
+            break
+        total = now
+    return choice
+
+
+def tree_dp(problem: Problem, choice: list) -> list:
+    """The best choice with every call whose output has several consumers held where
+    ``choice`` has it: the other calls form trees (each feeds at most one), solved
+    exactly by dynamic programming. A chain between two held calls flips as a whole
+    (a tied weight's gradient computed replicated instead of split and gathered),
+    which moves of single calls cannot cross. Never worse than ``choice``."""
+    n = len(problem.unary)
+    held = [len(problem.out_of[v]) > 1 for v in range(n)]
+    best: list = [None] * n
+    back: dict = {}   # edge from a free producer: its best option per consumer option
+    for v in range(n):
+        if held[v]:
+            continue
+        table = list(problem.unary[v])
+        for k in problem.into[v]:
+            u, _, cost = problem.edges[k]
+            if held[u]:
+                row = cost[choice[u]]
+                for o in range(len(table)):
+                    table[o] += row[o]
+                continue
+            picks = []
+            for o in range(len(table)):
+                ou = min(range(len(best[u])), key=lambda a: best[u][a] + cost[a][o])
+                table[o] += best[u][ou] + cost[ou][o]
+                picks.append(ou)
+            back[k] = picks
+        for k in problem.out_of[v]:
+            _, w, cost = problem.edges[k]
+            if held[w]:
+                for o in range(len(table)):
+                    table[o] += cost[o][choice[w]]
+        best[v] = table
+    choice = list(choice)
+    for v in range(n - 1, -1, -1):
+        if held[v]:
+            continue
+        k = problem.out_of[v][0] if problem.out_of[v] else None
+        if k is None or held[problem.edges[k][1]]:
+            choice[v] = min(range(len(best[v])), key=best[v].__getitem__)
+        else:
+            choice[v] = back[k][choice[problem.edges[k][1]]]
+    return choice
+
+
+def fuse(problem: Problem, choice: list, other: list) -> list:
+    """``choice`` with every connected region where ``other`` differs from it taken
+    from ``other`` when that lowers the total (a fusion move): two solutions, each
+    better in a different part of the step (the residual stream in one, a tied
+    weight's gradient in the other), combine, which no move of one node or one chain
+    reaches."""
+    differ = [v for v, (a, b) in enumerate(zip(choice, other)) if a != b]
+    region = {v: v for v in differ}
+
+    def root(v):
+        while region[v] != v:
+            region[v] = region[region[v]]
+            v = region[v]
+        return v
+    for u, v, _ in problem.edges:
+        if u in region and v in region:
+            region[root(u)] = root(v)
+    groups: dict = {}
+    for v in differ:
+        groups.setdefault(root(v), []).append(v)
+    choice = list(choice)
+    for nodes in groups.values():
+        edges = {k for v in nodes for k in problem.into[v] + problem.out_of[v]}
+        before = _region_cost(problem, choice, nodes, edges)
+        old = [choice[v] for v in nodes]
+        for v in nodes:
+            choice[v] = other[v]
+        if _region_cost(problem, choice, nodes, edges) >= before - 1e-12:
+            for v, o in zip(nodes, old):
+                choice[v] = o
+    return choice
+
+
+def _region_cost(problem: Problem, choice: list, nodes: list, edges: set) -> float:
+    return (sum(problem.unary[v][choice[v]] for v in nodes)
+            + sum(problem.edges[k][2][choice[problem.edges[k][0]]][choice[problem.edges[k][1]]]
+                  for k in edges))
 
 
 def forward_dp(problem: Problem) -> list:

@@ -77,7 +77,7 @@ def plan_step(record: list, sinks: tuple = ()) -> StepPlan:
     """The cheapest signatures for the recorded calls (``solve.py``), as a plan.
     ``sinks``: (call, output index, layout, itemsize) per gradient that call made for
     a leaf of that layout (boxed there after backward; None: reduced where it is)."""
-    problem, compute = _problem(record, sinks)
+    problem, compute, bucketed = _problem(record, sinks)
     start = [n.opts.greedy if n.opts is not None else 0 for n in record]
     # Communication alone (compute free) gives a second start: the layouts that move
     # the fewest bytes (Megatron's, on a transformer) differ from per-op choice in long
@@ -86,14 +86,38 @@ def plan_step(record: list, sinks: tuple = ()) -> StepPlan:
                           for costs, work in zip(problem.unary, compute)], problem.edges)
     seed = solve.propagate(talk, solve.improve(talk, solve.forward_dp(talk)), sweeps=1)
     choice = solve.solve(problem, start, seeds=(seed,))
+    total = _with_bucket_launch(problem, bucketed)
+    if bucketed and total(choice) > problem.total(choice):
+        # The gradient bucket was priced as launched anyway. Where no other gradient
+        # needs it (a tensor-parallel step), the choices that fill it pay its launch
+        # alone: the same problem with every bucketed reduction paying a launch.
+        alone = solve.Problem([[c + LAUNCH * bucketed.get((v, o), 0) for o, c in
+                                enumerate(costs)] for v, costs in enumerate(problem.unary)],
+                              problem.edges)
+        other = solve.refine(alone, choice)
+        choice = min(choice, other, key=total)
     for node, k in zip(record, choice):
         node.choice = k
     _expect(record)
-    return StepPlan(record, problem.total(start), problem.total(choice), 0.0, problem)
+    return StepPlan(record, total(start), total(choice), 0.0, problem)
+
+
+def _with_bucket_launch(problem: solve.Problem, bucketed: dict):
+    """The step's cost: ``problem``'s total, plus one launch of the gradient bucket
+    when any chosen option reduces a gradient into it (``bucketed``: {(node, option):
+    how many gradients it reduces there})."""
+    def total(choice: list) -> float:
+        used = any((v, o) in bucketed for v, o in enumerate(choice))
+        return problem.total(choice) + (LAUNCH if used else 0.0)
+    return total
 
 
 def _compute_seconds(func, targets: tuple, outs: tuple) -> float:
-    """The slowest rank's compute for one signature (see SECONDS_PER_MAC)."""
+    """The slowest rank's compute for one signature (see SECONDS_PER_MAC). A view
+    writes nothing: priced by its elements, a chain of views on a split tensor would
+    look cheaper than the same chain on a broadcast one."""
+    if func in _FREE:
+        return 0.0
     first = _PRODUCTS.get(func.overloadpacket.__name__)
     if first is not None and len(targets) >= first + 2:
         a, b = targets[first], targets[first + 1]
@@ -104,6 +128,21 @@ def _compute_seconds(func, targets: tuple, outs: tuple) -> float:
 
 def _returns_view(func) -> bool:
     return any(r.alias_info is not None for r in func._schema.returns)
+
+
+class _Views(dict):
+    """{op: whether it only makes a view}: its schema says so, or it is
+    ``_unsafe_view`` (a view its schema does not declare)."""
+    def __missing__(self, func) -> bool:
+        free = func.overloadpacket.__name__ == "_unsafe_view" or _returns_view(func)
+        self[func] = free
+        return free
+
+    def __contains__(self, func) -> bool:
+        return self[func]
+
+
+_FREE = _Views()
 
 
 def _route_cost(src, dst, itemsize: int, cache: dict) -> float:
@@ -130,21 +169,23 @@ def _written_views(record: list) -> set:
     return written
 
 
-def _sink_cost(src, leaf, itemsize: int, cache: dict) -> float:
-    """Boxing a gradient into its leaf's layout (None: its partial sums reduced, where
-    the leaf is not known). A partial sum reduced to broadcast goes into a bucket with
-    other gradients (``gradsync``): one launch shared by many."""
+def _sink_cost(src, leaf, itemsize: int, cache: dict) -> tuple:
+    """(boxing a gradient into its leaf's layout, whether it goes into the bucket).
+    ``leaf`` None: its partial sums reduced, where the leaf is not known. A partial sum
+    reduced to broadcast goes into a bucket with other gradients (``gradsync``): one
+    launch shared by many, priced once for the step (``_with_bucket_launch``)."""
     if leaf is None:
         leaf = src.without_partials()
     cost = _route_cost(src, leaf, itemsize, cache)
     if cost and leaf.sbp == tuple(Broadcast() if isinstance(g, Partial) and g.reduce == "sum"
                                   else g for g in src.sbp):
-        cost = max(cost - LAUNCH, 1e-9)
-    return cost
+        return max(cost - LAUNCH, 1e-9), True
+    return cost, False
 
 
 def _problem(record: list, sinks: tuple = ()) -> tuple:
-    """(the min-sum problem of the recorded calls, each option's compute cost)."""
+    """(the min-sum problem of the recorded calls, each option's compute cost, the
+    options that reduce gradients into the bucket: {(node, option): how many})."""
     written = _written_views(record)
     routes: dict = {}
     computes: dict = {}   # layers repeat: one price per (op, signature)
@@ -177,11 +218,15 @@ def _problem(record: list, sinks: tuple = ()) -> tuple:
                        for o, (targets, outs) in enumerate(sigs)] for src in made_as]
             edges.append((u, v, matrix))
         unary.append(costs)
+    bucketed: dict = {}
     for u, k, leaf, size in sinks:
         for o, (_, outs) in enumerate(record[u].signatures()):
             if k < len(outs) and outs[k] is not None:
-                unary[u][o] += _sink_cost(outs[k], leaf, size, routes)
-    return solve.Problem(unary, edges), compute
+                cost, in_bucket = _sink_cost(outs[k], leaf, size, routes)
+                unary[u][o] += cost
+                if in_bucket:
+                    bucketed[u, o] = bucketed.get((u, o), 0) + 1
+    return solve.Problem(unary, edges), compute, bucketed
 
 
 def _expect(record: list) -> None:

@@ -3,7 +3,8 @@ against brute force on random ones (no processes)."""
 import itertools
 import random
 
-from globaltensor.dispatch.solve import Problem, forward_dp, improve, propagate, solve
+from globaltensor.dispatch.solve import (Problem, forward_dp, fuse, improve, propagate, solve,
+                                         tree_dp)
 
 
 def brute_force(problem: Problem) -> float:
@@ -47,6 +48,53 @@ def test_propagated_move_changes_two_branches_that_meet():
     start = [0, 0, 0]
     assert improve(p, list(start)) == start
     assert propagate(p, list(start)) == [1, 1, 1] and p.total([1, 1, 1]) == 2.0
+
+
+def _tied_head(n: int = 6) -> Problem:
+    """A held node 0 (it feeds two calls: node 1 and the last) starts a chain 1..n whose
+    end is a gradient's sink (a tied weight's). Option 0: replicated (compute 0.4,
+    free sink); option 1: split (compute 0.2); going from split to replicated costs 3
+    (a gather), at a link or at the sink."""
+    gather = [[0.0, 0.0], [3.0, 0.0]]
+    unary = [[0.0]] + [[0.4, 0.2] for _ in range(n - 1)] + [[0.4, 3.2], [0.0]]
+    edges = [(0, 1, [[0.0, 0.0]]), (0, n + 1, [[0.0]])]
+    edges += [(v, v + 1, gather) for v in range(1, n)]
+    return Problem(unary, edges)
+
+
+def test_tree_dp_flips_a_chain_between_held_calls():
+    # all split: every move of one node only shifts the gather (a tie); the chain is a
+    # tree below the held node, solved exactly
+    p = _tied_head()
+    split = [0] + [1] * 6 + [0]
+    assert improve(p, list(split)) == split
+    assert tree_dp(p, split) == [0] * 8
+    assert p.total([0] * 8) == brute_force(p) < p.total(split)
+    assert solve(p, split) == [0] * 8
+
+
+def test_tree_dp_never_worse_than_its_start_on_random_graphs():
+    rng = random.Random(3)
+    for trial in range(60):
+        n = rng.randint(2, 7)
+        unary = [[rng.random() for _ in range(rng.randint(1, 3))] for _ in range(n)]
+        edges = [(u, v, [[rng.random() * 2 for _ in unary[v]] for _ in unary[u]])
+                 for v in range(1, n) for u in rng.sample(range(v), rng.randint(1, min(2, v)))]
+        p = Problem(unary, edges)
+        start = [rng.randrange(len(u)) for u in unary]
+        assert p.total(tree_dp(p, start)) <= p.total(start) + 1e-12, trial
+
+
+def test_fuse_takes_each_cheaper_region_of_the_other_solution():
+    # two independent chains: a is better on the first, b on the second; the fusion
+    # has both, which neither solution nor one node's move has
+    edge = [[0.0, 5.0], [5.0, 0.0]]
+    p = Problem([[0.0, 1.0], [0.0, 1.0], [1.0, 0.0], [1.0, 0.0]],
+                [(0, 1, edge), (2, 3, edge)])
+    a, b = [0, 0, 0, 0], [1, 1, 1, 1]
+    assert p.total(a) == p.total(b) == 2.0
+    assert fuse(p, a, b) == [0, 0, 1, 1] and p.total([0, 0, 1, 1]) == 0.0
+    assert fuse(p, [0, 0, 1, 1], [1, 1, 0, 0]) == [0, 0, 1, 1]   # nothing better to take
 
 
 def test_never_worse_than_the_start_and_optimal_on_random_trees():

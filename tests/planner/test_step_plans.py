@@ -152,9 +152,10 @@ def check_planned_steps_replay_and_train_equal():
 
 def check_tied_gpt_plans_megatrons_collectives():
     # Two blocks, an lm head tied to the token embedding, cross entropy: planned, the
-    # step all-reduces the activation twice per block each way, and one more (the loss or
-    # the tied weight's gradient): batch-splitting the head instead pays an all-gather and
-    # a reduce-scatter per sublayer in backward (per-op choice: 31 collectives)
+    # step all-reduces the activation twice per block each way and sends nothing else
+    # (the head runs on every rank, so the tied weight's gradient needs no reduction):
+    # batch-splitting the head instead pays an all-gather and a reduce-scatter per
+    # sublayer in backward (per-op choice: 31 collectives)
     import copy
     import torch
     from torch import nn
@@ -188,6 +189,10 @@ def check_tied_gpt_plans_megatrons_collectives():
                            step.RECORD_AT + 2)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-6)
     assert set(stats.calls) == {"all_reduce"} and stats.calls["all_reduce"] <= 9, stats
+    # bytes: Megatron's alone (the tied weight's gradient is not all-reduced; the loss's
+    # scalar is all that may join them)
+    n = P.size
+    assert stats.total_bytes <= 8 * 2 * (B * T * C * 4) * (n - 1) // n + 64, stats
     step.clear()
 
 
@@ -258,10 +263,14 @@ def check_compiled_graphs_plan_their_own_trace():
     P, plain, model = _fresh()
     graphs = []
     loss_of = _compiled_loss(graphs)
+    # another compiled graph, recorded too, whose plan gains nothing: its code stays
+    other = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    doubled = torch.compile(lambda x: (x * 2).sum(), backend=other, fullgraph=True)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, plain))
     g = torch.Generator().manual_seed(7)
     for k in range(3):
         full = torch.randn(B, T, C, generator=g)
+        assert doubled(gt.to_global(full, P, gt.sbp.broadcast)).full() == 2 * full.sum()
         with gt.debug.comm_stats() as eager:
             with gt.implicit_broadcast():
                 loss = loss_of(model, gt.to_global(full, P, gt.sbp.broadcast))
@@ -281,6 +290,7 @@ def check_compiled_graphs_plan_their_own_trace():
     for p, q in zip(model.parameters(), plain.parameters()):
         torch.testing.assert_close(p.full(), q.detach(), rtol=1e-4, atol=1e-6)
     assert len(graphs) == 4, len(graphs)     # traced twice: op by op, then planned
+    assert other.frame_count == 1, other.frame_count
     first, planned = _collectives(graphs[:2]), _collectives(graphs[2:])
     assert set(first) - {"all_reduce"}, first
     assert sorted(set(planned)) == ["all_reduce"] and len(planned) <= 5, planned
