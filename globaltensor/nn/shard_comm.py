@@ -198,28 +198,28 @@ def _exchanges(layout: Layout, part: Layout, data_axis: int) -> bool:
 
 
 def _exchange(local: torch.Tensor, group: tuple, reduce_dtype: torch.dtype) -> torch.Tensor:
-    """This rank's rows of the sum over ``group`` of each member's ``local``: the others'
-    rows are sent to them, theirs of ours received into one buffer each, ours added."""
+    """This rank's rows of the sum over ``group`` of each member's ``local``. In n - 1
+    rounds, round k sends the rows of the member k after this one and receives from the
+    member k before it: the first part received becomes the sum, the others arrive in
+    one buffer that is added and reused, so at most two parts are held instead of n - 1
+    (a gradient's reduction is the peak of a sharded backward)."""
     parts = balanced_split(local.shape[0], len(group))
-    me = group.index(comm.get_rank())
+    n, me = len(group), group.index(comm.get_rank())
     mine = local.narrow(0, *parts[me])
-    sends, bufs = [], []
-    for j, member in enumerate(group):
-        if j == me:
+    out = buf = None
+    for k in range(1, n):
+        to, source = (me + k) % n, (me - k) % n
+        if buf is None and mine.numel():
+            buf = torch.empty(mine.shape, dtype=reduce_dtype, device=local.device)
+        piece = local.narrow(0, *parts[to])
+        sends = [(piece.to(reduce_dtype).contiguous(), group[to])] if piece.numel() else []
+        recvs = [(buf, group[source])] if buf is not None else []
+        comm.start_p2p(sends, recvs, kind="all_to_all").wait()
+        if buf is None:
             continue
-        piece = local.narrow(0, *parts[j])
-        if piece.numel():
-            sends.append((piece.to(reduce_dtype).contiguous(), member))
-        bufs.append((torch.empty(mine.shape, dtype=reduce_dtype, device=local.device), member))
-    if not bufs:
-        return mine.to(reduce_dtype, copy=True)
-    if not mine.numel():
-        bufs = []
-    comm.start_p2p(sends, bufs, kind="all_to_all").wait()
-    if not bufs:
-        return torch.empty(mine.shape, dtype=reduce_dtype, device=local.device)
-    out = bufs[0][0]
-    out.add_(mine)
-    for buf, _ in bufs[1:]:
-        out.add_(buf)
-    return out
+        if out is None:    # the first part received becomes the sum (on 2 ranks: the only)
+            out, buf = buf, None
+            out.add_(mine)
+        else:
+            out.add_(buf)
+    return mine.to(reduce_dtype, copy=True) if out is None else out

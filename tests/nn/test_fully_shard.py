@@ -231,6 +231,50 @@ def check_recompute_keeps_its_gathered_copies():
         torch.testing.assert_close(got.grad.full(), want.grad, rtol=1e-5, atol=1e-6)
 
 
+def _resident_mib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) // 1024 for line in f if line.startswith(field))
+
+
+def check_linear_backward_lets_the_weight_go_before_its_gradient():
+    """A Linear unit's backward computes the input's gradient, drops the weight gathered
+    again, then computes the weight's full-size gradient: the backward's peak is lower
+    by about one weight than autograd's linear (which holds the weight to its end)."""
+    p = gt.placement.all("cpu")
+    torch.manual_seed(0)
+    model = gt.nn.fully_shard(torch.nn.Sequential(
+        torch.nn.Linear(8, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4096)), p)
+    x = gt.tensor(torch.randn(8, 8), placement=p, sbp=S(0))
+    weight_mib = 4096 * 4096 * 4 // 2**20
+    rises = {True: [], False: []}
+    grads = {}
+    for weight_last in (True, False, True, False):
+        if weight_last:
+            model[2].forward = fs_module.types.MethodType(fs_module._linear_forward, model[2])
+        else:
+            del model[2].forward      # nn.Linear.forward: autograd's own linear
+        model.zero_grad(set_to_none=True)
+        loss = model(x).square().mean()
+        gc.collect()
+        before = _resident_mib("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")              # the high-water mark starts again from now
+        loss.backward()
+        rises[weight_last].append(_resident_mib("VmHWM") - before)
+        grads[weight_last] = [q.grad.to_local().clone() for q in model.parameters()]
+    for a, b in zip(grads[True], grads[False]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert min(rises[False]) - min(rises[True]) >= weight_mib // 4, rises
+    # a graph kept for a second backward gathers the dropped weight again
+    model[2].forward = fs_module.types.MethodType(fs_module._linear_forward, model[2])
+    model.zero_grad(set_to_none=True)
+    loss = model(x).square().mean()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    for q, once in zip(model.parameters(), grads[True]):
+        torch.testing.assert_close(q.grad.to_local(), 2 * once, rtol=1e-5, atol=1e-7)
+
+
 def check_heap_is_trimmed_as_large_units_start_and_when_backward_ends():
     """Freed host memory goes back to the system before each unit of MIN_UNIT_BYTES or
     more is gathered (forward and backward's regather) and once when backward ends;
@@ -269,7 +313,8 @@ def check_heap_is_trimmed_as_large_units_start_and_when_backward_ends():
 CHECKS = ["check_training_equals_one_process", "check_gathered_copy_is_freed_after_forward",
           "check_tied_and_meta_modules", "check_reshard_after_forward",
           "check_large_parameters_gather_in_place", "check_recompute_keeps_its_gathered_copies",
-          "check_heap_is_trimmed_as_large_units_start_and_when_backward_ends"]
+          "check_heap_is_trimmed_as_large_units_start_and_when_backward_ends",
+          "check_linear_backward_lets_the_weight_go_before_its_gradient"]
 
 test_world2, test_world4 = checks_in_worlds(
     __name__, CHECKS, only_in_4=["check_tensor_parallel_on_a_2d_placement"])
