@@ -89,11 +89,13 @@ def world_test(module: str, n: int, names: list):
     return test
 
 
-def checks_in_worlds(module: str, checks, only_in_4=()):
+def checks_in_worlds(module: str, checks, only_in_4=(), only_in_2=()):
     """Tests running ``checks`` (names of functions in ``module``) in the session's
-    world of 2 and world of 4; ``only_in_4`` need 4 ranks. Use as
+    world of 2 and world of 4; ``only_in_4`` need 4 ranks, ``only_in_2`` learn nothing
+    more from 4 (a measurement that costs time on the oversubscribed world). Use as
     ``test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)``."""
-    return world_test(module, 2, checks), world_test(module, 4, list(checks) + list(only_in_4))
+    return (world_test(module, 2, list(checks) + list(only_in_2)),
+            world_test(module, 4, list(checks) + list(only_in_4)))
 
 
 def _example_command(script: str, nproc: int, log_dir, args) -> tuple:
