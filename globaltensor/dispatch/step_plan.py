@@ -13,6 +13,7 @@ True
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -116,7 +117,7 @@ def _compute_seconds(func, targets: tuple, outs: tuple) -> float:
     """The slowest rank's compute for one signature (see SECONDS_PER_MAC). A view
     writes nothing: priced by its elements, a chain of views on a split tensor would
     look cheaper than the same chain on a broadcast one."""
-    if func in _FREE:
+    if _writes_nothing(func):
         return 0.0
     first = _PRODUCTS.get(func.overloadpacket.__name__)
     if first is not None and len(targets) >= first + 2:
@@ -130,19 +131,11 @@ def _returns_view(func) -> bool:
     return any(r.alias_info is not None for r in func._schema.returns)
 
 
-class _Views(dict):
-    """{op: whether it only makes a view}: its schema says so, or it is
+@functools.lru_cache(maxsize=None)
+def _writes_nothing(func) -> bool:
+    """Whether ``func`` only makes a view: its schema says so, or it is
     ``_unsafe_view`` (a view its schema does not declare)."""
-    def __missing__(self, func) -> bool:
-        free = func.overloadpacket.__name__ == "_unsafe_view" or _returns_view(func)
-        self[func] = free
-        return free
-
-    def __contains__(self, func) -> bool:
-        return self[func]
-
-
-_FREE = _Views()
+    return func.overloadpacket.__name__ == "_unsafe_view" or _returns_view(func)
 
 
 def _route_cost(src, dst, itemsize: int, cache: dict) -> float:

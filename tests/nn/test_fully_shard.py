@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import types
 import weakref
 
 import torch
@@ -250,7 +251,7 @@ def check_linear_backward_lets_the_weight_go_before_its_gradient():
     grads = {}
     for weight_last in (True, False, True, False):
         if weight_last:
-            model[2].forward = fs_module.types.MethodType(fs_module._linear_forward, model[2])
+            model[2].forward = types.MethodType(fs_module._linear_forward, model[2])
         else:
             del model[2].forward      # nn.Linear.forward: autograd's own linear
         model.zero_grad(set_to_none=True)
@@ -266,7 +267,7 @@ def check_linear_backward_lets_the_weight_go_before_its_gradient():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     assert min(rises[False]) - min(rises[True]) >= weight_mib // 4, rises
     # a graph kept for a second backward gathers the dropped weight again
-    model[2].forward = fs_module.types.MethodType(fs_module._linear_forward, model[2])
+    model[2].forward = types.MethodType(fs_module._linear_forward, model[2])
     model.zero_grad(set_to_none=True)
     loss = model(x).square().mean()
     loss.backward(retain_graph=True)
