@@ -49,24 +49,74 @@ class SharedWorld:
 
 
 _SHARED: dict = {}
+_STARTER: list = []         # the thread starting the session's worlds, while it runs
+
+
+def _world_names(items, n: int) -> list:
+    """The checks ("module:check") that the selected ``items`` run in a world of ``n``."""
+    names = []
+    for item in items:
+        if getattr(getattr(item, "function", None), "shared_world", None) == n:
+            name = f"{item.module.__name__}:{item.callspec.params['name']}"
+            if name not in names:
+                names.append(name)
+    return names
+
+
+def order_world_tests_last(items: list) -> None:
+    """Put the shared worlds' tests after every other test (world 2's, then world 4's),
+    in their order otherwise: the worlds then run behind the other tests, which leave
+    cores idle while they wait for launched jobs, and their tests find them done."""
+    items.sort(key=lambda item: getattr(getattr(item, "function", None), "shared_world",
+                                        None) or 0)
+
+
+def start_shared_worlds(items: list) -> None:
+    """Run the session's worlds one after another in the background from now on (one at
+    a time: the world of 4 already oversubscribes two cores). The first world test
+    takes them over (``_shared_world``)."""
+    import threading
+
+    sizes = sorted({n for n in (getattr(getattr(item, "function", None), "shared_world",
+                                        None) for item in items) if n})
+
+    def run():
+        for k, n in enumerate(sizes):
+            world = _SHARED[n] = SharedWorld(n, _world_names(items, n))
+            world.world = World(n, "mp", world.names, timeout=CHECK_TIMEOUT, lazy=True)
+            if k + 1 < len(sizes):
+                world.wait()
+
+    if sizes:
+        starter = threading.Thread(target=run, name="shared-worlds", daemon=True)
+        _STARTER.append(starter)
+        starter.start()
+
+
+def close_shared_worlds() -> None:
+    """End the session's worlds (at the end of the session, also an interrupted one)."""
+    while _STARTER:
+        starter = _STARTER.pop()
+        for world in list(_SHARED.values()):     # a world still running ends at once
+            if world.world is not None and starter.is_alive():
+                for proc in world.world._procs:
+                    proc.kill()
+        starter.join()
+    while _SHARED:
+        _SHARED.popitem()[1].close()
 
 
 def _shared_world(n: int, request) -> SharedWorld:
-    """The session's world of ``n``, made at the first request, for every check that the
-    session selected in a world of ``n`` (from any test file). One world runs at a time:
-    the others first finish what they run (their results wait for their tests)."""
+    """The session's world of ``n`` (started in the background, or made now for every
+    check that the session selected in a world of ``n``). One world runs at a time: the
+    others first finish what they run (their results wait for their tests)."""
+    while _STARTER:
+        _STARTER.pop().join()
     for m, other in _SHARED.items():
         if m != n:
             other.wait()
     if n not in _SHARED:
-        names = []
-        for item in request.session.items:
-            if getattr(getattr(item, "function", None), "shared_world", None) == n:
-                name = f"{item.module.__name__}:{item.callspec.params['name']}"
-                if name not in names:
-                    names.append(name)
-        _SHARED[n] = SharedWorld(n, names)
-        request.config.add_cleanup(lambda: _SHARED.pop(n).close())
+        _SHARED[n] = SharedWorld(n, _world_names(request.session.items, n))
     return _SHARED[n]
 
 
