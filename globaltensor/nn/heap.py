@@ -1,19 +1,21 @@
-"""Giving freed host memory back to the system between fully_shard's units.
+"""Host memory resident only while it is live, under fully_shard.
 
 glibc serves blocks under its mmap threshold from the heap, and raises that threshold
 to the size of every mapped block freed (up to 32 MiB), so after the first gathered
 unit is freed nearly every parameter, gradient and activation of a CPU model lives in
 the heap. Freed heap pages stay resident, and a later block of another size often
-cannot reuse them: on ``benchmarks/memory.py``'s GPT under fully_shard the resident
-size stayed at 3.5x the parameter bytes with 2.0x live. ``malloc_trim(0)``
-returns every free page of every arena (not only the heap's top); called where a unit
-starts, it bounds what is resident to what is live plus one unit's churn (that GPT:
-3.5x -> 2.65x the parameter bytes). The price is time: pages given back fault in again
-when a later block reuses them (+9-19 % per step there). Only host memory is
-concerned: a cuda placement's tensors live in torch's caching allocator.
+cannot reuse them: ``benchmarks/memory.py``'s GPT under fully_shard holds 3.7x the
+parameter bytes resident with at most 2.4x live. Fixing the threshold at glibc's own
+starting value (``mallopt(M_MMAP_THRESHOLD, 128 KiB)``, which also stops its raising)
+maps every block of 128 KiB or more on its own, and freeing one gives it back at once:
+that GPT then peaks at 2.5x. Trimming the heap where each unit starts (``malloc_trim``,
+done before) held 2.7x and cost as much time.
 
-``GLOBALTENSOR_TRIM_HEAP=0`` turns it off (other C libraries have no ``malloc_trim``
-and are left alone).
+The price is page faults: a mapped block's pages fault in at each allocation (that GPT
++5 % per step; torch's ``THP_MEM_ALLOC_ENABLE=1``, set before torch is imported, asks
+for huge pages and wins it back). Only host memory is concerned: a cuda placement's
+tensors live in torch's caching allocator. ``GLOBALTENSOR_TRIM_HEAP=0`` leaves malloc
+as it is; other C libraries than glibc are left alone.
 """
 from __future__ import annotations
 
@@ -23,27 +25,29 @@ from typing import Callable, Optional
 
 import torch
 
+M_MMAP_THRESHOLD = -3          # glibc's mallopt parameter number
+MAPPED_BYTES = 128 << 10    # blocks of this size or more are mapped on their own (glibc's
+                            # starting threshold, which it then no longer raises)
 
-def _load() -> Optional[Callable[[int], int]]:
+
+def _glibc(name: str, argtypes: list) -> Optional[Callable[..., int]]:
     try:
-        trim = ctypes.CDLL(None).malloc_trim   # glibc only
+        fn = getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
         return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return fn
 
 
-_MALLOC_TRIM = _load()
-
-# Units gathering fewer bytes (a layer norm's) start without a trim: the call costs
-# about 1.5 ms on a GPT's heap, more than such a unit computes.
-MIN_UNIT_BYTES = 1 << 20
+_MALLOC_TRIM = _glibc("malloc_trim", [ctypes.c_size_t])
+_MALLOPT = _glibc("mallopt", [ctypes.c_int, ctypes.c_int])
+_mapped = False
 
 
 def release_free_heap() -> bool:
     """Return the C heap's free pages to the system (glibc's ``malloc_trim(0)``); False
-    where the C library has none. It walks every free chunk: 0.1-2.7 ms on average
-    per call in ``benchmarks/memory.py`` (MLP and GPT, 2 and 4 ranks), up to 26 ms.
+    where the C library has none. For measurements that must start from what is live
+    (``gt.testing.peak_rise``).
 
     >>> release_free_heap()    # doctest: +SKIP
     True
@@ -54,8 +58,21 @@ def release_free_heap() -> bool:
     return True
 
 
-def trims_between_units(device_type: str) -> bool:
-    """Whether fully_shard returns freed memory when a unit starts: host tensors only,
-    unless ``GLOBALTENSOR_TRIM_HEAP=0``."""
-    return (device_type == "cpu" and _MALLOC_TRIM is not None
+def maps_large_blocks(device_type: str) -> bool:
+    """Whether fully_shard on ``device_type`` fixes malloc's mmap threshold: host
+    tensors under glibc, unless ``GLOBALTENSOR_TRIM_HEAP=0``."""
+    return (device_type == "cpu" and _MALLOPT is not None
             and os.environ.get("GLOBALTENSOR_TRIM_HEAP", "1") != "0")
+
+
+def map_large_blocks() -> bool:
+    """From now on this process maps every block of ``MAPPED_BYTES`` or more on its own,
+    so a freed tensor's memory goes back to the system at once; True once it is so.
+
+    >>> map_large_blocks()     # doctest: +SKIP
+    True
+    """
+    global _mapped
+    if not _mapped and _MALLOPT is not None:
+        _mapped = _MALLOPT(M_MMAP_THRESHOLD, MAPPED_BYTES) == 1
+    return _mapped

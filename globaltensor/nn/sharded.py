@@ -25,9 +25,9 @@ gathered copies compute in it (floating inputs of every unit are cast to it too)
 gradients are reduced in ``reduce_dtype`` (default: the dtype they come in) and land
 in ``.grad`` in the parameter's dtype.
 
-On a "cpu" placement the C heap's free pages go back to the system before each unit of
-1 MiB or more is gathered and when backward ends (``nn/heap.py``): resident memory then
-follows what is live, at the cost of pages faulting in again.
+On a "cpu" placement every host block of 128 KiB or more is mapped on its own from the
+first ``fully_shard`` on (``nn/heap.py``), so resident memory follows what is live, at
+the cost of pages faulting in at each allocation.
 """
 from __future__ import annotations
 
@@ -57,7 +57,6 @@ class _Policy:
     reduce_dtype: Union[torch.dtype, None]
     reshard: Union[bool, int]
     data_axis: int
-    trim_heap: bool     # return freed host memory as each unit starts (nn/heap.py)
 
 
 def fully_shard(module: torch.nn.Module, placement: Placement,
@@ -94,7 +93,12 @@ def fully_shard(module: torch.nn.Module, placement: Placement,
             sbp[data_axis] = Split(0)
         return tuple(sbp)
 
+    host = heap.maps_large_blocks(placement.type)
+    if host:
+        heap.map_large_blocks()
     to_global(module, placement, storage_sbp)
+    if host:     # the full-size tensors the parts replaced
+        heap.release_free_heap()
     root = _Root(policy)
     module.register_forward_pre_hook(root.before_forward, with_kwargs=True)
     module.register_forward_hook(root.after_forward, always_call=True)
@@ -129,8 +133,7 @@ def _check_policy(placement, param_dtype, reduce_dtype, reshard, data_axis) -> _
                              f"data axis' {size} ranks and lie strictly between 1 and {size} "
                              f"(use True to reshard to all {size}, False to keep the "
                              f"gathered parameters)")
-    return _Policy(param_dtype, reduce_dtype, reshard, data_axis,
-                   heap.trims_between_units(placement.type))
+    return _Policy(param_dtype, reduce_dtype, reshard, data_axis)
 
 
 def _unique_modules(module):
@@ -188,7 +191,6 @@ class _Unit:
         self.module, self.names, self.root, self.policy = module, names, root, root.policy
         self.shards: dict = {}
         self.saved: list = []    # per running forward: (saved-tensor hooks or None, regather)
-        self._gathered_bytes = None
 
     def gathered_layout(self, shard: GlobalTensor) -> Layout:
         sbp = list(shard.sbp)
@@ -209,7 +211,6 @@ class _Unit:
     def gather(self) -> None:
         root = self.root
         root.running.append(self)
-        self.trim_heap()
         fetch = root.pending.pop(self, None)
         if fetch is None or fetch.stale():
             if fetch is not None:
@@ -235,20 +236,6 @@ class _Unit:
             hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
             hooks.__enter__()
         self.saved.append((hooks, regather))
-
-    def trim_heap(self) -> None:
-        """Before a unit of ``heap.MIN_UNIT_BYTES`` or more is gathered, the host memory
-        freed since the last one goes back to the system (units of a few small tensors,
-        such as a layer norm's, are not worth the call)."""
-        if self.policy.trim_heap and self.gathered_bytes() >= heap.MIN_UNIT_BYTES:
-            heap.release_free_heap()
-
-    def gathered_bytes(self) -> int:
-        if self._gathered_bytes is None:
-            params = self.module._parameters
-            self._gathered_bytes = sum(params[n].numel() * params[n].element_size()
-                                       for n in self.names if params[n] is not None)
-        return self._gathered_bytes
 
     def _reshards(self) -> bool:
         """Whether this forward's saved gathered copies are dropped and gathered again.
@@ -289,25 +276,9 @@ class _Gathered(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         policy = ctx.policy
-        if policy.trim_heap:
-            _trim_when_backward_ends()
         reduce_dtype = policy.reduce_dtype or grad.dtype
         return reduce_to_part(grad, ctx.src, policy.data_axis, reduce_dtype, ctx.dtype), \
             None, None, None
-
-
-_trim_queued_in = None     # the backward (graph task id) whose end trims the heap
-
-
-def _trim_when_backward_ends() -> None:
-    """The last unit's transients (its gathered copies, full-size gradients, the
-    backward's activations) go back to the system when backward ends, before the
-    optimizer step allocates."""
-    global _trim_queued_in
-    task = torch._C._current_graph_task_id()
-    if task != _trim_queued_in and not torch.compiler.is_compiling():
-        _trim_queued_in = task
-        torch.autograd.Variable._execution_engine.queue_callback(heap.release_free_heap)
 
 
 def _linear_forward(module: torch.nn.Linear, x):
@@ -394,7 +365,6 @@ class _Regather:
             self.fulls[name] = self.unit.fetch({name: self.shards[name]}).finish()[name]
         if self.fulls is None:
             rest = sorted(set(self.saved) - set(self.pieces))
-            self.unit.trim_heap()
             # the regather's own shards: a recompute (activation checkpointing) may have
             # put gathered copies in the module meanwhile
             self.fulls = self.unit.fetch({n: self.shards[n] for n in rest}).finish() \

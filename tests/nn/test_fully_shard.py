@@ -276,45 +276,49 @@ def check_linear_backward_lets_the_weight_go_before_its_gradient():
         torch.testing.assert_close(q.grad.to_local(), 2 * once, rtol=1e-5, atol=1e-7)
 
 
-def check_heap_is_trimmed_as_large_units_start_and_when_backward_ends():
-    """Freed host memory goes back to the system before each unit of MIN_UNIT_BYTES or
-    more is gathered (forward and backward's regather) and once when backward ends;
-    GLOBALTENSOR_TRIM_HEAP=0 turns it off."""
+def check_host_blocks_go_back_to_the_system_when_freed():
+    """fully_shard on a cpu placement maps every host block of 128 KiB or more on its own
+    (glibc), so freeing one gives it back at once, also after glibc would have raised its
+    mmap threshold; GLOBALTENSOR_TRIM_HEAP=0 leaves malloc alone."""
     import os
+    from globaltensor.testing import _status_mib
     p = gt.placement.all("cpu")
-    x, y = _data()
     calls = []
-    release, least = fs_heap.release_free_heap, fs_heap.MIN_UNIT_BYTES
-    # the Linear units hold 1664 and 924 bytes, the LayerNorm 256
-    fs_heap.release_free_heap, fs_heap.MIN_UNIT_BYTES = lambda: calls.append(1), 900
+    mapping = fs_heap.map_large_blocks
     user = os.environ.get("GLOBALTENSOR_TRIM_HEAP")
     try:
-        counts = []
-        for off in (False, True):
-            os.environ["GLOBALTENSOR_TRIM_HEAP"] = "0" if off else "1"
-            model = gt.nn.fully_shard(_mlp(), p)
-            loss = F.cross_entropy(model(gt.tensor(x, placement=p, sbp=S(0))),
-                                   gt.tensor(y, placement=p, sbp=S(0)))
-            counts.append(len(calls))
-            loss.backward()
-            counts.append(len(calls))
-            calls.clear()
+        fs_heap.map_large_blocks = lambda: calls.append(1)
+        os.environ["GLOBALTENSOR_TRIM_HEAP"] = "0"
+        gt.nn.fully_shard(_mlp(), p)
+        assert calls == []
+        os.environ["GLOBALTENSOR_TRIM_HEAP"] = "1"
+        gt.nn.fully_shard(_mlp(), p)
+        assert calls == ([1] if fs_heap._MALLOPT is not None else [])
     finally:
-        fs_heap.release_free_heap, fs_heap.MIN_UNIT_BYTES = release, least
+        fs_heap.map_large_blocks = mapping
         if user is None:
             os.environ.pop("GLOBALTENSOR_TRIM_HEAP", None)
         else:
             os.environ["GLOBALTENSOR_TRIM_HEAP"] = user
-    # forward: both Linears; backward: the last Linear's regather (the first one's
-    # weight is not saved) and the end; nothing where the C library has no malloc_trim
-    want = [2, 4, 0, 0] if fs_heap._MALLOC_TRIM is not None else [0, 0, 0, 0]
-    assert counts == want, counts
+    if fs_heap._MALLOPT is None:
+        return
+    gt.nn.fully_shard(_mlp(), p)
+    assert fs_heap.map_large_blocks()
+    # an 8 MiB block freed raised glibc's own threshold to 8 MiB: 4 MiB blocks would then
+    # come from the heap and stay resident when freed below a kept one
+    big = torch.ones(2 << 20)
+    del big
+    blocks = [torch.ones(1 << 20) for _ in range(20)]
+    before = _status_mib("VmRSS")
+    del blocks[:-1]
+    after = _status_mib("VmRSS")
+    assert before - after > 60, (before, after)     # 19 blocks of 4 MiB: 76 MiB
 
 
 CHECKS = ["check_training_equals_one_process", "check_gathered_copy_is_freed_after_forward",
           "check_tied_and_meta_modules", "check_reshard_after_forward",
           "check_large_parameters_gather_in_place", "check_recompute_keeps_its_gathered_copies",
-          "check_heap_is_trimmed_as_large_units_start_and_when_backward_ends"]
+          "check_host_blocks_go_back_to_the_system_when_freed"]
 
 test_world2, test_world4 = checks_in_worlds(
     __name__, CHECKS, only_in_4=["check_tensor_parallel_on_a_2d_placement"],

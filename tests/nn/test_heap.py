@@ -29,9 +29,9 @@ def test_free_blocks_inside_the_heap_go_back_to_the_system():
     assert kept - after > 60, (before, kept, after)  # 19 blocks of 4 MiB: 76 MiB
 
 
-def test_only_host_memory_is_trimmed_and_the_variable_turns_it_off(monkeypatch):
-    has = heap._MALLOC_TRIM is not None
-    assert heap.trims_between_units("cpu") is has
-    assert not heap.trims_between_units("cuda")
+def test_only_host_memory_is_mapped_and_the_variable_turns_it_off(monkeypatch):
+    has = heap._MALLOPT is not None
+    assert heap.maps_large_blocks("cpu") is has
+    assert not heap.maps_large_blocks("cuda")
     monkeypatch.setenv("GLOBALTENSOR_TRIM_HEAP", "0")
-    assert not heap.trims_between_units("cpu")
+    assert not heap.maps_large_blocks("cpu")
