@@ -32,6 +32,7 @@ _groups: dict[tuple[int, ...], object] = {}
 _TORCH_GLOO = c10d.ProcessGroupGloo  # torch's, whatever bind_gloo_to_address installs
 _ready = False
 _generation = 0  # default groups made so far, less one (the program may destroy and reuse)
+_store = None    # the store of the first world we made: it outlives the group (see init)
 
 
 def _backend() -> str:
@@ -102,7 +103,7 @@ def init() -> None:
     >>> gt.init(); gt.get_world_size()
     1
     """
-    global _ready, _generation
+    global _ready, _generation, _store
     if _ready:
         if dist.is_initialized():
             return
@@ -124,17 +125,18 @@ def init() -> None:
         else:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
-            if _generation == 0:
-                dist.init_process_group(_backend(), init_method="env://", rank=env.get_rank(),
-                                        world_size=world, timeout=timeout, device_id=device_id)
-            else:
-                # Made again after the program destroyed it: the same store (the launcher's
-                # lives on) under a new prefix, or gloo would read the dead group's addresses.
-                store, rank, world = next(dist.rendezvous("env://", env.get_rank(), world,
-                                                          timeout=timeout))
-                dist.init_process_group(_backend(), store=dist.PrefixStore(
-                    f"globaltensor/generation{_generation}", store), rank=rank, world_size=world,
-                    timeout=timeout, device_id=device_id)
+            # The store of the first world is kept for the worlds made again after the
+            # program destroyed the group, under a new prefix each (gloo would read the
+            # dead group's addresses otherwise). A new store would race: rank 0 hosts it
+            # on the same port, and a rank that gets there first can connect to the old
+            # one, which closes as rank 0 destroys its group.
+            if _store is None:
+                _store = next(dist.rendezvous("env://", env.get_rank(), world,
+                                              timeout=timeout))[0]
+            store = _store if _generation == 0 else \
+                dist.PrefixStore(f"globaltensor/generation{_generation}", _store)
+            dist.init_process_group(_backend(), store=store, rank=env.get_rank(),
+                                    world_size=world, timeout=timeout, device_id=device_id)
     if torch.cuda.is_available():
         # Also when the program made the group: outputs of transfers land on the
         # current device, which must be this rank's.
