@@ -12,8 +12,9 @@ that GPT then peaks at 2.5x. Trimming the heap where each unit starts (``malloc_
 done before) held 2.7x and cost as much time.
 
 The price is page faults: a mapped block's pages fault in at each allocation (that GPT
-+5 % per step; torch's ``THP_MEM_ALLOC_ENABLE=1``, set before torch is imported, asks
-for huge pages and wins it back). Only host memory is concerned: a cuda placement's
++16 % per step over leaving malloc alone, +3 % over the trims; torch's
+``THP_MEM_ALLOC_ENABLE=1``, set before torch is imported, asks for huge pages and wins
+most of it back). Only host memory is concerned: a cuda placement's
 tensors live in torch's caching allocator. ``GLOBALTENSOR_TRIM_HEAP=0`` leaves malloc
 as it is; other C libraries than glibc are left alone.
 """

@@ -100,7 +100,9 @@ def test_async_worker_does_not_wait_for_a_slow_one(tmp_path: Path) -> None:
     # worker 1's steps take 3x as long (it sleeps twice its step time: a ratio, so load
     # on the machine slows both alike); worker 0 keeps its own pace (sync ties them)
     assert fast > 2 * slow, (fast, slow)
-    assert _auc(r.stdout) > 0.7
+    # which updates meet which parameters depends on timing: 50 steps measured AUC
+    # 0.699-0.706 (alone and beside other jobs); 20 steps reach 0.62, 2 steps 0.53
+    assert _auc(r.stdout) > 0.68
     _loss_falls(r.stdout)
 
 
