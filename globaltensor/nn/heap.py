@@ -12,7 +12,7 @@ that GPT then peaks at 2.5x. Trimming the heap where each unit starts (``malloc_
 done before) held 2.7x and cost as much time.
 
 The price is page faults: a mapped block's pages fault in at each allocation (that GPT
-+16 % per step over leaving malloc alone, +3 % over the trims; torch's
++13-16 % per step over leaving malloc alone, 0-3 % over the trims; torch's
 ``THP_MEM_ALLOC_ENABLE=1``, set before torch is imported, asks for huge pages and wins
 most of it back). Only host memory is concerned: a cuda placement's
 tensors live in torch's caching allocator. ``GLOBALTENSOR_TRIM_HEAP=0`` leaves malloc
