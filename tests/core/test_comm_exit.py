@@ -49,11 +49,31 @@ def _global_ops_after_the_program_destroys_the_group():
         assert (x * 2).sum().item() == 12.0
 
 
+def _the_program_makes_the_group_again_itself():
+    # the store kept for our own worlds does not stand in the way of a program that
+    # destroys the group and makes it again itself (same variables, same port)
+    import torch
+    import torch.distributed as dist
+
+    import globaltensor as gt
+    P = gt.placement.all("cpu")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == world
+    y = gt.tensor(torch.arange(4.0), placement=P, sbp=gt.sbp.split(0))
+    assert y.to_global(sbp=gt.sbp.broadcast).to_local().tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_destroy_joins_the_gloo_threads_and_the_world_can_be_made_again():
     world = World(2, __name__, ["_global_ops_after_the_program_destroys_the_group",
+                                "_the_program_makes_the_group_again_itself",
                                 "_gloo_threads_end_in_destroy"])
     world.check("_global_ops_after_the_program_destroys_the_group")
+    world.check("_the_program_makes_the_group_again_itself")
     world.check("_gloo_threads_end_in_destroy")
