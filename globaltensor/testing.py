@@ -175,6 +175,12 @@ class World:
             p.join(5)
         self._results.close()
 
+    def kill(self) -> None:
+        """Kill the processes now (safe while another thread waits for their reports:
+        it then sees them exit)."""
+        for p in self._procs:
+            p.kill()
+
     def check(self, name: str) -> None:
         """Raise AssertionError unless ``name`` passed on every rank."""
         if self.lazy and name in self.done and not self._closed:

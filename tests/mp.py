@@ -99,8 +99,7 @@ def close_shared_worlds() -> None:
         starter = _STARTER.pop()
         for world in list(_SHARED.values()):     # a world still running ends at once
             if world.world is not None and starter.is_alive():
-                for proc in world.world._procs:
-                    proc.kill()
+                world.world.kill()
         starter.join()
     while _SHARED:
         _SHARED.popitem()[1].close()

@@ -93,16 +93,16 @@ def test_sync_equals_one_process_and_roles_end_cleanly(sync_run) -> None:
 @pytest.mark.timeout(150)
 def test_async_worker_does_not_wait_for_a_slow_one(tmp_path: Path) -> None:
     r = ps_launch(tmp_path / "log", EXAMPLE, "--mode", "async", "--slow_worker", "1",
-                  "--slow_factor", "3", "--steps", "50", *SGD)   # the slowed worker sets the pace
+                  "--slow_factor", "3", "--steps", "70", *SGD)   # the slowed worker sets the pace
     assert r.returncode == 0, r.stdout + r.stderr
     fast = _value(r"worker 0: (\d+) examples/s", r.stdout)
     slow = _value(r"worker 1: (\d+) examples/s", r.stdout)
     # worker 1's steps take 3x as long (it sleeps twice its step time: a ratio, so load
     # on the machine slows both alike); worker 0 keeps its own pace (sync ties them)
     assert fast > 2 * slow, (fast, slow)
-    # which updates meet which parameters depends on timing: 50 steps measured AUC
-    # 0.699-0.706 (alone and beside other jobs); 20 steps reach 0.62, 2 steps 0.53
-    assert _auc(r.stdout) > 0.68
+    # which updates meet which parameters depends on timing: 70 steps reach AUC
+    # 0.718-0.721 alone and beside other jobs (50 steps 0.699-0.706, too near the bound)
+    assert _auc(r.stdout) > 0.7
     _loss_falls(r.stdout)
 
 
