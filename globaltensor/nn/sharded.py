@@ -26,8 +26,9 @@ gradients are reduced in ``reduce_dtype`` (default: the dtype they come in) and 
 in ``.grad`` in the parameter's dtype.
 
 On a "cpu" placement every host block of 128 KiB or more is mapped on its own from the
-first ``fully_shard`` on (``nn/heap.py``), so resident memory follows what is live, at
-the cost of pages faulting in at each allocation.
+first ``fully_shard`` on, and the packing buffers MKL keeps after a large product are
+freed where each unit starts (``nn/heap.py``), so resident memory follows what is live,
+at the cost of pages faulting in at each allocation.
 """
 from __future__ import annotations
 
@@ -248,6 +249,22 @@ class _Unit:
                 and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
                 and torch._C._current_graph_task_id() == -1)
 
+    def refetch_in_backward(self, name: str):
+        """Under saved-tensor hooks of someone else's (activation checkpointing, whose
+        recompute would otherwise hold every gathered weight of the recomputed block
+        until its backward reaches each): a function that gathers parameter ``name``
+        again, for a node that then saves no copy; None where the copy is kept instead
+        (``reshard_after_forward`` False or an int, or ``name`` not gathered)."""
+        shard = self.shards.get(name)
+        if (self.policy.reshard is not True or shard is None
+                or torch._C._autograd._top_saved_tensors_default_hooks(False) is None):
+            return None
+        layout = self.gathered_layout(shard)
+
+        def refetch() -> GlobalTensor:
+            return GlobalTensor(self.fetch({name: shard}).finish()[name], layout)
+        return refetch
+
     def release(self) -> None:
         hooks, regather = self.saved.pop() if self.saved else (None, None)
         if hooks is not None:
@@ -283,26 +300,33 @@ class _Gathered(torch.autograd.Function):
 
 def _linear_forward(module: torch.nn.Linear, x):
     """``nn.Linear.forward`` of a unit: while its weight is gathered again in backward,
-    through ``_LinearWeightLast``."""
+    through ``_LinearWeightLast``; under activation checkpointing too, which then keeps
+    only the input and gathers the weight again in this node's backward."""
     unit = module._gt_shard_unit
-    regathers = unit.saved and unit.saved[-1][1] is not None
-    if not regathers or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return torch.nn.functional.linear(x, module.weight, module.bias)
-    return _LinearWeightLast.apply(x, module.weight, module.bias)
+    if unit.saved and unit.saved[-1][1] is not None:    # the unit's regather keeps it
+        return _LinearWeightLast.apply(x, module.weight, module.bias, None)
+    refetch = unit.refetch_in_backward("weight")
+    if refetch is None:
+        return torch.nn.functional.linear(x, module.weight, module.bias)
+    return _LinearWeightLast.apply(x, module.weight, module.bias, refetch)
 
 
 class _LinearWeightLast(torch.autograd.Function):
     """``F.linear`` whose backward computes the input's gradient first, lets the
     gathered weight go, and only then computes the weight's full-size gradient: the two
     are never alive together (autograd's own linear holds the weight until its node
-    ends), which lowers the backward peak by one weight per unit."""
+    ends), which lowers the backward peak by one weight per unit. With ``refetch`` the
+    weight is not saved at all: backward calls it for a fresh gathered copy."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, refetch):
         # each only where the other's gradient needs it (a first layer's input needs
         # none: its weight is not kept, nor gathered again)
+        ctx.refetch = refetch if x.requires_grad else None
         ctx.save_for_backward(x if weight.requires_grad else None,
-                              weight if x.requires_grad else None)
+                              weight if x.requires_grad and refetch is None else None)
         ctx.has_bias = bias is not None
         return torch.nn.functional.linear(x, weight, bias)
 
@@ -310,6 +334,8 @@ class _LinearWeightLast(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
+        if ctx.refetch is not None:
+            weight = ctx.refetch()
         grad_x = grad @ weight if ctx.needs_input_grad[0] else None
         del weight      # the regather drops its copy at its last unpack (_Regather.local)
         grad = grad.reshape(-1, grad.shape[-1])
@@ -317,11 +343,12 @@ class _LinearWeightLast(torch.autograd.Function):
         # reduction would copy before sending)
         grad_w = grad.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
         grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b
+        return grad_x, grad_w, grad_b, None
 
 
 def _before_forward(module, args, kwargs):
     unit = module._gt_shard_unit
+    heap.release_blas_buffers()    # what the last unit's products left (host only)
     unit.gather()
     return _cast_inputs(unit.policy, args, kwargs)
 

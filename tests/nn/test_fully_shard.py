@@ -3,7 +3,7 @@ split(0) parts; training equals single-process torch on the whole batch (1e-5); 
 gathered copy of a parameter is gone after forward (autograd keeps the part and gathers
 again in backward); it composes with tensor parallelism on a 2-D placement, with tied
 parameters, with meta-device modules and with activation checkpointing (its recompute
-gathers once); reshard_after_forward False / an int gathers fewer times / in groups;
+gathers once, a Linear's backward its weight again); reshard_after_forward False / an int gathers fewer times / in groups;
 large parameters are gathered in place, uneven parts included."""
 from __future__ import annotations
 
@@ -211,10 +211,11 @@ def check_large_parameters_gather_in_place():
     _assert_same(model, reference)
 
 
-def check_recompute_keeps_its_gathered_copies():
+def check_recompute_gathers_once_and_each_weight_again_in_its_backward():
     """A forward recomputed in backward (activation checkpointing) gathers each unit once
-    and autograd keeps those copies for the backward that follows at once: 3 gathers in
-    backward, not 3 plus the 2 regathers of saved weights. Gradients equal one process."""
+    and keeps no gathered Linear weight: the one Linear whose backward needs its weight
+    (the first one's input needs no gradient) gathers it again there. 3 + 1 gathers in
+    backward. Gradients equal one process, and in bf16 those of no recompute."""
     from torch.utils.checkpoint import checkpoint
     p = gt.placement.all("cpu")
     model, reference = gt.nn.fully_shard(_mlp(), p), _mlp()
@@ -224,12 +225,22 @@ def check_recompute_keeps_its_gathered_copies():
     loss = F.cross_entropy(out, gt.tensor(y, placement=p, sbp=S(0)))
     with gt.debug.comm_stats() as backward:
         loss.backward()
-    assert (forward.calls["all_gather"], backward.calls["all_gather"]) == (3, 3), \
+    assert (forward.calls["all_gather"], backward.calls["all_gather"]) == (3, 4), \
         (forward, backward)
     assert not fs_module._gathered
     F.cross_entropy(reference(x), y).backward()
     for got, want in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(got.grad.full(), want.grad, rtol=1e-5, atol=1e-6)
+    # in bf16 (the weight gathered again in that dtype): the gradients of no recompute
+    grads = []
+    for recompute in (True, False):
+        bf16 = gt.nn.fully_shard(_mlp(), p, param_dtype=torch.bfloat16)
+        xs = gt.tensor(x, placement=p, sbp=S(0))
+        out = checkpoint(bf16, xs, use_reentrant=False) if recompute else bf16(xs)
+        F.cross_entropy(out.float(), gt.tensor(y, placement=p, sbp=S(0))).backward()
+        grads.append([q.grad.full() for q in bf16.parameters()])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def _resident_mib(field: str) -> int:
@@ -317,7 +328,8 @@ def check_host_blocks_go_back_to_the_system_when_freed():
 
 CHECKS = ["check_training_equals_one_process", "check_gathered_copy_is_freed_after_forward",
           "check_tied_and_meta_modules", "check_reshard_after_forward",
-          "check_large_parameters_gather_in_place", "check_recompute_keeps_its_gathered_copies",
+          "check_large_parameters_gather_in_place",
+          "check_recompute_gathers_once_and_each_weight_again_in_its_backward",
           "check_host_blocks_go_back_to_the_system_when_freed"]
 
 test_world2, test_world4 = checks_in_worlds(

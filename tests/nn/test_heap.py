@@ -2,6 +2,7 @@
 resident memory follows what is live."""
 from __future__ import annotations
 
+import ctypes
 import gc
 
 import pytest
@@ -35,3 +36,22 @@ def test_only_host_memory_is_mapped_and_the_variable_turns_it_off(monkeypatch):
     assert not heap.maps_large_blocks("cuda")
     monkeypatch.setenv("GLOBALTENSOR_TRIM_HEAP", "0")
     assert not heap.maps_large_blocks("cpu")
+
+
+@pytest.mark.skipif(heap._MKL_FREE_BUFFERS is None or heap._MALLOPT is None,
+                    reason="torch's BLAS is not MKL, or the C library is not glibc")
+def test_blas_buffers_kept_after_a_large_product_are_freed():
+    kept_bytes = heap._mkl("mkl_serv_mem_stat", [ctypes.POINTER(ctypes.c_int)], ctypes.c_int64)
+    buffers = ctypes.c_int(0)
+    assert heap.map_large_blocks()
+    a, b = torch.randn(1024, 768), torch.randn(768, 8192)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)      # MKL sizes its buffers by the threads that compute
+    try:
+        product = a @ b
+        del product
+    finally:
+        torch.set_num_threads(threads)
+    assert kept_bytes(ctypes.byref(buffers)) > 8 << 20   # 16.6 MiB of packed copies
+    assert heap.release_blas_buffers()
+    assert kept_bytes(ctypes.byref(buffers)) == 0 and buffers.value == 0
