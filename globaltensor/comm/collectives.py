@@ -219,6 +219,12 @@ def all_gather_ints(values: Sequence[int], ranks: tuple[int, ...] | None = None,
     return [row[:k] for row, k in zip(rows, lengths.tolist())]
 
 
+def barrier(ranks: tuple[int, ...] | None = None) -> None:
+    """Return once every member (the whole world by default) has called it: one
+    all-gather of one integer."""
+    all_gather_ints((0,), ranks, same_length=True)
+
+
 _rank: int | None = None
 
 

@@ -10,8 +10,9 @@ tensor parallel) or for ZeRO-3 (fully sharded x tensor parallel) and the inner a
 Megatron's layout. Each candidate that fits the memory
 budget (parameters, gradients and two optimizer moments per rank) runs a few training
 steps on the example inputs, whose activation layouts the whole-step planner chooses
-(dispatch/step.py); the fastest (the slowest rank's median step) wins, and every rank
-agrees on it. The plan is returned editable, and can be saved and loaded.
+(dispatch/step.py), in turns with the others and with the ranks meeting before each
+step; candidates within 10 % of the fastest take more turns. The fastest (the slowest
+rank's median step) wins, and every rank agrees on it. The plan is returned editable, and can be saved and loaded.
 
 >>> plan = gt.nn.auto_parallel(model, P, (ids, targets))      # doctest: +SKIP
 >>> print(plan); plan.save("plan.json")
@@ -27,6 +28,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .. import comm
 from ..boxing.cost import max_local_bytes
 from ..dispatch.step import RECORD_AT
 from ..factory import from_local
@@ -41,7 +43,9 @@ __all__ = ["AutoPlan", "auto_parallel", "load_plan"]
 
 STATE_COPIES = 4   # parameter, gradient, two optimizer moments (Adam)
 WARM_STEPS = RECORD_AT + 1   # enough for a step to be recorded and planned
-TIMED_STEPS = 7
+TIMED_STEPS = 7        # per turn of timing; candidates within CLOSE of the fastest take
+MAX_TIMED_STEPS = 35   # more turns, up to this many timed steps each
+CLOSE = 1.10
 
 
 class AutoPlan(dict):
@@ -266,22 +270,50 @@ def _relaid(x, sbp, placement: Placement):
 
 def _timed_all(models: dict, plans: dict, inputs: tuple, loss_fn) -> dict:
     """Per candidate, the slowest rank's median step time. Candidates take turns step
-    by step, so that a load on the machine falls on all of them alike."""
+    by step, so that a load on the machine falls on all of them alike, in reversed
+    order every other round; the ranks meet before each step, so that no step is
+    charged with a peer still finishing the candidate before it (a fixed order
+    charged the one after the slowest: data parallel after fully sharded). Candidates
+    within ``CLOSE`` of the fastest take more turns (up to ``MAX_TIMED_STEPS``): steps of
+    a few ms vary by 2x on a busy machine, and 7 of them could not tell 20 % apart."""
     for name, model in models.items():
         plans[name].apply(model)
-    times = {name: [] for name in models}
-    for k in range(WARM_STEPS + TIMED_STEPS):
-        for name, model in models.items():
+    names = list(models)
+    placement = plans[names[0]].placement
+    times: dict = {name: [] for name in names}
+    _take_turns(models, names, WARM_STEPS, None, inputs, loss_fn, placement)
+    _take_turns(models, names, TIMED_STEPS, times, inputs, loss_fn, placement)
+    agreed = _slowest_medians(times, placement)
+    while True:
+        best = min(agreed.values())
+        close = [n for n in names if agreed[n] <= CLOSE * best]
+        if len(close) < 2 or len(times[close[0]]) >= MAX_TIMED_STEPS:
+            return agreed     # every rank decides alike: ``agreed`` is the same on all
+        _take_turns(models, close, TIMED_STEPS, times, inputs, loss_fn, placement)
+        agreed = _slowest_medians(times, placement)
+
+
+def _take_turns(models: dict, names: list, rounds: int, times, inputs, loss_fn,
+                placement: Placement) -> None:
+    """``rounds`` training steps of each of ``names``, in turns; with ``times``, each
+    step's seconds appended to its candidate's list."""
+    for k in range(rounds):
+        for name in (names if k % 2 == 0 else names[::-1]):
+            model = models[name]
+            comm.barrier(placement.flat_ranks)
             started = time.perf_counter()
             model.zero_grad(set_to_none=True)
             out = model(*inputs)
             loss = loss_fn(out) if loss_fn is not None else \
                 (out if out.dim() == 0 else out.float().square().mean())
             loss.backward()
-            if k >= WARM_STEPS:
+            if times is not None:
                 times[name].append(time.perf_counter() - started)
-    names = list(models)
-    placement = plans[names[0]].placement
+
+
+def _slowest_medians(times: dict, placement: Placement) -> dict:
+    """{candidate: the largest over the ranks of its median step}, the same on every rank."""
+    names = list(times)
     mine = torch.tensor([statistics.median(times[n]) for n in names], dtype=torch.float64)
     slowest = from_local(mine, placement, (partial_max,) * placement.ndim,
                          shape=(len(names),))

@@ -140,6 +140,50 @@ def check_two_d_placements_offer_hybrids_that_train_equal():
     #                all four on 4 oversubscribed ranks costs 10 s of the suite)
 
 
+def check_close_candidates_take_more_turns_and_every_step_starts_together():
+    """Candidates within CLOSE of the fastest are timed again, turn by turn, up to
+    MAX_TIMED_STEPS; a slow one is not. Rank 1 takes longer on every step: the slowest
+    rank's medians count, on every rank. The ranks meet before every step (a step timed
+    while a peer still ran the one before it was charged with that wait)."""
+    import torch
+    import globaltensor as gt
+    from globaltensor import comm
+    from globaltensor.nn import auto
+    met = []
+    barrier, comm.barrier = comm.barrier, lambda ranks=None: met.append(ranks) or barrier(ranks)
+    try:
+        models = {name: torch.nn.Linear(2, 1) for name in "ab"}
+        times = {name: [] for name in models}
+        auto._take_turns(models, ["a", "b"], 3, times, (torch.ones(4, 2),), None,
+                         gt.placement.all("cpu"))
+    finally:
+        comm.barrier = barrier
+    assert met == [tuple(range(gt.get_world_size()))] * 6
+    assert [len(t) for t in times.values()] == [3, 3]
+    p = gt.placement.all("cpu")
+    own = {"fast": 1.0, "near": 1.05, "slow": 2.0}
+    turns = []
+
+    def take_turns(models, names, rounds, times, inputs, loss_fn, placement):
+        turns.append((tuple(names), rounds, times is not None))
+        if times is not None:
+            for name in names:
+                times[name] += [own[name] * (1 + gt.get_rank())] * rounds
+    real, auto._take_turns = auto._take_turns, take_turns
+    try:
+        plans = {name: auto.AutoPlan({}, p, ()) for name in own}
+        for plan in plans.values():
+            plan.apply = lambda model: model
+        seconds = auto._timed_all(dict.fromkeys(own), plans, (), None)
+    finally:
+        auto._take_turns = real
+    assert seconds == {name: t * gt.get_world_size() for name, t in own.items()}, seconds
+    extra = (auto.MAX_TIMED_STEPS - auto.TIMED_STEPS) // auto.TIMED_STEPS
+    assert turns == [(("fast", "near", "slow"), auto.WARM_STEPS, False),
+                     (("fast", "near", "slow"), auto.TIMED_STEPS, True)] \
+        + [(("fast", "near"), auto.TIMED_STEPS, True)] * extra, turns
+
+
 def test_megatron_pairs_in_sequentials_chain_and_in_modules_fan_in():
     from globaltensor.nn.auto import _megatron_pairs
     from torch import nn
@@ -156,7 +200,8 @@ def test_megatron_pairs_in_sequentials_chain_and_in_modules_fan_in():
 
 CHECKS = ["check_auto_parallel_chooses_measured_layouts_and_trains_equal",
           "check_memory_budget_rules_out_data_parallel_or_raises",
-          "check_plan_edits_saves_loads_and_applies"]
+          "check_plan_edits_saves_loads_and_applies",
+          "check_close_candidates_take_more_turns_and_every_step_starts_together"]
 
 test_world2 = world_test(__name__, 2, CHECKS)
 test_world4 = world_test(__name__, 4, ["check_two_d_placements_offer_hybrids_that_train_equal"])
