@@ -10,8 +10,11 @@ when backward first unpacks one (``reshard_after_forward=False``: autograd keeps
 gathered copies instead; an int ``g``: each rank keeps 1/g of them and backward gathers
 within groups of g ranks). Under saved-tensor hooks already active (activation
 checkpointing) those decide: a checkpointed forward keeps nothing, and its recompute
-in backward gathers once and keeps the copies for the backward that follows. The next unit's gather starts before this unit computes
-(prefetch of one unit, in the order of the previous forward). The gradient of a
+in backward gathers once and keeps the copies for the backward that follows, except
+a Linear's weight, which its backward gathers again (``refetch_in_backward``): the
+recompute would otherwise hold every weight of the block until backward reaches it.
+The next unit's gather starts before this unit computes (prefetch of one unit, in the
+order of the previous forward). The gradient of a
 gathered parameter is partial on the data axis (split batch); it goes to the shard's
 layout as soon as it is computed (``shard_comm.reduce_to_part``: the full-size partial
 is freed then), so each rank's ``.grad`` and optimizer state are its part. An
