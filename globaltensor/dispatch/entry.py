@@ -62,6 +62,11 @@ def dispatch(func, types, args, kwargs):
         elif isinstance(x, torch.Tensor) and x.numel() > 1 and (
                 plain.implicit_depth or _in_backward()):
             leaves[i] = plain.as_broadcast(x, leaves, func)
+    if step.functional:   # no module marks steps: one begins at the first call after a backward
+        if _in_backward():
+            step.after_backward = True
+        elif step.after_backward:
+            step.functional_step_begins()
     if step.active or (fake and (step.ENABLED or step.state.plans) and comm.tracing()):
         # traced: may replay a plan, or be recorded to plan the graph
         return _in_step(func, leaves, spec)

@@ -16,9 +16,10 @@ by op, and the replay goes on when the next calls match again (up to ``MAX_MISSE
 in a row; then the rest of the step is decided op by op and the plan is dropped).
 
 A step begins at the outermost forward of a module made global (``step_boundary``,
-called by ``gt.nn``'s hooks) and at ``gt.debug.explain_step``. Graphs torch.compile
-traces replay plans and plan themselves in ``traced.py``, with the recording and
-replay of this module. Off with ``GLOBALTENSOR_PLAN_STEPS=0``.
+called by ``gt.nn``'s hooks) and at ``gt.debug.explain_step``; in a program that runs
+no such module (functions of GlobalTensors), at the first call after a backward.
+Graphs torch.compile traces replay plans and plan themselves in ``traced.py``, with
+the recording and replay of this module. Off with ``GLOBALTENSOR_PLAN_STEPS=0``.
 
 >>> for _ in range(8):                        # doctest: +SKIP
 ...     model(x).sum().backward()             # 4 op by op, 1 recorded, then replayed
@@ -83,10 +84,30 @@ state = _State()
 active = False   # read by entry.dispatch on every call: not in ``state`` for speed
 
 
+class _Functional:
+    """The owner of the steps of a program that runs no module made global (a function
+    of GlobalTensors): such a step begins at the first call after a backward."""
+
+
+FUNCTIONAL = _Functional()
+functional = True       # until a module's forward marks a step (read on every call;
+                        # off with planning)
+after_backward = False  # a call ran inside backward since the last functional step began
+
+
+def functional_step_begins() -> None:
+    """The first call after a backward, in a program whose steps no module marks
+    (``entry.dispatch`` watches for it while ``functional``)."""
+    global after_backward
+    after_backward = False
+    step_boundary(FUNCTIONAL)
+
+
 @env.read_at_import
 def _read_plan_steps_variable() -> None:
-    global ENABLED
+    global ENABLED, functional
     ENABLED = os.environ.get("GLOBALTENSOR_PLAN_STEPS", "1") != "0"
+    functional = ENABLED
     retrace.planning = ENABLED
 
 
@@ -99,6 +120,9 @@ def _set(mode: str) -> None:
 def step_boundary(owner: object = None) -> None:
     """A step of ``owner`` (the module whose forward begins) begins: plan what was
     recorded, and watch the next call."""
+    global functional
+    if owner is not FUNCTIONAL:
+        functional = False    # steps are marked by modules: no functional ones
     if state.hold:      # explain_step records its function whole; a module whose
         if not state.record and state.also is None:   # forward starts it also keys
             state.also = _token(owner)                 # the plan (steps replay it)
@@ -146,8 +170,9 @@ def paused():
 
 def clear() -> None:
     """Forget every plan and recording (tests; a program never needs it)."""
-    global state
+    global state, functional, after_backward
     state = _State()
+    functional, after_backward = ENABLED, False
     _set("idle")
 
 

@@ -106,6 +106,44 @@ def _train(model, x, steps, plain=False):
     return losses, sent
 
 
+def check_functional_steps_are_planned_too():
+    """A program of functions of GlobalTensors (no module made global: here the plain
+    block called with global parameters, and SGD by hand): a step begins at the first
+    call after a backward, and is recorded, planned and replayed as a module's. It
+    trains equal to one process and, planned, sends Megatron's bytes."""
+    import torch
+    import globaltensor as gt
+    from globaltensor.dispatch import step
+    P, plain, model = _fresh()        # ``model``: only its parameters, as laid out
+    params = {n: p.detach().requires_grad_() for n, p in model.named_parameters()}
+    buffers = dict(model.named_buffers())
+    torch.manual_seed(2)
+    x = torch.randn(B, T, C)
+    n = step.RECORD_AT + 3
+    ref, _ = _train(plain, x, n, plain=True)
+    xs = gt.to_global(x, P, gt.sbp.broadcast)
+    losses, sent = [], []
+    for _ in range(n):
+        with gt.debug.comm_stats() as stats:
+            loss = torch.func.functional_call(plain, {**params, **buffers}, (xs,))
+            loss = loss.square().mean()
+            loss.backward()
+        with torch.no_grad():         # its first call begins the next step
+            for p in params.values():
+                p -= 0.1 * p.grad
+                p.grad = None
+        losses.append(loss.full().item())
+        sent.append(stats.total_bytes)
+    assert step.functional and step.state.last is not None
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+    # recorded in the 6th forward and backward (the 5th step begins after the first
+    # backward), replayed in the last two
+    assert sent[-1] == sent[-2] < sent[0] == sent[-3], sent
+    megatron = 4 * 2 * (B * T * C * 4) * (P.size - 1) // P.size
+    assert sent[-1] <= 1.02 * megatron, (sent, megatron)
+    step.clear()
+
+
 def _train_lm(model, args, steps):
     """Losses of ``steps`` SGD steps, and what the last one sent."""
     import torch
@@ -397,6 +435,7 @@ def check_explain_step_reports_choices():
 
 
 CHECKS = ["check_head_reshapes_stay_local", "check_planned_steps_replay_and_train_equal",
+          "check_functional_steps_are_planned_too",
           "check_tied_gpt_plans_megatrons_collectives",
           "check_changed_program_falls_back_and_stays_right",
           "check_writes_into_views_stay_right_when_planned",
