@@ -78,6 +78,7 @@ class _State:
     pending: list = field(default_factory=list)    # traces recorded, not yet planned
     traced_firsts: set = field(default_factory=set)   # first keys of graphs recorded
     strided_blocks: tuple = (0, set())   # (serial, strided block counts its calls held)
+    functional_first: object = None      # the key of the last functional step's first call
 
 
 state = _State()
@@ -154,6 +155,9 @@ def _token(owner) -> int:
         return id(owner)
 
 
+_FUNCTIONAL_TOKEN = _token(FUNCTIONAL)
+
+
 @contextlib.contextmanager
 def paused():
     """No step boundary, recording or replay inside (a pipeline runs its stages per
@@ -227,10 +231,15 @@ def decision(func, leaves: list, spec):
     if state.mode == "armed":
         key = (state.owner, key_of_call(func, leaves, spec))
         plan = state.plans.get(key)
+        repeats = True
+        if state.owner == _FUNCTIONAL_TOKEN:
+            # recorded only in a program that repeats one step: functional steps of two
+            # programs in turns (an eager and a compiled one) would never replay
+            repeats, state.functional_first = key == state.functional_first, key
         if plan is not None:
             state.plan, state.cursor, state.misses = plan, 0, 0
             _set("replaying")
-        elif key[1] is not None and _worth_recording(key):
+        elif key[1] is not None and _worth_recording(key) and repeats:
             state.serial += 1
             state.record, state.sinks = [], []
             _set("recording")

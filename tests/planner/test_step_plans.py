@@ -141,6 +141,15 @@ def check_functional_steps_are_planned_too():
     assert sent[-1] == sent[-2] < sent[0] == sent[-3], sent
     megatron = 4 * 2 * (B * T * C * 4) * (P.size - 1) // P.size
     assert sent[-1] <= 1.02 * megatron, (sent, megatron)
+    # two programs in turns (each step begins with another call) are never recorded:
+    # neither would replay the steps between the other's
+    step.clear()
+    w = params["q.weight"]
+    for k in range(2 * (step.RECORD_AT + 2)):
+        out = (xs @ w.t()).relu() if k % 2 else (xs * 2.0) @ w.t()
+        out.square().mean().backward()
+        w.grad = None
+    assert step.state.last is None and not step.state.plans, step.state.last
     step.clear()
 
 
