@@ -12,7 +12,8 @@ budget (parameters, gradients and two optimizer moments per rank) runs a few tra
 steps on the example inputs, whose activation layouts the whole-step planner chooses
 (dispatch/step.py), in turns with the others and with the ranks meeting before each
 step; candidates within 10 % of the fastest take more turns. The fastest (the slowest
-rank's median step) wins, and every rank agrees on it. The plan is returned editable, and can be saved and loaded.
+rank's median step) wins, and every rank agrees on it. The plan is returned editable,
+and can be saved and loaded.
 
 >>> plan = gt.nn.auto_parallel(model, P, (ids, targets))      # doctest: +SKIP
 >>> print(plan); plan.save("plan.json")

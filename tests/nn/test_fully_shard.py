@@ -3,8 +3,9 @@ split(0) parts; training equals single-process torch on the whole batch (1e-5); 
 gathered copy of a parameter is gone after forward (autograd keeps the part and gathers
 again in backward); it composes with tensor parallelism on a 2-D placement, with tied
 parameters, with meta-device modules and with activation checkpointing (its recompute
-gathers once, a Linear's backward its weight again); reshard_after_forward False / an int gathers fewer times / in groups;
-large parameters are gathered in place, uneven parts included."""
+gathers once, a Linear's backward its weight again); reshard_after_forward False / an
+int gathers fewer times / in groups; large parameters are gathered in place, uneven
+parts included."""
 from __future__ import annotations
 
 import copy
