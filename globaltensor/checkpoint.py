@@ -172,13 +172,12 @@ class Autosave:
             return False
         import torch.distributed.checkpoint as dcp
         target = os.path.join(self.path, f"step_{step}")
-        stale = comm.get_rank() == 0 and os.path.exists(target)
-        if stale:
+        if comm.get_rank() == 0 and os.path.exists(target):
             # left by a save that died (or a run that went past here before): replaced
             _remove(target)
         # every rank waits for that: dcp.save's local plan makes the directory on every
         # rank, and a rank there first would otherwise see rank 0 remove it
-        comm.all_gather_ints([int(stale)], same_length=True)
+        comm.barrier()
         dcp.save(self._contents(step), checkpoint_id=target)
         if comm.get_rank() == 0:
             self._remove_old()

@@ -33,33 +33,26 @@ MAPPED_BYTES = 128 << 10    # blocks of this size or more are mapped on their ow
                             # starting threshold, which it then no longer raises)
 
 
-def _glibc(name: str, argtypes: list) -> Optional[Callable[..., int]]:
+def _c_function(library: Optional[str], name: str, argtypes: list,
+                restype=ctypes.c_int) -> Optional[Callable]:
+    """``name`` from a loaded library (None: the C library), or None where it has none."""
     try:
-        fn = getattr(ctypes.CDLL(None), name)
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = argtypes, ctypes.c_int
-    return fn
-
-
-_MALLOC_TRIM = _glibc("malloc_trim", [ctypes.c_size_t])
-_MALLOPT = _glibc("mallopt", [ctypes.c_int, ctypes.c_int])
-_mapped = False
-
-
-def _mkl(name: str, argtypes: list, restype) -> Optional[Callable]:
-    """A service function of MKL (``mkl_free_buffers`` is exported as
-    ``mkl_serv_free_buffers`` by torch builds that link MKL into libtorch_cpu), or None."""
-    try:
-        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        fn = getattr(lib, name)
+        fn = getattr(ctypes.CDLL(library), name)
     except (OSError, AttributeError):
         return None
     fn.argtypes, fn.restype = argtypes, restype
     return fn
 
 
-_MKL_FREE_BUFFERS = _mkl("mkl_serv_free_buffers", [], None)
+_MALLOC_TRIM = _c_function(None, "malloc_trim", [ctypes.c_size_t])
+_MALLOPT = _c_function(None, "mallopt", [ctypes.c_int, ctypes.c_int])
+_mapped = False
+
+
+# MKL's service functions: torch builds that link MKL into libtorch_cpu export them
+# (``mkl_free_buffers`` as ``mkl_serv_free_buffers``)
+TORCH_CPU = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+_MKL_FREE_BUFFERS = _c_function(TORCH_CPU, "mkl_serv_free_buffers", [], None)
 
 
 def release_free_heap() -> bool:

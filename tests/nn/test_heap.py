@@ -41,7 +41,8 @@ def test_only_host_memory_is_mapped_and_the_variable_turns_it_off(monkeypatch):
 @pytest.mark.skipif(heap._MKL_FREE_BUFFERS is None or heap._MALLOPT is None,
                     reason="torch's BLAS is not MKL, or the C library is not glibc")
 def test_blas_buffers_kept_after_a_large_product_are_freed():
-    kept_bytes = heap._mkl("mkl_serv_mem_stat", [ctypes.POINTER(ctypes.c_int)], ctypes.c_int64)
+    kept_bytes = heap._c_function(heap.TORCH_CPU, "mkl_serv_mem_stat",
+                                  [ctypes.POINTER(ctypes.c_int)], ctypes.c_int64)
     buffers = ctypes.c_int(0)
     assert heap.map_large_blocks()
     a, b = torch.randn(1024, 768), torch.randn(768, 8192)
