@@ -47,6 +47,7 @@ import signal
 import time
 
 import torch
+import torch.distributed
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -307,10 +308,18 @@ def main(argv=None):
     first = resume(args, model, opt, say)
     rate = train(args, model, update, rank, workers, say, first, after_step_hook(args, model, opt, rank))
     print(f"worker {rank}: {rate:.0f} examples/s")
+    if args.mode == "geo":
+        # every worker's last changes reach the servers, then worker 0 takes them all:
+        # it evaluates the servers' values, like the other modes (without the meeting,
+        # whether another worker's last k steps counted depended on timing)
+        for table in (emb, wide):
+            table.flush()
+        opt.flush()
+        torch.distributed.barrier(group=gt.ps.worker_group())
     if rank == 0:
         if args.mode == "geo":
             for table in (emb, wide):
-                table.flush()  # evaluate with the servers' values, like the other modes
+                table.flush()
             opt.flush()
         auc1, logloss = evaluate(args, model)
         say(f"held-out AUC {auc1:.4f}, log-loss {logloss:.4f}")

@@ -41,7 +41,7 @@ _COUNTS = ("admitted", "evicted", "filtered")
 
 def workers_meet() -> None:
     """A barrier of the workers (a collective of their group; servers take no part)."""
-    comm.all_reduce_(torch.zeros(1), "sum", tuple(range(state.workers)))
+    comm.barrier(tuple(range(state.workers)))
 
 
 def _workers_placement():  # type: ignore[no-untyped-def]
