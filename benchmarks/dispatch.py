@@ -47,9 +47,21 @@ class Floor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        unwrap = lambda a: a.local if isinstance(a, Floor) else a  # noqa: E731
-        out = func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+        # No pytree: a list of tensors (cat's) is the only nesting ops take, and tuples
+        # (layer norm's three outputs) the only nesting they return.
+        out = func(*[_unwrap(a) for a in args], **{k: _unwrap(v) for k, v in
+                                                    (kwargs or {}).items()})
+        if out.__class__ is tuple or out.__class__ is list:
+            return out.__class__(Floor(o) if isinstance(o, torch.Tensor) else o for o in out)
         return Floor(out) if isinstance(out, torch.Tensor) else out
+
+
+def _unwrap(a):
+    if a.__class__ is Floor:
+        return a.local
+    if a.__class__ is list or a.__class__ is tuple:
+        return a.__class__(e.local if e.__class__ is Floor else e for e in a)
+    return a
 OPS = {  # key: (label, op on (x, y, w))
     "add": ("x + y", lambda x, y, w: x + y),
     "mul": ("x * 2.0", lambda x, y, w: x * 2.0),

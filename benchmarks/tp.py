@@ -32,7 +32,11 @@ and under ``torch.compile(fullgraph=True)`` (``--no-compile`` skips those):
   PrepareModuleInput gathering the sequence before attention and MLP, proj/fc2
   reduce-scattering onto it); embeddings and lm head replicated as above;
 - Megatron by hand: plain tensors, each rank holding its heads and MLP columns, f
-  (gradient all-reduce) before attention and MLP, g (all-reduce) after proj and fc2.
+  (gradient all-reduce) before attention and MLP, g (all-reduce) after proj and fc2;
+- Megatron wrapped (eager only): the same with every parameter, buffer and input
+  wrapped in ``dispatch.py``'s ``Floor``, a Python tensor subclass that only unwraps and
+  rewraps: what any Python ``__torch_dispatch__`` subclass (ours, DTensor) pays per op
+  over plain tensors, with no layout logic at all.
 
 Each way's loss is first checked against the whole model's in one process (1e-4
 relative); a way that raises or differs shows why in its row and is not timed. Time:
@@ -69,12 +73,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from _common import bar_plot, round_robin_median
 from compile import _CopyToParallel, _ReduceFromParallel
+from dispatch import Floor
 from globaltensor.testing import spawn
 
 LOSS_RTOL = 1e-4
 COLUMN, ROW = {"q", "k", "v", "fc1"}, {"proj", "fc2"}    # Megatron's split per Linear
 WAYS = ["ours annotated", "ours compiled as is", "ours pinned", "ours auto_parallel",
-        "DTensor TP", "DTensor TP+SP", "Megatron by hand"]
+        "DTensor TP", "DTensor TP+SP", "Megatron by hand", "Megatron wrapped"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -310,6 +315,10 @@ class NotBuilt(Exception):
     """The framework has no such function yet."""
 
 
+class EagerOnly(Exception):
+    """A way measured in eager mode only."""
+
+
 def ours(model: GPT, env: Env, compiled: bool, pinned: bool = False, auto: bool = False,
          traced: bool = False) -> Way:
     import globaltensor as gt
@@ -416,13 +425,32 @@ def megatron(model: GPT, env: Env, compiled: bool) -> Way:
     return Way(model, lambda: fn(env.ids, env.targets), compiled, torch_comm=True)
 
 
+def megatron_wrapped(model: GPT, env: Env, compiled: bool) -> Way:
+    if compiled:   # Floor has no __tensor_flatten__: torch.compile cannot trace it
+        raise EagerOnly
+    megatron(model, env, False)
+    wrapped: dict = {}     # a tied parameter stays one parameter
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                if p not in wrapped:
+                    wrapped[p] = nn.Parameter(Floor(p.detach()))
+                module._parameters[name] = wrapped[p]
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = Floor(b)
+    ids, targets = Floor(env.ids), Floor(env.targets)
+    return Way(model, lambda: model(ids, targets), False, torch_comm=True)
+
+
 BUILDERS = {"ours annotated": ours,
             "ours pinned": lambda m, e, c: ours(m, e, c, pinned=True),
             "ours auto_parallel": lambda m, e, c: ours(m, e, c, auto=True),
             "ours compiled as is": lambda m, e, c: ours(m, e, c, traced=True),
             "DTensor TP": dtensor,
             "DTensor TP+SP": lambda m, e, c: dtensor(m, e, c, sp=True),
-            "Megatron by hand": megatron}
+            "Megatron by hand": megatron,
+            "Megatron wrapped": megatron_wrapped}
 
 
 # --- run ----------------------------------------------------------------------------------
@@ -468,6 +496,9 @@ def _run_ways(base: GPT, env: Env, modes: list, reference: float) -> tuple[dict,
                 loss, nbytes = _measured(way, graphs)
             except NotBuilt:
                 rows[name, mode] = "n/a (not built)"
+                continue
+            except EagerOnly:
+                rows[name, mode] = "n/a (eager only)"
                 continue
             except Exception as e:  # noqa: BLE001 (a way that cannot run shows why)
                 rows[name, mode] = type(e).__name__

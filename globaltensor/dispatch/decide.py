@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import warnings
 from dataclasses import dataclass
@@ -49,8 +50,9 @@ class Decision:
     gidx: tuple = ()          # positions of the GlobalTensor arguments among the leaves
     single: bool = False      # the output is one tensor
     out_strides: tuple = ()   # per output leaf: global strides (None: contiguous)
-    direct: object = None     # the op's C++ callable when it runs on the local parts as
-                              # they are and returns one tensor (most repeated calls)
+    direct: object = None     # the op's C++ callable (or its local implementation with
+                              # ``ctx``) when it runs on the local parts as they are and
+                              # returns one tensor (most repeated calls)
     out_consts: tuple = ()    # per output leaf: its value from the meta run when it is not
                               # a tensor (None gradients, sizes): what ranks outside give
     by_value: bool = False    # depends on the values of float arguments, not only types
@@ -350,8 +352,7 @@ def _finish(call: Call, meta: _MetaRun, local, gidx: tuple, targets: tuple,
     reduced = _reduced_scalars(func, out_layouts, inplace)
     shortcut = not inplace and _empty_shortcut(meta.out_leaves, targets, out_layouts, rank)
     single = len(meta.out_leaves) == 1 and isinstance(meta.out, torch.Tensor)
-    direct = (single and not inplace and not fallback and local is None and not shortcut
-              and not reduced and call.spec.__class__ is tuple
+    direct = (single and not inplace and not fallback and not shortcut and not reduced and call.spec.__class__ is tuple
               and rank in targets[0].placement
               and all(cur == t for cur, t in zip(in_layouts, targets)))
     # The context is cached with the decision: it holds meta tensors, not this call's.
@@ -367,9 +368,15 @@ def _finish(call: Call, meta: _MetaRun, local, gidx: tuple, targets: tuple,
         out_dtypes=tuple(getattr(o, "dtype", None) for o in meta.out_leaves),
         out_spec=meta.out_spec, inplace=inplace, fallback=fallback, local=local, ctx=ctx,
         empty_shortcut=shortcut, gidx=gidx, single=single, out_strides=strides,
-        direct=func._op if direct else None, out_consts=_out_consts(meta.out_leaves),
+        direct=_direct_op(func, local, ctx) if direct else None, out_consts=_out_consts(meta.out_leaves),
         by_value=local is not None or any(v.__class__ is float for v in call._named.values()),
         reduced=reduced)
+
+
+def _direct_op(func, local, ctx):
+    # A local implementation (a view's local size) runs as directly as the op itself:
+    # through ``_run`` it would cost a view about as much again.
+    return func._op if local is None else functools.partial(local, ctx)
 
 
 def _empty_shortcut(out_leaves: list, targets: tuple, out_layouts: list, rank: int) -> bool:

@@ -67,9 +67,11 @@ def dispatch(func, types, args, kwargs):
             step.after_backward = True
         elif step.after_backward:
             step.functional_step_begins()
-    if step.active or (fake and (step.ENABLED or step.state.plans) and comm.tracing()):
-        # traced: may replay a plan, or be recorded to plan the graph
-        return _in_step(func, leaves, spec)
+    # torch.compile traces with parts that are no plain tensors (fake, functional)
+    if step.active:
+        return _in_step(func, leaves, spec, fake and comm.tracing())
+    if fake and (step.ENABLED or step.state.plans) and comm.tracing():
+        return _in_step(func, leaves, spec, True)   # may replay a plan, or be recorded
     if comm.check_mode():
         return _checked(func, leaves, spec)
     return _carry_out(func, cached_decision(func, leaves, spec), leaves, spec)
@@ -96,9 +98,9 @@ def _carry_out(func, decision: Decision, leaves, spec, why=None):
     return _run(func, decision, leaves, spec, why)
 
 
-def _in_step(func, leaves, spec):
+def _in_step(func, leaves, spec, tracing: bool):
     """A call while a step is recorded or replayed (``step.py``), or traced."""
-    decision, node = (traced.decision if comm.tracing() else step.decision)(func, leaves, spec)
+    decision, node = (traced.decision if tracing else step.decision)(func, leaves, spec)
     out = _carry_out(func, decision, leaves, spec)
     if node is not None:
         step.made(node, out)
