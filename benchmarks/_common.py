@@ -2,6 +2,7 @@
 with ``globaltensor.testing.spawn``)."""
 from __future__ import annotations
 
+import random
 import statistics
 import sys
 import time
@@ -12,7 +13,7 @@ import torch.distributed as dist
 
 def round_robin_median(fns, iters: int, calls: int = 1, warmup: int = 3) -> list:
     """Median seconds per call of each fn; one timed batch of ``calls`` calls per fn in
-    turn (forwards, then backwards), so drift on a busy machine hits all cases alike.
+    turn (a new order each round), so drift on a busy machine hits all cases alike.
     Every rank reports its medians and the slowest rank's are returned (it bounds a
     collective step). On a long run (over ``PROGRESS_AFTER_S``) rank 0 prints its progress
     to stderr every few seconds, so a slow benchmark is seen working."""
@@ -23,9 +24,14 @@ def round_robin_median(fns, iters: int, calls: int = 1, warmup: int = 3) -> list
     progress = _Progress(iters)
     for it in range(iters):
         progress.update(it)
-        # every other round runs backwards, so that no case always follows the same one
-        # (a case can leave caches, allocator or the peer's queue in another state)
-        for k in (range(len(fns)) if it % 2 == 0 else reversed(range(len(fns)))):
+        # each round in its own order (the same on every rank), so that no case always
+        # follows the same one: a case can leave caches, the allocator's free lists or
+        # the peer's queue in another state (a fixed order, or forwards then backwards,
+        # put P->B 3-8 % over the same work by hand in boxing.py, where it is at par
+        # in a shuffled order)
+        order = list(range(len(fns)))
+        random.Random(it).shuffle(order)
+        for k in order:
             fn = fns[k]
             dist.barrier()
             t0 = time.perf_counter()
