@@ -512,10 +512,16 @@ def _run_ways(base: GPT, env: Env, modes: list, reference: float) -> tuple[dict,
             if mode == "compiled" and env.backend != "inductor":
                 nbytes = None       # the counting pass is inductor's
             elif mode == "eager":   # a planned step (ours records one, then plans)
-                from globaltensor.dispatch.step import RECORD_AT
+                from globaltensor.dispatch.step import RECORD_AT, state
+                last = state.last
                 nbytes = [_measured(way, graphs)[1] for _ in range(RECORD_AT)][-1]
+                if state.last is not last:
+                    PLANNING[name] = (state.last.seconds, len(state.last.nodes))
             rows[name, mode], steps[name, mode] = nbytes, way.step
     return rows, steps
+
+
+PLANNING: dict = {}   # way: (seconds its eager step took to plan, calls in it)
 
 
 def _ratio(a, b) -> str:
@@ -542,6 +548,10 @@ def _print_table(args, n: int, modes: list, rows: dict, ms: dict) -> None:
             print(f"{name:<22}{mode:<10}{ms[key]:9.2f}{kib:>10}"
                   f"{_ratio(ms[key], ms.get(dt)):>8}{_ratio(ms[key], ms.get(meg)):>8}"
                   f"{_ratio(nbytes, rows.get(dt)):>7}{_ratio(nbytes, rows.get(meg)):>7}")
+    if PLANNING:
+        print("planning the eager step, once: " + "; ".join(
+            f"{name} {seconds:.2f} s ({calls} calls)"
+            for name, (seconds, calls) in PLANNING.items()))
 
 
 def main(argv=None) -> None:

@@ -144,3 +144,31 @@ def test_views_written_in_place_are_found_through_view_chains():
               call(aten.copy_.default, [(2, 0), None], inplace=True),
               call(aten.view.default, [(0, 0)])]
     assert _written_views(record) == {1, 2}
+
+
+def test_planning_pauses_the_garbage_collector_and_restores_it(monkeypatch):
+    # full collections of a large heap doubled a 12-layer GPT's planning time
+    import gc
+    import pytest
+    from globaltensor.dispatch import step_plan
+    seen = []
+
+    def plan(record, sinks):
+        seen.append(gc.isenabled())
+        if record == "fail":
+            raise ValueError("no plan")
+        return "plan"
+    monkeypatch.setattr(step_plan, "_plan", plan)
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        assert step_plan.plan_step([]) == "plan" and gc.isenabled()
+        with pytest.raises(ValueError):
+            step_plan.plan_step("fail")
+        assert gc.isenabled()
+        gc.disable()     # a program that runs without the collector keeps it off
+        step_plan.plan_step([])
+        assert not gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert seen == [False, False, False]
