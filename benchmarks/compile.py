@@ -284,6 +284,10 @@ def main(argv=None) -> None:
         from torch._inductor import config as inductor_config
         inductor_config.pattern_matcher = False
     import globaltensor as gt
+    import torch._dynamo
+    # block_loss's code is compiled for six ways here (ours, as traced and as planned,
+    # DTensor and plain, with and without the annotation); a program compiles one
+    torch._dynamo.config.recompile_limit = 64
     gt.init()
     n, rank = dist.get_world_size(), dist.get_rank()
     if args.heads % n or args.dim % args.heads or args.batch % n:

@@ -136,7 +136,7 @@ class GlobalTensor(torch.Tensor):
                                  f"{self.placement.ndim}: give an sbp for it")
             sbp = self.sbp
         dst = Layout.make(self.shape, placement, sbp)
-        if dst == self._layout:
+        if dst == self._layout and (_pin_watch is None or not _pin_watch[2]()):
             return self
         return _ToGlobal.apply(self, dst)
 
@@ -287,10 +287,26 @@ def is_global(t) -> bool:
     return isinstance(t, GlobalTensor)
 
 
+# The dispatcher's step planner watches every ``to_global`` (``dispatch/pins.py``):
+# forward(x, dst) -> a link, or None; backward(out, grad, link) -> out; watching() says
+# whether a step is recorded or replayed now. Then a ``to_global`` that moves nothing
+# runs too: the same line may move something in the recorded step and nothing in the
+# planned one, or the reverse, and the planner must see it alike in both.
+_pin_watch = None
+
+
+def install_pin_watch(forward, backward, watching) -> None:
+    global _pin_watch
+    _pin_watch = (forward, backward, watching)
+
+
 class _ToGlobal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: GlobalTensor, dst: Layout):
         ctx.src = x._layout
+        ctx.link = None if _pin_watch is None else _pin_watch[0](x, dst)
+        if dst == x._layout:   # (watched) a new tensor, as where the pin moves something
+            return GlobalTensor(x._local.clone(), dst)
         return GlobalTensor(box(x._local, x._layout, dst, why=_boxing_of(x)), dst)
 
     @staticmethod
@@ -299,7 +315,10 @@ class _ToGlobal(torch.autograd.Function):
         # so each rank holds it whole. Boxing it back to a partial would be correct too,
         # but the next backward ops would then produce (and later reduce) full-size
         # partials.
-        return to_layout(grad, ctx.src.without_partials()), None
+        out = to_layout(grad, ctx.src.without_partials())
+        if ctx.link is not None:
+            out = _pin_watch[1](out, grad, ctx.link)
+        return out, None
 
 
 class _ToLocal(torch.autograd.Function):

@@ -352,8 +352,8 @@ def _finish(call: Call, meta: _MetaRun, local, gidx: tuple, targets: tuple,
     reduced = _reduced_scalars(func, out_layouts, inplace)
     shortcut = not inplace and _empty_shortcut(meta.out_leaves, targets, out_layouts, rank)
     single = len(meta.out_leaves) == 1 and isinstance(meta.out, torch.Tensor)
-    direct = (single and not inplace and not fallback and not shortcut and not reduced and call.spec.__class__ is tuple
-              and rank in targets[0].placement
+    direct = (single and not inplace and not fallback and not shortcut and not reduced
+              and call.spec.__class__ is tuple and rank in targets[0].placement
               and all(cur == t for cur, t in zip(in_layouts, targets)))
     # The context is cached with the decision: it holds meta tensors, not this call's.
     ctx = None if local is None else LocalCtx(
@@ -368,7 +368,8 @@ def _finish(call: Call, meta: _MetaRun, local, gidx: tuple, targets: tuple,
         out_dtypes=tuple(getattr(o, "dtype", None) for o in meta.out_leaves),
         out_spec=meta.out_spec, inplace=inplace, fallback=fallback, local=local, ctx=ctx,
         empty_shortcut=shortcut, gidx=gidx, single=single, out_strides=strides,
-        direct=_direct_op(func, local, ctx) if direct else None, out_consts=_out_consts(meta.out_leaves),
+        direct=_direct_op(func, local, ctx) if direct else None,
+        out_consts=_out_consts(meta.out_leaves),
         by_value=local is not None or any(v.__class__ is float for v in call._named.values()),
         reduced=reduced)
 

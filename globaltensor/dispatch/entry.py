@@ -24,7 +24,7 @@ from ..local_parts import device_of, empty_local
 from ..partials import identity_value
 from ..rules.registry import lookup_decomposition
 from ..tensor import GlobalTensor, install_dispatcher, wrap_part
-from . import plain, step, traced
+from . import pins, plain, step, traced  # noqa: F401  (pins: watches to_global)
 from .cache import cached_decision
 from .call import flatten_args, unflatten_args
 from .decide import Decision

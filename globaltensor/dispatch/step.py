@@ -60,7 +60,8 @@ MAX_CALLS = 20000   # a recording longer than this is dropped
 class _State:
     mode: str = "idle"         # "armed" | "recording" | "replaying" | "idle"
     record: list = field(default_factory=list)
-    sinks: list = field(default_factory=list)   # (call, output, leaf layout, itemsize)
+    sinks: list = field(default_factory=list)   # step_plan.plan_step's sinks
+    pin_grads: list = field(default_factory=list)   # step_plan.plan_step's pin_grads
     serial: int = 0            # tells this recording's outputs from older ones
     plan: "StepPlan | None" = None
     cursor: int = 0
@@ -72,11 +73,18 @@ class _State:
     plans: dict = field(default_factory=dict)      # (owner, first key) -> StepPlan
     recorded: dict = field(default_factory=dict)   # (owner, first key) -> times seen
     last: "StepPlan | None" = None                 # the latest plan made
-    traced: "list | None" = None                   # [plan, cursor] replayed while tracing
+    traced: "list | None" = None                   # [plan, next call] followed while tracing
     session: object = None        # weak reference to the make_fx session traced last
     trace: object = None          # that session's recording (traced.Trace)
     pending: list = field(default_factory=list)    # traces recorded, not yet planned
     traced_firsts: set = field(default_factory=set)   # first keys of graphs recorded
+    # A traced graph that leaves the plan it began with (another program's: its first
+    # call is alike) is traced again, once, recorded (traced.py)
+    follows: "tuple | None" = None   # (first key, mark) of the graph tracing a plan now
+    record_next: set = field(default_factory=set)   # first keys to record when traced again
+    rerecorded: set = field(default_factory=set)    # first keys recorded so, once each
+    diverged: set = field(default_factory=set)      # marks of graphs to trace again for it
+    traced_misses: int = 0    # calls in a row the plan followed by a trace did not expect
     strided_blocks: tuple = (0, set())   # (serial, strided block counts its calls held)
     functional_first: object = None      # the key of the last functional step's first call
 
@@ -186,7 +194,7 @@ def start_recording(owner: object, hold: bool = True) -> None:
     if state.mode == "recording":
         finish_recording()
     state.serial += 1
-    state.record, state.sinks = [], []
+    state.record, state.sinks, state.pin_grads = [], [], []
     state.owner, state.also = _token(owner), None
     state.hold = hold
     _set("recording")
@@ -194,14 +202,15 @@ def start_recording(owner: object, hold: bool = True) -> None:
 
 def finish_recording() -> "StepPlan | None":
     """Plan the recorded calls; keep and return the plan (None when nothing fits)."""
-    record, sinks, state.record, state.sinks = state.record, state.sinks, [], []
+    record, sinks, pin_grads = state.record, state.sinks, state.pin_grads
+    state.record, state.sinks, state.pin_grads = [], [], []
     _set("idle")
     if not record:
         state.hold = False
         return None
     started = time.perf_counter()
     try:
-        plan = plan_step(record, sinks)
+        plan = plan_step(record, sinks, pin_grads)
     except Exception as e:  # noqa: BLE001  (every rank fails alike: SPMD records agree)
         log.warning("globaltensor: a step could not be planned (%s: %s); it runs op by "
                     "op", type(e).__name__, e)
@@ -241,7 +250,7 @@ def decision(func, leaves: list, spec):
             _set("replaying")
         elif key[1] is not None and _worth_recording(key) and repeats:
             state.serial += 1
-            state.record, state.sinks = [], []
+            state.record, state.sinks, state.pin_grads = [], [], []
             _set("recording")
         else:
             _set("idle")
@@ -336,9 +345,7 @@ def record_call(func, leaves: list, spec, greedy: Decision, record: list, serial
     producers, inputs = [], []
     for i in greedy.gidx:
         x = leaves[i]
-        origin = getattr(x, "_origin", None)
-        if origin is not None and (origin[0] != serial or _made_as(origin, record) is not x._layout):
-            origin = None   # an older step's, or changed since (an in-place view op)
+        origin = recorded_origin(x, record, serial)
         producers.append(None if origin is None else origin[1:])
         weight = PARAMETER_WEIGHT if x.requires_grad and x.is_leaf else 1.0
         inputs.append((x._layout, x.element_size(), weight))
@@ -355,22 +362,33 @@ def record_call(func, leaves: list, spec, greedy: Decision, record: list, serial
     return node
 
 
+def recorded_origin(t: GlobalTensor, record: list, serial: int):
+    """``t``'s origin when a call of ``record`` (made with ``serial``) made it as it is."""
+    origin = getattr(t, "_origin", None)
+    if origin is None or origin[0] != serial:
+        return None   # an older step's
+    made = _made_as(origin, record)
+    if len(origin) > 3:   # through a to_global's backward
+        return origin if made is not None and made.without_partials() == t._layout else None
+    return origin if made is t._layout else None   # (else changed since: an in-place view)
+
+
 def grad_arrived(grad: GlobalTensor, layout) -> None:
     """A gradient that a recorded call made reached its leaf's ``.grad`` in another
-    layout (``gradsync`` will box it there): the plan prices that boxing too."""
+    layout (``gradsync`` will box it there, with other gradients in a bucket): the plan
+    prices that boxing too."""
     if state.mode != "recording":
         return
-    origin = getattr(grad, "_origin", None)
-    if origin is not None and origin[0] == state.serial \
-            and _made_as(origin, state.record) is grad._layout:
-        state.sinks.append((origin[1], origin[2], layout, grad.element_size()))
+    origin = recorded_origin(grad, state.record, state.serial)
+    if origin is not None and len(origin) == 3:
+        state.sinks.append((origin[1], origin[2], layout, grad.element_size(), True))
 
 
 gradsync.install_grad_watch(grad_arrived)
 
 
 def _made_as(origin: tuple, record: list):
-    _, u, k = origin
+    u, k = origin[1], origin[2]
     if u >= len(record):
         return None
     layouts = record[u].greedy.out_layouts

@@ -44,7 +44,9 @@ class Node:
     key: tuple                 # its cache key as recorded
     greedy: Decision           # the per-op decision it ran with
     opts: "Options | None"     # its choices (None: the per-op decision only)
-    producers: list            # per global input: (node, output index), or None
+    producers: list            # per global input: (node, output index), or None; a
+                               # third item True: through a to_global's backward, in
+                               # that output's layout with partial axes broadcast
     inputs: list               # per global input: (layout as recorded, itemsize, weight)
     floats: tuple              # the float arguments, when the decision depends on them
     choice: int = 0
@@ -75,10 +77,15 @@ class StepPlan:
 
 
 
-def plan_step(record: list, sinks: tuple = ()) -> StepPlan:
+def plan_step(record: list, sinks: tuple = (), pin_grads: tuple = ()) -> StepPlan:
     """The cheapest signatures for the recorded calls (``solve.py``), as a plan.
-    ``sinks``: (call, output index, layout, itemsize) per gradient that call made for
-    a leaf of that layout (boxed there after backward; None: reduced where it is)."""
+    ``sinks``: (call, output index, layout, itemsize, bucketed) per output of a call
+    boxed into that layout outside any call: a gradient for a leaf of that layout
+    (boxed after backward with other gradients in a bucket; None: reduced where it is),
+    or the input of a ``to_global`` (not bucketed). ``pin_grads``: (node, output index,
+    (node, output index) or None, layout, itemsize) per ``to_global`` backward: the
+    gradient (made by that call, else of that layout) boxed into the layout of the
+    ``to_global``'s input, partial axes broadcast (``step.note_pin_gradient``)."""
     # Planning allocates hundreds of thousands of small lists (the cost tables), which
     # set off full collections of the program's whole heap: a 12-layer GPT step plans
     # in 0.66-0.70 s with the collector paused, in 0.71-1.00 s with it running. What
@@ -86,14 +93,14 @@ def plan_step(record: list, sinks: tuple = ()) -> StepPlan:
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _plan(record, sinks)
+        return _plan(record, sinks, pin_grads)
     finally:
         if enabled:
             gc.enable()
 
 
-def _plan(record: list, sinks: tuple) -> StepPlan:
-    problem, compute, bucketed = _problem(record, sinks)
+def _plan(record: list, sinks: tuple, pin_grads: tuple) -> StepPlan:
+    problem, compute, bucketed = _problem(record, sinks, pin_grads)
     start = [n.opts.greedy if n.opts is not None else 0 for n in record]
     # Communication alone (compute free) gives a second start: the layouts that move
     # the fewest bytes (Megatron's, on a transformer) differ from per-op choice in long
@@ -167,31 +174,34 @@ def _written_views(record: list) -> set:
     miss it, so the plan boxes there only where per-op choice does."""
     written = set()
     for node in record:
-        if node.greedy.inplace and node.producers and node.producers[0] is not None:
+        if node.greedy.inplace and node.producers and node.producers[0] is not None \
+                and len(node.producers[0]) == 2:
             u = node.producers[0][0]
             while u not in written and _returns_view(record[u].func):
                 written.add(u)
-                if not record[u].producers or record[u].producers[0] is None:
+                if not record[u].producers or record[u].producers[0] is None \
+                        or len(record[u].producers[0]) > 2:
                     break
                 u = record[u].producers[0][0]
     return written
 
 
-def _sink_cost(src, leaf, itemsize: int, cache: dict) -> tuple:
-    """(boxing a gradient into its leaf's layout, whether it goes into the bucket).
-    ``leaf`` None: its partial sums reduced, where the leaf is not known. A partial sum
-    reduced to broadcast goes into a bucket with other gradients (``gradsync``): one
-    launch shared by many, priced once for the step (``_with_bucket_launch``)."""
+def _sink_cost(src, leaf, itemsize: int, cache: dict, bucket: bool = True) -> tuple:
+    """(boxing a sink into its layout ``leaf``, whether it goes into the bucket).
+    ``leaf`` None: its partial sums reduced, where the leaf is not known. A gradient's
+    partial sum reduced to broadcast (``bucket``) goes into a bucket with other
+    gradients (``gradsync``): one launch shared by many, priced once for the step
+    (``_with_bucket_launch``)."""
     if leaf is None:
         leaf = src.without_partials()
     cost = _route_cost(src, leaf, itemsize, cache)
-    if cost and leaf.sbp == tuple(Broadcast() if isinstance(g, Partial) and g.reduce == "sum"
-                                  else g for g in src.sbp):
+    if bucket and cost and leaf.sbp == tuple(Broadcast() if isinstance(g, Partial)
+                                             and g.reduce == "sum" else g for g in src.sbp):
         return max(cost - LAUNCH, 1e-9), True
     return cost, False
 
 
-def _problem(record: list, sinks: tuple = ()) -> tuple:
+def _problem(record: list, sinks: tuple = (), pin_grads: tuple = ()) -> tuple:
     """(the min-sum problem of the recorded calls, each option's compute cost, the
     options that reduce gradients into the bucket: {(node, option): how many})."""
     written = _written_views(record)
@@ -218,23 +228,40 @@ def _problem(record: list, sinks: tuple = ()) -> tuple:
                     costs[o] += _route_cost(layout, targets[i], size, routes) * weight \
                         + (fixed if o != greedy and layout != targets[i] else 0.0)
                 continue
-            u, k = producer
-            made_as = [outs[k] for _, outs in record[u].signatures()]
+            u, k = producer[0], producer[1]
+            made_as = _made_as(record[u], k, through=len(producer) > 2)
             matrix = [[_route_cost(src, targets[i], size, routes) * weight
                        + (_INFEASIBLE if inplace and i == 0 and src != outs[0] else 0.0)
                        + (fixed if o != greedy and src != targets[i] else 0.0)
                        for o, (targets, outs) in enumerate(sigs)] for src in made_as]
             edges.append((u, v, matrix))
         unary.append(costs)
+    for u, k, made_by, layout, size in pin_grads:
+        into = _made_as(record[u], k, through=True)
+        if made_by is None:
+            for o, dst in enumerate(into):
+                unary[u][o] += _route_cost(layout, dst, size, routes)
+            continue
+        w, j = made_by
+        made = _made_as(record[w], j)
+        matrix = [[_route_cost(src, dst, size, routes) for src in made] for dst in into]
+        edges.append((u, w, matrix) if u < w else (w, u, [list(r) for r in zip(*matrix)]))
     bucketed: dict = {}
-    for u, k, leaf, size in sinks:
+    for u, k, leaf, size, bucket in sinks:
         for o, (_, outs) in enumerate(record[u].signatures()):
             if k < len(outs) and outs[k] is not None:
-                cost, in_bucket = _sink_cost(outs[k], leaf, size, routes)
+                cost, in_bucket = _sink_cost(outs[k], leaf, size, routes, bucket)
                 unary[u][o] += cost
                 if in_bucket:
                     bucketed[u, o] = bucketed.get((u, o), 0) + 1
     return solve.Problem(unary, edges), compute, bucketed
+
+
+def _made_as(node: Node, k: int, through: bool = False) -> list:
+    """Per option of ``node``: the layout of its k-th output (``through``: as a
+    ``to_global``'s backward hands on its gradient, partial axes broadcast)."""
+    outs = [outs[k] for _, outs in node.signatures()]
+    return [o.without_partials() for o in outs] if through else outs
 
 
 def _expect(record: list) -> None:
@@ -246,8 +273,10 @@ def _expect(record: list) -> None:
         in_layouts = []
         for producer, (layout, _, _) in zip(node.producers, node.inputs):
             if producer is not None:
-                u, k = producer
+                u, k = producer[0], producer[1]
                 layout = record[u].signatures()[record[u].choice][1][k]
+                if len(producer) > 2:
+                    layout = layout.without_partials()
             in_layouts.append(layout)
         node.planned = None if node.opts is None else \
             node.opts.decision(node.choice, tuple(in_layouts))

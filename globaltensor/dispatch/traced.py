@@ -10,7 +10,10 @@ planned decisions as in eager mode (``step.py``). A graph whose trace begins wit
 plan is recorded (``Trace``) and planned at its next guard check (``plan_traces``);
 a plan at least ``MIN_GAIN`` cheaper than the traced per-op choice is kept and the
 graph recorded then traces again (``retrace.py``), replaying it. Each graph (by its first
-call) is recorded once. The trace shows no ``.grad``: the graph's inputs that require
+call) is recorded once; a graph whose trace leaves the plan it began with (another
+program's with the same first call: more than ``MAX_MISSES`` calls in a row differ) is
+recorded once more and planned on its own. A recorded trace follows no plan. The
+trace shows no ``.grad``: the graph's inputs that require
 grad get a hook while their forward is traced, and the gradient the traced backward
 computes for each is priced into the input's layout (``gradsync`` boxes it there).
 Inside ``step.paused()`` (pipeline stages) traced calls are decided op by op.
@@ -47,6 +50,7 @@ class Trace:
     serial: int
     mark: int = field(default_factory=retrace.new_trace)   # what its guards save
     record: list = field(default_factory=list)
+    pin_grads: list = field(default_factory=list)   # step_plan's pin_grads
     backward: set = field(default_factory=set)   # the calls made in backward
     sinks: list = field(default_factory=list)    # step_plan's sinks: gradients of inputs
     watched: set = field(default_factory=set)    # ids of the inputs given a hook
@@ -66,7 +70,7 @@ class Trace:
     def _arrived(self, layout, grad) -> None:
         origin = getattr(grad, "_origin", None)
         if origin is not None and origin[0] == self.serial:
-            self.sinks.append((origin[1], origin[2], layout, grad.element_size()))
+            self.sinks.append((origin[1], origin[2], layout, grad.element_size(), True))
 
 
 def decision(func, leaves: list, spec) -> tuple:
@@ -76,23 +80,40 @@ def decision(func, leaves: list, spec) -> tuple:
     fresh = session is not None and (state.session is None or state.session() is not session)
     if fresh:   # a graph's trace begins: it replays a plan from its first call, or none
         state.session, state.trace, state.traced = weakref.ref(session), None, None
+        state.follows, state.traced_misses = None, 0
         retrace.trace_begins(0)
     if state.hold and state.mode == "idle":   # inside step.paused(): op by op
         return cached_decision(func, leaves, spec), None
     key = key_of_call(func, leaves, spec)
     found = _follow(func, leaves, spec, key)
-    if found is None and key is not None:
+    if found is not None:
+        state.traced_misses = 0
+    elif state.follows is not None:
+        state.traced_misses += 1
+        if state.traced_misses > step.MAX_MISSES:
+            _diverged()
+    again = key is not None and key in state.record_next   # recorded afresh
+    if again:
+        state.traced = None   # nor goes on with a plan begun in an earlier pass
+    # A recorded trace decides every call op by op: a plan taken up in its middle (a
+    # call like its first) would leave its record with gaps.
+    recording = session is not None and state.trace is not None
+    if found is None and key is not None and not again and not recording:
         for (_, first), plan in reversed(state.plans.items()):   # the newest first
             if key == first:
                 state.traced = [plan, 0]
+                if fresh:
+                    state.follows = (key, retrace.new_trace())
+                    retrace.trace_begins(state.follows[1])
                 found = _follow(func, leaves, spec, key)
                 break
     if found is not None:
         return found, None
     greedy = cached_decision(func, leaves, spec)
-    if fresh and step.ENABLED and key is not None and state.mode != "recording" \
-            and key not in state.traced_firsts and len(state.traced_firsts) < step.MAX_KEYS:
-        state.traced_firsts.add(key)
+    if fresh and step.ENABLED and key is not None and state.mode != "recording" and (
+            again or key not in state.traced_firsts and len(state.traced_firsts) < step.MAX_KEYS):
+        state.record_next.discard(key)
+        (state.rerecorded if again else state.traced_firsts).add(key)
         state.serial += 1
         state.trace = Trace(state.serial)
         state.pending.append(state.trace)
@@ -119,12 +140,12 @@ def plan_traces() -> None:
     its graph traces again (``retrace.py``) and replays it."""
     state = step.state
     pending, state.pending, state.trace = state.pending, [], None
-    better = set()
+    better, state.diverged = state.diverged, set()
     for trace in pending:
         if not trace.record:
             continue
         try:
-            plan = plan_step(trace.record, _graph_outputs(trace))
+            plan = plan_step(trace.record, _graph_outputs(trace), trace.pin_grads)
         except Exception as e:  # noqa: BLE001  (every rank fails alike: SPMD records agree)
             log.warning("globaltensor: a compiled graph could not be planned (%s: %s); it "
                         "stays decided op by op", type(e).__name__, e)
@@ -145,15 +166,36 @@ def _graph_outputs(trace: Trace) -> list:
     A gradient of an input goes into the input's layout (``Trace.watch_inputs``); a
     forward output (the loss) keeps the layout the trace gave it (its caller sees that
     layout); another backward output has its partial sums reduced where it is."""
-    used = {p for node in trace.record for p in node.producers if p is not None}
+    used = {p[:2] for node in trace.record for p in node.producers if p is not None}
+    used.update(made_by for _, _, made_by, _, _ in trace.pin_grads if made_by is not None)
     sinks = list(trace.sinks)
-    used.update((u, k) for u, k, _, _ in trace.sinks)
+    used.update((u, k) for u, k, *_ in trace.sinks)
     for u, node in enumerate(trace.record):
         decision = node.greedy
         for k, (layout, dtype) in enumerate(zip(decision.out_layouts, decision.out_dtypes)):
             if (u, k) not in used and layout is not None:
-                sinks.append((u, k, None if u in trace.backward else layout, dtype.itemsize))
+                sinks.append((u, k, None if u in trace.backward else layout, dtype.itemsize,
+                              True))
     return sinks
+
+
+def _diverged() -> None:
+    """The graph being traced leaves the plan it began with: another program whose first
+    call is the same (a variant of a step with a layout pinned, an evaluation step).
+    Its trace goes on op by op; the graph traces again once, recorded from its first
+    call on and followed by no plan, so that it is planned on its own."""
+    state = step.state
+    key, mark = state.follows
+    state.follows = None
+    if key not in state.rerecorded and key not in state.record_next:
+        state.record_next.add(key)
+        state.diverged.add(mark)
+        retrace.at_next_guard(plan_traces)   # not now: the trace's own guard must hold
+
+
+def recording() -> "Trace | None":
+    """The trace being recorded now, if any."""
+    return step.state.trace if get_proxy_mode() is not None else None
 
 
 def _follow(func, leaves: list, spec, key):

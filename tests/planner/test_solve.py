@@ -153,7 +153,7 @@ def test_planning_pauses_the_garbage_collector_and_restores_it(monkeypatch):
     from globaltensor.dispatch import step_plan
     seen = []
 
-    def plan(record, sinks):
+    def plan(record, sinks, pin_grads):
         seen.append(gc.isenabled())
         if record == "fail":
             raise ValueError("no plan")

@@ -443,15 +443,91 @@ def check_explain_step_reports_choices():
     step.clear()
 
 
+def _pin_stream(model, sbp=None):
+    """Pin the residual stream after the attention and at the block's output
+    (``to_global`` in forward hooks): broadcast, as a user pins Megatron's plan."""
+    import globaltensor as gt
+    sbp = sbp or gt.sbp.broadcast
+    pin = lambda module, args, out: out.to_global(sbp=sbp)   # noqa: E731
+    model.proj.register_forward_hook(pin)
+    model.register_forward_hook(pin)
+    return model
+
+
+def check_pinned_steps_replay_to_their_end():
+    # A pin's gradient leaves its backward in the layout recorded: boxed into the
+    # layout the plan gives the pin's input, it left the planned step for op-by-op
+    # choice in the middle of backward
+    import torch
+    import globaltensor as gt
+    from globaltensor.dispatch import step
+    P, plain, model = _fresh()
+    _pin_stream(model)
+    torch.manual_seed(3)
+    x = torch.randn(B, T, C)
+    n = step.RECORD_AT + 2
+    ref, _ = _train(plain, x, n, plain=True)
+    losses, sent = _train(model, gt.to_global(x, P, gt.sbp.broadcast), n)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.full(), q.detach(), rtol=1e-4, atol=1e-5)
+    plan = step.state.last
+    assert plan is not None and plan in step.state.plans.values(), "the plan was given up"
+    assert step.state.mode == "idle" and step.state.plan is None   # replayed to its end
+    megatron = 4 * 2 * (B * T * C * 4) * (P.size - 1) // P.size
+    assert sent[-1] == sent[-2] <= 1.02 * megatron, (sent, megatron)
+    step.clear()
+
+
+def check_a_variant_compiled_later_plans_its_own_graph():
+    # Two compiled programs whose first call is alike: the block, then the block with
+    # its residual stream pinned split on the batch. The second's first trace begins on
+    # the first's plan and leaves it at the pin; its graphs are traced once more,
+    # recorded, then planned and traced again following their own plan
+    import torch
+    import globaltensor as gt
+    from globaltensor.dispatch import step
+
+    P, plain, model = _fresh()
+    g = torch.Generator().manual_seed(8)
+    data = [torch.randn(B, T, C, generator=g) for _ in range(4)]
+
+    def run(loss_of, full):
+        with gt.implicit_broadcast():
+            loss = loss_of(model, gt.to_global(full, P, gt.sbp.broadcast))
+        loss.backward()
+        ref = plain(full).square().mean()
+        ref.backward()
+        torch.testing.assert_close(loss.full(), ref.detach(), rtol=1e-5, atol=1e-6)
+        for p, q in zip(model.parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad.full(), q.grad, rtol=1e-4, atol=1e-6)
+            p.grad, q.grad = None, None
+
+    first = _compiled_loss([])
+    for full in data[:2]:        # traced, recorded, planned, traced again
+        run(first, full)
+    _pin_stream(model, gt.sbp.split(0))
+    graphs = []
+    second = _compiled_loss(graphs)   # (a fresh dynamo; the plans stay)
+    for full in data:
+        run(second, full)
+    # traced on the first's plan, then recorded, then planned (op by op to the end of
+    # its graphs, as before, it traced only once)
+    assert len(graphs) == 6, len(graphs)
+    torch._dynamo.reset()
+    step.clear()
+
+
 CHECKS = ["check_head_reshapes_stay_local", "check_planned_steps_replay_and_train_equal",
           "check_functional_steps_are_planned_too",
           "check_tied_gpt_plans_megatrons_collectives",
           "check_changed_program_falls_back_and_stays_right",
           "check_writes_into_views_stay_right_when_planned",
           "check_shapes_changing_every_step_are_never_recorded",
-          "check_explain_step_reports_choices"]
+          "check_explain_step_reports_choices", "check_pinned_steps_replay_to_their_end"]
 
 test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
 # compiling twice on 4 oversubscribed ranks costs 7 s; 2 ranks show the same
-test_compiled_world2 = world_test(__name__, 2, ["check_compiled_graphs_follow_the_eager_plan",
-                                                 "check_compiled_graphs_plan_their_own_trace"])
+test_compiled_world2 = world_test(__name__, 2, [
+    "check_compiled_graphs_follow_the_eager_plan", "check_compiled_graphs_plan_their_own_trace",
+    "check_a_variant_compiled_later_plans_its_own_graph"])
