@@ -136,7 +136,9 @@ class GlobalTensor(torch.Tensor):
                                  f"{self.placement.ndim}: give an sbp for it")
             sbp = self.sbp
         dst = Layout.make(self.shape, placement, sbp)
-        if dst == self._layout and (_pin_watch is None or not _pin_watch[2]()):
+        if dst == self._layout:
+            if _pin_watch is not None:
+                _pin_watch[2](self, dst)
             return self
         return _ToGlobal.apply(self, dst)
 
@@ -288,16 +290,14 @@ def is_global(t) -> bool:
 
 
 # The dispatcher's step planner watches every ``to_global`` (``dispatch/pins.py``):
-# forward(x, dst) -> a link, or None; backward(out, grad, link) -> out; watching() says
-# whether a step is recorded or replayed now. Then a ``to_global`` that moves nothing
-# runs too: the same line may move something in the recorded step and nothing in the
-# planned one, or the reverse, and the planner must see it alike in both.
+# forward(x, dst) -> a link or None, backward(out, grad, link) -> out, and
+# unmoved(x, dst) for one that moves nothing (and returns ``x``).
 _pin_watch = None
 
 
-def install_pin_watch(forward, backward, watching) -> None:
+def install_pin_watch(forward, backward, unmoved) -> None:
     global _pin_watch
-    _pin_watch = (forward, backward, watching)
+    _pin_watch = (forward, backward, unmoved)
 
 
 class _ToGlobal(torch.autograd.Function):
@@ -305,8 +305,6 @@ class _ToGlobal(torch.autograd.Function):
     def forward(ctx, x: GlobalTensor, dst: Layout):
         ctx.src = x._layout
         ctx.link = None if _pin_watch is None else _pin_watch[0](x, dst)
-        if dst == x._layout:   # (watched) a new tensor, as where the pin moves something
-            return GlobalTensor(x._local.clone(), dst)
         return GlobalTensor(box(x._local, x._layout, dst, why=_boxing_of(x)), dst)
 
     @staticmethod

@@ -1,19 +1,21 @@
-"""``to_global`` inside recorded and planned steps: the planner sees through it.
+"""``to_global`` inside a recorded step: the planner sees through it.
 
-A user's ``to_global`` in a step (a pin: Megatron's layout annotated on an activation)
-is no call of the step, but the planner must price it and the replay must meet it as
-recorded. While a step is recorded or replayed (eagerly or while torch.compile traces):
+A user's ``to_global`` in a step (Megatron's layout annotated on an activation, a
+"pin") is no call of the step, but the plan must price it and its replay must meet
+it as recorded. While a step (or a compiled graph's trace) is recorded:
 
-- a ``to_global`` that moves nothing runs too, with a new tensor as its output, as one
-  that moves something: the same line may move something in the recorded step and
-  nothing in the planned one, or the reverse;
-- its input's boxing is a sink of the call that made the input (``step_plan``);
-- its backward boxes the gradient into the input's layout, partial axes broadcast,
-  which the plan chooses with the input's call: the calls after it in backward take
-  the gradient as made by that call "through the pin", and the boxing there is priced
-  between that call and the gradient's (``pin_grads``).
+- a ``to_global`` that moves something charges its boxing to the call that made its
+  input (a "pin" sink of ``step_plan``). Its backward boxes the gradient into the
+  input's layout, partial axes broadcast, which the plan chooses with the input's
+  call: the calls after it in backward take the gradient as made by that call
+  "through the pin", and the boxing there is priced between that call and the
+  gradient's (``pin_grads``). Where the plan gives the input the target layout, the
+  ``to_global`` moves nothing on replay and has no backward: the plan then keeps the
+  gradient in the layout the calls after it take;
+- a ``to_global`` that moves nothing holds its input's layout: made real by the plan,
+  it would hand the calls after it a tensor they were not recorded with.
 
->>> y = x.to_global(sbp=gt.sbp.broadcast)   # priced, replayed    # doctest: +SKIP
+>>> y = x.to_global(sbp=gt.sbp.broadcast)   # priced, replayed alike  # doctest: +SKIP
 """
 from __future__ import annotations
 
@@ -23,15 +25,14 @@ from . import step, traced
 
 
 def note_pin(x: GlobalTensor, dst, record: list, serial: int, sinks: list):
-    """A ``to_global`` of ``x`` to ``dst`` in ``record`` (made with ``serial``): the
-    boxing is a sink of the call that made ``x``; returns the link its backward hands to
-    ``note_pin_gradient`` (None: ``x`` was made elsewhere, its gradient's layout is
-    fixed)."""
+    """A ``to_global`` of ``x`` to ``dst`` in ``record`` (made with ``serial``) that moves
+    something. Returns the link its backward hands to ``note_pin_gradient`` (None:
+    ``x`` was made elsewhere, and its gradient's layout is fixed)."""
     origin = step.recorded_origin(x, record, serial)
     if origin is None or len(origin) > 3:
         return None
-    sinks.append((origin[1], origin[2], dst, x.element_size(), False))
-    return origin[1], origin[2]
+    sinks.append((origin[1], origin[2], dst, x.element_size(), "pin"))
+    return origin[1], origin[2], dst
 
 
 def note_pin_gradient(out: GlobalTensor, grad, link: tuple, record: list, serial: int,
@@ -40,13 +41,23 @@ def note_pin_gradient(out: GlobalTensor, grad, link: tuple, record: list, serial
     ``out``. Returns ``out``, a new tensor marked as made through the pin."""
     if not isinstance(grad, GlobalTensor):
         return out
+    u, k, dst = link
     origin = step.recorded_origin(grad, record, serial)
     made_by = origin[1:3] if origin is not None and len(origin) == 3 else None
-    pin_grads.append((link[0], link[1], made_by, grad._layout, grad.element_size()))
-    if out is grad:
-        out = GlobalTensor(grad._local, grad._layout)
-    out._origin = (serial, link[0], link[1], True)
+    pin_grads.append((u, k, made_by, grad._layout, grad.element_size(), dst))
+    if out is grad:   # (its strides kept: they are part of what the next calls expect)
+        strides = tuple(grad.stride())
+        out = GlobalTensor(grad._local, grad._layout,
+                           strides=None if strides == grad._layout.strides else strides)
+    out._origin = (serial, u, k, True)
     return out
+
+
+def note_unmoved(x: GlobalTensor, dst, record: list, serial: int, sinks: list) -> None:
+    """A ``to_global`` of ``x`` that moves nothing: the call that made ``x`` keeps ``dst``."""
+    origin = step.recorded_origin(x, record, serial)
+    if origin is not None and len(origin) == 3:
+        sinks.append((origin[1], origin[2], dst, x.element_size(), "held"))
 
 
 def _recording_now():
@@ -71,12 +82,10 @@ def _backward(out: GlobalTensor, grad, link: tuple) -> GlobalTensor:
     return out if now is None else note_pin_gradient(out, grad, link, now[0], now[1], now[3])
 
 
-def _watching() -> bool:
-    """Whether a step is recorded or replayed now, or a trace recorded or following a
-    plan."""
-    if comm.tracing():
-        return traced.recording() is not None or step.state.traced is not None
-    return step.state.mode == "recording" or step.state.mode == "replaying"
+def _unmoved(x: GlobalTensor, dst) -> None:
+    now = _recording_now()
+    if now is not None:
+        note_unmoved(x, dst, *now[:3])
 
 
-install_pin_watch(_forward, _backward, _watching)
+install_pin_watch(_forward, _backward, _unmoved)

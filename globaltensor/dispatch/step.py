@@ -381,7 +381,7 @@ def grad_arrived(grad: GlobalTensor, layout) -> None:
         return
     origin = recorded_origin(grad, state.record, state.serial)
     if origin is not None and len(origin) == 3:
-        state.sinks.append((origin[1], origin[2], layout, grad.element_size(), True))
+        state.sinks.append((origin[1], origin[2], layout, grad.element_size(), "gradient"))
 
 
 gradsync.install_grad_watch(grad_arrived)

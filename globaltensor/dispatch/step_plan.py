@@ -79,13 +79,15 @@ class StepPlan:
 
 def plan_step(record: list, sinks: tuple = (), pin_grads: tuple = ()) -> StepPlan:
     """The cheapest signatures for the recorded calls (``solve.py``), as a plan.
-    ``sinks``: (call, output index, layout, itemsize, bucketed) per output of a call
-    boxed into that layout outside any call: a gradient for a leaf of that layout
-    (boxed after backward with other gradients in a bucket; None: reduced where it is),
-    or the input of a ``to_global`` (not bucketed). ``pin_grads``: (node, output index,
-    (node, output index) or None, layout, itemsize) per ``to_global`` backward: the
-    gradient (made by that call, else of that layout) boxed into the layout of the
-    ``to_global``'s input, partial axes broadcast (``step.note_pin_gradient``)."""
+    ``sinks``: (call, output index, layout, itemsize, kind) per output of a call boxed
+    into that layout outside any call: "gradient", for a leaf of that layout (boxed
+    after backward with other gradients in a bucket; None: reduced where it is); "pin",
+    the input of a ``to_global``; "held", the input of a ``to_global`` that moved
+    nothing when recorded, which keeps that layout. ``pin_grads``: (call, output index,
+    (call, output index) or None, layout, itemsize, the ``to_global``'s target) per
+    ``to_global`` backward: the gradient (made by that call, else of that layout)
+    boxed into the layout of the ``to_global``'s input, partial axes broadcast
+    (``pins.py``)."""
     # Planning allocates hundreds of thousands of small lists (the cost tables), which
     # set off full collections of the program's whole heap: a 12-layer GPT step plans
     # in 0.66-0.70 s with the collector paused, in 0.71-1.00 s with it running. What
@@ -186,16 +188,18 @@ def _written_views(record: list) -> set:
     return written
 
 
-def _sink_cost(src, leaf, itemsize: int, cache: dict, bucket: bool = True) -> tuple:
+def _sink_cost(src, leaf, itemsize: int, cache: dict, kind: str = "gradient") -> tuple:
     """(boxing a sink into its layout ``leaf``, whether it goes into the bucket).
     ``leaf`` None: its partial sums reduced, where the leaf is not known. A gradient's
-    partial sum reduced to broadcast (``bucket``) goes into a bucket with other
-    gradients (``gradsync``): one launch shared by many, priced once for the step
-    (``_with_bucket_launch``)."""
+    partial sum reduced to broadcast goes into a bucket with other gradients
+    (``gradsync``): one launch shared by many, priced once for the step
+    (``_with_bucket_launch``). A "held" sink keeps its layout."""
+    if kind == "held":
+        return (0.0 if src == leaf else _INFEASIBLE), False
     if leaf is None:
         leaf = src.without_partials()
     cost = _route_cost(src, leaf, itemsize, cache)
-    if bucket and cost and leaf.sbp == tuple(Broadcast() if isinstance(g, Partial)
+    if kind == "gradient" and cost and leaf.sbp == tuple(Broadcast() if isinstance(g, Partial)
                                              and g.reduce == "sum" else g for g in src.sbp):
         return max(cost - LAUNCH, 1e-9), True
     return cost, False
@@ -236,21 +240,26 @@ def _problem(record: list, sinks: tuple = (), pin_grads: tuple = ()) -> tuple:
                        for o, (targets, outs) in enumerate(sigs)] for src in made_as]
             edges.append((u, v, matrix))
         unary.append(costs)
-    for u, k, made_by, layout, size in pin_grads:
-        into = _made_as(record[u], k, through=True)
+    for u, k, made_by, layout, size, target in pin_grads:
+        # where the plan gives the input the target, the to_global moves nothing and has
+        # no backward: the gradient goes on as it is, which the calls after it must take
+        ins = _made_as(record[u], k)
+        into = [o.without_partials() for o in ins]
+        price = [[(0.0 if src == dst else _INFEASIBLE) if made == target
+                  else _route_cost(src, dst, size, routes) for made, dst in zip(ins, into)]
+                 for src in ([layout] if made_by is None else _made_as(record[made_by[0]],
+                                                                          made_by[1]))]
         if made_by is None:
-            for o, dst in enumerate(into):
-                unary[u][o] += _route_cost(layout, dst, size, routes)
+            for o, cost in enumerate(price[0]):
+                unary[u][o] += cost
             continue
-        w, j = made_by
-        made = _made_as(record[w], j)
-        matrix = [[_route_cost(src, dst, size, routes) for src in made] for dst in into]
-        edges.append((u, w, matrix) if u < w else (w, u, [list(r) for r in zip(*matrix)]))
+        w = made_by[0]
+        edges.append((u, w, [list(r) for r in zip(*price)]) if u < w else (w, u, price))
     bucketed: dict = {}
-    for u, k, leaf, size, bucket in sinks:
+    for u, k, leaf, size, kind in sinks:
         for o, (_, outs) in enumerate(record[u].signatures()):
             if k < len(outs) and outs[k] is not None:
-                cost, in_bucket = _sink_cost(outs[k], leaf, size, routes, bucket)
+                cost, in_bucket = _sink_cost(outs[k], leaf, size, routes, kind)
                 unary[u][o] += cost
                 if in_bucket:
                     bucketed[u, o] = bucketed.get((u, o), 0) + 1

@@ -70,7 +70,7 @@ class Trace:
     def _arrived(self, layout, grad) -> None:
         origin = getattr(grad, "_origin", None)
         if origin is not None and origin[0] == self.serial:
-            self.sinks.append((origin[1], origin[2], layout, grad.element_size(), True))
+            self.sinks.append((origin[1], origin[2], layout, grad.element_size(), "gradient"))
 
 
 def decision(func, leaves: list, spec) -> tuple:
@@ -167,7 +167,7 @@ def _graph_outputs(trace: Trace) -> list:
     forward output (the loss) keeps the layout the trace gave it (its caller sees that
     layout); another backward output has its partial sums reduced where it is."""
     used = {p[:2] for node in trace.record for p in node.producers if p is not None}
-    used.update(made_by for _, _, made_by, _, _ in trace.pin_grads if made_by is not None)
+    used.update(made_by for _, _, made_by, *_ in trace.pin_grads if made_by is not None)
     sinks = list(trace.sinks)
     used.update((u, k) for u, k, *_ in trace.sinks)
     for u, node in enumerate(trace.record):
@@ -175,7 +175,7 @@ def _graph_outputs(trace: Trace) -> list:
         for k, (layout, dtype) in enumerate(zip(decision.out_layouts, decision.out_dtypes)):
             if (u, k) not in used and layout is not None:
                 sinks.append((u, k, None if u in trace.backward else layout, dtype.itemsize,
-                              True))
+                              "gradient"))
     return sinks
 
 
