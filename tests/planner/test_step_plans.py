@@ -168,12 +168,13 @@ def _train_lm(model, args, steps):
     return losses, stats
 
 
-def check_planned_steps_replay_and_train_equal():
+def _train_equal(model, plain, P, seed: int) -> tuple:
+    """Train the global ``model`` and the ``plain`` block RECORD_AT + 2 steps on one
+    batch; check losses and parameters equal; (the batch, the bytes sent per step)."""
     import torch
     import globaltensor as gt
     from globaltensor.dispatch import step
-    P, plain, model = _fresh()
-    torch.manual_seed(2)
+    torch.manual_seed(seed)
     x = torch.randn(B, T, C)
     n = step.RECORD_AT + 2
     ref, _ = _train(plain, x, n, plain=True)
@@ -181,6 +182,15 @@ def check_planned_steps_replay_and_train_equal():
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)
     for p, q in zip(model.parameters(), plain.parameters()):
         torch.testing.assert_close(p.full(), q.detach(), rtol=1e-4, atol=1e-5)
+    return x, sent
+
+
+def check_planned_steps_replay_and_train_equal():
+    import torch
+    import globaltensor as gt
+    from globaltensor.dispatch import step
+    P, plain, model = _fresh()
+    x, sent = _train_equal(model, plain, P, seed=2)
     plan = step.state.last
     assert plan is not None and plan.planned_cost < plan.per_op_cost, plan
     assert step.state.mode == "idle" and step.state.plan is None   # replayed to its end
@@ -458,19 +468,9 @@ def check_pinned_steps_replay_to_their_end():
     # The plan prices the pins (to_global in forward hooks) and sees through their
     # backward: unseen, it chose layouts that made the pins move more, and sent 4612 B
     # per step where Megatron's layout sends 4096
-    import torch
-    import globaltensor as gt
     from globaltensor.dispatch import step
     P, plain, model = _fresh()
-    _pin_stream(model)
-    torch.manual_seed(3)
-    x = torch.randn(B, T, C)
-    n = step.RECORD_AT + 2
-    ref, _ = _train(plain, x, n, plain=True)
-    losses, sent = _train(model, gt.to_global(x, P, gt.sbp.broadcast), n)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)
-    for p, q in zip(model.parameters(), plain.parameters()):
-        torch.testing.assert_close(p.full(), q.detach(), rtol=1e-4, atol=1e-5)
+    _, sent = _train_equal(_pin_stream(model), plain, P, seed=3)
     plan = step.state.last
     assert plan is not None and plan in step.state.plans.values(), "the plan was given up"
     assert step.state.mode == "idle" and step.state.plan is None   # replayed to its end
