@@ -29,7 +29,7 @@ from ..advice import dtensor_operand_error, is_dtensor
 from ..boxing import plan_route
 from ..layout import Layout
 from ..placement import Placement
-from ..rules.registry import lookup
+from ..rules.registry import lookup, lookup_check
 from ..sbp import Partial, Split, StridedSplit, broadcast
 from ..tensor import GlobalTensor
 from .call import Call, LocalCtx, unflatten_args
@@ -184,14 +184,17 @@ def _signatures(call: Call, rule, meta: _MetaRun, gidx: tuple, inplace: bool,
     leaves = call.leaves
     placement = leaves[gidx[0]].placement
     current = [leaves[i]._layout for i in gidx]
+    check = lookup_check(call.func)
     for ins, outs in _combinations(call, rule, len(gidx), len(meta.out_tensors), strided_ok):
         if inplace and outs[0] != current[0].sbp:
             continue
         try:
             targets = tuple(Layout.make(cur.shape, placement, s) for cur, s in zip(current, ins))
-            for k, sbp in zip(meta.out_tensors, outs):
-                Layout.make(meta.out_leaves[k].shape, placement, sbp)
+            made = [Layout.make(meta.out_leaves[k].shape, placement, sbp)
+                    for k, sbp in zip(meta.out_tensors, outs)]
         except ValueError:  # e.g. a split dim that a 0-d operand does not have
+            continue
+        if check is not None and not check(call, targets, made):
             continue
         yield targets, outs
 

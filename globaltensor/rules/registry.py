@@ -33,14 +33,18 @@ import torch
 
 _RULES: dict = {}
 _LOCAL: dict = {}
+_CHECKS: dict = {}
 _DECOMPOSITIONS: dict = {}
 _FAMILIES: list = []  # (predicate, factory) in registration order
 
 
-def register(*funcs, local=None, decompose: bool = False):
+def register(*funcs, local=None, check=None, decompose: bool = False):
     """Decorator. By default the function becomes the sbp rule of ``funcs``;
     ``local(ctx, *args, **kwargs)``, when given, replaces the op on local tensors (for
-    ops that need global offsets or counts). With ``decompose=True`` the function
+    ops that need global offsets or counts); ``check(call, in_layouts, out_layouts)``,
+    when given, vets each combination of the rule's per-axis signatures as a whole (a
+    reshape of a dim that two placement axes split: each axis alone cannot tell
+    whether the parts line up). With ``decompose=True`` the function
     instead computes the op from other ops on GlobalTensors (which dispatch on their
     own), or returns NotImplemented to use the op's rule: for ops that would otherwise
     need the data of several ranks."""
@@ -52,6 +56,8 @@ def register(*funcs, local=None, decompose: bool = False):
             _RULES[f] = fn
             if local is not None:
                 _LOCAL[f] = local
+            if check is not None:
+                _CHECKS[f] = check
         return fn
     return wrap
 
@@ -86,6 +92,11 @@ def lookup(func):
     if rule is None and torch.Tag.pointwise in func.tags:
         rule = _RULES.get(torch.Tag.pointwise)
     return rule, _get(_LOCAL, func)
+
+
+def lookup_check(func):
+    """The whole-signature check of an op's rule, or None (every combination is valid)."""
+    return _get(_CHECKS, func)
 
 
 def lookup_decomposition(func):

@@ -12,6 +12,7 @@ Every op here is linear, so partial in -> partial out.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -216,7 +217,57 @@ def split_rule(call, axis):
     return _same_sbp(1, n_out, moved)
 
 
-@register(aten.view, aten._unsafe_view, aten._reshape_alias)
+def _view_check(call, in_layouts, out_layouts) -> bool:
+    """Whether every rank's part, read in its memory order, holds the elements that its
+    part of the output holds in the output's order: then the local view is the global
+    one. Exact, and needed where two placement axes split one dim (the second axis cuts
+    the first one's part, which no one axis's rule can see). One-axis placements keep
+    the per-axis conditions of ``_view_splits``, which are exact there."""
+    src, dst = in_layouts[0], out_layouts[0]
+    if len(call.mesh) == 1:
+        return True
+    a, b = _plain(src), _plain(dst)
+    if a is None or b is None:
+        return False
+    return all(_row_major_runs(a, c) == _row_major_runs(b, c)
+               for c in itertools.product(*map(range, call.mesh)))
+
+
+def _plain(layout):
+    """The layout with each strided dim viewed as (blocks, length / blocks), where its
+    parts are boxes (in the same memory order); None where a strided dim is also split
+    by another axis, whose parts nothing here computes."""
+    if not layout.strided:
+        return layout
+    blocks = {}
+    for s in layout.sbp:
+        if isinstance(s, StridedSplit):
+            if blocks.setdefault(s.dim, s.blocks) != s.blocks:
+                return None
+    cut = [s.dim for s in layout.sbp if isinstance(s, (Split, StridedSplit)) and s.dim in blocks]
+    return None if len(cut) != len(set(cut)) else layout.refined(blocks)
+
+
+def _row_major_runs(layout, coord) -> tuple:
+    """The global flat indices of a rank's box in row-major order, as the first one and
+    (count, stride) runs from the innermost out, runs that continue each other merged:
+    two boxes read alike exactly when these are equal."""
+    region = layout.region_at(coord)
+    if 0 in region.sizes:
+        return ()
+    first = sum(o * st for o, st in zip(region.offsets, layout.strides))
+    runs: list = []
+    for size, stride in zip(reversed(region.sizes), reversed(layout.strides)):
+        if size == 1:
+            continue
+        if runs and runs[-1][0] * runs[-1][1] == stride:
+            runs[-1] = (runs[-1][0] * size, runs[-1][1])
+        else:
+            runs.append((size, stride))
+    return first, tuple(runs)
+
+
+@register(aten.view, aten._unsafe_view, aten._reshape_alias, check=_view_check)
 def view_rule(call, axis):
     if call.func is aten.view.dtype:
         return []
@@ -227,7 +278,21 @@ def view_rule(call, axis):
     cands += [((s,), (t,)) for s, t in _view_splits(a, b, call.mesh[axis],
                                                     math.prod(call.mesh), held,
                                                     call.strided_blocks)]
+    if len(call.mesh) > 1:
+        # Where another axis splits the same dim, this axis cuts that axis's part: a
+        # split of any output dim of the group may be the one that lines up
+        # (``_view_check`` keeps the combinations that do).
+        known = set(cands)
+        cands += [c for c in _nested_splits(a, b) if c not in known]
     return cands
+
+
+def _nested_splits(a, b) -> list:
+    """Every (split(d), split(e)) of a reshaped group of dims (``_view_check`` vets them)."""
+    if 0 in a or 0 in b:
+        return []
+    return [((Split(d),), (Split(e),)) for in_dims, out_dims in _view_groups(a, b)
+            for d in in_dims if a[d] > 1 for e in out_dims if b[e] > 1]
 
 
 def _view_splits(a, b, n, total_mesh, held=None, blocks=()) -> list:

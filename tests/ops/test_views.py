@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ops_battery import B, P, S, battery_tests, case, checked, placements, randn
+import globaltensor as gt
+from ops_battery import B, P, S, battery_tests, case, checked, mesh, placements, randn
 
 
 @checked
@@ -71,6 +72,14 @@ def check_views():
     case("stack dim 0", lambda a, b: torch.stack([a, b]), [x, z], places=placements(8, 1, 4))
     case("stack dim 2", lambda a, b: torch.stack((a, b), dim=2), [x, z],
          places=placements(6, 0, 3))
+    # A dim split on both axes of the 2x2 mesh: the second axis cuts the first one's
+    # part, so its parts line up with a split of another output dim.
+    if gt.get_world_size() == 4:
+        x816 = randn((8, 16, 16), "vnested")
+        for name, op in (("view(8,16,2,8) nested", lambda x: x.view(8, 16, 2, 8)),
+                         ("view(2,4,16,16) nested", lambda x: x.view(2, 4, 16, 16)),
+                         ("reshape(8,256) nested", lambda x: x.reshape(8, 256))):
+            case(name, op, [x816], choices=[[S(0), S(2)]], places=[(mesh(), 4)])
     case("view then add", lambda a, b: a.view(4, 5) + b.reshape(4, 5), [x, z],
          places=placements(6, 0, 3))
 
