@@ -10,10 +10,11 @@ tensor parallel) or for ZeRO-3 (fully sharded x tensor parallel) and the inner a
 Megatron's layout. Each candidate that fits the memory
 budget (parameters, gradients and two optimizer moments per rank) runs a few training
 steps on the example inputs, whose activation layouts the whole-step planner chooses
-(dispatch/step.py), in turns with the others and with the ranks meeting before each
-step; candidates within 10 % of the fastest take more turns. The fastest (the slowest
-rank's median step) wins, and every rank agrees on it. The plan is returned editable,
-and can be saved and loaded.
+(dispatch/step.py); the timed ones in turns with the others and with the ranks meeting
+before each step; candidates within 10 % of the fastest take more turns. The fastest
+(the slowest rank's median step) wins, and every rank agrees on it. A candidate whose
+warm-up steps raise on every rank is skipped with a warning naming it and the error.
+The plan is returned editable, and can be saved and loaded.
 
 >>> plan = gt.nn.auto_parallel(model, P, (ids, targets))      # doctest: +SKIP
 >>> print(plan); plan.save("plan.json")
@@ -25,6 +26,7 @@ import copy
 import json
 import statistics
 import time
+import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -36,7 +38,7 @@ from ..factory import from_local
 from ..layout import Layout
 from ..placement import Placement, check_placement
 from ..sbp import Broadcast, Partial, SbpParallel, Split, StridedSplit, broadcast, split
-from ..sbp import partial_max
+from ..sbp import partial_max, partial_sum
 from ..tensor import GlobalTensor
 from .module import to_global
 
@@ -138,6 +140,7 @@ def auto_parallel(model: torch.nn.Module, placement: Placement, example_inputs: 
                          f"parameters, gradients and two optimizer moments per rank)")
     seconds = _timed_all({name: copy.deepcopy(plain) for name in fits},
                          candidates, example_inputs, loss_fn)
+    fits = [name for name in fits if name in seconds]
     best = min(fits, key=seconds.get)
     plan = candidates[best]
     plan.measured = {name: f"{seconds[name] * 1e3:.2f} ms per step, {footprint[name]} "
@@ -279,10 +282,9 @@ def _timed_all(models: dict, plans: dict, inputs: tuple, loss_fn) -> dict:
     a few ms vary by 2x on a busy machine, and 7 of them could not tell 20 % apart."""
     for name, model in models.items():
         plans[name].apply(model)
-    names = list(models)
-    placement = plans[names[0]].placement
+    placement = plans[next(iter(models))].placement
+    names = _warmed(models, inputs, loss_fn, placement)
     times: dict = {name: [] for name in names}
-    _take_turns(models, names, WARM_STEPS, None, inputs, loss_fn, placement)
     _take_turns(models, names, TIMED_STEPS, times, inputs, loss_fn, placement)
     agreed = _slowest_medians(times, placement)
     while True:
@@ -292,6 +294,44 @@ def _timed_all(models: dict, plans: dict, inputs: tuple, loss_fn) -> dict:
             return agreed     # every rank decides alike: ``agreed`` is the same on all
         _take_turns(models, close, TIMED_STEPS, times, inputs, loss_fn, placement)
         agreed = _slowest_medians(times, placement)
+
+
+def _warmed(models: dict, inputs, loss_fn, placement: Placement) -> list:
+    """The candidates whose warm-up steps (recorded and planned) ran on every rank; a
+    candidate that raised on every rank (a layout some op of the model cannot take) is
+    skipped with a warning naming it and the error. Errors of sbp rules come before
+    any communication and alike on every rank, which then agree in one all-reduce per
+    candidate; a candidate that failed on some ranks only raises on every rank."""
+    names, failed = [], {}
+    for name in models:
+        error = None
+        try:
+            _take_turns(models, [name], WARM_STEPS, None, inputs, loss_fn, placement)
+        except Exception as e:  # noqa: BLE001 - reported below, on every rank alike
+            error = e
+        ranks_failed = _count_on_placement(error is not None, placement)
+        if ranks_failed == 0:
+            names.append(name)
+        elif ranks_failed == placement.size:
+            failed[name] = error
+            warnings.warn(f"globaltensor.nn.auto_parallel: skipping candidate {name!r}: "
+                          f"{type(error).__name__}: {error}", stacklevel=3)
+        else:
+            raise RuntimeError(
+                f"auto_parallel: candidate {name!r} failed on {ranks_failed} of "
+                f"{placement.size} ranks"
+                + (f" (here: {type(error).__name__}: {error})" if error else "")) from error
+    if not names:
+        raise RuntimeError("auto_parallel: every candidate failed: " + "; ".join(
+            f"{name}: {type(e).__name__}: {e}" for name, e in failed.items()))
+    return names
+
+
+def _count_on_placement(flag: bool, placement: Placement) -> int:
+    """How many ranks of ``placement`` passed ``flag`` True (the same on every rank)."""
+    mine = torch.tensor([float(flag)], dtype=torch.float64)
+    total = from_local(mine, placement, (partial_sum,) * placement.ndim, shape=(1,))
+    return int(total.to_global(sbp=(broadcast,) * placement.ndim).to_local()[0])
 
 
 def _take_turns(models: dict, names: list, rounds: int, times, inputs, loss_fn,

@@ -54,6 +54,37 @@ def check_auto_parallel_chooses_measured_layouts_and_trains_equal():
     step.clear()
 
 
+def check_a_candidate_that_fails_is_skipped_with_a_warning_naming_it():
+    """A layout some op of the model cannot take costs that candidate, not the call."""
+    import copy
+    import warnings
+    import torch
+    import globaltensor as gt
+    from globaltensor.dispatch import step
+    from globaltensor.sbp import Split
+    step.clear()
+    plain, x = _mlp(), _inputs()
+
+    class RefusesSplitWeights(type(plain)):
+        def forward(self, x):
+            if any(isinstance(s, Split) for s in self.fc1.weight.sbp):
+                raise NotImplementedError("fc1 cannot be split here")
+            return super().forward(x)
+    refusing = copy.deepcopy(plain)
+    refusing.__class__ = RefusesSplitWeights
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = gt.nn.auto_parallel(refusing, gt.placement.all("cpu"), (x,))
+    skipped = [str(w.message) for w in caught if "skipping candidate" in str(w.message)]
+    assert len(skipped) == 2 and all("fc1 cannot be split here" in m for m in skipped)
+    assert any("'tensor parallel'" in m for m in skipped)
+    assert any("'fully sharded'" in m for m in skipped)
+    assert plan.strategy == "data parallel" and set(plan.measured) == {"data parallel"}
+    out = refusing(x)
+    torch.testing.assert_close(out.full(), plain(x.full()).detach(), rtol=1e-5, atol=1e-6)
+    step.clear()
+
+
 def check_memory_budget_rules_out_data_parallel_or_raises():
     import copy
     import pytest
@@ -179,7 +210,9 @@ def check_close_candidates_take_more_turns_and_every_step_starts_together():
         auto._take_turns = real
     assert seconds == {name: t * gt.get_world_size() for name, t in own.items()}, seconds
     extra = (auto.MAX_TIMED_STEPS - auto.TIMED_STEPS) // auto.TIMED_STEPS
-    assert turns == [(("fast", "near", "slow"), auto.WARM_STEPS, False),
+    # Warm-up runs each candidate on its own (a failing one is skipped), then the turns.
+    assert turns == [(("fast",), auto.WARM_STEPS, False), (("near",), auto.WARM_STEPS, False),
+                     (("slow",), auto.WARM_STEPS, False),
                      (("fast", "near", "slow"), auto.TIMED_STEPS, True)] \
         + [(("fast", "near"), auto.TIMED_STEPS, True)] * extra, turns
 
@@ -199,6 +232,7 @@ def test_megatron_pairs_in_sequentials_chain_and_in_modules_fan_in():
 
 
 CHECKS = ["check_auto_parallel_chooses_measured_layouts_and_trains_equal",
+          "check_a_candidate_that_fails_is_skipped_with_a_warning_naming_it",
           "check_memory_budget_rules_out_data_parallel_or_raises",
           "check_plan_edits_saves_loads_and_applies",
           "check_close_candidates_take_more_turns_and_every_step_starts_together"]
