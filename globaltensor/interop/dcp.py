@@ -44,7 +44,9 @@ __all__ = ["DCP_HINT", "create_write_items", "create_chunk_list", "get_tensor_sh
 
 DCP_HINT = ("save global tensors with torch.distributed.checkpoint "
             "(dcp.save(state_dict, checkpoint_id=path); dcp.load reads them back into any "
-            "layout or world size); x.to_local() would save one rank's part only")
+            "layout or world size); for a plain .pt file of whole values, "
+            "torch.save(gt.nn.full_state_dict(model), path) (a collective: call it on every "
+            "rank); x.to_local() would save one rank's part only")
 
 
 def _is_region_writer(layout: Layout, rank: int) -> bool:

@@ -29,6 +29,17 @@ def test_torch_save_of_a_global_state_dict_leaves_an_existing_file_intact(tmp_pa
     assert torch.equal(torch.load(path)["w"], torch.arange(100.0))
 
 
+def test_torch_save_names_full_state_dict_for_a_plain_file(model):
+    """A user who wants a plain .pt of whole values is told how to get one."""
+    with pytest.raises(TypeError, match=r"torch\.save\(gt\.nn\.full_state_dict\(model\)"):
+        torch.save(model.state_dict(), io.BytesIO())
+    whole = gt.nn.full_state_dict(model)
+    buf = io.BytesIO()
+    torch.save(whole, buf)
+    back = torch.load(io.BytesIO(buf.getvalue()))
+    assert torch.equal(back["0.weight"], model[0].weight.full())
+
+
 def test_torch_save_into_a_buffer_writes_nothing(model):
     buf = io.BytesIO()
     with pytest.raises(TypeError, match="dcp"):
