@@ -16,6 +16,19 @@ import mp  # noqa: E402  (needs the tests/ root on sys.path)
 
 def pytest_collection_modifyitems(session, config, items):
     mp.order_world_tests_last(items)
+    _skip_cuda_tests_without_a_gpu(items)
+
+
+def _skip_cuda_tests_without_a_gpu(items) -> None:
+    """Tests marked ``cuda`` need a CUDA device: skipped (with the reason) without one."""
+    import pytest
+    import torch
+
+    if any(item.get_closest_marker("cuda") for item in items) and not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+        for item in items:
+            if item.get_closest_marker("cuda"):
+                item.add_marker(skip)
 
 
 def pytest_collection_finish(session):

@@ -6,6 +6,9 @@ equivalent without calling torch.distributed. While torch.compile traces, the
 collectives take their functional form (``_functional_collectives``), which a graph
 can hold, and write it into the caller's buffer (functionalization turns the copy back
 into a plain use); point-to-point transfers have no such form and refuse to trace.
+Where the group's backend lacks a collective on the tensors' device (gloo, which serves
+cuda when local ranks share a GPU, lacks all but broadcast and all_reduce there), it runs
+on host copies (``_HostCopies``), the same code whatever the device.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from . import stats
+from . import groups, stats
 from .groups import get_group, init
 from .guard import Waiting, all_gather_single as _all_gather_single, guarded
 
@@ -31,6 +34,56 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _staged(kind: str, device: torch.device) -> bool:
+    """Whether collective ``kind`` on ``device`` tensors runs on host copies
+    (``groups.stage_through_host`` for the default group's backend of that device)."""
+    if device.type == "cpu":
+        return False
+    return groups.stage_through_host(kind, device.type, groups.device_backend(device.type))
+
+
+class _HostCopies:
+    """Host stand-ins for a collective's device tensors: ``send`` copies an input in,
+    ``receive`` gives an output buffer and ``both`` an in-place one, whose contents
+    ``finish`` copies back. The copies are fresh host tensors also for cpu tensors."""
+
+    def __init__(self):
+        self._kept: list = []   # inputs' copies: alive until the collective is done
+        self._back: list = []   # (device tensor, its host buffer)
+
+    def send(self, t: torch.Tensor) -> torch.Tensor:
+        copy = torch.empty(t.shape, dtype=t.dtype).copy_(t)
+        self._kept.append(copy)
+        return copy
+
+    def receive(self, t: torch.Tensor) -> torch.Tensor:
+        buffer = torch.empty(t.shape, dtype=t.dtype)
+        self._back.append((t, buffer))
+        return buffer
+
+    def both(self, t: torch.Tensor) -> torch.Tensor:
+        buffer = torch.empty(t.shape, dtype=t.dtype).copy_(t)
+        self._back.append((t, buffer))
+        return buffer
+
+    def finish(self) -> None:
+        for t, buffer in self._back:
+            t.copy_(buffer)
+        self._kept.clear()
+        self._back.clear()
+
+
+class _CopiedBack:
+    """A started collective on host copies: ``wait()`` waits, then copies back."""
+
+    def __init__(self, work, host: _HostCopies):
+        self._work, self._host = work, host
+
+    def wait(self) -> None:
+        self._work.wait()
+        self._host.finish()
+
+
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...]) -> None:
     """``out`` (contiguous, len(ranks) * inp.numel()) receives every member's ``inp``."""
     if len(ranks) == 1:
@@ -42,8 +95,13 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...]
         return
     stats.record("all_gather", _nbytes(inp) * (len(ranks) - 1))
     # Flat views: backends check the output as len(ranks) chunks of the input's shape.
-    guarded("all_gather", ranks, lambda: _all_gather_single(
-        out.view(-1), inp.contiguous().view(-1), group=get_group(ranks)))
+    dst, src = out.view(-1), inp.contiguous().view(-1)
+    host = _HostCopies() if _staged("all_gather", out.device) else None
+    if host is not None:
+        dst, src = host.receive(dst), host.send(src)
+    guarded("all_gather", ranks, lambda: _all_gather_single(dst, src, group=get_group(ranks)))
+    if host is not None:
+        host.finish()
 
 
 def all_reduce_(t: torch.Tensor, reduce: str, ranks: tuple[int, ...]) -> None:
@@ -54,8 +112,13 @@ def all_reduce_(t: torch.Tensor, reduce: str, ranks: tuple[int, ...]) -> None:
         t.copy_(funcol.all_reduce(t, reduce, get_group(ranks)))
         return
     stats.record("all_reduce", 2 * _nbytes(t) * (len(ranks) - 1) // len(ranks))
+    host = _HostCopies() if _staged("all_reduce" if reduce == "sum" else "all_reduce:max",
+                                    t.device) else None
+    buf = t if host is None else host.both(t)
     guarded("all_reduce", ranks,
-            lambda: dist.all_reduce(t, op=_REDUCE_OPS[reduce], group=get_group(ranks)))
+            lambda: dist.all_reduce(buf, op=_REDUCE_OPS[reduce], group=get_group(ranks)))
+    if host is not None:
+        host.finish()
 
 
 class _Done:
@@ -72,9 +135,12 @@ def all_reduce_async(t: torch.Tensor, ranks: tuple[int, ...], what: str = "all_r
         all_reduce_(t, "sum", ranks)
         return _Done()
     stats.record("all_reduce", 2 * _nbytes(t) * (len(ranks) - 1) // len(ranks))
+    host = _HostCopies() if _staged("all_reduce", t.device) else None
+    buf = t if host is None else host.both(t)
     work = guarded("all_reduce", ranks, lambda: dist.all_reduce(
-        t, op=dist.ReduceOp.SUM, group=get_group(ranks), async_op=True))
-    return Waiting("all_reduce", ranks, work, what)
+        buf, op=dist.ReduceOp.SUM, group=get_group(ranks), async_op=True))
+    waiting = Waiting("all_reduce", ranks, work, what)
+    return waiting if host is None else _CopiedBack(waiting, host)
 
 
 def all_gather_async(out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...],
@@ -88,9 +154,14 @@ def all_gather_async(out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...
         all_gather_into(out, inp, ranks)
         return _Done()
     stats.record("all_gather", _nbytes(inp) * (len(ranks) - 1))
+    dst, src = out.view(-1), inp.contiguous().view(-1)
+    host = _HostCopies() if _staged("all_gather", out.device) else None
+    if host is not None:
+        dst, src = host.receive(dst), host.send(src)
     work = guarded("all_gather", ranks, lambda: _all_gather_single(
-        out.view(-1), inp.contiguous().view(-1), group=get_group(ranks), async_op=True))
-    return Waiting("all_gather", ranks, work, what)
+        dst, src, group=get_group(ranks), async_op=True))
+    waiting = Waiting("all_gather", ranks, work, what)
+    return waiting if host is None else _CopiedBack(waiting, host)
 
 
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int],
@@ -106,8 +177,14 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence
         return
     me = ranks.index(dist.get_rank())
     stats.record("all_to_all", (sum(in_splits) - in_splits[me]) * inp.element_size())
+    dst, src = out, inp
+    host = _HostCopies() if _staged("all_to_all", out.device) else None
+    if host is not None:
+        dst, src = host.receive(out), host.send(inp)
     guarded("all_to_all", ranks, lambda: dist.all_to_all_single(
-        out, inp, list(out_splits), list(in_splits), group=get_group(ranks)))
+        dst, src, list(out_splits), list(in_splits), group=get_group(ranks)))
+    if host is not None:
+        host.finish()
 
 
 def broadcast_(t: torch.Tensor, src: int, ranks: tuple[int, ...]) -> None:
@@ -119,18 +196,25 @@ def broadcast_(t: torch.Tensor, src: int, ranks: tuple[int, ...]) -> None:
         return
     if dist.get_rank() == src:
         stats.record("broadcast", _nbytes(t) * (len(ranks) - 1))
-    guarded("broadcast", ranks, lambda: dist.broadcast(t, src=src, group=get_group(ranks)))
+    host = _HostCopies() if _staged("broadcast", t.device) else None
+    buf = t if host is None else host.both(t)
+    guarded("broadcast", ranks, lambda: dist.broadcast(buf, src=src, group=get_group(ranks)))
+    if host is not None:
+        host.finish()
 
 
 class P2PWork:
-    """Posted sends and receives; ``wait()`` blocks until all are done."""
+    """Posted sends and receives; ``wait()`` blocks until all are done (and copies
+    receives made on host copies back: ``host``)."""
 
-    def __init__(self, works, peers=()):
-        self._works, self._peers = works, peers
+    def __init__(self, works, peers=(), host: _HostCopies | None = None):
+        self._works, self._peers, self._host = works, peers, host
 
     def wait(self) -> None:
         for work in self._works:
             guarded("point-to-point transfer", self._peers, work.wait)
+        if self._host is not None:
+            self._host.finish()
 
     def is_completed(self) -> bool:
         """True when every message is done (never blocks)."""
@@ -150,6 +234,9 @@ def start_p2p(sends: Sequence[tuple[torch.Tensor, int]],
             "(moving between placements, or the eager exchange of a reduce-scatter or "
             "all-to-all); keep to_global across placements outside the compiled function")
     init()
+    host = _HostCopies()
+    sends = [(host.send(t) if _staged("send", t.device) else t, peer) for t, peer in sends]
+    recvs = [(host.receive(t) if _staged("recv", t.device) else t, peer) for t, peer in recvs]
     if len(sends) + len(recvs) == 1:
         # One message (a hand-off between single ranks): batch_isend_irecv's coalescing
         # adds nothing to one message but its own cost.
@@ -159,14 +246,14 @@ def start_p2p(sends: Sequence[tuple[torch.Tensor, int]],
         t = t.contiguous() if sends else t
         peers = sorted({dist.get_rank(), peer})
         return P2PWork([guarded("point-to-point transfer", peers, lambda: post(t, peer))],
-                       peers)
+                       peers, host)
     ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
     for t, _ in sends if kind is not None else ():
         stats.record(kind, _nbytes(t))
     peers = sorted({dist.get_rank()} | {p for _, p in sends} | {p for _, p in recvs})
     return P2PWork(guarded("point-to-point transfer", peers,
-                           lambda: dist.batch_isend_irecv(ops)), peers)
+                           lambda: dist.batch_isend_irecv(ops)), peers, host)
 
 
 def all_gather_p2p(pieces: Sequence[torch.Tensor], mine: torch.Tensor,

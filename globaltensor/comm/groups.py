@@ -9,6 +9,14 @@ process), so members agree whatever else they did, ranks outside never take part
 and pipeline stages that run different actions never wait on each other here.
 Member order is kept so group rank ``i`` is ``members[i]``: the order in which a split
 hands out parts.
+
+Devices. The default group serves both device types: gloo carries cpu tensors, and cuda
+tensors go through NCCL only when every rank with a GPU has one of its own (NCCL refuses
+two ranks on one device); otherwise through gloo, staging what gloo lacks on CUDA
+through host memory (``stage_through_host``), with one warning saying why. The ranks
+agree on the choice through the rendezvous store before the group exists. Nothing binds
+the group to a device, so NCCL starts on the first collective of a cuda placement: a
+program on cpu placements runs on a machine with any number of GPUs.
 """
 from __future__ import annotations
 
@@ -16,6 +24,8 @@ import atexit
 import datetime
 import gc
 import os
+import socket
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -35,11 +45,150 @@ _generation = 0  # default groups made so far, less one (the program may destroy
 _store = None    # the store of the first world we made: it outlives the group (see init)
 
 
-def _backend() -> str:
-    # One default group serving both devices: gloo for cpu placements, nccl for cuda.
-    if torch.cuda.is_available() and dist.is_nccl_available():
-        return "cpu:gloo,cuda:nccl"
-    return "gloo"
+# What gloo runs on CUDA tensors itself (torch's table of backends: broadcast and
+# all_reduce; its all_reduce on the device, with GPUDirect, sums only). The rest, sends
+# and receives among them, it lacks on CUDA: they are staged through host memory.
+GLOO_ON_CUDA = frozenset({"broadcast", "all_reduce"})
+
+_cuda_via_gloo_why = ""    # why this rank's cuda collectives go through gloo (we chose it)
+_warned_gloo = False       # that warning is given once per process
+_device_backends: dict[str, str] = {}  # device type -> backend of the default group
+
+
+def gpu_of(local_rank: int, device_count: int, visible: str | None) -> str:
+    """The GPU a local rank uses (``local_device("cuda")``: index ``local_rank %
+    device_count``), named as CUDA_VISIBLE_DEVICES names it (``visible``), else by index,
+    so that two ranks of one machine name one GPU alike even when a launcher gave each
+    rank its own CUDA_VISIBLE_DEVICES.
+
+    >>> gpu_of(3, 2, None), gpu_of(0, 1, "5"), gpu_of(1, 2, "GPU-a,GPU-b")
+    ('1', '5', 'GPU-b')
+    """
+    index = local_rank % device_count
+    names = [name.strip() for name in visible.split(",")] if visible else []
+    return names[index] if index < len(names) else str(index)
+
+
+def cuda_vote(ranks_on_gpu: int, device_count: int, nccl_available: bool) -> str | None:
+    """A rank's choice of backend for cuda collectives: None without a GPU (it never
+    holds a cuda part, so it does not vote), "nccl" when NCCL is built in and the rank's
+    GPU serves ``ranks_on_gpu`` = 1 rank, else "gloo" (NCCL refuses two ranks on one
+    GPU: "Duplicate GPU detected"). With every local rank seeing the same GPUs,
+    ``ranks_on_gpu`` exceeds 1 somewhere exactly when LOCAL_WORLD_SIZE > device_count.
+
+    >>> cuda_vote(1, 8, True), cuda_vote(2, 1, True), cuda_vote(1, 1, False), cuda_vote(1, 0, True)
+    ('nccl', 'gloo', 'gloo', None)
+    """
+    if device_count <= 0:
+        return None
+    return "nccl" if nccl_available and ranks_on_gpu <= 1 else "gloo"
+
+
+def backend_string(cuda: str) -> str:
+    """The default group's backend: gloo for cpu tensors, ``cuda`` for cuda tensors.
+
+    >>> backend_string("nccl")
+    'cpu:gloo,cuda:nccl'
+    """
+    return f"cpu:gloo,cuda:{cuda}"
+
+
+def stage_through_host(kind: str, device_type: str, backend: str) -> bool:
+    """Whether collective ``kind`` ("all_gather", "all_reduce", "all_reduce:max",
+    "all_to_all", "broadcast", "send", "recv") on a tensor of ``device_type`` runs on host
+    copies: where ``backend`` (the group's backend for that device) is gloo and gloo
+    lacks it on that device (gloo runs all of them on cpu tensors).
+
+    >>> [stage_through_host(kind, "cuda", "gloo") for kind in ("all_gather", "all_reduce")]
+    [True, False]
+    >>> stage_through_host("all_gather", "cuda", "nccl"), stage_through_host("send", "cpu", "gloo")
+    (False, False)
+    """
+    return device_type != "cpu" and backend == "gloo" and kind not in GLOO_ON_CUDA
+
+
+def _agree_on_cuda_backend(store, world: int, host: str, gpu: str | None,
+                           nccl_available: bool) -> tuple[str, str]:
+    """(backend for cuda collectives, why gloo: "" for NCCL), the same on every rank:
+    NCCL when every rank with a GPU votes for it (a rank without one abstains: it never
+    joins a cuda collective), gloo when any refuses or no rank has a GPU. ``gpu`` is
+    this rank's GPU (``gpu_of``), None without one. Each rank counts itself on
+    ``host``/``gpu``: of two ranks on one GPU the later one sees 2 and refuses, which is
+    enough, since one refusal decides. A handful of store operations per rank; the last
+    rank to arrive writes the decision, which the others wait for (the world's first
+    meeting, before init_process_group: every rank runs this)."""
+    key = "globaltensor/cuda_backend/"
+    vote = None
+    if gpu is not None:
+        sharing = store.add(f"{key}gpu/{host}/{gpu}", 1)
+        vote = cuda_vote(sharing, 1, nccl_available)  # 1: this rank has its GPU
+        store.add(key + "voters", 1)
+    if vote == "gloo":
+        if not nccl_available:
+            why = (f"NCCL is not available in the torch build of a rank on {host}; for "
+                   f"NCCL, install a CUDA build of torch with NCCL")
+        else:
+            why = (f"local ranks share a GPU (GPU {gpu} of {host} serves more than one "
+                   f"rank); for NCCL, run one rank per GPU: --nproc_per_node <= the number "
+                   f"of GPUs (torch.cuda.device_count())")
+        store.set(key + "why", why)
+        store.add(key + "refusals", 1)
+    if store.add(key + "arrived", 1) == world:  # every rank voted before it arrived
+        refusals, voters = store.add(key + "refusals", 0), store.add(key + "voters", 0)
+        store.set(key + "decided", "nccl" if voters and not refusals else
+                  "gloo" if voters else "gloo:none")
+    store.wait([key + "decided"])
+    decided = store.get(key + "decided").decode()
+    if decided == "nccl":
+        return "nccl", ""
+    return "gloo", store.get(key + "why").decode() if decided == "gloo" else ""
+
+
+def _choose_backend(store, world: int) -> str:
+    """This rank's backend string for the default group, agreed through ``store`` (None:
+    a world of one, which agrees with itself); records why cuda goes through gloo."""
+    global _cuda_via_gloo_why
+    count = torch.cuda.device_count()   # NVML or the driver: creates no CUDA context
+    gpu = gpu_of(env.get_local_rank(), count, os.environ.get("CUDA_VISIBLE_DEVICES")) \
+        if count else None
+    if store is None:
+        store = dist.HashStore()
+    cuda, why = _agree_on_cuda_backend(store, world, socket.gethostname(), gpu,
+                                       dist.is_nccl_available())
+    # A rank without a GPU uses gloo whatever the others chose: ProcessGroupNCCL refuses
+    # to start without one, and the cpu backend (gloo, created first) is the same.
+    cuda = cuda if gpu is not None else "gloo"
+    _cuda_via_gloo_why = why if gpu is not None else ""
+    return backend_string(cuda)
+
+
+def device_backend(device_type: str) -> str:
+    """The backend ("gloo", "nccl", ...) that carries collectives on ``device_type``
+    tensors in the default group and its sub-groups (whoever made the group). The first
+    time it answers gloo for cuda because the ranks chose so at ``init``, it warns once
+    why, and how to get NCCL.
+
+    >>> device_backend("cpu")            # doctest: +SKIP
+    'gloo'
+    """
+    global _warned_gloo
+    backend = _device_backends.get(device_type)
+    if backend is None:
+        init()
+        backend = "gloo"
+        for item in str(dist.get_backend_config()).split(","):
+            device, _, name = item.rpartition(":")
+            if device in ("", device_type):  # "gloo" alone serves every device
+                backend = name
+        _device_backends[device_type] = backend
+    if device_type == "cuda" and backend == "gloo" and _cuda_via_gloo_why and not _warned_gloo:
+        _warned_gloo = True
+        warnings.warn(
+            f"globaltensor: cuda collectives go through gloo, not NCCL: "
+            f"{_cuda_via_gloo_why}. gloo is slower on GPUs, and what it lacks on CUDA "
+            f"(all-gather, all-to-all, point-to-point) is staged through host memory.",
+            stacklevel=3)
+    return backend
 
 
 def bind_gloo_to_address(addr: str) -> None:
@@ -87,7 +236,13 @@ class _GlooOnAddress:
 
 
 def local_device(device_type: str) -> torch.device:
-    """The device this process uses for ``device_type`` ("cpu", or its LOCAL_RANK's GPU)."""
+    """The device this process uses for ``device_type``: "cpu", or for "cuda" GPU
+    ``LOCAL_RANK % device_count`` (local ranks share GPUs when there are fewer GPUs than
+    local ranks; their cuda collectives then go through gloo, see ``device_backend``).
+
+    >>> local_device("cpu")
+    device(type='cpu')
+    """
     if device_type == "cuda":
         return torch.device("cuda", env.get_local_rank() % max(torch.cuda.device_count(), 1))
     return torch.device(device_type)
@@ -103,7 +258,7 @@ def init() -> None:
     >>> gt.init(); gt.get_world_size()
     1
     """
-    global _ready, _generation, _store
+    global _ready, _generation, _store, _cuda_via_gloo_why
     if _ready:
         if dist.is_initialized():
             return
@@ -112,16 +267,19 @@ def init() -> None:
         _groups.clear()
         _ready = False
         _generation += 1
+    _device_backends.clear()
+    _cuda_via_gloo_why = ""  # the program's own group: its backend is its choice, not ours
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=env.timeout_seconds())
         world = env.get_world_size()
-        # On GPUs, binding the default group to this rank's device lets NCCL start
-        # eagerly on the right GPU (and sub-groups split from it).
-        device_id = local_device("cuda") if torch.cuda.is_available() else None
+        # No device_id: binding the group to a GPU starts NCCL at once (on every rank,
+        # also for a program on cpu placements), and makes sub-groups split from its
+        # communicator, a collective of all ranks, which members-only groups cannot
+        # run. NCCL starts on a group's first cuda collective, on the current device.
         if world == 1 and "MASTER_ADDR" not in os.environ:
             # A world of one needs no rendezvous: an in-memory store does.
-            dist.init_process_group(_backend(), store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=timeout, device_id=device_id)
+            dist.init_process_group(_choose_backend(None, 1), store=dist.HashStore(),
+                                    rank=0, world_size=1, timeout=timeout)
         else:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
@@ -135,11 +293,12 @@ def init() -> None:
                                               timeout=timeout))[0]
             store = _store if _generation == 0 else \
                 dist.PrefixStore(f"globaltensor/generation{_generation}", _store)
-            dist.init_process_group(_backend(), store=store, rank=env.get_rank(),
-                                    world_size=world, timeout=timeout, device_id=device_id)
+            dist.init_process_group(_choose_backend(store, world), store=store,
+                                    rank=env.get_rank(), world_size=world, timeout=timeout)
     if torch.cuda.is_available():
         # Also when the program made the group: outputs of transfers land on the
-        # current device, which must be this rank's.
+        # current device, which must be this rank's (shared when local ranks outnumber
+        # the GPUs: LOCAL_RANK % device_count); NCCL starts its communicators there.
         torch.cuda.set_device(local_device("cuda"))
     # A gloo group still alive when the interpreter finalises can abort the process:
     # a worker thread drops a finished work, whose tensors' Python objects died first,
@@ -170,6 +329,7 @@ def _destroy() -> None:
         dist.destroy_process_group()
         _generation += 1
     _groups.clear()  # the last references to sub-groups, also after a user's own destroy
+    _device_backends.clear()
     _ready = False
     gc.collect()
 
