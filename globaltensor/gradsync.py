@@ -17,6 +17,7 @@ backward outside reduces the total once.
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from typing import Iterator
 
@@ -26,7 +27,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import comm
 from .layout import Layout
 from .sbp import Broadcast, Partial
-from .tensor import GlobalTensor, hidden_from_dynamo, install_leaf_watch, to_layout
+from .tensor import (GlobalTensor, hidden_from_dynamo, install_leaf_watch, skipped_by_dynamo,
+                     to_layout)
 
 BUCKET_MB = 25.0
 FIRST_BUCKET_MB = 1.0  # small first bucket: communication starts early in backward
@@ -81,8 +83,9 @@ def _before_accumulate(leaf: GlobalTensor):
     becomes zero (free), and the first backward outside reduces the total once."""
     ref = weakref.ref(leaf)
 
+    @skipped_by_dynamo
     def hook(grad):
-        if _sync or torch.compiler.is_compiling() or not isinstance(grad, GlobalTensor):
+        if _sync or _by_compiled_autograd() or not isinstance(grad, GlobalTensor):
             return None
         leaf = ref()
         kept = None if leaf is None else leaf.grad
@@ -153,10 +156,21 @@ def _reducible_axes(grad: Layout, leaf: Layout):
     return tuple(axes)
 
 
-def _after_accumulate(leaf: GlobalTensor) -> None:
+def _by_compiled_autograd() -> bool:
+    """Whether compiled autograd runs a hook: dynamo traces its graph, and calls the
+    hooks, whose frames it skips (``skipped_by_dynamo``, which keeps them eager when
+    the autograd engine runs them inside a compiled function), from the compiled graph."""
     if torch.compiler.is_compiling():
-        # Compiled autograd traces this hook; buckets need the engine's end-of-backward
-        # callback, which it lacks: the gradient is boxed right away instead.
+        return True
+    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
+    return compiled_autograd is not None and compiled_autograd.in_compiled_autograd_region
+
+
+@skipped_by_dynamo
+def _after_accumulate(leaf: GlobalTensor) -> None:
+    if _by_compiled_autograd():
+        # Buckets need the engine's end-of-backward callback, which compiled autograd
+        # lacks: the gradient is boxed right away instead.
         return _box_now(leaf)
     grad = leaf.grad
     if not isinstance(grad, GlobalTensor) or grad.global_layout == leaf.global_layout or not _sync:
@@ -181,6 +195,7 @@ def _box_now(leaf: GlobalTensor) -> None:
         _settle(leaf, grad, to_layout(grad, leaf.global_layout))
 
 
+@skipped_by_dynamo
 def _finish() -> None:
     global _pending
     reducer, _pending = _pending, None

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -39,8 +40,8 @@ from .sbp import broadcast
 _dispatcher = None  # set by dispatch.py
 _watch_leaf = None  # gradsync.watch, set by gradsync.py
 
-__all__ = ["GlobalTensor", "is_global", "hidden_from_dynamo", "wrap_part", "from_local_part",
-           "from_full", "to_layout", "install_dispatcher", "install_leaf_watch"]
+__all__ = ["GlobalTensor", "is_global", "hidden_from_dynamo", "skipped_by_dynamo", "wrap_part",
+           "from_local_part", "from_full", "to_layout", "install_dispatcher", "install_leaf_watch"]
 
 
 def install_dispatcher(fn) -> None:
@@ -68,6 +69,33 @@ def hidden_from_dynamo(fn):
             return disabled(*args, **kwargs)
         return fn(*args, **kwargs)
     return run
+
+
+try:  # torch >= 2.7 lets code be marked for dynamo's frame evaluation
+    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    _SKIP_RECURSIVELY = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
+except ImportError:
+    _SKIP_RECURSIVELY = None
+
+
+def skipped_by_dynamo(fn: Callable) -> Callable:
+    """``fn``, which torch's runtime calls (``__torch_dispatch__``, AOTAutograd's
+    flatten and unflatten, autograd hooks and backward functions), with its frame and
+    every frame it calls skipped by dynamo, as dynamo skips torch's own files.
+
+    Code run eagerly inside a compiled function (after a graph break, such as
+    ``loss.backward()`` in a compiled train step) runs with dynamo's frame callback
+    set: dynamo would compile our runtime's frames as if they were the user's, and
+    break it (resuming ``_wrap`` after ``_make_wrapper_subclass`` with a GlobalTensor
+    that has no part yet). The mark costs nothing per call (``hidden_from_dynamo``'s
+    wrapper costs about 0.5 us, too much for every op). Dynamo does not trace into
+    ``fn`` either: compiled autograd calls gradient sync's hooks from its compiled
+    graph (``gradsync._by_compiled_autograd``). Before torch 2.7, which cannot mark
+    code, ``fn`` is hidden as ``torch._disable_dynamo`` hides it."""
+    if _SKIP_RECURSIVELY is None:
+        return torch._disable_dynamo(fn)
+    set_code_exec_strategy(fn.__code__, _SKIP_RECURSIVELY)
+    return fn
 
 
 class GlobalTensor(torch.Tensor):
@@ -193,6 +221,7 @@ class GlobalTensor(torch.Tensor):
     # sit above this module.
 
     # --- traceable-subclass protocol: torch.compile sees the local part as the tensor ----
+    @skipped_by_dynamo
     def __tensor_flatten__(self):
         # The local part of a graph input keeps static sizes (a layout holds concrete
         # shapes; the guard on it recompiles for a new one), as mark_static would make
@@ -214,6 +243,7 @@ class GlobalTensor(torch.Tensor):
         return saved[:2] == now[:2] and retrace.guard(saved[2])
 
     @staticmethod
+    @skipped_by_dynamo
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
         layout, requires_grad, _ = ctx
         strides = tuple(outer_stride)
@@ -235,10 +265,12 @@ class GlobalTensor(torch.Tensor):
                     tuple(self.stride()), tuple(self._local.shape), self.requires_grad))
         return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
 
+    @skipped_by_dynamo
     def __coerce_tangent_metadata__(self):
         # The gradient torch.compile plans for an output: where eager backward puts it.
         return to_layout(self, self._layout.without_partials())
 
+    @skipped_by_dynamo
     def __coerce_same_metadata_as_tangent__(self, ctx, expected_type=None):
         # A gradient that arrives at a compiled backward in another layout than planned.
         if expected_type is not None and expected_type is not GlobalTensor:
@@ -252,6 +284,7 @@ class GlobalTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
+    @skipped_by_dynamo
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if _dispatcher is None:
             raise RuntimeError("globaltensor.dispatch is not loaded; import globaltensor")
@@ -308,6 +341,7 @@ class _ToGlobal(torch.autograd.Function):
         return GlobalTensor(box(x._local, x._layout, dst, why=_boxing_of(x)), dst)
 
     @staticmethod
+    @skipped_by_dynamo  # the autograd engine calls it
     def backward(ctx, grad):
         # Partial axes become broadcast: every addend of a sum has the sum's gradient,
         # so each rank holds it whole. Boxing it back to a partial would be correct too,
@@ -326,6 +360,7 @@ class _ToLocal(torch.autograd.Function):
         return x._local.view_as(x._local)
 
     @staticmethod
+    @skipped_by_dynamo  # the autograd engine calls it
     def backward(ctx, grad):
         return GlobalTensor(grad, ctx.layout)
 
@@ -337,6 +372,7 @@ class _FromLocal(torch.autograd.Function):
         return GlobalTensor(t.view_as(t), layout)
 
     @staticmethod
+    @skipped_by_dynamo  # the autograd engine calls it
     def backward(ctx, grad):
         return to_layout(grad, ctx.layout.without_partials())._local, None
 

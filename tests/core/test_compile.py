@@ -4,7 +4,9 @@
 of local aten ops and functional collectives (checked op by op), with "aot_eager" and
 "inductor"; values, gradients and parameters after optimizer steps equal eager; the
 graph is compiled once for every step. Code that moves between placements inside a
-compiled function breaks the graph there and still gives the eager values.
+compiled function breaks the graph there and still gives the eager values. A compiled
+train step with ``loss.backward()`` inside breaks the graph at backward, as for plain
+tensors (also checked in this process, a world of one).
 """
 from __future__ import annotations
 
@@ -178,6 +180,24 @@ def check_to_global_across_placements_breaks_the_graph():
     out = torch.compile(f, backend=counter)(x)
     torch.testing.assert_close(out.full(), (plain * 2).sum())
     assert out.placement == P1
+
+    # backward inside the compiled function: the engine runs to_global's backward (a
+    # transfer back to P0) eagerly, which dynamo compiled when its frames were not
+    # skipped ("a point-to-point transfer cannot be traced")
+    def train(x):
+        out = f(x)
+        out.backward()
+        return out
+
+    grads = []
+    for fn in (train, torch.compile(train, backend="aot_eager")):
+        torch._dynamo.reset()
+        x = gt.tensor(plain, placement=P0, sbp=gt.sbp.broadcast, requires_grad=True)
+        torch.testing.assert_close(fn(x).full(), (plain * 2).sum())
+        assert x.grad.placement == P0
+        grads.append(x.grad.full())
+    torch.testing.assert_close(grads[1], grads[0])
+    torch.testing.assert_close(grads[1], torch.full_like(plain, 2.0))
 
 
 def check_rank_outside_the_placement_compiles():
@@ -377,6 +397,79 @@ def check_data_dependent_ops_break_the_graph():
     torch.testing.assert_close(x.grad.full(), want.grad)
     assert x.grad.sbp == x.sbp
 
+
+def _train(model, batches: list, compiled: bool) -> tuple:
+    """``model`` trained by ``train_step`` (forward, ``loss.backward()``, AdamW's step,
+    zero_grad) on ``batches``, compiled or not: (the losses, the parameters after the
+    last step, each step's eager collectives by kind)."""
+    import torch
+    import torch.nn.functional as F
+    import globaltensor as gt
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    def train_step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    if compiled:
+        torch._dynamo.reset()
+        train_step = torch.compile(train_step, backend="aot_eager")
+    losses, collectives = [], []
+    for x, y in batches:
+        with gt.debug.comm_stats() as stats:
+            losses.append(train_step(x, y))
+        collectives.append(dict(stats.calls))
+    return losses, list(model.parameters()), collectives
+
+
+def check_compiled_train_step_with_backward_equals_eager():
+    # The issue's reproduction: the eager backward inside a compiled train step runs
+    # with dynamo's frame callback set, and dynamo compiled our runtime's frames
+    # (dispatch from torch.ones_like in autograd's _make_grads: "'GlobalTensor' object
+    # has no attribute '_local'"; AOTAutograd's unflatten; gradient sync's hooks, which
+    # then reduced each gradient on its own). As for plain tensors, the graph breaks at
+    # backward; losses and parameters are eager's.
+    import torch
+    import globaltensor as gt
+    from globaltensor.dispatch import step
+    P = gt.placement.all("cpu")
+
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+    g = torch.Generator().manual_seed(6)
+    plain = [(torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g))
+             for _ in range(5)]
+    batches = [tuple(gt.tensor(t, placement=P, sbp=gt.sbp.split(0)) for t in b) for b in plain]
+    want, want_params, _ = _train(mlp(), plain, False)
+    results = []
+    for compiled in (False, True):
+        step.clear()  # each run plans its own steps, as a fresh program would
+        results.append(_train(gt.nn.to_global(mlp(), P, gt.sbp.broadcast), batches, compiled))
+    step.clear()
+    torch._dynamo.reset()
+    (eager, eager_params, _), (compiled, compiled_params, collectives) = results
+    if gt.get_world_size() > 1:
+        # Gradient sync stays eager: one bucketed all-reduce of the four gradients
+        # (the loss is reduced inside the graph), not one per gradient.
+        assert collectives == [{"all_reduce": 1}] * len(batches), collectives
+    for a, b, c in zip(want, eager, compiled):
+        torch.testing.assert_close(c.full(), b.full())
+        torch.testing.assert_close(c.full(), a.detach())
+    for a, b, c in zip(want_params, eager_params, compiled_params):
+        assert c.sbp == b.sbp == (gt.sbp.broadcast,) and c.grad is None, (c.sbp, c.grad)
+        torch.testing.assert_close(c.full(), b.full())
+        torch.testing.assert_close(c.full(), a.detach())
+
+
+def test_compiled_train_step_with_backward_in_one_process():
+    check_compiled_train_step_with_backward_equals_eager()
+
+
 CHECKS = ["check_data_parallel_mlp_graphs_hold_only_local_ops",
           "check_tensor_parallel_mlp_graphs_hold_local_ops_and_collectives",
           "check_data_parallel_mlp_inductor", "check_tensor_parallel_mlp_inductor",
@@ -387,7 +480,8 @@ CHECKS = ["check_data_parallel_mlp_graphs_hold_only_local_ops",
           "check_compiled_autograd_syncs_gradients",
           "check_recompile_after_reset_keeps_values",
           "check_gpt_with_embeddings_compiles_whole",
-          "check_data_dependent_ops_break_the_graph"]
+          "check_data_dependent_ops_break_the_graph",
+          "check_compiled_train_step_with_backward_equals_eager"]
 
 
 test_world2 = world_test(__name__, 2, CHECKS)
