@@ -46,7 +46,8 @@ def whole_value(x: GlobalTensor, call: str) -> torch.Tensor:
         if comm.check_mode():  # also which tensor: made on which line, by which ops
             same += f" of origin {origins.of(x):08x}"
         read = f"{call} of {same}, called from {call_site()}"
-        comm.meet(everyone, call, read, _advice(call, layout.placement, broadcast_here), same)
+        comm.meet(everyone, call, read, _advice(call, layout.placement, broadcast_here),
+                  f"read {same}")
     return to_layout(x, sbp=(broadcast,), placement=Placement(placement.type, list(everyone)))._local
 
 

@@ -90,14 +90,22 @@ def guarded(kind: str, ranks, run: Callable):
         raise collective_error(kind, ranks, e) from e
 
 
+# What else may explain a failed collective, beyond the work this rank was doing: each
+# takes the collective's ranks and returns a sentence or "". ``meet.py`` adds one (a
+# read or scalar reduction another rank gave up waiting for, which this rank skipped);
+# it registers itself because it imports this module.
+failure_notes: list[Callable[[tuple], str]] = []
+
+
 def collective_error(kind: str, ranks, cause: BaseException) -> CollectiveError:
     first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    notes = "".join(note(tuple(ranks)) for note in failure_notes)
     return CollectiveError(
         f"globaltensor: {kind} among ranks {list(ranks)} did not complete on rank "
         f"{dist.get_rank()} while doing: {describe()}. A rank of the group did not join it "
         f"within GLOBALTENSOR_TIMEOUT={env.timeout_seconds():g} s or failed (every rank of "
         f"a placement must run the same ops: SPMD; GLOBALTENSOR_DEBUG=1 checks this before "
-        f"communicating). Backend error: {first}")
+        f"communicating).{notes} Backend error: {first}")
 
 
 class Waiting:

@@ -6,6 +6,10 @@ until GLOBALTENSOR_TIMEOUT (300 s) and the job would die. Before such a read, it
 meet through the store (no collective), waiting GLOBALTENSOR_READ_TIMEOUT (10 s) at
 most; a rank that waits in vain cancels the meeting and raises, naming the read. The
 ranks that never came called nothing, so they are not left in a broken collective.
+The scalars that ops reduce at once so that one rank can read them (a loss,
+``x.mean()`` over split rows: ``boxing/run.py``) meet the same way, in the same rounds:
+a metric computed on one rank only (``if rank == 0: acc = (p == y).float().mean()``)
+fails like a read, and a rank that went on meets it at its own next such reduction.
 
 A meeting is a numbered round per group of ranks: each arrival notes what it reads (the
 tensor's layout and dtype) and increments the round's count; the last arrival marks it
@@ -26,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from .. import env
+from . import guard
 from .guard import CollectiveError, DivergenceError
 from .groups import init
 
@@ -39,9 +44,10 @@ _cleaned: dict[tuple[int, ...], int] = {}  # rounds below this are deleted from 
 def meet(ranks: tuple[int, ...], what: str, read: str, advice: str, same: str = "") -> None:
     """Return once every rank of ``ranks`` has reached this read (``what``: the call,
     e.g. "x.item()"; ``read``: a description of the read that tells two reads apart;
-    ``same``: what every rank must read alike); raise ``CollectiveError`` naming
-    ``what`` and giving ``advice`` when they do not all arrive within
-    GLOBALTENSOR_READ_TIMEOUT seconds, ``DivergenceError`` when their ``same`` differ.
+    ``same``: what every rank must be at alike, a phrase after "ranks [0]", e.g. "read a
+    torch.float32 (4,) tensor ..."); raise ``CollectiveError`` naming ``what`` and giving
+    ``advice`` when they do not all arrive within GLOBALTENSOR_READ_TIMEOUT seconds,
+    ``DivergenceError`` (with ``advice``) when their ``same`` differ.
 
     >>> meet((0, 1), "x.item()", "x.item() of ... at train.py:12", "...")  # doctest: +SKIP
     """
@@ -50,37 +56,38 @@ def meet(ranks: tuple[int, ...], what: str, read: str, advice: str, same: str = 
         return
     init()
     store = c10d._get_default_store()
-    group = ",".join(map(str, members))
     rank = dist.get_rank()
     timeout = env.read_timeout_seconds()
     mine = f"{_CANCEL}{rank}|{read}"
     mark = f"{rank}|{same}"
+    skipped: list[str] = []  # other ranks' cancelled rounds this rank passed over
     while True:
         number = _round.get(members, 0)
         _round[members] = number + 1
-        key = f"globaltensor/read/{group}/{number}"
+        key = _key(members, number)
         state, last = _arrive(store, key, len(members), timeout, mine, mark)
         if state == _GO:
-            _clean(store, members, group, number, last)
+            _clean(store, members, number, last)
             return
         text = state.decode(errors="replace")
         if text.startswith(_DIFFER):
-            _clean(store, members, group, number, last)
+            _clean(store, members, number, last)
             by_read: dict = {}
             for line in text[len(_DIFFER):].split("\n"):
-                r, tensor = line.split("|", 1)
-                by_read.setdefault(tensor, []).append(int(r))
-            reads = "; ".join(f"ranks {sorted(rs)} read {t}"
-                              for t, rs in sorted(by_read.items(), key=lambda kv: min(kv[1])))
+                r, at = line.split("|", 1)
+                by_read.setdefault(at, []).append(int(r))
+            reads = "; ".join(f"ranks {sorted(rs)} {at}"
+                              for at, rs in sorted(by_read.items(), key=lambda kv: min(kv[1])))
             raise DivergenceError(
-                f"globaltensor: {what} on rank {rank} met reads of different tensors "
-                f"({reads}); every rank must read the same tensor at the same point of "
-                f"the program")
+                f"globaltensor: {what} on rank {rank} met the other ranks at different "
+                f"communication ({reads}). Every rank must reach the same reads and scalar "
+                f"reductions in the same order: a branch on the rank that reads or reduces "
+                f"on some ranks only (if rank == 0: ...) does not. {advice}")
         if text == mine:
             raise CollectiveError(
                 f"globaltensor: {what} on rank {rank} needs every rank of {list(ranks)}, and "
                 f"not all of them called it within GLOBALTENSOR_READ_TIMEOUT={timeout:g} s "
-                f"({read}). {advice}")
+                f"({read}).{_skipped(skipped)} {advice}")
         _, canceller, theirs = text.split("|", 2)
         if theirs == read:
             raise CollectiveError(
@@ -88,8 +95,62 @@ def meet(ranks: tuple[int, ...], what: str, read: str, advice: str, same: str = 
                 f"waiting for it (GLOBALTENSOR_READ_TIMEOUT={timeout:g} s; ranks "
                 f"{list(ranks)}; {read}). Every rank of a placement must reach such a read "
                 f"within that time of each other; raise GLOBALTENSOR_READ_TIMEOUT if they "
-                f"legitimately do not. {advice}")
-        # A read of other ranks that this rank never took part in: the next round.
+                f"legitimately do not.{_skipped(skipped)} {advice}")
+        # A read of other ranks that this rank never took part in: the next round (the
+        # others may have caught their error and gone on; they are there).
+        skipped.append(f"rank {canceller} gave up waiting for {theirs}")
+
+
+def _key(members: tuple[int, ...], number: int) -> str:
+    """The store key prefix of round ``number`` of the group ``members`` (sorted)."""
+    return f"globaltensor/read/{','.join(map(str, members))}/{number}"
+
+
+def _skipped(skipped: list[str]) -> str:
+    """The rounds this rank passed over, as a sentence (or ""): when it then waits in
+    vain, the others most likely stopped there for it, in a branch it did not take."""
+    if not skipped:
+        return ""
+    return (f" Before it, {'; '.join(skipped[-3:])}, which this rank never reached: a "
+            f"rank-dependent branch (if rank == 0: ...) probably made those ranks read or "
+            f"reduce without this one; that is the cause to fix.")
+
+
+def missed(ranks: tuple[int, ...]) -> str:
+    """On the failure of a collective among ``ranks``: a sentence naming a meeting that
+    another rank gave up waiting for and this rank never reached (its next round in a
+    group it meets in, or in the collective's group, or the world's), or "". A rank that
+    went on past a read or scalar reduction that another rank ran alone waits in its
+    next collective; that other rank's giving up is what to report. Reads the store
+    only (this runs on a failure, never on the way of a collective that completes)."""
+    if not dist.is_initialized():
+        return ""
+    rank = dist.get_rank()
+    groups = set(_round) | {tuple(sorted(ranks)), tuple(range(dist.get_world_size()))}
+    found = []
+    try:
+        store = c10d._get_default_store()
+        for members in sorted(groups):
+            if rank not in members or len(members) == 1:
+                continue
+            key = _key(members, _round.get(members, 0)) + "/state"
+            if not store.check([key]):
+                continue
+            text = store.get(key).decode(errors="replace")
+            if text.startswith(_CANCEL):
+                _, canceller, theirs = text.split("|", 2)
+                if int(canceller) != rank:
+                    found.append(f"rank {canceller} gave up waiting for {theirs}")
+    except (RuntimeError, dist.DistError, ValueError):  # a store gone with its host
+        return ""
+    if not found:
+        return ""
+    return (f" Probable cause: {'; '.join(found)}, which rank {rank} never reached (a "
+            f"rank-dependent branch, such as a metric computed on one rank only, reduced "
+            f"or read there without this rank, which went on to this collective).")
+
+
+guard.failure_notes.append(missed)
 
 
 def _arrive(store, key: str, n: int, timeout: float, cancel: str,
@@ -110,7 +171,7 @@ def _arrive(store, key: str, n: int, timeout: float, cancel: str,
     return store.get(key + "/state"), False
 
 
-def _clean(store, members: tuple[int, ...], group: str, number: int, last: bool) -> None:
+def _clean(store, members: tuple[int, ...], number: int, last: bool) -> None:
     """Round ``number`` was decided with every member there, so every member is past the
     rounds before it: the last arrival deletes their keys (three per read, which would
     pile up in the store)."""
@@ -119,4 +180,4 @@ def _clean(store, members: tuple[int, ...], group: str, number: int, last: bool)
     if last:
         for old in range(start, number):
             for suffix in ("/n", "/who", "/state"):
-                store.delete_key(f"globaltensor/read/{group}/{old}{suffix}")
+                store.delete_key(_key(members, old) + suffix)

@@ -223,13 +223,14 @@ def _wrap_reduced(func, decision: Decision, out, inside: bool, like):
 
 
 def _reduce_together(scalars: list, src: Layout, why) -> list:
-    """0-d partial parts of one layout and dtype, reduced to broadcast in one collective."""
+    """0-d partial parts of one layout and dtype, reduced to broadcast in one collective
+    (its ranks meet first, as a read's: one rank reducing alone fails, see box)."""
     dst = src.without_partials()
     if len(scalars) == 1:
-        return [box(scalars[0], src, dst, donate=True, why=why)]
+        return [box(scalars[0], src, dst, donate=True, why=why, meet=True)]
     n = len(scalars)
     stacked = box(torch.stack(scalars), Layout.make((n,), src.placement, src.sbp),
-                  Layout.make((n,), dst.placement, dst.sbp), donate=True, why=why)
+                  Layout.make((n,), dst.placement, dst.sbp), donate=True, why=why, meet=True)
     return [stacked[k] for k in range(n)]  # selects: unbind would trace as getitem calls
 
 

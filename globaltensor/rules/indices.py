@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 
 from .. import comm
+from ..boxing.run import box
 from ..layout import Layout
 from ..sbp import Partial, Split, broadcast
-from ..tensor import GlobalTensor, to_layout
+from ..tensor import GlobalTensor
 
 
 def _excess(local: torch.Tensor, size: int, ignore_index) -> int:
@@ -41,18 +42,21 @@ def check_index_range(indices, size: int, what: str, ignore_index=None,
         excess = _excess(indices, size, ignore_index)
     else:
         placement = indices.placement
-        inside = comm.get_rank() in placement
-        worst = _excess(indices.local_part, size, ignore_index) if inside else -1
-        # Parts of a split differ: their worst cases are a partial max; copies agree.
-        sbp = tuple(Partial("max") if isinstance(s, Split) else broadcast
-                    for s in indices.sbp)
-        layout = Layout.make((), placement, sbp)
-        local = torch.tensor(worst, dtype=torch.int64, device=indices.local_part.device)
+        excess = -1
         # Reduced among the placement's ranks only: a rank outside holds no index and
-        # may be busy elsewhere (another pipeline stage); it does not raise.
-        mine = GlobalTensor(local if inside else local.new_empty((0,)), layout)
-        worst_of_all = to_layout(mine, sbp=(broadcast,) * placement.ndim, donate=True)
-        excess = int(worst_of_all.local_part) if inside else -1
+        # may be busy elsewhere (another pipeline stage); it does not raise. They meet
+        # first, as for an op's scalar result (``box(meet=True)``): a rank that skipped
+        # a metric another rank computed alone meets it here, at its next step's
+        # lookup, and both name it.
+        if comm.get_rank() in placement:
+            worst = _excess(indices.local_part, size, ignore_index)
+            # Parts of a split differ: their worst cases are a partial max; copies agree.
+            sbp = tuple(Partial("max") if isinstance(s, Split) else broadcast
+                        for s in indices.sbp)
+            layout = Layout.make((), placement, sbp)
+            local = torch.tensor(worst, dtype=torch.int64, device=indices.local_part.device)
+            excess = int(box(local, layout, layout.without_partials(), donate=True,
+                             why=f"{what} index check", meet=True))
     if excess > 0:
         raise error(f"{what}: index out of range: valid indices are 0..{size - 1}"
                          + (f" (or {ignore_index}, ignored)" if ignore_index is not None else ""))

@@ -57,6 +57,53 @@ def check_collective_one_rank_skips():
         store.wait(["one_rank_skipped"], datetime.timedelta(seconds=60))
 
 
+def _mean(x):
+    return x.mean()  # a scalar reduced at once: its ranks meet first
+
+
+MEAN_LINE = _mean.__code__.co_firstlineno + 1
+
+
+def check_collective_after_a_metric_on_one_rank_names_it():
+    # Rank 0 computes a metric over split rows alone; rank 1 goes on to a collective (no
+    # scalar reduction where the two would meet). Rank 0 fails within
+    # GLOBALTENSOR_READ_TIMEOUT naming its mean; rank 1's collective fails (here after
+    # GLOBALTENSOR_TIMEOUT; in a job as soon as rank 0's process ends) naming rank 0's
+    # mean as the cause, not only its own to_global.
+    import datetime
+    import torch.distributed as dist
+    import globaltensor as gt
+    r = gt.get_rank()
+    p = gt.placement("cpu", [0, 1])
+    x = gt.ones(4, 2, placement=p, sbp=gt.sbp.split(0))
+    if r in (0, 1):
+        x.to_global(sbp=gt.sbp.broadcast)  # both join: the group exists
+    store = dist.distributed_c10d._get_default_store()
+    metric = "reduce the torch.float32 scalar of aten.mean.default"
+    if r == 0:
+        with pytest.raises(gt.debug.CollectiveError) as info:
+            _mean(x).item()
+        text = str(info.value)
+        for words in ("aten.mean.default on rank 0 needs every rank", metric,
+                      f"{__file__}:{MEAN_LINE}", "x.to_local()"):
+            assert words in text, (words, text)
+        store.set("metric_given_up", "yes")
+    elif r == 1:
+        # (in a job, rank 1's collective fails long after: at rank 0's exit, or after
+        # GLOBALTENSOR_TIMEOUT; here that timeout is short, so start once rank 0 gave up)
+        store.wait(["metric_given_up"], datetime.timedelta(seconds=60))
+        with pytest.raises(gt.debug.CollectiveError) as info:
+            x.to_global(sbp=gt.sbp.broadcast)
+        store.set("metric_on_one_rank", "done")
+        text = str(info.value)
+        for words in ("AllGather", f"Probable cause: rank 0 gave up waiting for {metric}",
+                      f"{__file__}:{MEAN_LINE}", "which rank 1 never reached"):
+            assert words in text, (words, text)
+    if r != 1:
+        # rank 0 must not join rank 1's collective, nor anyone leave before it failed
+        store.wait(["metric_on_one_rank"], datetime.timedelta(seconds=60))
+
+
 def check_read_of_different_tensors():
     # Rank 0 asks a.tolist(), rank 1 b.tolist() (split: gathered): without the check mode
     # the all-gathers pair up and both ranks print one mixed value; with it, both raise.
@@ -234,3 +281,11 @@ def test_collective_that_one_rank_skips_ends_with_a_named_error():
     world = World(3, __name__, ["check_collective_one_rank_skips"], timeout=120,
                   env={"GLOBALTENSOR_TIMEOUT": str(TIMEOUT)})
     world.check("check_collective_one_rank_skips")
+
+
+def test_collective_after_a_metric_on_one_rank_names_the_metric():
+    # Three ranks, as above: the abandoned collective is the group [0, 1]'s, not the world's.
+    world = World(3, __name__, ["check_collective_after_a_metric_on_one_rank_names_it"],
+                  timeout=120, env={"GLOBALTENSOR_TIMEOUT": str(TIMEOUT),
+                                    "GLOBALTENSOR_READ_TIMEOUT": "1"})
+    world.check("check_collective_after_a_metric_on_one_rank_names_it")

@@ -2,10 +2,13 @@
 is broadcast on every rank, so ``if rank == 0: log(loss.item())`` reads its copy with no
 communication; other reads are collectives of the whole world (also of the ranks outside
 the placement, which get the value too); called on some ranks only they fail within
-GLOBALTENSOR_READ_TIMEOUT (1 s here) naming the call, and leave the world working."""
+GLOBALTENSOR_READ_TIMEOUT (1 s here) naming the call, and leave the world working. So
+does the reduction itself when one rank computes such a scalar alone (a metric on rank
+0): it meets like a read."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import time
 
@@ -193,9 +196,186 @@ def check_pipeline_loss_read_on_rank_0():
         assert abs(_no_communication(loss.item) - want) < 1e-5
 
 
+# --- a metric computed on one rank -----------------------------------------------------
+
+BOUND = 30  # seconds within which every rank raises: far below the collective timeout
+
+
+def _accuracy(logits, y):
+    return (logits.argmax(-1) == y).float().mean()  # a reduction over split rows
+
+
+ACCURACY_LINE = _accuracy.__code__.co_firstlineno + 1
+
+
+def _classifier_step():
+    """A data-parallel step of a small classifier (embedding, linear) on split rows, run
+    once on every rank: (step, logits, y, (x, y) as plain tensors, the plain reference
+    model). ``step()`` runs the next step on the same batch (no tensors made: nothing
+    left for the ranks to compare after an error)."""
+    import copy
+    import torch
+    import torch.nn.functional as F
+    import globaltensor as gt
+    from globaltensor import env
+    assert env.timeout_seconds() >= 2 * BOUND, "the bound must not be the collective timeout"
+    P, S0 = gt.placement.all("cpu"), gt.sbp.split(0)
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Flatten(),
+                                    torch.nn.Linear(8, 3))
+    model = gt.nn.to_global(copy.deepcopy(reference), P, gt.sbp.broadcast)
+    g = torch.Generator().manual_seed(5)
+    xv, yv = torch.randint(0, 10, (8, 2), generator=g), torch.randint(0, 3, (8,), generator=g)
+    x, y = gt.tensor(xv, placement=P, sbp=S0), gt.tensor(yv, placement=P, sbp=S0)
+
+    def step():
+        logits = model(x)
+        F.cross_entropy(logits, y).backward()
+        return logits
+    return step, step(), y, (xv, yv), reference
+
+
+STEP_LINE = inspect.getsource(_classifier_step).splitlines().index(
+    "        logits = model(x)") + _classifier_step.__code__.co_firstlineno
+
+
+def _names_the_fix(text: str) -> None:
+    for words in ("on every rank", "if rank == 0", "x.to_local()"):
+        assert words in text, (words, text)
+
+
+def check_metric_on_one_rank_meets_the_others_at_their_next_new_reduction():
+    # rank 0 computes a metric alone; the others go on to a step on a call path not met
+    # before (as in a loop's first step), whose embedding checks its indices with a
+    # scalar reduction: they meet there, and every rank raises at once naming both,
+    # instead of rank 0's mean waiting the collective timeout or pairing its all-reduce
+    # with the others' (wrong values, or a misleading error there)
+    import globaltensor as gt
+    step, logits, y, (xv, yv), _ = _classifier_step()
+    start = time.monotonic()
+    with pytest.raises(gt.debug.DivergenceError) as info:
+        if gt.get_rank() == 0:
+            _accuracy(logits, y).item()
+        else:
+            step()
+    took = time.monotonic() - start
+    text = str(info.value)
+    assert took < BOUND, took
+    others = str(list(range(1, gt.get_world_size())))
+    for words in ("ranks [0] reduce the torch.float32 scalar of aten.mean.default",
+                  f"called from {__file__}:{ACCURACY_LINE}",
+                  f"ranks {others} reduce the torch.int64 scalar of embedding index check",
+                  f"called from {__file__}:{STEP_LINE}"):
+        assert words in text, (words, text)   # on each rank: the cause, not only the effect
+    _names_the_fix(text)
+    assert y.tolist() == yv.tolist()  # the world goes on: nothing was left half done
+
+
+def check_metric_on_one_rank_fails_fast_while_the_others_wait_elsewhere():
+    # the others wait in a collective (not a reduction that meets): rank 0's metric
+    # fails within GLOBALTENSOR_READ_TIMEOUT naming the op, its line and the fix, and
+    # never starts its all-reduce (which would pair with the others' gather)
+    import globaltensor as gt
+    _, logits, y, (xv, yv), _ = _classifier_step()
+    with _read_timeout(READ_TIMEOUT):
+        if gt.get_rank() == 0:
+            start = time.monotonic()
+            with pytest.raises(gt.debug.CollectiveError) as info:
+                _accuracy(logits, y).item()
+            took = time.monotonic() - start
+            text = str(info.value)
+            assert took < BOUND, took
+            for words in ("aten.mean.default on rank 0 needs every rank",
+                          f"called from {__file__}:{ACCURACY_LINE}",
+                          "GLOBALTENSOR_READ_TIMEOUT"):
+                assert words in text, (words, text)
+            _names_the_fix(text)
+        _everyone_waits_here()
+    assert y.tolist() == yv.tolist()
+
+
+def check_next_reduction_after_a_metric_on_one_rank_names_it():
+    # the others reach their next scalar reduction only after rank 0 gave up on its
+    # metric: they pass over its cancelled round, wait in vain in the next one, and their
+    # error names rank 0's metric as the cause, not only their own sum
+    import datetime
+    import torch.distributed as dist
+    import globaltensor as gt
+    _, logits, y, (xv, yv), _ = _classifier_step()
+    store = dist.distributed_c10d._get_default_store()
+    wait = datetime.timedelta(seconds=2 * BOUND)
+    with _read_timeout(READ_TIMEOUT):
+        if gt.get_rank() == 0:
+            with pytest.raises(gt.debug.CollectiveError, match="aten.mean.default on rank 0"):
+                _accuracy(logits, y).item()
+            store.set("metric_alone/given_up", "yes")
+            store.wait(["metric_alone/done"], wait)  # not in their round: they give up
+        else:
+            store.wait(["metric_alone/given_up"], wait)
+            start = time.monotonic()
+            with pytest.raises(gt.debug.CollectiveError) as info:
+                logits.sum()
+            assert time.monotonic() - start < BOUND
+            text = str(info.value)
+            for words in ("aten.sum.default", "rank 0 gave up waiting for reduce the "
+                          "torch.float32 scalar of aten.mean.default",
+                          f"called from {__file__}:{ACCURACY_LINE}", "never reached"):
+                assert words in text, (words, text)
+            if store.add("metric_alone/failed", 1) == gt.get_world_size() - 1:
+                store.set("metric_alone/done", "yes")
+    assert y.tolist() == yv.tolist()  # then every rank reads together again
+
+
+def check_reductions_met_once_are_not_met_again():
+    # a loop's reductions meet in its first step only: later steps cost no store round
+    # trips, and a rank late to its loss (validating alone, say) is waited for as long as
+    # the collective waits, not GLOBALTENSOR_READ_TIMEOUT
+    import globaltensor as gt
+    from globaltensor import comm
+    step, *_ = _classifier_step()
+    shipped, names = comm.meet, []
+    comm.meet = lambda ranks, what, *rest: (names.append(what), shipped(ranks, what, *rest))
+    met = []
+    try:
+        for i in range(3):
+            before = len(names)
+            with _read_timeout(ABANDONED_READ_TIMEOUT if i == 2 else 10.0):
+                if i == 2 and gt.get_rank() == 1:
+                    time.sleep(4 * ABANDONED_READ_TIMEOUT)  # late, not gone: rank 0 waits
+                step()
+            met.append(names[before:])
+    finally:
+        comm.meet = shipped
+    assert "embedding index check" in met[0] and "aten.nll_loss_forward.default" in met[0], met
+    assert met[1:] == [[], []], met
+
+
+def check_metric_on_every_rank_read_on_one():
+    # what the errors advise: the metric computed on every rank and read on rank 0 (its
+    # broadcast copy, no communication), or a local figure from this rank's rows
+    import globaltensor as gt
+    _, logits, y, (xv, yv), reference = _classifier_step()
+    right = reference(xv).argmax(-1) == yv
+    acc = _accuracy(logits, y)  # every rank
+    assert acc.sbp == (gt.sbp.broadcast,), acc.sbp
+    rank = gt.get_rank()
+    if rank == 0:
+        assert abs(_no_communication(acc.item) - right.float().mean().item()) < 1e-6
+    if rank == 1:  # (rows of its own in the world of 4 too)
+        region = y.global_layout.region(rank)
+        rows = slice(region.offsets[0], region.offsets[0] + region.sizes[0])
+        local = _no_communication(lambda: _accuracy(logits.to_local(), y.to_local()).item())
+        assert abs(local - right[rows].float().mean().item()) < 1e-6
+
+
 CHECKS = ["check_loss_is_broadcast_and_read_on_one_rank",
           "check_reads_of_a_sub_placement_reach_every_rank",
           "check_split_read_on_some_ranks_fails_fast", "check_read_after_the_others_gave_up_fails",
           "check_reads_of_different_tensors_raise",
-          "check_pipeline_loss_read_on_rank_0"]
+          "check_pipeline_loss_read_on_rank_0",
+          "check_metric_on_one_rank_meets_the_others_at_their_next_new_reduction",
+          "check_reductions_met_once_are_not_met_again",
+          "check_metric_on_one_rank_fails_fast_while_the_others_wait_elsewhere",
+          "check_next_reduction_after_a_metric_on_one_rank_names_it",
+          "check_metric_on_every_rank_read_on_one"]
 test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
