@@ -60,7 +60,11 @@ def dispatch(func, types, args, kwargs):
             if x._local.__class__ is not _PLAIN:
                 fake = True
         elif isinstance(x, torch.Tensor) and x.numel() > 1 and (
-                plain.implicit_depth or _in_backward()):
+                plain.implicit_depth or _in_backward() or comm.tracing()):
+            # While torch.compile traces, converted modules' scopes are skipped (dynamo
+            # would apply the counter's change after the trace that reads it): a plain
+            # tensor the traced code built (positions, masks, rotary tables) is taken
+            # as broadcast there, as the scope takes it eagerly.
             leaves[i] = plain.as_broadcast(x, leaves, func)
     if step.functional:   # no module marks steps: one begins at the first call after a backward
         if _in_backward():

@@ -376,6 +376,41 @@ def check_gpt_with_embeddings_compiles_whole():
             torch.testing.assert_close(b.grad.full(), a.grad.full(), msg=lambda m: f"{name}: {m}")
 
 
+def check_positions_built_in_forward_compile_whole_without_a_scope():
+    """nanoGPT, Hugging Face and torchtitan build positions in the forward with
+    ``torch.arange(T, device=idx.device)``: eager takes that plain tensor as broadcast
+    inside a global module; compiled, with fullgraph=True and no context manager, too."""
+    import torch
+    import torch._dynamo.testing
+    import globaltensor as gt
+    P, S = gt.placement.all("cpu"), gt.sbp.split
+
+    class WithPositions(torch.nn.Module):
+        def __init__(self, gpt):
+            super().__init__()
+            self.gpt = gpt
+
+        def forward(self, idx, targets):
+            pos = torch.arange(idx.shape[1], device=idx.device)
+            return self.gpt(idx, pos, targets)
+
+    (eager, vocab, length), (compiled, _, _) = _tiny_gpt(False), _tiny_gpt(False)
+    eager, compiled = WithPositions(eager), WithPositions(compiled)
+    g = torch.Generator().manual_seed(3)
+    idx, targets = (gt.tensor(torch.randint(0, vocab, (4, length), generator=g),
+                              placement=P, sbp=S(0)) for _ in range(2))
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    loss = torch.compile(compiled, backend=counter, fullgraph=True)(idx, targets)
+    want = eager(idx, targets)
+    loss.backward()
+    want.backward()
+    assert counter.frame_count == 1, counter.frame_count
+    torch.testing.assert_close(loss.full(), want.full())
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(b.grad.full(), a.grad.full(), msg=lambda m: f"{name}: {m}")
+
+
 def check_data_dependent_ops_break_the_graph():
     # x[mask], nonzero and unique cannot be traced (their output shape depends on the
     # values): dynamo breaks the graph there, as for plain tensors, and they run eagerly.
@@ -471,6 +506,7 @@ def test_compiled_train_step_with_backward_in_one_process():
 
 
 CHECKS = ["check_data_parallel_mlp_graphs_hold_only_local_ops",
+          "check_positions_built_in_forward_compile_whole_without_a_scope",
           "check_tensor_parallel_mlp_graphs_hold_local_ops_and_collectives",
           "check_data_parallel_mlp_inductor", "check_tensor_parallel_mlp_inductor",
           "check_to_global_within_a_placement_is_traced", "check_traced_boxing_equals_eager",
