@@ -5,13 +5,12 @@ their forwards (position ids, masks, rotary tables), which modules made global b
 parallel, Megatron tensor parallel and fully_shard layouts to the parameters of one
 plain process (1e-5); a submodule called on its own works too; the scope of the
 implicit broadcast ends with the forward (also when it raises); the check mode catches
-a plain tensor that differs between ranks. The real ``transformers`` models, when
-installed, train the same way and save with ``save_pretrained`` through
+a plain tensor that differs between ranks. The real ``transformers`` models (a test
+dependency) train the same way and save with ``save_pretrained`` through
 ``gt.nn.full_state_dict``. World 4 runs the Llama model only (its cost)."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 
 import pytest
 import torch
@@ -214,12 +213,7 @@ def check_transformers_models_train_unchanged():
                                                rtol=1e-5, atol=1e-5)
 
 
-# Optional (transformers is not a test dependency): GPT2LMHeadModel, LlamaForCausalLM and
-# BertForMaskedLM from tiny configs, unchanged, in the session's world of 2.
-if importlib.util.find_spec("transformers") is not None:
-    test_transformers_models_train_unchanged = world_test(
-        __name__, 2, ["check_transformers_models_train_unchanged"])
-else:
-    @pytest.mark.multiprocess
-    def test_transformers_models_train_unchanged():
-        pytest.importorskip("transformers")
+# GPT2LMHeadModel, LlamaForCausalLM and BertForMaskedLM from tiny configs, unchanged, in
+# the session's world of 2 (transformers is in the test extra: CI runs them).
+test_transformers_models_train_unchanged = world_test(
+    __name__, 2, ["check_transformers_models_train_unchanged"])
