@@ -50,16 +50,25 @@ def nll_rule(call, axis):
     return cands
 
 
+_targets_checked = False  # the sum a mean decomposes into comes back here: checked already
+
+
 def _nll_decomposition(func):
     def decomposition(x, target, weight, reduction, ignore_index):
         """Checks the targets (an out-of-range class would silently count as held by
         another rank); a mean over split samples is a sum over the global weight."""
-        check_index_range(target, x.shape[1] if x.dim() > 1 else x.shape[0],
-                          "nll_loss target", ignore_index)
+        global _targets_checked
+        if not _targets_checked:  # once per loss: the check is a collective
+            check_index_range(target, x.shape[1] if x.dim() > 1 else x.shape[0],
+                              "nll_loss target", ignore_index)
         split = any(splits_dim(x, d) for d in _sample_dims(x.dim()))
         if reduction != _MEAN or x.dim() < 2 or not split:
             return NotImplemented
-        total, total_weight = func(x, target, weight, _SUM, ignore_index)
+        _targets_checked = True
+        try:
+            total, total_weight = func(x, target, weight, _SUM, ignore_index)
+        finally:
+            _targets_checked = False
         total_weight = to_layout(total_weight, sbp=(B,) * len(total_weight.sbp), donate=True)
         return total / total_weight, total_weight
     return decomposition

@@ -54,5 +54,23 @@ def check_softmax_and_losses():
                  nograd=(1,) if name == "soft_margin_loss" else (), places=placements(3, 0, 2))
 
 
-CHECKS = ["check_softmax_and_losses"]
+@checked
+def check_cross_entropy_over_split_rows_checks_targets_once():
+    """The mean over split rows is computed as a sum, which comes back to the same
+    decomposition: its targets are checked (a collective) once, not twice."""
+    import torch
+    import globaltensor as gt
+    if gt.get_world_size() != 2:
+        return
+    p = gt.placement.all("cpu")
+    z = gt.tensor(randn((8, 5), "ce_once"), placement=p, sbp=S(0))
+    t = gt.tensor(randint(5, (8,), "ce_once_t"), placement=p, sbp=S(0))
+    with gt.debug.comm_stats() as counted:
+        loss = F.cross_entropy(z, t)
+    # one for the target check, one for the (sum, weight) reduction
+    assert counted.calls["all_reduce"] == 2, counted
+    torch.testing.assert_close(loss.item(), F.cross_entropy(z.full(), t.full()).item())
+
+
+CHECKS = ["check_softmax_and_losses", "check_cross_entropy_over_split_rows_checks_targets_once"]
 test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)
