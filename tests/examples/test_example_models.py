@@ -88,3 +88,19 @@ def test_wide_and_deep_on_two_ranks(two_rank_runs):
     first, last = _number(r"training loss: ([\d.]+) -> ([\d.]+)", text)
     assert last < first
     assert "the model beats the constant-rate baseline on held-out clicks" in text
+
+
+@pytest.mark.timeout(200)
+def test_llama_on_a_2x2_placement_trains_equal_to_one_process(tmp_path):
+    """The Llama program of examples/llama_2d.py: data x Megatron tensor parallel and
+    fully_shard on 2x2, and the whole train step compiled (2 ranks, compile time), each
+    against one plain process (the example raises on a mismatch). auto_parallel on 2x2
+    is tests/nn/test_auto_parallel.py's (its timed candidates take minutes here)."""
+    runs = [("llama_2d.py", 4, "--parts", "megatron,fully_shard", "--steps", "5"),
+            ("llama_2d.py", 2, "--parts", "compiled", "--steps", "2")]
+    eager, compiled = launch_examples_together(runs, tmp_path, timeout=190)
+    assert eager.returncode == 0, _output(eager)
+    assert compiled.returncode == 0, _output(compiled)
+    for part, out in (("megatron", eager), ("fully_shard", eager), ("compiled", compiled)):
+        assert re.search(rf"{part}: \d+ steps, loss [\d.]+ -> [\d.]+, equal to one process",
+                         out.stdout), _output(out)
