@@ -30,6 +30,6 @@ def max_local_bytes(layout: Layout, itemsize: int) -> int:
     return _max_local_numel(layout) * itemsize
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=16384)   # step planning on 2-D placements prices thousands of layouts
 def _max_local_numel(layout: Layout) -> int:
     return max(math.prod(layout.local_shape(r)) for r in layout.placement)

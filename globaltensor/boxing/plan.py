@@ -10,11 +10,19 @@ so less is sent), then moves regions with one ``Transfer``; it works between any
 placements and is the fallback on one. A strided split is boxed on the refined view
 where it is plain (``Layout.refined``, between two ``ViewAs``), or through broadcast
 when the two layouts share no refined view. Plans are cached by (src, dst, element size).
+
+Step planning prices tens of thousands of pairs on a 2-D placement, so nothing is
+priced twice: the search from a source is kept and resumed for its next target (it
+settles states in the order a search of its own would: the same path and cost), a
+general route is skipped where a lower bound of its transfer cannot win
+(``transfer_price.py``) and priced without making its moves, and ``route_cost`` gives
+a plan's cost without making the plan.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
+import threading
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -22,11 +30,13 @@ import torch
 
 from ..layout import Layout
 from ..sbp import Partial, SbpParallel, Split, StridedSplit, broadcast
+from . import transfer_price
 from .execute import start
 from .explain import format_plan
 from .steps import AXIS_STEPS, Handle
 from .steps.reshape import ViewAs
 from .steps.transfer import Transfer
+from .transfer_price import transfer_cost, transfer_floor
 
 
 @dataclass(frozen=True, repr=False)
@@ -55,7 +65,7 @@ class Plan:
     __repr__ = __str__
 
 
-@lru_cache(maxsize=2048)
+@lru_cache(maxsize=4096)
 def plan_route(src: Layout, dst: Layout, itemsize: int = 4) -> Plan:
     """The cheapest plan from ``src`` to ``dst``: per-axis steps when both are on one
     placement, or the general point-to-point route, whichever costs less.
@@ -74,24 +84,71 @@ def plan_route(src: Layout, dst: Layout, itemsize: int = 4) -> Plan:
     return same if general is None else general
 
 
+@lru_cache(maxsize=65536)
+def route_cost(src: Layout, dst: Layout, itemsize: int = 4) -> float:
+    """``plan_route(src, dst, itemsize).cost``, without making the plan: step
+    planning prices every pair of layouts two calls may hold (tens of thousands on
+    a 2-D placement) and runs none of them.
+
+    >>> route_cost(Layout.make((8,), p, split(0)), Layout.make((8,), p, broadcast))  # doctest: +SKIP
+    """
+    if src.shape != dst.shape:
+        raise ValueError(f"cannot box a tensor of shape {src.shape} to shape {dst.shape}")
+    if src == dst:
+        return 0.0
+    if _strided(src) or _strided(dst):
+        fine = _refined_pair(src, dst)
+        if fine is not None:
+            return route_cost(fine[0], fine[1], itemsize)
+        whole = _whole(src)
+        return route_cost(src, whole, itemsize) + route_cost(whole, dst, itemsize)
+    same = _boxing_cost(src, dst, itemsize)
+    general = _general(src, dst, itemsize, same if same is not None else float("inf"))
+    return same if general is None else general[0]
+
+
 def _strided_route(src: Layout, dst: Layout, itemsize: int) -> Plan:
     """Box on the refined view both layouts share, or else through broadcast on the
     source's placement (each half then has one)."""
+    fine = _refined_pair(src, dst)
+    if fine is not None:
+        fine_src, fine_dst = fine
+        inner = plan_route(fine_src, fine_dst, itemsize)
+        steps = (ViewAs(src, fine_src),) + inner.steps + (ViewAs(fine_dst, dst),)
+        return Plan(src, dst, steps, inner.cost, itemsize, inner.route)
+    whole = _whole(src)
+    first, second = plan_route(src, whole, itemsize), plan_route(whole, dst, itemsize)
+    return Plan(src, dst, first.steps + second.steps, first.cost + second.cost, itemsize,
+                "through broadcast")
+
+
+@lru_cache(maxsize=16384)
+def _refined_pair(src: Layout, dst: Layout):
+    """(src, dst) on the refined view both share (``Layout.refined``), or None."""
     blocks: dict = {}
     for s in src.sbp + dst.sbp:
         if isinstance(s, StridedSplit):
             blocks.setdefault(s.dim, set()).add(s.blocks)
     if all(len(k) == 1 for k in blocks.values()):
-        view = {d: k.pop() for d, k in blocks.items()}
-        fine_src, fine_dst = src.refined(view), dst.refined(view)
+        view = tuple(sorted((d, k.pop()) for d, k in blocks.items()))
+        fine_src, fine_dst = _refined(src, view), _refined(dst, view)
         if fine_src is not None and fine_dst is not None:
-            inner = plan_route(fine_src, fine_dst, itemsize)
-            steps = (ViewAs(src, fine_src),) + inner.steps + (ViewAs(fine_dst, dst),)
-            return Plan(src, dst, steps, inner.cost, itemsize, inner.route)
-    whole = Layout.make(src.shape, src.placement, (broadcast,) * src.placement.ndim)
-    first, second = plan_route(src, whole, itemsize), plan_route(whole, dst, itemsize)
-    return Plan(src, dst, first.steps + second.steps, first.cost + second.cost, itemsize,
-                "through broadcast")
+            return fine_src, fine_dst
+    return None
+
+
+@lru_cache(maxsize=4096)
+def _refined(layout: Layout, view: tuple):
+    return layout.refined(dict(view))
+
+
+@lru_cache(maxsize=16384)
+def _strided(layout: Layout) -> bool:
+    return layout.strided
+
+
+def _whole(layout: Layout) -> Layout:
+    return Layout.make(layout.shape, layout.placement, (broadcast,) * layout.placement.ndim)
 
 
 def _axis_step(src: Layout, dst: Layout, axis: int, itemsize: int):
@@ -131,40 +188,137 @@ def _candidates(ndim: int, ends: tuple) -> list[SbpParallel]:
     return [broadcast, *partials] + [Split(d) for d in range(ndim)]
 
 
-@lru_cache(maxsize=2048)
+@lru_cache(maxsize=8192)
 def plan_boxing(src: Layout, dst: Layout, itemsize: int = 4) -> Plan | None:
     """The cheapest same-placement plan from ``src`` to ``dst``, or None when the
     per-axis steps cannot get there (the caller then uses the general route).
 
     >>> plan_boxing(Layout.make((8,), p, split(0)), Layout.make((8,), p, broadcast))  # doctest: +SKIP
     """
+    found = _boxing(src, dst, itemsize)
+    return None if found is None else Plan(src, dst, found[1], found[0], itemsize)
+
+
+def _boxing(src: Layout, dst: Layout, itemsize: int):
+    """(cost, steps) of ``plan_boxing``, or None."""
     if src.placement != dst.placement or src.shape != dst.shape:
         return None
     if src.sbp == dst.sbp:
-        return Plan(src, dst, (), 0.0, itemsize)
-    cands = _candidates(len(src.shape), src.sbp + dst.sbp)
-    begin, goal = src.sbp, dst.sbp
-    best = {begin: 0.0}
-    heap = [(0.0, 0, begin, ())]
-    counter = 1
-    while heap:
-        cost, _, state, path = heapq.heappop(heap)
-        if state == goal:
-            return Plan(src, dst, path, cost, itemsize)
-        if cost > best.get(state, float("inf")):
-            continue
-        for axis in range(len(state)):
-            for new in cands:
-                edge = _edge(src.shape, src.placement, state, axis, new, itemsize)
-                if edge is None:
-                    continue
-                nxt, step, step_cost = edge
-                c = cost + step_cost
-                if c < best.get(nxt, float("inf")) - 1e-15:
-                    best[nxt] = c
-                    heapq.heappush(heap, (c, counter, nxt, path + (step,)))
-                    counter += 1
-    return None
+        return 0.0, ()
+    return _search(src, itemsize, _holds_max(src) or _holds_max(dst)).reach(dst)
+
+
+@lru_cache(maxsize=16384)
+def _holds_max(layout: Layout) -> bool:
+    """Whether an axis is partial_max (searches then pass through it, ``_candidates``)."""
+    return Partial("max") in layout.sbp
+
+
+def _boxing_cost(src: Layout, dst: Layout, itemsize: int) -> float | None:
+    found = _boxing(src, dst, itemsize)
+    return None if found is None else found[0]
+
+
+class _Search:
+    """The Dijkstra search over nd-sbp states from one source, kept between queries:
+    a query settles states (in the order one search for that goal would, ties broken
+    by push order) until its goal is settled, and later queries go on from there. So
+    every goal gets the path and cost a search of its own would return, and a source
+    priced against many targets (every option of a consumer, in step planning) is
+    searched once. States are tuples of indices into ``_Graph.sbps``."""
+
+    __slots__ = ("graph", "heap", "best", "settled", "counter", "lock", "answers")
+
+    def __init__(self, graph: "_Graph", begin: tuple):
+        self.graph = graph
+        self.heap = [(0.0, 0, begin, None, None)]   # (cost, push order, state, parent, step)
+        self.best = {begin: 0.0}
+        self.settled: dict = {}   # state -> (cost, steps)
+        self.counter = 1
+        self.lock = threading.Lock()
+        self.answers: dict = {}   # goal layout -> what reach gave
+
+    def reach(self, goal: Layout):
+        """(cost, steps) of the cheapest route to ``goal``'s nd-sbp, or None."""
+        if goal in self.answers:
+            return self.answers[goal]
+        found = self.answers[goal] = self._settle(self.graph.state(goal.sbp))
+        return found
+
+    def _settle(self, goal: tuple):
+        found = self.settled.get(goal)
+        if found is not None:
+            return found
+        with self.lock:
+            heap, best, settled, out = self.heap, self.best, self.settled, self.graph.out
+            while heap and goal not in settled:
+                cost, _, state, parent, step = heapq.heappop(heap)
+                if state in settled:
+                    continue   # an older, dearer entry (each push improves best)
+                # the path pushed with it: its parent's when the parent was left
+                settled[state] = (cost, () if parent is None else settled[parent][1] + (step,))
+                for nxt, step, step_cost in out(state):
+                    c = cost + step_cost
+                    if c < best.get(nxt, float("inf")) - 1e-15:
+                        best[nxt] = c
+                        heapq.heappush(heap, (c, self.counter, nxt, state, step))
+                        self.counter += 1
+            return settled.get(goal)
+
+
+@lru_cache(maxsize=4096)
+def _search(src: Layout, itemsize: int, with_max: bool) -> _Search:
+    graph = _graph(src.shape, src.placement, itemsize, with_max)
+    return _Search(graph, graph.state(src.sbp))
+
+
+class _Graph:
+    """The nd-sbp states of one shape and placement and the per-axis steps between
+    them (``_candidates``: partial_max only ``with_max``), each state's edges made
+    when a search first leaves it, in the order axis, then candidate sbp."""
+
+    def __init__(self, shape: tuple, placement, itemsize: int, with_max: bool):
+        self.shape, self.placement, self.itemsize = shape, placement, itemsize
+        self.sbps = _candidates(len(shape), (Partial("max"),) if with_max else ())
+        self.moves = len(self.sbps)   # the candidates; a source's other sbp come after
+        self.index = {s: k for k, s in enumerate(self.sbps)}
+        self.edges: dict = {}
+        self.lock = threading.Lock()
+
+    def state(self, nd_sbp: tuple) -> tuple:
+        """``nd_sbp`` as a state; an sbp that is no candidate (no step enters it, but a
+        source may hold it on an axis that stays) gets an index of its own."""
+        out = []
+        for s in nd_sbp:
+            k = self.index.get(s)
+            if k is None:
+                with self.lock:
+                    k = self.index.setdefault(s, len(self.sbps))
+                    if k == len(self.sbps):
+                        self.sbps.append(s)
+            out.append(k)
+        return tuple(out)
+
+    def out(self, state: tuple) -> list:
+        """[(next state, step, its cost)] leaving ``state``."""
+        found = self.edges.get(state)
+        if found is None:
+            sbps = self.sbps
+            nd_sbp = tuple(sbps[k] for k in state)
+            found = []
+            for axis in range(len(state)):
+                for k in range(self.moves):
+                    edge = _edge(self.shape, self.placement, nd_sbp, axis, sbps[k],
+                                 self.itemsize)
+                    if edge is not None:
+                        found.append((state[:axis] + (k,) + state[axis + 1:],) + edge[1:])
+            self.edges[state] = found
+        return found
+
+
+@lru_cache(maxsize=1024)
+def _graph(shape: tuple, placement, itemsize: int, with_max: bool) -> _Graph:
+    return _Graph(shape, placement, itemsize, with_max)
 
 
 @lru_cache(maxsize=8192)
@@ -183,11 +337,23 @@ def _edge(shape: tuple, placement, state: tuple, axis: int, new: SbpParallel, it
 def clear_caches() -> None:
     """Forget every plan and search edge (a new step kind was registered, or a test
     counts the layouts still held)."""
-    for cached in (plan_route, plan_boxing, _edge):
+    for cached in (plan_route, plan_boxing, _transfer):
         cached.cache_clear()
+    forget_searches()
 
 
-def _reduced_sources(src: Layout):
+def forget_searches() -> None:
+    """Forget the searches and prices kept for pricing many pairs, not the plans
+    (step planning's working set: a 12-layer GPT on 2 x 4 keeps about 150 MiB of them;
+    what runs later needs only its plans)."""
+    for cached in (route_cost, _refined_pair, _refined, _strided, _search, _graph,
+                   _holds_max, _edge, _reduced_sources):
+        cached.cache_clear()
+    transfer_price.clear_caches()
+
+
+@lru_cache(maxsize=16384)
+def _reduced_sources(src: Layout) -> tuple:
     """Source layouts without partial axes that the source can reach by itself."""
     options = []
     for s in src.sbp:
@@ -195,24 +361,43 @@ def _reduced_sources(src: Layout):
             options.append([broadcast] + [Split(d) for d in range(src.ndim)])
         else:
             options.append([s])
-    for combo in itertools.product(*options):
-        yield Layout(src.shape, src.placement, tuple(combo))
+    return tuple(Layout.interned(src.shape, src.placement, tuple(combo))
+                 for combo in itertools.product(*options))
 
 
 def general_plan(src: Layout, dst: Layout, itemsize: int,
                  bound: float = float("inf")) -> Plan | None:
     """The general route: reduce the source's partials, then one ``Transfer``; None
-    when every such route costs ``bound`` or more (the caller has one that cheap).
-    The transfer is priced first: a reduction is planned only where it could still win."""
+    when every such route costs ``bound`` or more (the caller has one that cheap)."""
+    found = _general(src, dst, itemsize, bound)
+    if found is None:
+        return None
+    cost, mid = found
+    pre = () if mid == src else plan_boxing(src, mid, itemsize).steps
+    return Plan(src, dst, pre + (_transfer(mid, dst),), cost, itemsize, "general (p2p)")
+
+
+def _general(src: Layout, dst: Layout, itemsize: int, bound: float):
+    """(cost, the reduced source it sends from) of the cheapest general route under
+    ``bound``, or None. A route is priced only where a lower bound of its transfer
+    (``transfer_floor``) leaves it a chance, and its transfer without its moves."""
     best, best_cost = None, bound
     for mid in _reduced_sources(src):
-        transfer = Transfer.between(mid, dst)
-        moved = transfer.cost(itemsize)
-        if moved >= best_cost:
+        floor = transfer_floor(mid, dst, itemsize)
+        if floor >= best_cost:
             continue
-        pre = plan_boxing(src, mid, itemsize) if mid != src else Plan(src, src, (), 0.0, itemsize)
-        if pre is None or pre.cost + moved >= best_cost:
+        pre = 0.0
+        if mid != src:
+            pre = _boxing_cost(src, mid, itemsize)
+            if pre is None or pre + floor >= best_cost:
+                continue
+        moved = transfer_cost(mid, dst, itemsize)
+        if moved >= best_cost or pre + moved >= best_cost:
             continue
-        best_cost = pre.cost + moved
-        best = Plan(src, dst, pre.steps + (transfer,), best_cost, itemsize, "general (p2p)")
-    return best
+        best, best_cost = mid, pre + moved
+    return None if best is None else (best_cost, best)
+
+
+@lru_cache(maxsize=1024)
+def _transfer(mid: Layout, dst: Layout) -> Transfer:
+    return Transfer.between(mid, dst)

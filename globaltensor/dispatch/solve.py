@@ -20,6 +20,11 @@ the consumers that follow it: never worse than per-op choice.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import itemgetter
+
+import numpy as np
+
+from .walks import Trails, argmin as _argmin, scores as _scores
 
 MAX_SWEEPS = 20
 
@@ -31,6 +36,11 @@ class Problem:
     edges: list
     into: list = field(init=False)   # per node: indices of edges into it
     out_of: list = field(init=False)  # per node: indices of edges out of it
+    _columns: dict = field(init=False, repr=False, compare=False)
+    _arrays: dict = field(init=False, repr=False, compare=False)
+    before: list = field(init=False, repr=False, compare=False)
+    after: list = field(init=False, repr=False, compare=False)
+    seeing: list = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         self.into = [[] for _ in self.unary]
@@ -38,11 +48,41 @@ class Problem:
         for k, (u, v, _) in enumerate(self.edges):
             self.into[v].append(k)
             self.out_of[u].append(k)
+        self._columns = {}   # id of an edge's matrix (edges may share one): its columns
+        self._arrays = {}    # the same: the matrix as an array
+        # per node: its producers and its consumers, each in call order, and what reads
+        # the options of the nodes its scores depend on (``_follow``'s memo key)
+        self.before = [sorted({self.edges[k][0] for k in ks}) for ks in self.into]
+        self.after = [sorted({self.edges[k][1] for k in ks}) for ks in self.out_of]
+        self.seeing = [_reader([self.edges[k][0] for k in self.into[v]]
+                               + [self.edges[k][1] for k in self.out_of[v]])
+                       for v in range(len(self.unary))]
+
+    def array(self, k: int) -> "np.ndarray":
+        """Edge k's matrix as an array (edges may share one)."""
+        cost = self.edges[k][2]
+        found = self._arrays.get(id(cost))
+        if found is None:
+            found = self._arrays[id(cost)] = np.asarray(cost, dtype=np.float64)
+        return found
+
+    def columns(self, k: int) -> list:
+        """Edge k's matrix by consumer option: ``columns(k)[ov][ou] == cost[ou][ov]``."""
+        cost = self.edges[k][2]
+        found = self._columns.get(id(cost))
+        if found is None:
+            found = self._columns[id(cost)] = list(zip(*cost))
+        return found
 
     def total(self, choice: list) -> float:
         """What the step costs with option ``choice[v]`` at every node v."""
         return (sum(self.unary[v][o] for v, o in enumerate(choice))
                 + sum(cost[choice[u]][choice[v]] for u, v, cost in self.edges))
+
+
+def _reader(nodes: list):
+    """A function of a choice giving the options of ``nodes`` (a hashable value)."""
+    return itemgetter(*nodes) if nodes else (lambda choice: ())
 
 
 def solve(problem: Problem, start: list, seeds: tuple = ()) -> list:
@@ -79,38 +119,33 @@ def tree_dp(problem: Problem, choice: list) -> list:
     held = [len(problem.out_of[v]) > 1 for v in range(n)]
     best: list = [None] * n
     back: dict = {}   # edge from a free producer: its best option per consumer option
+    edges = problem.edges
     for v in range(n):
         if held[v]:
             continue
-        table = list(problem.unary[v])
+        table = np.asarray(problem.unary[v], dtype=np.float64)
         for k in problem.into[v]:
-            u, _, cost = problem.edges[k]
+            u = edges[k][0]
             if held[u]:
-                row = cost[choice[u]]
-                for o in range(len(table)):
-                    table[o] += row[o]
+                table = table + problem.array(k)[choice[u]]
                 continue
-            picks = []
-            for o in range(len(table)):
-                ou = min(range(len(best[u])), key=lambda a: best[u][a] + cost[a][o])
-                table[o] += best[u][ou] + cost[ou][o]
-                picks.append(ou)
-            back[k] = picks
+            through = best[u][:, None] + problem.array(k)   # [producer][consumer option]
+            back[k] = through.argmin(axis=0).tolist()       # the first cheapest
+            table = table + through.min(axis=0)
         for k in problem.out_of[v]:
-            _, w, cost = problem.edges[k]
+            w = edges[k][1]
             if held[w]:
-                for o in range(len(table)):
-                    table[o] += cost[o][choice[w]]
+                table = table + problem.array(k)[:, choice[w]]
         best[v] = table
     choice = list(choice)
     for v in range(n - 1, -1, -1):
         if held[v]:
             continue
         k = problem.out_of[v][0] if problem.out_of[v] else None
-        if k is None or held[problem.edges[k][1]]:
-            choice[v] = min(range(len(best[v])), key=best[v].__getitem__)
+        if k is None or held[edges[k][1]]:
+            choice[v] = int(best[v].argmin())
         else:
-            choice[v] = back[k][choice[problem.edges[k][1]]]
+            choice[v] = back[k][choice[edges[k][1]]]
     return choice
 
 
@@ -156,47 +191,20 @@ def _region_cost(problem: Problem, choice: list, nodes: list, edges: set) -> flo
 def forward_dp(problem: Problem) -> list:
     """Dynamic programming in node order (producers first), then choices from the last
     node back, each node taking its best option given its consumers' choices."""
-    best = []
+    best = []   # per node: its cheapest subtotal per option (numpy: the same sums)
     for v, unary in enumerate(problem.unary):
-        table = list(unary)
+        table = np.asarray(unary, dtype=np.float64)
         for k in problem.into[v]:
-            u, _, cost = problem.edges[k]
-            floor = min(best[u])
-            for o in range(len(table)):
-                table[o] += min(b + cost[ou][o] for ou, b in enumerate(best[u])) - floor
+            bu = best[problem.edges[k][0]]
+            table = table + ((bu[:, None] + problem.array(k)).min(axis=0) - bu.min())
         best.append(table)
     choice: list = [None] * len(best)
     for v in range(len(best) - 1, -1, -1):
-        scores = list(best[v])
+        scores = best[v]
         for k in problem.out_of[v]:
-            _, w, cost = problem.edges[k]
-            for o in range(len(scores)):
-                scores[o] += cost[o][choice[w]]
-        choice[v] = min(range(len(scores)), key=scores.__getitem__)
+            scores = scores + problem.array(k)[:, choice[problem.edges[k][1]]]
+        choice[v] = int(scores.argmin())
     return choice
-
-
-def _scores(problem: Problem, v: int, choice, consumers: bool = True) -> list:
-    """Node v's cost in each of its options, its neighbours as ``choice`` has them
-    (its producers only, unless ``consumers``)."""
-    scores = list(problem.unary[v])
-    for k in problem.into[v]:
-        u, _, cost = problem.edges[k]
-        row = cost[choice[u]]
-        for o in range(len(scores)):
-            scores[o] += row[o]
-    if consumers:
-        _add_consumers(problem, v, choice, scores)
-    return scores
-
-
-def _add_consumers(problem: Problem, v: int, choice, scores: list) -> list:
-    for k in problem.out_of[v]:
-        _, w, cost = problem.edges[k]
-        cw = choice[w]
-        for o in range(len(scores)):
-            scores[o] += cost[o][cw]
-    return scores
 
 
 def propagate(problem: Problem, choice: list, window: int = 24, sweeps: int = 2) -> list:
@@ -210,23 +218,33 @@ def propagate(problem: Problem, choice: list, window: int = 24, sweeps: int = 2)
     that meet in one call (a tied weight's two gradients); these can. Moves are tried
     near the edges that cost something (``_near_costs``): elsewhere nothing is boxed."""
     touched = None   # after the first sweep: where the last one moved something
+    trails = Trails(problem, window)
     for _ in range(sweeps):
         moved = set()
         for v in _near_costs(problem, choice):
             if touched is not None and v not in touched:
                 continue
+            here = None   # v's scores while the choice stays (every try restores it)
             for o in range(len(problem.unary[v])):
                 if o == choice[v]:
                     continue
-                best = None
-                for way in ("consumers", "neighbours", "producers"):
-                    gain, changed = _follow(problem, choice, v, o, window, way)
+                if here is None:
+                    here = _scores(problem, v, choice)
+                start, best = here[choice[v]] - here[o], None
+                for alone, up in ((0, False), (2, False), (2, True)):   # the three ways
+                    gain, steps = start, trails.trail(choice, v, o, alone, up)
+                    for fall, _, _ in steps:   # in the order the nodes change: equal sums
+                        gain += fall
                     if gain > 1e-12 and (best is None or gain > best[0]):
-                        best = (gain, changed)
+                        best = (gain, steps)
                 if best is not None:
-                    for w, c in best[1].items():
+                    choice[v] = o
+                    moved.add(v)
+                    for _, w, c in best[1]:
                         choice[w] = c
-                    moved |= best[1].keys()
+                        moved.add(w)
+                    here = None
+                    trails.moved()
         if not moved:
             break
         touched = moved | {problem.edges[k][end] for w in moved
@@ -239,33 +257,13 @@ def _follow(problem: Problem, choice: list, v: int, o: int, window: int, way: st
     """(how much the total falls, {node: option}) when node v takes option o and the
     nodes after it re-choose: its consumers onwards (``way`` "consumers": each given
     its producers; "neighbours": given all its neighbours) or its producers backwards
-    ("producers"). ``choice`` is changed while trying and restored."""
-    old = {v: choice[v]}
+    ("producers"), at most ``window`` nodes changed (what ``propagate`` tries)."""
     scores = _scores(problem, v, choice)
-    gain = scores[choice[v]] - scores[o]
-    choice[v] = o
-    up = way == "producers"
-    end, links = (0, problem.into) if up else (1, problem.out_of)   # the neighbour's end
-    todo = sorted({problem.edges[k][end] for k in links[v]}, reverse=up)
-    seen = set(todo)
-    while todo and len(old) < window:
-        w = todo.pop(0)
-        mine = _scores(problem, w, choice, consumers=False)
-        full = _add_consumers(problem, w, choice, list(mine))
-        pick = mine if way == "consumers" else full
-        best, now = min(range(len(pick)), key=pick.__getitem__), choice[w]
-        if best != now:
-            gain += full[now] - full[best]
-            old[w], choice[w] = now, best
-            for k in links[w]:
-                x = problem.edges[k][end]
-                if x not in seen:
-                    seen.add(x)
-                    todo.append(x)
-            todo.sort(reverse=up)
-    changed = {w: choice[w] for w in old}
-    for w, c in old.items():
-        choice[w] = c
+    gain, changed = scores[choice[v]] - scores[o], {v: o}
+    for fall, w, c in Trails(problem, window).trail(
+            choice, v, o, 0 if way == "consumers" else 2, way == "producers"):
+        gain += fall
+        changed[w] = c
     return gain, changed
 
 
@@ -289,17 +287,8 @@ def improve(problem: Problem, choice: list) -> list:
         for v, unary in enumerate(problem.unary):
             if len(unary) == 1:
                 continue
-            scores = list(unary)
-            for k in problem.into[v]:
-                u, _, cost = problem.edges[k]
-                row = cost[choice[u]]
-                for o in range(len(scores)):
-                    scores[o] += row[o]
-            for k in problem.out_of[v]:
-                _, w, cost = problem.edges[k]
-                for o in range(len(scores)):
-                    scores[o] += cost[o][choice[w]]
-            o = min(range(len(scores)), key=scores.__getitem__)
+            scores = _scores(problem, v, choice)
+            o = _argmin(scores)
             if scores[o] < scores[choice[v]] - 1e-12:
                 choice[v] = o
                 moved = True

@@ -4,8 +4,8 @@
 a unary cost per option (boxing the operands made before the step, and compute:
 multiply-adds for matrix products, elements written otherwise, so duplicated work is
 not free), and per producer/consumer pair a matrix of boxing costs (``plan_route``'s
-alpha-beta estimates). The solution gives each call its planned decision and the cache
-key a replayed call must match.
+alpha-beta estimates, priced by ``route_cost`` without making the plans). The solution
+gives each call its planned decision and the cache key a replayed call must match.
 
 >>> plan = plan_step(recorded_nodes)        # doctest: +SKIP
 >>> plan.planned_cost <= plan.per_op_cost
@@ -18,7 +18,7 @@ import gc
 import math
 from dataclasses import dataclass
 
-from ..boxing import plan_route
+from ..boxing.plan import forget_searches, route_cost
 from ..boxing.cost import LAUNCH, max_local_bytes
 from ..sbp import Broadcast, Partial
 from . import solve
@@ -97,6 +97,7 @@ def plan_step(record: list, sinks: tuple = (), pin_grads: tuple = ()) -> StepPla
     try:
         return _plan(record, sinks, pin_grads)
     finally:
+        forget_searches()   # tens of MiB on a 2-D placement, needed again only to plan
         if enabled:
             gc.enable()
 
@@ -166,7 +167,7 @@ def _route_cost(src, dst, itemsize: int, cache: dict) -> float:
     key = (src, dst, itemsize)
     cost = cache.get(key)
     if cost is None:
-        cost = cache[key] = 0.0 if src == dst else plan_route(src, dst, itemsize).cost + 1e-9
+        cost = cache[key] = 0.0 if src == dst else route_cost(src, dst, itemsize) + 1e-9
     return cost
 
 
@@ -209,37 +210,29 @@ def _problem(record: list, sinks: tuple = (), pin_grads: tuple = ()) -> tuple:
     """(the min-sum problem of the recorded calls, each option's compute cost, the
     options that reduce gradients into the bucket: {(node, option): how many})."""
     written = _written_views(record)
-    routes: dict = {}
-    computes: dict = {}   # layers repeat: one price per (op, signature)
+    prices = _Prices()
     unary, edges, compute = [], [], []
     for v, node in enumerate(record):
         sigs = node.signatures()
-        costs = []
-        for sig in sigs:
-            key = (node.func, sig)
-            cost = computes.get(key)
-            if cost is None:
-                cost = computes[key] = _compute_seconds(node.func, *sig)
-            costs.append(cost)
+        costs = prices.compute(node.func, sigs)
         compute.append(list(costs))
         inplace = node.greedy.inplace
         greedy = node.opts.greedy if node.opts is not None else 0
         fixed = _INFEASIBLE if v in written else 0.0
         for i, (producer, (layout, size, weight)) in enumerate(zip(node.producers,
                                                                    node.inputs)):
+            into = prices.column(sigs, i)
             if producer is None:
-                for o, (targets, outs) in enumerate(sigs):
-                    costs[o] += _route_cost(layout, targets[i], size, routes) * weight \
-                        + (fixed if o != greedy and layout != targets[i] else 0.0)
+                row = prices.matrix((layout,), into, None, size, weight, fixed, greedy)[0]
+                costs = [c + r for c, r in zip(costs, row)]
                 continue
             u, k = producer[0], producer[1]
-            made_as = _made_as(record[u], k, through=len(producer) > 2)
-            matrix = [[_route_cost(src, targets[i], size, routes) * weight
-                       + (_INFEASIBLE if inplace and i == 0 and src != outs[0] else 0.0)
-                       + (fixed if o != greedy and src != targets[i] else 0.0)
-                       for o, (targets, outs) in enumerate(sigs)] for src in made_as]
-            edges.append((u, v, matrix))
+            made_as = prices.made_as(record[u], k, len(producer) > 2)
+            outs = prices.column(sigs, 0, outs=True) if inplace and i == 0 else None
+            edges.append((u, v, prices.matrix(made_as, into, outs, size, weight, fixed,
+                                              greedy)))
         unary.append(costs)
+    routes = prices.routes
     for u, k, made_by, layout, size, target in pin_grads:
         # where the plan gives the input the target, the to_global moves nothing and has
         # no backward: the gradient goes on as it is, which the calls after it must take
@@ -264,6 +257,59 @@ def _problem(record: list, sinks: tuple = (), pin_grads: tuple = ()) -> tuple:
                 if in_bucket:
                     bucketed[u, o] = bucketed.get((u, o), 0) + 1
     return solve.Problem(unary, edges), compute, bucketed
+
+
+class _Prices:
+    """The prices of one recording, each made once: layers repeat, so most calls
+    have the signatures, and most edges the matrix, of a call or an edge before them
+    (edges may share one matrix: the solver does not change them)."""
+
+    def __init__(self):
+        self.routes: dict = {}     # (src, dst, itemsize) -> boxing cost
+        self.computes: dict = {}   # (func, signatures) -> compute cost per option
+        self.columns: dict = {}    # id(signatures) -> (signatures, {(i, outs): layouts})
+        self.outputs: dict = {}    # (node, k, through) -> its output layout per option
+        self.matrices: dict = {}   # what a matrix depends on -> the matrix
+
+    def compute(self, func, sigs: tuple) -> list:
+        key = (func, sigs)
+        costs = self.computes.get(key)
+        if costs is None:
+            costs = self.computes[key] = [_compute_seconds(func, *sig) for sig in sigs]
+        return list(costs)
+
+    def column(self, sigs: tuple, i: int, outs: bool = False) -> tuple:
+        """Per option: its i-th input layout (``outs``: its i-th output layout)."""
+        held = self.columns.get(id(sigs))
+        if held is None or held[0] is not sigs:
+            held = self.columns[id(sigs)] = (sigs, {})
+        found = held[1].get((i, outs))
+        if found is None:
+            found = held[1][i, outs] = tuple(sig[1 if outs else 0][i] for sig in sigs)
+        return found
+
+    def made_as(self, node: Node, k: int, through: bool) -> tuple:
+        key = (id(node), k, through)
+        found = self.outputs.get(key)
+        if found is None:
+            found = self.outputs[key] = tuple(_made_as(node, k, through))
+        return found
+
+    def matrix(self, made_as: tuple, into: tuple, outs, size: int, weight: float,
+               fixed: float, greedy: int) -> list:
+        """[producer option][consumer option]: boxing ``made_as`` into ``into`` (times
+        ``weight``); infeasible where an in-place call's first operand would not stay
+        its output (``outs``); ``fixed`` where an option other than ``greedy`` boxes."""
+        key = (made_as, into, outs, size, weight, fixed, greedy if fixed else None)
+        found = self.matrices.get(key)
+        if found is None:
+            routes = self.routes
+            found = self.matrices[key] = [
+                [_route_cost(src, dst, size, routes) * weight
+                 + (_INFEASIBLE if outs is not None and src != outs[o] else 0.0)
+                 + (fixed if o != greedy and src != dst else 0.0)
+                 for o, dst in enumerate(into)] for src in made_as]
+        return found
 
 
 def _made_as(node: Node, k: int, through: bool = False) -> list:

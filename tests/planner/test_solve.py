@@ -172,3 +172,50 @@ def test_planning_pauses_the_garbage_collector_and_restores_it(monkeypatch):
     finally:
         (gc.enable if was else gc.disable)()
     assert seen == [False, False, False]
+
+
+def _tied_problem(rng: random.Random) -> tuple:
+    """A random step-shaped problem whose costs tie often (a few small integers, or a
+    few fixed floats, 1e9 among them as infeasible options are), some edges sharing
+    one matrix (a call taking one tensor twice), chains of one-consumer calls; and a
+    start."""
+    n = rng.randint(2, 40)
+    sizes = [rng.choice([1, 1, 2, 3, 5, 8]) for _ in range(n)]
+    if rng.random() < 0.5:
+        value = lambda: float(rng.randint(0, 3))   # noqa: E731
+    else:
+        value = lambda: rng.choice([0.0, 0.1, 0.2, 0.30000000000000004, 1e-9, 1e9])  # noqa: E731
+    edges = []
+    for v in range(1, n):
+        for u in rng.sample(range(v), min(v, rng.choice([0, 1, 1, 1, 2, 3]))):
+            matrix = [[value() for _ in range(sizes[v])] for _ in range(sizes[u])]
+            edges.append((u, v, matrix))
+            if rng.random() < 0.1:
+                edges.append((u, v, matrix))
+    p = Problem([[value() for _ in range(s)] for s in sizes], edges)
+    return p, [rng.randrange(s) for s in sizes]
+
+
+def test_fast_solver_chooses_as_the_plain_one():
+    # dispatch/solve.py keeps what a node picks for the options it sees, walks chains
+    # of one-consumer calls as cached links, sums options as arrays and in C: every
+    # choice equals that of the plain loops it replaced (solve_reference.py), ties
+    # included (equal sums in the same order)
+    import solve_reference as plain
+    from globaltensor.dispatch import solve as fast
+    rng = random.Random(5)
+    for trial in range(400):
+        p, start = _tied_problem(rng)
+        assert fast.forward_dp(p) == plain.forward_dp(p), trial
+        assert fast.tree_dp(p, start) == plain.tree_dp(p, start), trial
+        assert fast.improve(p, list(start)) == plain.improve(p, list(start)), trial
+        for window, sweeps in ((24, 2), (3, 1)):
+            assert fast.propagate(p, list(start), window, sweeps) == \
+                plain.propagate(p, list(start), window, sweeps), trial
+        seeds = (plain.forward_dp(p),)
+        assert fast.solve(p, start, seeds) == plain.solve(p, start, seeds), trial
+        for v in range(len(start)):
+            for o in range(len(p.unary[v])):
+                for way in ("consumers", "neighbours", "producers"):
+                    assert fast._follow(p, list(start), v, o, 5, way) == \
+                        plain._follow(p, list(start), v, o, 5, way), (trial, v, o, way)

@@ -1,0 +1,140 @@
+"""The planner's kept searches and pruned general routes give the plans a fresh,
+exhaustive search gives (boxing/plan.py keeps one Dijkstra search per source and skips
+general routes a lower bound rules out; the references here do neither)."""
+import heapq
+import itertools
+
+import pytest
+
+from globaltensor import sbp as S
+from globaltensor.boxing import plan as planning, transfer_price
+from globaltensor.boxing.steps import Transfer
+from globaltensor.layout import Layout
+from globaltensor.placement import Placement
+
+
+@pytest.fixture(autouse=True)
+def world_of_eight(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+
+
+def fresh_search(src: Layout, dst: Layout, itemsize: int):
+    """(cost, steps) of one Dijkstra search from src that stops at dst, or None."""
+    cands = planning._candidates(len(src.shape), src.sbp + dst.sbp)
+    best, heap, counter = {src.sbp: 0.0}, [(0.0, 0, src.sbp, ())], 1
+    while heap:
+        cost, _, state, path = heapq.heappop(heap)
+        if state == dst.sbp:
+            return cost, path
+        if cost > best.get(state, float("inf")):
+            continue
+        for axis in range(len(state)):
+            for new in cands:
+                if new == state[axis] or not planning._valid(state, axis, new):
+                    continue
+                nxt = state[:axis] + (new,) + state[axis + 1:]
+                step = planning._axis_step(Layout.make(src.shape, src.placement, state),
+                                           Layout.make(src.shape, src.placement, nxt),
+                                           axis, itemsize)
+                if step is None:
+                    continue
+                c = cost + step.cost(itemsize)
+                if c < best.get(nxt, float("inf")) - 1e-15:
+                    best[nxt] = c
+                    heapq.heappush(heap, (c, counter, nxt, path + (step,)))
+                    counter += 1
+    return None
+
+
+def every_general_route(src: Layout, dst: Layout, itemsize: int, bound: float):
+    """(cost, steps) of the cheapest general route under ``bound``, pricing every one."""
+    best = None
+    for mid in planning._reduced_sources(src):
+        pre = (0.0, ()) if mid == src else fresh_search(src, mid, itemsize)
+        if pre is None:
+            continue
+        transfer = Transfer.between(mid, dst)
+        total = pre[0] + transfer.cost(itemsize)
+        if total < (bound if best is None else best[0]):
+            best = (total, pre[1] + (transfer,))
+    return best
+
+
+SBPS = [S.broadcast, S.partial_sum, S.partial_max, S.split(0), S.split(1)]
+MESHES = [[[0, 1], [2, 3]], [[0, 1, 2, 3], [4, 5, 6, 7]], [[3, 1], [0, 2]], [0, 1, 2]]
+
+
+def layouts(shape, p):
+    return [Layout.make(shape, p, nd) for nd in itertools.product(SBPS, repeat=p.ndim)]
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=str)
+@pytest.mark.parametrize("shape", [(5, 3), (4, 8), (1, 6)], ids=str)
+def test_kept_searches_plan_as_a_search_per_pair(mesh, shape):
+    planning.clear_caches()
+    p = Placement("cpu", mesh)
+    every = layouts(shape, p)
+    for src, dst in itertools.product(every, every):   # one search per source, resumed
+        got = planning.plan_boxing(src, dst, 4)
+        want = fresh_search(src, dst, 4) if src != dst else (0.0, ())
+        assert (None if got is None else (got.cost, got.steps)) == want, (src, dst)
+
+
+@pytest.mark.parametrize("shape", [(5, 3), (4, 8)], ids=str)
+def test_pruned_general_routes_are_the_cheapest(shape):
+    planning.clear_caches()
+    placements = [Placement("cpu", m) for m in MESHES]
+    for p, q in [(placements[0], placements[0]), (placements[1], placements[1]),
+                 (placements[0], placements[1]), (placements[3], placements[0]),
+                 (placements[2], placements[3])]:
+        for src, dst in itertools.product(layouts(shape, p), layouts(shape, q)[::2]):
+            same = planning.plan_boxing(src, dst, 4)
+            bound = float("inf") if same is None else same.cost
+            got = planning.general_plan(src, dst, 4, bound)
+            want = every_general_route(src, dst, 4, bound)
+            assert (None if got is None else (got.cost, got.steps)) == want, (src, dst)
+
+
+def test_transfers_are_priced_without_their_moves():
+    # transfer_cost is the moves' cost to the bit; transfer_floor bounds it, and is
+    # it where every piece is a local copy
+    plain = [S.broadcast, S.split(0), S.split(1), S.split(2)]
+    placements = [Placement("cpu", m) for m in MESHES + [[5], [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]]]
+    exact = 0
+    for shape in [(5, 3, 2), (8, 4, 1), (1, 2, 7), (0, 3, 4)]:
+        for p, q in itertools.product(placements, placements[:3] + placements[4:]):
+            mids = [Layout.make(shape, p, nd) for nd in itertools.product(plain, repeat=p.ndim)]
+            dsts = [Layout.make(shape, q, nd) for nd in itertools.product(
+                [S.broadcast, S.partial_sum, S.partial_max, S.split(0), S.split(2)],
+                repeat=q.ndim)]
+            for mid, dst in itertools.product(mids[::3], dsts[::2]):
+                cost = Transfer.between(mid, dst).cost(2)
+                assert transfer_price.transfer_cost(mid, dst, 2) == cost, (mid, dst)
+                floor = transfer_price.transfer_floor(mid, dst, 2)
+                assert floor <= cost, (mid, dst)
+                if all(m.src == m.dst for m in Transfer.between(mid, dst).moves):
+                    assert floor == cost, (mid, dst)
+                    exact += 1
+    assert exact > 0
+
+
+def test_route_cost_is_the_plans_cost():
+    # step planning prices with route_cost, which makes no plan: strided splits (on
+    # the refined view, or through broadcast), partials, other placements
+    planning.clear_caches()
+    placements = [Placement("cpu", m) for m in MESHES]
+    sbps = SBPS + [S.split(1, blocks=2), S.split(0, blocks=2)]
+    for shape in [(4, 8), (6, 4)]:
+        every = {}
+        for p in placements:
+            every[p] = []
+            for nd in itertools.product(sbps, repeat=p.ndim):
+                try:
+                    every[p].append(Layout.make(shape, p, nd))
+                except ValueError:
+                    pass
+        for p, q in [(placements[0], placements[0]), (placements[1], placements[1]),
+                     (placements[0], placements[3])]:
+            for src, dst in itertools.product(every[p], every[q][::2]):
+                assert planning.route_cost(src, dst, 4) == \
+                    planning.plan_route(src, dst, 4).cost, (src, dst)
