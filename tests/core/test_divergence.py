@@ -31,16 +31,21 @@ def check_member_only_groups():
         assert y.to_global(sbp=gt.sbp.broadcast).to_local().tolist() == [2.0] * 3
 
 
-def check_collective_one_rank_skips():
-    import datetime
+def _split_on_ranks_0_and_1():
+    """(rank, a split tensor on ranks [0, 1] whose group exists, the default store)."""
     import torch.distributed as dist
     import globaltensor as gt
     r = gt.get_rank()
-    p = gt.placement("cpu", [0, 1])
-    x = gt.ones(4, 2, placement=p, sbp=gt.sbp.split(0))
+    x = gt.ones(4, 2, placement=gt.placement("cpu", [0, 1]), sbp=gt.sbp.split(0))
     if r in (0, 1):
         x.to_global(sbp=gt.sbp.broadcast)  # both join: the group exists
-    store = dist.distributed_c10d._get_default_store()
+    return r, x, dist.distributed_c10d._get_default_store()
+
+
+def check_collective_one_rank_skips():
+    import datetime
+    import globaltensor as gt
+    r, x, store = _split_on_ranks_0_and_1()
     if r == 0:  # rank 1 never joins this one
         start = time.monotonic()
         with pytest.raises(gt.debug.CollectiveError) as info:
@@ -71,14 +76,8 @@ def check_collective_after_a_metric_on_one_rank_names_it():
     # GLOBALTENSOR_TIMEOUT; in a job as soon as rank 0's process ends) naming rank 0's
     # mean as the cause, not only its own to_global.
     import datetime
-    import torch.distributed as dist
     import globaltensor as gt
-    r = gt.get_rank()
-    p = gt.placement("cpu", [0, 1])
-    x = gt.ones(4, 2, placement=p, sbp=gt.sbp.split(0))
-    if r in (0, 1):
-        x.to_global(sbp=gt.sbp.broadcast)  # both join: the group exists
-    store = dist.distributed_c10d._get_default_store()
+    r, x, store = _split_on_ranks_0_and_1()
     metric = "reduce the torch.float32 scalar of aten.mean.default"
     if r == 0:
         with pytest.raises(gt.debug.CollectiveError) as info:
