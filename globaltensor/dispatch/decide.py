@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten
 from .. import comm
 from ..advice import dtensor_operand_error, is_dtensor
 from ..boxing import plan_route
+from ..boxing.plan import route_cost
 from ..layout import Layout
 from ..placement import Placement
 from ..rules.registry import lookup, lookup_check
@@ -315,18 +316,27 @@ def _padded_partial_cost(out, placement: Placement, sbp: tuple, current: list,
                     for c, t in zip(current, targets))]
     if not axes:
         return 0.0
-    src = Layout.make(out.shape, placement, sbp)
-    size = out.element_size()
+    return _cheapest_reductions(tuple(out.shape), placement, tuple(sbp), tuple(axes),
+                                out.element_size())
+
+
+@functools.lru_cache(maxsize=8192)
+def _cheapest_reductions(shape: tuple, placement: Placement, sbp: tuple, axes: tuple,
+                         size: int) -> float:
+    """The cheapest reduction out of each partial axis of ``axes``, summed. Cached: a
+    2-D placement's signatures ask about the same few outputs thousands of times in a
+    first step (two thirds of it, priced afresh)."""
+    src = Layout.make(shape, placement, sbp)
     cost = 0.0
     for a in axes:
-        ends = [broadcast] + [Split(d) for d in range(out.dim())
-                              if out.shape[d] >= placement.shape[a]]
+        ends = [broadcast] + [Split(d) for d in range(len(shape))
+                              if shape[d] >= placement.shape[a]]
         found = []
         for e in ends:
             try:
-                found.append(plan_route(src, Layout.make(out.shape, placement,
+                found.append(route_cost(src, Layout.make(shape, placement,
                                                          sbp[:a] + (e,) + sbp[a + 1:]),
-                                        size).cost)
+                                        size))
             except ValueError:   # a split of a dim another axis splits strided
                 continue
         cost += min(found)
