@@ -316,8 +316,11 @@ def _padded_partial_cost(out, placement: Placement, sbp: tuple, current: list,
                     for c, t in zip(current, targets))]
     if not axes:
         return 0.0
-    return _cheapest_reductions(tuple(out.shape), placement, tuple(sbp), tuple(axes),
-                                out.element_size())
+    shape = tuple(out.shape)
+    # (a traced dynamic size is a SymInt, which no cache can key on)
+    price = _cheapest_reductions if all(type(n) is int for n in shape) \
+        else _cheapest_reductions.__wrapped__
+    return price(shape, placement, tuple(sbp), tuple(axes), out.element_size())
 
 
 @functools.lru_cache(maxsize=8192)
