@@ -1,28 +1,91 @@
-"""The alpha-beta cost model every boxing step prices itself with.
+"""The alpha-beta cost model every boxing step prices itself with, per backend.
 
-The absolute numbers matter less than their ratios; these fit gloo on loopback TCP.
+A placement's device chooses the backend that carries its collectives (gloo for cpu;
+NCCL for cuda where every rank has a GPU of its own, else gloo: ``comm.backend_of``),
+and the backend chooses the constants. The absolute numbers matter less than their
+ratios: they decide which route wins, and what a move costs against compute.
+
+>>> costs_for("cpu").backend
+'gloo'
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import lru_cache
 
+from .. import comm
 from ..layout import Layout
 
-# One collective: seconds per message and per byte.
-ALPHA = 30e-6
-# Starting one collective from Python (planning, packing, the call, the wait) costs
-# about this on top of its messages (a bare all-reduce of one element between two
-# processes here: 0.22-0.28 ms with the machine loaded), so two collectives of half the
-# bytes each (a reduce-scatter, then an all-gather) cost more than one all-reduce.
-LAUNCH = 250e-6
-BETA = 1.0 / 1.5e9
-# Local copies cost memory bandwidth only; keep them cheap but not free so a route
-# with fewer copies wins a tie.
-GAMMA = BETA / 20
-# Point-to-point messages are slower per byte than tuned collectives on gloo; the
-# penalty makes collectives win ties on one placement.
-P2P_BETA = BETA * 1.25
+
+@dataclass(frozen=True)
+class Costs:
+    """One backend's constants (seconds, and seconds per byte).
+
+    ``alpha``: one message of a collective; ``launch``: starting one collective from
+    Python (planning, packing, the call, the wait) on top of its messages; ``beta``: a
+    byte through a collective; ``gamma``: a byte copied locally (cheap, but dearer than
+    a view, so a route with fewer copies wins a tie); ``p2p_beta``: a byte sent
+    point-to-point; ``native_reduce_scatter``: the backend reduces and scatters in one
+    collective (else a partial -> split is an exchange of parts and a local sum).
+    """
+    backend: str
+    alpha: float
+    launch: float
+    beta: float
+    gamma: float
+    p2p_beta: float
+    native_reduce_scatter: bool
+
+    def describe(self) -> str:
+        """One line for ``gt.debug.explain``: the backend and its constants."""
+        return (f"priced for {self.backend}: launch {self.launch * 1e6:.0f} us, "
+                f"alpha {self.alpha * 1e6:.0f} us, {1 / self.beta / 1e9:.1f} GB/s "
+                f"collective, {1 / self.p2p_beta / 1e9:.1f} GB/s point-to-point, "
+                f"{1 / self.gamma / 1e9:.0f} GB/s local copy")
+
+
+# gloo on loopback TCP, measured here: a bare all-reduce of one element between two
+# processes costs 0.22-0.28 ms with the machine loaded, so two collectives of half the
+# bytes each (a reduce-scatter, then an all-gather) cost more than one all-reduce;
+# point-to-point messages are slower per byte than its tuned collectives, which makes
+# collectives win ties on one placement; its reduce_scatter is slower than an exchange
+# of parts and a local sum (docs/DESIGN.md).
+GLOO = Costs("gloo", alpha=30e-6, launch=250e-6, beta=1 / 1.5e9, gamma=1 / 30e9,
+             p2p_beta=1 / 1.2e9, native_reduce_scatter=False)
+
+# NCCL between the GPUs of one node (NVLink; bus bandwidth of an 8-GPU H100/H200 node
+# about 150-400 GB/s): a launch is the host's cost of one call (tens of microseconds of
+# Python and a kernel launch), a copy runs at device memory bandwidth (about 3 TB/s
+# read plus write on an H200), and reduce_scatter is one kernel, cheaper than the
+# exchange gloo needs.
+NCCL = Costs("nccl", alpha=10e-6, launch=40e-6, beta=1 / 150e9, gamma=1 / 1500e9,
+             p2p_beta=1 / 120e9, native_reduce_scatter=True)
+
+_BY_BACKEND = {"gloo": GLOO, "nccl": NCCL}
+
+
+def costs_for(device_type: str) -> Costs:
+    """The constants of the backend that carries ``device_type``'s collectives (gloo's
+    for a backend without constants of its own).
+
+    >>> costs_for("cpu") is GLOO
+    True
+    """
+    return _BY_BACKEND.get(comm.backend_of(device_type), GLOO)
+
+
+def costs_of(*layouts: Layout) -> Costs:
+    """The constants for a move between ``layouts``: the slowest backend among their
+    placements' (cpu <-> cuda goes at gloo's pace).
+
+    >>> costs_of(src_layout, dst_layout).backend     # doctest: +SKIP
+    'nccl'
+    """
+    kinds = {layout.placement.type for layout in layouts}
+    if len(kinds) == 1:
+        return costs_for(next(iter(kinds)))
+    return max((costs_for(k) for k in kinds), key=lambda c: c.beta)
 
 
 def max_local_bytes(layout: Layout, itemsize: int) -> int:

@@ -9,7 +9,9 @@ def format_plan(plan) -> str:
              f"route: {plan.route}, {len(plan.steps)} step(s), "
              f"estimated {plan.cost * 1e3:.3f} ms"]
     if not plan.steps:
-        lines.append("  (nothing to do: layouts are equal)")
+        lines.append("  (nothing to do: every rank's part stays as it is)")
+    else:
+        lines.append(plan.steps[0].costs.describe())
     for i, step in enumerate(plan.steps, 1):
         lines.append(f"  {i}. {step}")
         lines.extend("       " + line for line in step.describe(plan.itemsize))

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..layout import Layout
 from ..partials import identity_fill
-from .cost import ALPHA, GAMMA, LAUNCH, P2P_BETA
+from .cost import costs_of
 
 
 @lru_cache(maxsize=16384)
@@ -34,9 +34,10 @@ def transfer_floor(src: Layout, dst: Layout, itemsize: int) -> float:
         piece = None if own is None else want.intersect(own)
         lacking = max(lacking, size - (0 if piece is None else piece.numel))
         whole = max(whole, size)
+    k = costs_of(src, dst)
     if lacking:
-        return LAUNCH + ALPHA + P2P_BETA * (lacking * itemsize)
-    return GAMMA * (whole * itemsize)
+        return k.launch + k.alpha + k.p2p_beta * (lacking * itemsize)
+    return k.gamma * (whole * itemsize)
 
 
 @lru_cache(maxsize=16384)
@@ -63,8 +64,9 @@ def transfer_cost(src: Layout, dst: Layout, itemsize: int) -> float:
     received = (elements * away).sum(axis=1)
     copied = (elements * (moved & here)).sum(axis=1)
     worst_bytes = max(int(sent.max()), int(received.max())) * itemsize
-    return (LAUNCH * bool(away.any()) + ALPHA * int(messages.max())
-            + P2P_BETA * worst_bytes + GAMMA * (int(copied.max()) * itemsize))
+    k = costs_of(src, dst)
+    return (k.launch * bool(away.any()) + k.alpha * int(messages.max())
+            + k.p2p_beta * worst_bytes + k.gamma * (int(copied.max()) * itemsize))
 
 
 @lru_cache(maxsize=4096)

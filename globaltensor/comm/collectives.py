@@ -121,6 +121,29 @@ def all_reduce_(t: torch.Tensor, reduce: str, ranks: tuple[int, ...]) -> None:
         host.finish()
 
 
+def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, reduce: str,
+                        ranks: tuple[int, ...]) -> None:
+    """``out`` (contiguous, ``inp.numel() / len(ranks)`` elements) receives the
+    reduction ("sum" or "max") over the members of chunk ``i`` of ``inp`` along dim 0,
+    ``i`` this rank's place in ``ranks``: one native collective (NCCL's kernel)."""
+    if len(ranks) == 1:
+        out.copy_(inp.view(out.shape))
+        return
+    if tracing():
+        out.copy_(funcol.reduce_scatter_tensor(inp.contiguous(), reduce, 0,
+                                               get_group(ranks)).view(out.shape))
+        return
+    stats.record("reduce_scatter", _nbytes(inp) * (len(ranks) - 1) // len(ranks))
+    dst, src = out, inp.contiguous()
+    host = _HostCopies() if _staged("reduce_scatter", out.device) else None
+    if host is not None:
+        dst, src = host.receive(out), host.send(src)
+    guarded("reduce_scatter", ranks, lambda: dist.reduce_scatter_tensor(
+        dst, src, op=_REDUCE_OPS[reduce], group=get_group(ranks)))
+    if host is not None:
+        host.finish()
+
+
 class _Done:
     def wait(self) -> None:
         pass

@@ -191,6 +191,25 @@ def device_backend(device_type: str) -> str:
     return backend
 
 
+def backend_of(device_type: str) -> str:
+    """The backend that carries (or, before ``init``, would carry) ``device_type``'s
+    collectives, read without starting the world or warning: what the cost model
+    prices with. Before ``init``, cuda is taken as NCCL where torch has it and this
+    process sees a GPU.
+
+    >>> backend_of("cpu")
+    'gloo'
+    """
+    if device_type == "cpu":
+        return "gloo"
+    known = _device_backends.get(device_type)
+    if known is not None:
+        return known
+    if dist.is_initialized():
+        return device_backend(device_type)
+    return "nccl" if dist.is_nccl_available() and torch.cuda.device_count() else "gloo"
+
+
 def bind_gloo_to_address(addr: str) -> None:
     """Make every gloo group this process creates from now on send and receive on
     ``addr`` (an address of this machine), not on the address its hostname resolves to.

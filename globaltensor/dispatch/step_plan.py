@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 from ..boxing.plan import forget_searches, route_cost
-from ..boxing.cost import LAUNCH, max_local_bytes
+from ..boxing.cost import costs_of, max_local_bytes
 from ..sbp import Broadcast, Partial
 from . import solve
 from .decide import Decision, Options
@@ -103,7 +103,7 @@ def plan_step(record: list, sinks: tuple = (), pin_grads: tuple = ()) -> StepPla
 
 
 def _plan(record: list, sinks: tuple, pin_grads: tuple) -> StepPlan:
-    problem, compute, bucketed = _problem(record, sinks, pin_grads)
+    problem, compute, bucketed, launch = _problem(record, sinks, pin_grads)
     start = [n.opts.greedy if n.opts is not None else 0 for n in record]
     # Communication alone (compute free) gives a second start: the layouts that move
     # the fewest bytes (Megatron's, on a transformer) differ from per-op choice in long
@@ -112,12 +112,12 @@ def _plan(record: list, sinks: tuple, pin_grads: tuple) -> StepPlan:
                           for costs, work in zip(problem.unary, compute)], problem.edges)
     seed = solve.propagate(talk, solve.improve(talk, solve.forward_dp(talk)), sweeps=1)
     choice = solve.solve(problem, start, seeds=(seed,))
-    total = _with_bucket_launch(problem, bucketed)
+    total = _with_bucket_launch(problem, bucketed, launch)
     if bucketed and total(choice) > problem.total(choice):
         # The gradient bucket was priced as launched anyway. Where no other gradient
         # needs it (a tensor-parallel step), the choices that fill it pay its launch
         # alone: the same problem with every bucketed reduction paying a launch.
-        alone = solve.Problem([[c + LAUNCH * bucketed.get((v, o), 0) for o, c in
+        alone = solve.Problem([[c + launch * bucketed.get((v, o), 0) for o, c in
                                 enumerate(costs)] for v, costs in enumerate(problem.unary)],
                               problem.edges)
         other = solve.refine(alone, choice)
@@ -128,13 +128,13 @@ def _plan(record: list, sinks: tuple, pin_grads: tuple) -> StepPlan:
     return StepPlan(record, total(start), total(choice), 0.0, problem)
 
 
-def _with_bucket_launch(problem: solve.Problem, bucketed: dict):
-    """The step's cost: ``problem``'s total, plus one launch of the gradient bucket
+def _with_bucket_launch(problem: solve.Problem, bucketed: dict, launch: float):
+    """The step's cost: ``problem``'s total, plus one ``launch`` of the gradient bucket
     when any chosen option reduces a gradient into it (``bucketed``: {(node, option):
     how many gradients it reduces there})."""
     def total(choice: list) -> float:
         used = any((v, o) in bucketed for v, o in enumerate(choice))
-        return problem.total(choice) + (LAUNCH if used else 0.0)
+        return problem.total(choice) + (launch if used else 0.0)
     return total
 
 
@@ -202,13 +202,14 @@ def _sink_cost(src, leaf, itemsize: int, cache: dict, kind: str = "gradient") ->
     cost = _route_cost(src, leaf, itemsize, cache)
     if kind == "gradient" and cost and leaf.sbp == tuple(Broadcast() if isinstance(g, Partial)
                                              and g.reduce == "sum" else g for g in src.sbp):
-        return max(cost - LAUNCH, 1e-9), True
+        return max(cost - costs_of(src).launch, 1e-9), True
     return cost, False
 
 
 def _problem(record: list, sinks: tuple = (), pin_grads: tuple = ()) -> tuple:
     """(the min-sum problem of the recorded calls, each option's compute cost, the
-    options that reduce gradients into the bucket: {(node, option): how many})."""
+    options that reduce gradients into the bucket: {(node, option): how many}, the
+    bucket's launch cost)."""
     written = _written_views(record)
     prices = _Prices()
     unary, edges, compute = [], [], []
@@ -249,6 +250,7 @@ def _problem(record: list, sinks: tuple = (), pin_grads: tuple = ()) -> tuple:
         w = made_by[0]
         edges.append((u, w, [list(r) for r in zip(*price)]) if u < w else (w, u, price))
     bucketed: dict = {}
+    launch = 0.0
     for u, k, leaf, size, kind in sinks:
         for o, (_, outs) in enumerate(record[u].signatures()):
             if k < len(outs) and outs[k] is not None:
@@ -256,7 +258,8 @@ def _problem(record: list, sinks: tuple = (), pin_grads: tuple = ()) -> tuple:
                 unary[u][o] += cost
                 if in_bucket:
                     bucketed[u, o] = bucketed.get((u, o), 0) + 1
-    return solve.Problem(unary, edges), compute, bucketed
+                    launch = max(launch, costs_of(outs[k]).launch)
+    return solve.Problem(unary, edges), compute, bucketed, launch
 
 
 class _Prices:

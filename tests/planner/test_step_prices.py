@@ -61,7 +61,7 @@ def test_shared_prices_equal_prices_pair_by_pair(mesh):
     p = Placement("cpu", mesh)
     rng = random.Random(len(mesh[0]))
     record = _record(p, rng)
-    problem, compute, _ = _problem(record)
+    problem, compute, _, _ = _problem(record)
     for v, node in enumerate(record):
         sigs = node.signatures()
         want = [_compute_seconds(node.func, *sig) for sig in sigs]

@@ -17,7 +17,7 @@ from typing import Callable, ClassVar
 import torch
 
 from ...layout import Layout, balanced_split
-from ..cost import max_local_bytes
+from ..cost import Costs, costs_of, max_local_bytes
 from .registry import register
 
 Locals = dict  # rank -> torch.Tensor, the simulator's per-rank tensors
@@ -83,6 +83,11 @@ class Step:
     @property
     def kind(self) -> str:
         return type(self).__name__
+
+    @property
+    def costs(self) -> Costs:
+        """The constants of the backend that runs this step (``boxing/cost.py``)."""
+        return costs_of(self.src, self.dst)
 
     @abstractmethod
     def cost(self, itemsize: int) -> float:

@@ -9,7 +9,6 @@ import torch
 from ... import comm
 from ...partials import reduce_values
 from ...sbp import Broadcast, Partial, Split
-from ..cost import ALPHA, BETA, GAMMA, LAUNCH
 from .base import AxisStep, Handle, Locals, reduce_of
 
 
@@ -36,8 +35,8 @@ class AllGather(AxisStep):
         return None
 
     def cost(self, itemsize):
-        n = self.group_size
-        return LAUNCH + ALPHA * (n - 1) + BETA * self.bytes_out(itemsize) * (n - 1) / n
+        n, k = self.group_size, self.costs
+        return k.launch + k.alpha * (n - 1) + k.beta * self.bytes_out(itemsize) * (n - 1) / n
 
     def start(self, x, rank, own=False):
         members, d = self.members(rank), self.dim
@@ -73,8 +72,9 @@ class AllReduce(AxisStep):
         return None
 
     def cost(self, itemsize):
-        n = self.group_size
-        return LAUNCH + 2 * ALPHA * (n - 1) + 2 * BETA * self.bytes_in(itemsize) * (n - 1) / n
+        n, k = self.group_size, self.costs
+        return (k.launch + 2 * k.alpha * (n - 1)
+                + 2 * k.beta * self.bytes_in(itemsize) * (n - 1) / n)
 
     def start(self, x, rank, own=False):
         # one copy at most (contiguous() then clone() copied a strided part twice)
@@ -104,18 +104,22 @@ class ReduceScatter(AxisStep):
         return None
 
     def cost(self, itemsize):
-        n, b_in = self.group_size, self.bytes_in(itemsize)
-        return LAUNCH + ALPHA * (n - 1) + BETA * b_in * (n - 1) / n + GAMMA * b_in
+        n, b_in, k = self.group_size, self.bytes_in(itemsize), self.costs
+        moved = k.launch + k.alpha * (n - 1) + k.beta * b_in * (n - 1) / n
+        # the exchange's local sum reads every part once more; a native reduce_scatter
+        # reduces as the bytes arrive
+        return moved if k.native_reduce_scatter else moved + k.gamma * b_in
 
     def start(self, x, rank, own=False):
-        # An exchange of parts plus a local reduction, on every backend: on gloo it beats
-        # reduce_scatter (measured, docs/DESIGN.md); NCCL was not measured here. Point-to-point
-        # rather than all_to_all_single: our own part never travels or is copied into
-        # the exchange buffer, and it is one operand of the sum, which writes the result
-        # in one pass (for 2 ranks a single add).
         members, d = self.members(rank), self.dim
         parts = self.parts(x.shape[d])
         me = members.index(rank)
+        if self.costs.native_reduce_scatter:
+            return Handle.ready(self._native(x, members, parts, me))
+        # gloo: an exchange of parts plus a local reduction beats its reduce_scatter
+        # (measured, docs/DESIGN.md). Point-to-point rather than all_to_all_single: our
+        # own part never travels or is copied into the exchange buffer, and it is one
+        # operand of the sum, which writes the result in one pass (for 2 ranks one add).
         if comm.tracing():
             return Handle.ready(self._traced(x, members, parts, me))
         mine = x.narrow(d, *parts[me])
@@ -142,6 +146,21 @@ class ReduceScatter(AxisStep):
                 op(out, buf, out=out)
             return out
         return Handle(work, combine)
+
+    def _native(self, x, members, parts, me):
+        # One reduce_scatter (NCCL's is a single kernel): parts padded to the largest and
+        # laid end to end along dim 0 (x itself when the split is even on dim 0).
+        d, n, biggest = self.dim, len(members), parts[0][1]
+        if d == 0 and all(size == biggest for _, size in parts) and x.is_contiguous():
+            sent = x
+        else:
+            sent = torch.cat([_padded(x.narrow(d, offset, size), d, biggest).movedim(d, 0)
+                              for offset, size in parts])
+        out = sent.new_empty((sent.shape[0] // n,) + tuple(sent.shape[1:]))
+        comm.reduce_scatter_into(out, sent, reduce_of(self.reduce, x.dtype), members)
+        if sent is x:
+            return out
+        return out[:parts[me][1]].movedim(0, d).contiguous()
 
     def _traced(self, x, members, parts, me):
         # The form a graph can hold, as the eager exchange: parts padded to the largest
@@ -181,8 +200,8 @@ class AllToAll(AxisStep):
         return None
 
     def cost(self, itemsize):
-        n, b_in = self.group_size, self.bytes_in(itemsize)
-        return LAUNCH + ALPHA * (n - 1) + BETA * b_in * (n - 1) / n + GAMMA * b_in
+        n, b_in, k = self.group_size, self.bytes_in(itemsize), self.costs
+        return k.launch + k.alpha * (n - 1) + k.beta * b_in * (n - 1) / n + k.gamma * b_in
 
     def start(self, x, rank, own=False):
         # Point-to-point instead of all_to_all_single: our own part never travels, each

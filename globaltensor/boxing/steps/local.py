@@ -8,7 +8,6 @@ import torch
 
 from ...partials import identity_value
 from ...sbp import Broadcast, Partial, Split
-from ..cost import GAMMA
 from .base import AxisStep, Handle, Locals
 
 
@@ -25,7 +24,7 @@ class LocalSlice(AxisStep):
         return None
 
     def cost(self, itemsize):
-        return GAMMA * self.bytes_out(itemsize)
+        return self.costs.gamma * self.bytes_out(itemsize)
 
     def start(self, x, rank, own=False):
         c = self.src.placement.coord(rank)[self.axis]
@@ -51,7 +50,7 @@ class ZeroNonRoot(AxisStep):
         return None
 
     def cost(self, itemsize):
-        return GAMMA * self.bytes_out(itemsize)
+        return self.costs.gamma * self.bytes_out(itemsize)
 
     def start(self, x, rank, own=False):
         if self.src.placement.coord(rank)[self.axis] == 0:
@@ -99,7 +98,7 @@ class PadToPartial(AxisStep):
         return None
 
     def cost(self, itemsize):
-        return GAMMA * self.bytes_out(itemsize)
+        return self.costs.gamma * self.bytes_out(itemsize)
 
     def _pad(self, x: torch.Tensor, rank: int, index: int) -> torch.Tensor:
         shape = self.dst.local_shape(rank)

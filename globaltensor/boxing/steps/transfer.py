@@ -16,7 +16,6 @@ import torch
 from ... import comm
 from ...layout import Layout, Region
 from ...partials import identity_fill, identity_value
-from ..cost import ALPHA, GAMMA, LAUNCH, P2P_BETA
 from .base import Handle, Locals, Step
 
 
@@ -83,8 +82,9 @@ class Transfer(Step):
             messages[m.src] = messages.get(m.src, 0) + 1
             messages[m.dst] = messages.get(m.dst, 0) + 1
         worst_bytes = max(list(sent.values()) + list(received.values()) + [0])
-        return (LAUNCH * bool(messages) + ALPHA * max(list(messages.values()) + [0])
-                + P2P_BETA * worst_bytes + GAMMA * max(list(copied.values()) + [0]))
+        k = self.costs
+        return (k.launch * bool(messages) + k.alpha * max(list(messages.values()) + [0])
+                + k.p2p_beta * worst_bytes + k.gamma * max(list(copied.values()) + [0]))
 
     def start(self, x: torch.Tensor, rank: int, own: bool = False) -> Handle:
         """Post this rank's sends and receives and return at once (pipeline hand-offs

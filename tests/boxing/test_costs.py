@@ -1,0 +1,108 @@
+"""Per-backend cost constants: a placement's device chooses the backend, the backend the
+constants; NCCL's partial -> split is one native reduce_scatter (run here on gloo's
+reduce_scatter with NCCL's constants: the same code path), and explain names the
+constants it priced with."""
+import contextlib
+
+import pytest
+import torch
+
+import globaltensor as gt
+from globaltensor.boxing import cost, plan as boxing_plan
+from globaltensor.boxing.steps.collectives import ReduceScatter
+from globaltensor.layout import Layout
+from globaltensor.placement import Placement
+from globaltensor.sbp import broadcast, partial_sum, split
+from mp import checks_in_worlds
+
+
+@contextlib.contextmanager
+def _gloo_priced_as_nccl():
+    """cpu placements priced, and run, with NCCL's constants (plans made again)."""
+    saved = cost._BY_BACKEND["gloo"]
+    cost._BY_BACKEND["gloo"] = cost.NCCL
+    boxing_plan.clear_caches()
+    try:
+        yield
+    finally:
+        cost._BY_BACKEND["gloo"] = saved
+        boxing_plan.clear_caches()
+
+
+def test_cpu_is_priced_as_gloo_and_cuda_before_init_as_its_backend():
+    assert cost.costs_for("cpu") is cost.GLOO
+    expected = cost.NCCL if torch.distributed.is_nccl_available() and torch.cuda.device_count() \
+        else cost.GLOO
+    if not torch.distributed.is_initialized():
+        assert cost.costs_for("cuda") is expected
+
+
+def test_a_cross_device_move_goes_at_the_slower_pace(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setitem(cost._BY_BACKEND, "nccl", cost.NCCL)
+    monkeypatch.setattr(gt.comm, "backend_of", lambda d: "nccl" if d == "cuda" else "gloo")
+    a = Layout.make((8,), Placement("cpu", [0, 1]), split(0))
+    b = Layout.make((8,), Placement("cuda", [0, 1]), split(0))
+    assert cost.costs_of(b) is cost.NCCL
+    assert cost.costs_of(a, b) is cost.GLOO
+
+
+def test_nccl_prices_reduce_scatter_without_the_local_sum(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    src = Layout.make((1024, 64), Placement("cpu", [0, 1]), partial_sum)
+    dst = Layout.make((1024, 64), Placement("cpu", [0, 1]), split(0))
+    gloo = ReduceScatter.for_axis(0, src, dst).cost(4)
+    with _gloo_priced_as_nccl():
+        step = ReduceScatter.for_axis(0, src, dst)
+        k = cost.NCCL
+        moved = 1024 * 64 * 4
+        assert step.cost(4) == pytest.approx(k.launch + k.alpha + k.beta * moved / 2)
+        assert step.cost(4) < gloo
+        assert "priced for nccl" in str(boxing_plan.plan_route(src, dst))
+    text = str(boxing_plan.plan_route(src, dst))
+    assert "priced for gloo" in text and "GB/s" in text, text
+
+
+def test_explain_names_the_backend():
+    x = gt.randn(4, 6, placement=gt.placement("cpu", [0]), sbp=broadcast)
+    assert "nothing to do" in str(gt.debug.explain(x, sbp=split(0)))
+
+
+# --------------------------------------------------------------------------------------
+# in worlds of 2 and 4: the native reduce_scatter's values
+# --------------------------------------------------------------------------------------
+
+def check_native_reduce_scatter_values():
+    """partial -> split by one reduce_scatter (even and uneven parts, dim 0 and 1, sum
+    and max, a 2-D placement's inner axis) equals the one-process value."""
+    n = gt.get_world_size()
+    rank = gt.get_rank()
+    meshes = [gt.placement("cpu", list(range(n)))]
+    if n == 4:
+        meshes.append(gt.placement("cpu", [[0, 1], [2, 3]]))
+    with _gloo_priced_as_nccl():
+        for P in meshes:
+            for shape, dim in [((8, 6), 0), ((7, 5), 0), ((6, 9), 1), ((3, 4, 5), 2)]:
+                for reduce in (partial_sum, gt.sbp.partial_max):
+                    torch.manual_seed(shape[0] * 10 + dim)
+                    addends = [torch.randn(shape) for _ in range(n)]
+                    whole = torch.stack(addends).sum(0) if reduce == partial_sum else \
+                        torch.stack(addends).amax(0)
+                    sbp = (reduce,) * P.ndim
+                    dst = (split(dim),) * P.ndim if P.ndim == 1 else (broadcast, split(dim))
+                    if P.ndim == 2:     # reduce the outer axis first, by an all-reduce
+                        sbp = (broadcast, reduce)
+                        whole = addends[0] + addends[1] if reduce == partial_sum else \
+                            torch.maximum(addends[0], addends[1])
+                        mine = addends[P.coord(rank)[1]]
+                    else:
+                        mine = addends[rank]
+                    x = gt.from_local(mine, placement=P, sbp=sbp)
+                    with gt.debug.comm_stats() as counted:
+                        y = x.to_global(P, dst)
+                    assert counted.calls.get("reduce_scatter", 0) == 1, counted.calls
+                    torch.testing.assert_close(y.full(), whole)
+
+
+CHECKS = ["check_native_reduce_scatter_values"]
+test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
