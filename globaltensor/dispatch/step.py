@@ -143,7 +143,9 @@ def step_boundary(owner: object = None) -> None:
     elif state.mode == "replaying":   # the step ended early (an eval forward): the
         state.plan = None             # plan stays for the steps that follow it
         _set("idle")
-    if ENABLED:
+    # In a world of one every layout holds the same parts (boxing moves nothing), so
+    # a plan would only repeat per-op choice, at the cost of keying every call.
+    if ENABLED and env.get_world_size() > 1:
         state.owner = _token(owner)
         _set("armed")
 
