@@ -62,11 +62,25 @@ def no_sync() -> Iterator[None]:
         _sync = previous
 
 
+# id(leaf) -> a weak reference to it, for each watched leaf: the dispatcher asks on
+# every call that takes a parameter, and a WeakIdKeyDictionary look-up (a new weak key
+# per question) costs several times this one (the reference tells a reused id apart).
+_watched: dict = {}
+
+
 def watch(leaf: GlobalTensor) -> None:
     """Make ``leaf``'s gradient end in its layout (called when a leaf is first used)."""
     global _serial
-    if leaf in _serials or comm.tracing():  # a traced leaf is a stand-in (fake tensor)
+    ref = _watched.get(id(leaf))
+    if (ref is not None and ref() is leaf) or comm.tracing():  # traced: a stand-in
         return
+    if torch._C._current_graph_task_id() != -1:
+        # inside backward: a saved view of a parameter, unpacked anew at each backward,
+        # shows as a leaf; a parameter was first used in its forward
+        return
+    key = id(leaf)
+    _watched[key] = weakref.ref(leaf, lambda r: _watched.pop(key) if _watched.get(key) is r
+                                else None)
     # A serial number, not id(): ids are reused after garbage collection and differ
     # between ranks, while serials follow the program order, the same on every rank.
     _serial += 1
@@ -177,6 +191,10 @@ def _after_accumulate(leaf: GlobalTensor) -> None:
         return
     if _grad_arrived is not None:
         _grad_arrived(grad, leaf.global_layout)
+    if grad.global_layout.same_parts(leaf.global_layout):
+        # differs only on axes of one rank (a world of one): nothing to reduce or move
+        _settle(leaf, grad, to_layout(grad, leaf.global_layout))
+        return
     axes = _reducible_axes(grad.global_layout, leaf.global_layout)
     if axes is None:  # anything but a plain partial-sum reduction: box right away
         _settle(leaf, grad, to_layout(grad, leaf.global_layout))

@@ -114,6 +114,20 @@ class Layout:
     def with_sbp(self, sbp) -> "Layout":
         return Layout.make(self.shape, self.placement, sbp)
 
+    def same_parts(self, other: "Layout") -> bool:
+        """Whether every rank's part of this layout is its part of ``other`` as it is:
+        one shape and placement, and the sbps differ only on axes of one rank, where a
+        split, a partial addend and a broadcast copy all hold the whole region (every
+        axis of a world of one). Boxing between them moves nothing.
+
+        >>> Layout.make((4,), placement("cpu", [0]), split(0)).same_parts(
+        ...     Layout.make((4,), placement("cpu", [0]), broadcast))  # doctest: +SKIP
+        True
+        """
+        return self is other or (self.shape == other.shape and self.placement == other.placement
+                                 and all(a == b or n == 1 for a, b, n in
+                                         zip(self.sbp, other.sbp, self.placement.shape)))
+
     def without_partials(self) -> "Layout":
         """This layout with every partial axis made broadcast: where the reduced value
         lives (a gradient, a saved value, a read), each rank holding its region whole.

@@ -65,20 +65,6 @@ class Plan:
     __repr__ = __str__
 
 
-def same_parts(src: Layout, dst: Layout) -> bool:
-    """Whether every rank's part of ``src`` is its part of ``dst`` as it is: one
-    placement, and the sbps differ only on axes of one rank, where a split, a partial
-    addend and a broadcast copy all hold the whole region (every axis of a world of
-    one). Boxing between them moves nothing.
-
-    >>> same_parts(Layout.make((4,), gt.placement("cpu", [0]), split(0)),
-    ...            Layout.make((4,), gt.placement("cpu", [0]), broadcast))  # doctest: +SKIP
-    True
-    """
-    return src.placement == dst.placement and all(
-        a == b or n == 1 for a, b, n in zip(src.sbp, dst.sbp, src.placement.shape))
-
-
 @lru_cache(maxsize=4096)
 def plan_route(src: Layout, dst: Layout, itemsize: int = 4) -> Plan:
     """The cheapest plan from ``src`` to ``dst``: per-axis steps when both are on one
@@ -88,7 +74,7 @@ def plan_route(src: Layout, dst: Layout, itemsize: int = 4) -> Plan:
     """
     if src.shape != dst.shape:
         raise ValueError(f"cannot box a tensor of shape {src.shape} to shape {dst.shape}")
-    if src == dst or same_parts(src, dst):
+    if src == dst or src.same_parts(dst):
         return Plan(src, dst, (), 0.0, itemsize)
     if src.strided or dst.strided:
         return _strided_route(src, dst, itemsize)
@@ -108,7 +94,7 @@ def route_cost(src: Layout, dst: Layout, itemsize: int = 4) -> float:
     """
     if src.shape != dst.shape:
         raise ValueError(f"cannot box a tensor of shape {src.shape} to shape {dst.shape}")
-    if src == dst or same_parts(src, dst):
+    if src == dst or src.same_parts(dst):
         return 0.0
     if _strided(src) or _strided(dst):
         fine = _refined_pair(src, dst)

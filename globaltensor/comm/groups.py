@@ -262,9 +262,18 @@ def local_device(device_type: str) -> torch.device:
     >>> local_device("cpu")
     device(type='cpu')
     """
-    if device_type == "cuda":
-        return torch.device("cuda", env.get_local_rank() % max(torch.cuda.device_count(), 1))
-    return torch.device(device_type)
+    device = _local_devices.get(device_type)
+    if device is None:   # asked for every op's output: made once (init forgets it)
+        if device_type == "cuda":
+            index = env.get_local_rank() % max(torch.cuda.device_count(), 1)
+            device = torch.device("cuda", index)
+        else:
+            device = torch.device(device_type)
+        _local_devices[device_type] = device
+    return device
+
+
+_local_devices: dict = {}
 
 
 def init() -> None:
@@ -287,6 +296,7 @@ def init() -> None:
         _ready = False
         _generation += 1
     _device_backends.clear()
+    _local_devices.clear()
     _cuda_via_gloo_why = ""  # the program's own group: its backend is its choice, not ours
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=env.timeout_seconds())

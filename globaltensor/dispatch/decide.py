@@ -53,7 +53,8 @@ class Decision:
     out_strides: tuple = ()   # per output leaf: global strides (None: contiguous)
     direct: object = None     # the op's C++ callable (or its local implementation with
                               # ``ctx``) when it runs on the local parts as they are and
-                              # returns one tensor (most repeated calls)
+                              # returns one tensor, or writes its target in place (most
+                              # repeated calls)
     out_consts: tuple = ()    # per output leaf: its value from the meta run when it is not
                               # a tensor (None gradients, sizes): what ranks outside give
     by_value: bool = False    # depends on the values of float arguments, not only types
@@ -366,11 +367,18 @@ def _finish(call: Call, meta: _MetaRun, local, gidx: tuple, targets: tuple,
         in_layouts = tuple(leaves[i]._layout for i in gidx)
     rank = comm.get_rank()
     reduced = _reduced_scalars(func, out_layouts, inplace)
+    if reduced and all(r is None or r.same_parts(r.without_partials()) for r in reduced):
+        # partial only on axes of one rank (a world of one): the addend is the sum
+        out_layouts = [l if r is None else r.without_partials()
+                       for l, r in zip(out_layouts, reduced)]
+        reduced = ()
     shortcut = not inplace and _empty_shortcut(meta.out_leaves, targets, out_layouts, rank)
     single = len(meta.out_leaves) == 1 and isinstance(meta.out, torch.Tensor)
-    direct = (single and not inplace and not fallback and not shortcut and not reduced
+    # Direct: no boxing (inputs already hold their targets' parts: equal layouts, or
+    # layouts that differ only on axes of one rank), nothing to reduce, one output.
+    direct = (single and not fallback and not shortcut and not reduced
               and call.spec.__class__ is tuple and rank in targets[0].placement
-              and all(cur == t for cur, t in zip(in_layouts, targets)))
+              and all(cur == t or cur.same_parts(t) for cur, t in zip(in_layouts, targets)))
     # The context is cached with the decision: it holds meta tensors, not this call's.
     ctx = None if local is None else LocalCtx(
         dataclasses.replace(call, inputs=[meta.leaves[i] for i in gidx], leaves=meta.leaves),

@@ -98,6 +98,8 @@ def _carry_out(func, decision: Decision, leaves, spec, why=None):
         local = [x._local if x.__class__ is GlobalTensor else x for x in leaves]
         n, names = spec
         out = op(*local[:n], **dict(zip(names, local[n:]))) if names else op(*local)
+        if decision.inplace:
+            return leaves[0]
         return wrap_part(out, decision.out_layouts[0], decision.out_strides[0])
     return _run(func, decision, leaves, spec, why)
 
