@@ -23,6 +23,9 @@ from .groups import get_group, init
 from .guard import Waiting, all_gather_single as _all_gather_single, guarded
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+# torch 2.13 renamed reduce_scatter_tensor (deprecated there), with the same signature
+_FUNCTIONAL_REDUCE_SCATTER = getattr(funcol, "reduce_scatter_single", None) or \
+    funcol.reduce_scatter_tensor
 
 
 def tracing() -> bool:
@@ -40,6 +43,16 @@ def _staged(kind: str, device: torch.device) -> bool:
     if device.type == "cpu":
         return False
     return groups.stage_through_host(kind, device.type, groups.device_backend(device.type))
+
+
+def _traced_on_host(kind: str, t: torch.Tensor):
+    """While tracing: ``t`` as the traced collective ``kind`` must take it (a host copy
+    where the group's backend lacks it on ``t``'s device: gloo on cuda), and how to
+    bring its result back to ``t``'s device."""
+    if not _staged(kind, t.device):
+        return t, (lambda r: r)
+    device = t.device
+    return t.cpu(), (lambda r: r.to(device))
 
 
 class _HostCopies:
@@ -90,8 +103,8 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...]
         out.view(-1).copy_(inp.reshape(-1))
         return
     if tracing():
-        out.view(-1).copy_(funcol.all_gather_tensor(inp.contiguous().view(-1), 0,
-                                                    get_group(ranks)))
+        src, back = _traced_on_host("all_gather", inp.contiguous().view(-1))
+        out.view(-1).copy_(back(funcol.all_gather_tensor(src, 0, get_group(ranks))))
         return
     stats.record("all_gather", _nbytes(inp) * (len(ranks) - 1))
     # Flat views: backends check the output as len(ranks) chunks of the input's shape.
@@ -109,7 +122,8 @@ def all_reduce_(t: torch.Tensor, reduce: str, ranks: tuple[int, ...]) -> None:
     if len(ranks) == 1:
         return
     if tracing():
-        t.copy_(funcol.all_reduce(t, reduce, get_group(ranks)))
+        src, back = _traced_on_host("all_reduce" if reduce == "sum" else "all_reduce:max", t)
+        t.copy_(back(funcol.all_reduce(src, reduce, get_group(ranks))))
         return
     stats.record("all_reduce", 2 * _nbytes(t) * (len(ranks) - 1) // len(ranks))
     host = _HostCopies() if _staged("all_reduce" if reduce == "sum" else "all_reduce:max",
@@ -130,8 +144,9 @@ def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, reduce: str,
         out.copy_(inp.view(out.shape))
         return
     if tracing():
-        out.copy_(funcol.reduce_scatter_tensor(inp.contiguous(), reduce, 0,
-                                               get_group(ranks)).view(out.shape))
+        src, back = _traced_on_host("reduce_scatter", inp.contiguous())
+        out.copy_(back(_FUNCTIONAL_REDUCE_SCATTER(src, reduce, 0,
+                                                  get_group(ranks))).view(out.shape))
         return
     stats.record("reduce_scatter", _nbytes(inp) * (len(ranks) - 1) // len(ranks))
     dst, src = out, inp.contiguous()
@@ -195,8 +210,9 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence
         out.copy_(inp)
         return
     if tracing():
-        out.copy_(funcol.all_to_all_single(inp.contiguous(), list(out_splits), list(in_splits),
-                                           get_group(ranks)))
+        src, back = _traced_on_host("all_to_all", inp.contiguous())
+        out.copy_(back(funcol.all_to_all_single(src, list(out_splits), list(in_splits),
+                                                get_group(ranks))))
         return
     me = ranks.index(dist.get_rank())
     stats.record("all_to_all", (sum(in_splits) - in_splits[me]) * inp.element_size())
@@ -215,7 +231,8 @@ def broadcast_(t: torch.Tensor, src: int, ranks: tuple[int, ...]) -> None:
     if len(ranks) == 1:
         return
     if tracing():
-        t.copy_(funcol.broadcast(t, ranks.index(src), get_group(ranks)))
+        sent, back = _traced_on_host("broadcast", t)
+        t.copy_(back(funcol.broadcast(sent, ranks.index(src), get_group(ranks))))
         return
     if dist.get_rank() == src:
         stats.record("broadcast", _nbytes(t) * (len(ranks) - 1))
