@@ -352,7 +352,8 @@ def record_call(func, leaves: list, spec, greedy: Decision, record: list, serial
         weight = PARAMETER_WEIGHT if x.requires_grad and x.is_leaf else 1.0
         inputs.append((x._layout, x.element_size(), weight))
     node = Node(func, key, greedy, opts, producers, inputs, _floats(greedy, leaves),
-                origin=(serial, len(record)))
+                origin=(serial, len(record)),
+                in_backward=torch._C._current_graph_task_id() != -1)
     if state.sent is not None:
         node.sent_bytes = -state.sent.total_bytes
     record.append(node)

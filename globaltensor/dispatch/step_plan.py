@@ -16,13 +16,13 @@ from __future__ import annotations
 import functools
 import gc
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..boxing.plan import forget_searches, route_cost
 from ..boxing.cost import costs_of, max_local_bytes
 from ..sbp import Broadcast, Partial
 from . import solve
-from .decide import Decision, Options
+from .decide import Decision, Options, _reduced_scalars
 
 # Compute is priced too, so that duplicated work (a weight gathered and the whole
 # product computed on every rank) is not free: seconds per multiply-add of a matrix
@@ -54,12 +54,37 @@ class Node:
     expected: tuple = ()       # the cache key replay expects
     sent_bytes: int = 0        # sent while it ran (explain_step counts)
     origin: tuple = ()         # (recording serial, index): what its outputs' origins hold
+    in_backward: bool = False  # recorded inside backward (0-d partials stay partial)
+    _made: "tuple | None" = field(default=None, repr=False)
 
     def signatures(self) -> tuple:
-        """(input layouts, output layouts) per option."""
+        """(input layouts, output layouts as the call's consumers get them) per option:
+        outside backward the call reduces a 0-d partial output to broadcast itself
+        (``decide._reduced_scalars``: a loss, a count), as it runs."""
         if self.opts is None:
             return ((self.greedy.targets, self.greedy.out_layouts),)
-        return self.opts.signatures
+        if self._made is None:
+            self._made = tuple((targets, _as_made(self, outs))
+                               for targets, outs in self.opts.signatures)
+        return self._made
+
+    def reductions(self) -> tuple:
+        """Per option: the 0-d partial outputs the call reduces (one collective per
+        layout, ``entry._reduce_together``), or () when it reduces none."""
+        if self.opts is None or self.in_backward:
+            return ((),) * len(self.signatures())
+        return tuple(tuple(sorted({r for r in _reduced_scalars(self.func, list(outs),
+                                                               self.greedy.inplace)
+                                   if r is not None}, key=repr))
+                     for _, outs in self.opts.signatures)
+
+
+def _as_made(node: Node, outs: tuple) -> tuple:
+    if node.in_backward:
+        return outs
+    reduced = _reduced_scalars(node.func, list(outs), node.greedy.inplace)
+    return outs if not reduced else tuple(o if r is None else r.without_partials()
+                                          for o, r in zip(outs, reduced))
 
 
 @dataclass
@@ -217,6 +242,8 @@ def _problem(record: list, sinks: tuple = (), pin_grads: tuple = ()) -> tuple:
         sigs = node.signatures()
         costs = prices.compute(node.func, sigs)
         compute.append(list(costs))
+        costs = [c + sum(route_cost(r, r.without_partials()) for r in reduced)
+                 for c, reduced in zip(costs, node.reductions())]
         inplace = node.greedy.inplace
         greedy = node.opts.greedy if node.opts is not None else 0
         fixed = _INFEASIBLE if v in written else 0.0
