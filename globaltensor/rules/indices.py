@@ -17,19 +17,29 @@ from ..sbp import Partial, Split, broadcast
 from ..tensor import GlobalTensor
 
 
-def _excess(local: torch.Tensor, size: int, ignore_index) -> int:
-    """How far the worst index lies outside [0, size) (<= 0: all inside)."""
-    if ignore_index is not None:
-        local = local[local != ignore_index]
+def _excess(local: torch.Tensor, size: int, ignore_index) -> torch.Tensor:
+    """How far the worst index lies outside [0, size) (<= 0: all inside), as a 0-d
+    int64 tensor on ``local``'s device: computed without reading a value (on a GPU a
+    read waits for every kernel queued before it)."""
     if not local.numel():
-        return -1
-    return max(int(local.max()) - (size - 1), -int(local.min()))
+        return torch.full((), -1, dtype=torch.int64, device=local.device)
+    local = local.to(torch.int64)
+    if ignore_index is not None:   # an ignored index counts as index 0 (inside)
+        local = torch.where(local == ignore_index, torch.zeros_like(local), local)
+    return torch.maximum(local.max() - (size - 1), -local.min())
+
+
+def _message(what: str, size: int, ignore_index) -> str:
+    return (f"{what}: index out of range: valid indices are 0..{size - 1}"
+            + (f" (or {ignore_index}, ignored)" if ignore_index is not None else ""))
 
 
 def check_index_range(indices, size: int, what: str, ignore_index=None,
                       error: type = IndexError) -> None:
-    """Raise ``error`` (IndexError, as torch) on every rank of the placement when an index (other than
-    ``ignore_index``) is outside ``[0, size)``.
+    """Raise ``error`` (IndexError, as torch) on every rank of the placement when an
+    index (other than ``ignore_index``) is outside ``[0, size)``; on a GPU, assert on the
+    device on every rank instead (as torch's kernels do there), so that the host does
+    not wait for the device at every lookup.
 
     >>> check_index_range(gt_indices, 10, "embedding")   # doctest: +SKIP
 
@@ -54,9 +64,13 @@ def check_index_range(indices, size: int, what: str, ignore_index=None,
             sbp = tuple(Partial("max") if isinstance(s, Split) else broadcast
                         for s in indices.sbp)
             layout = Layout.make((), placement, sbp)
-            local = torch.tensor(worst, dtype=torch.int64, device=indices.local_part.device)
-            excess = int(box(local, layout, layout.without_partials(), donate=True,
-                             why=f"{what} index check", meet=True))
-    if excess > 0:
-        raise error(f"{what}: index out of range: valid indices are 0..{size - 1}"
-                         + (f" (or {ignore_index}, ignored)" if ignore_index is not None else ""))
+            excess = box(worst, layout, layout.without_partials(), donate=True,
+                         why=f"{what} index check", meet=True)
+    if isinstance(excess, int):
+        return
+    if excess.device.type != "cpu":
+        # On a GPU, as torch's own kernels: a device-side assert, on every rank holding
+        # the reduced value, with no wait for the device here.
+        torch._assert_async(excess <= 0, _message(what, size, ignore_index))
+    elif int(excess) > 0:
+        raise error(_message(what, size, ignore_index))
