@@ -803,7 +803,9 @@ def _third_party_imports(*roots: Path) -> dict[str, set[str]]:
     import ast
 
     files = [p for root in roots for p in root.rglob("*.py")]
-    local = {p.stem for p in files} | {"globaltensor"}
+    # modules and folders of the roots (tests/boxing/boxing_cases.py is imported as
+    # ``boxing_cases`` beside it and as ``boxing.boxing_cases`` from other folders)
+    local = {p.stem for p in files} | {p.parent.name for p in files} | {"globaltensor"}
     found: dict[str, set[str]] = {}
     for path in files:
         text = path.read_text()
