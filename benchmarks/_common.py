@@ -6,17 +6,22 @@ import random
 import statistics
 import sys
 import time
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 
-def round_robin_median(fns, iters: int, calls: int = 1, warmup: int = 3) -> list:
+def round_robin_median(fns, iters: int, calls: int = 1, warmup: int = 3,
+                       sync: Optional[Callable[[], None]] = None) -> list:
     """Median seconds per call of each fn; one timed batch of ``calls`` calls per fn in
     turn (a new order each round), so drift on a busy machine hits all cases alike.
     Every rank reports its medians and the slowest rank's are returned (it bounds a
     collective step). On a long run (over ``PROGRESS_AFTER_S``) rank 0 prints its progress
-    to stderr every few seconds, so a slow benchmark is seen working."""
+    to stderr every few seconds, so a slow benchmark is seen working. ``sync`` (e.g.
+    ``torch.cuda.synchronize`` on cuda, where calls return before their kernels finish)
+    is called before each batch's clock starts and after its calls, before the clock is
+    read; None (cpu): nothing is."""
     for fn in fns:
         for _ in range(warmup):
             fn()
@@ -34,14 +39,33 @@ def round_robin_median(fns, iters: int, calls: int = 1, warmup: int = 3) -> list
         for k in order:
             fn = fns[k]
             dist.barrier()
+            if sync is not None:
+                sync()
             t0 = time.perf_counter()
             for _ in range(calls):
                 fn()
+            if sync is not None:
+                sync()
             times[k].append((time.perf_counter() - t0) / calls)
     progress.done()
     medians = torch.tensor([statistics.median(ts) for ts in times], dtype=torch.float64)
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)
     return medians.tolist()
+
+
+def local_device(kind: str, local_rank: int) -> torch.device:
+    """The device of ``--device kind`` for a rank: cpu, or for cuda GPU ``local_rank %
+    device_count`` (overhead.py's and the library's choice; local ranks share GPUs when
+    they outnumber them), made current. Without a GPU a clear error, before any world
+    or model is made."""
+    if kind != "cuda":
+        return torch.device(kind)
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"--device cuda: torch {torch.__version__} finds no CUDA GPU "
+                           f"(built with CUDA: {torch.backends.cuda.is_built()})")
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
 
 
 PROGRESS_AFTER_S = 10.0

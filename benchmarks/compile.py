@@ -3,6 +3,12 @@
     python benchmarks/compile.py                       # spawns 2 processes
     python benchmarks/compile.py --plot compile.png --iters 20
     python -m globaltensor.launch --nproc_per_node 2 benchmarks/compile.py
+    python benchmarks/compile.py --device cuda         # parameters and batch on the GPUs
+
+``--device cpu|cuda`` (default cpu): where parameters, inputs, the placement and
+DTensor's mesh live (cuda: GPU ``LOCAL_RANK % device_count``; ranks sharing a GPU
+communicate through gloo, as the library does); on cuda each timed batch starts and ends
+with ``torch.cuda.synchronize()``.
 
 Two models, each one step (forward, loss, backward, gradients reduced where the layout
 needs it) in five ways: GlobalTensors eager and compiled (``fullgraph=True``), DTensor
@@ -31,7 +37,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-from _common import bar_plot, round_robin_median
+from _common import bar_plot, local_device, round_robin_median
 from globaltensor.testing import spawn
 
 WAYS = ["ours eager", "ours compiled", "DTensor eager", "DTensor compiled", "plain compiled"]
@@ -39,6 +45,7 @@ WAYS = ["ours eager", "ours compiled", "DTensor eager", "DTensor compiled", "pla
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--dim", type=int, default=256, help="model width (tp_block, dp_mlp)")
@@ -190,14 +197,15 @@ def _clear(params: dict) -> None:
 
 
 def _setup(model: str, args, full: dict, x_full: torch.Tensor):
-    """Per way: a step function (forward, backward, reduced gradients) and its loss."""
+    """Per way: a step function (forward, backward, reduced gradients) and its loss;
+    ``full`` and ``x_full`` are on ``args.device`` already."""
     import globaltensor as gt
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
     n, rank = dist.get_world_size(), dist.get_rank()
-    P = gt.placement.all("cpu")
-    mesh = init_device_mesh("cpu", (n,))
+    P = gt.placement.all(args.device)
+    mesh = init_device_mesh(args.device, (n,))
     tp = model.startswith("tp_block")
     ours_sbp = {"col": gt.sbp.split(0), "row": gt.sbp.split(1), "rep": gt.sbp.broadcast}
     dt_pl = {"col": [Shard(0)], "row": [Shard(1)], "rep": [Replicate()]}
@@ -288,23 +296,27 @@ def main(argv=None) -> None:
     # block_loss's code is compiled for six ways here (ours, as traced and as planned,
     # DTensor and plain, with and without the annotation); a program compiles one
     torch._dynamo.config.recompile_limit = 64
+    device = local_device(args.device, gt.get_local_rank())
     gt.init()
     n, rank = dist.get_world_size(), dist.get_rank()
     if args.heads % n or args.dim % args.heads or args.batch % n:
         raise SystemExit(f"--heads and --batch must divide by {n} ranks and --dim by --heads")
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(0)   # drawn on the cpu: the same values on cuda
     block = (_block_params(args.dim, g), torch.randn(args.batch, args.seq, args.dim, generator=g))
     cases = {"tp_block": block, "tp_block+sbp": block,
              "dp_mlp": (_mlp_params(args.dim, g),
                         torch.randn(args.batch * args.seq, args.dim, generator=g))}
+    sync = torch.cuda.synchronize if args.device == "cuda" else None
     results = {}
     for model, (params, x) in cases.items():
+        params, x = {k: v.to(device) for k, v in params.items()}, x.to(device)
         steps = _setup(model, args, params, x)
         results[model] = [t * 1e3 for t in round_robin_median(
-            list(steps.values()), args.iters, args.calls, warmup=3)]
+            list(steps.values()), args.iters, args.calls, warmup=3, sync=sync)]
     if rank == 0:
         print(f"\n{n} processes, batch {args.batch} x seq {args.seq}, width {args.dim}, "
-              f"backend {args.backend}; median ms per training step (slowest rank)")
+              f"backend {args.backend}; median ms per training step (slowest rank)"
+              + ("; on cuda, batches end with cuda.synchronize" if sync else ""))
         head = f"{'model':<14}" + "".join(f"{w:>18}" for w in WAYS) + \
             f"{'ours/DT comp':>14}{'ours/plain':>12}{'comp/eager':>12}"
         print(head)

@@ -83,7 +83,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--optim", default="foreach,fused", help="AdamW kinds: foreach, fused")
     ap.add_argument("--iters", type=int, default=40, help="timed rounds (median taken)")
     ap.add_argument("--warmup", type=int, default=8, help="untimed steps per case first")
-    ap.add_argument("--compile", action="store_true", help="add compiled ways (world 1)")
+    ap.add_argument("--compile", nargs="?", const="plain,dtensor,ours", default="",
+                    help="add compiled ways at world 1 (all, or a comma list of plain, "
+                         "dtensor, ours)")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend")
     ap.add_argument("--nproc", type=int, default=2, help="ranks of the dp and tp rows")
     ap.add_argument("--plot", help="write a PNG bar chart here")
@@ -436,7 +438,8 @@ def main(argv: Optional[list] = None) -> None:
         if (_kind(row) == "w1") != (n == 1):
             continue          # a row of the other world
         kind = "dp" if _kind(row) == "w1" else _kind(row)
-        ways = WAYS + (COMPILED if args.compile and n == 1 else [])
+        compiled = [f"{w} compiled" for w in args.compile.split(",") if w] if n == 1 else []
+        ways = WAYS + [w for w in COMPILED if w in compiled]
         for optim in args.optim.split(","):
             for way in ways:
                 cases.append(Case(row if n == 1 else f"{kind}{n}", optim, way))

@@ -3,6 +3,12 @@
     python benchmarks/tp.py                          # spawns 2 processes, eager + compiled
     python benchmarks/tp.py --nproc 4 --no-compile --plot tp.png
     python -m globaltensor.launch --nproc_per_node 2 benchmarks/tp.py
+    python benchmarks/tp.py --device cuda --no-compile   # every way on the GPUs
+
+``--device cpu|cuda`` (default cpu): where the model, the ids, the placement and
+DTensor's mesh live (cuda: rank r on GPU ``LOCAL_RANK % device_count``; ranks sharing a
+GPU communicate through gloo, as the library does); on cuda each timed batch starts and
+ends with ``torch.cuda.synchronize()``.
 
 A GPT written as nanoGPT and Hugging Face write it (token + position embedding; per
 block LayerNorm, attention with separate q/k/v Linear(C, C), ``view(B, T, H, hd)
@@ -71,7 +77,7 @@ from torch import nn
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from _common import bar_plot, round_robin_median
+from _common import bar_plot, local_device, round_robin_median
 from compile import _CopyToParallel, _ReduceFromParallel
 from dispatch import Floor
 from globaltensor.testing import spawn
@@ -84,6 +90,7 @@ WAYS = ["ours annotated", "ours compiled as is", "ours pinned", "ours auto_paral
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--dim", type=int, default=128)
@@ -532,7 +539,8 @@ def _ratio(a, b) -> str:
 def _print_table(args, n: int, modes: list, rows: dict, ms: dict) -> None:
     print(f"\n{n} ranks, batch {args.batch} x seq {args.seq}, width {args.dim}, "
           f"{args.heads} heads, vocab {args.vocab}, {args.layers} layers; one training "
-          f"step: median ms (slowest rank), KiB sent per rank (see docstring)")
+          f"step: median ms (slowest rank), KiB sent per rank (see docstring)"
+          + ("; on cuda, batches end with cuda.synchronize" if args.device == "cuda" else ""))
     head = (f"{'way':<22}{'mode':<10}{'ms':>9}{'KiB':>10}{'ms/DT':>8}{'ms/Meg':>8}"
             f"{'B/DT':>7}{'B/Meg':>7}")
     print(head + "\n" + "-" * len(head))
@@ -558,20 +566,23 @@ def main(argv=None) -> None:
     args = _parser().parse_args(argv)
     import globaltensor as gt
     from torch.distributed.device_mesh import init_device_mesh
+    device = local_device(args.device, gt.get_local_rank())
     gt.init()
     n, rank = dist.get_world_size(), dist.get_rank()
     if args.heads % n or args.dim % args.heads or args.seq % n:
         raise SystemExit(f"--heads and --seq must divide by {n} ranks, --dim by --heads")
     cfg = Config(args.vocab, args.seq, args.dim, args.heads, args.layers)
     torch.manual_seed(0)
-    base = GPT(cfg)
-    ids, targets = (torch.randint(args.vocab, (args.batch, args.seq)) for _ in range(2))
+    base = GPT(cfg).to(device)
+    ids, targets = (torch.randint(args.vocab, (args.batch, args.seq)).to(device)
+                    for _ in range(2))
     reference = copy.deepcopy(base)(ids, targets).item()   # the whole model, one process
-    env = Env(gt.placement.all("cpu"), init_device_mesh("cpu", (n,)), ids, targets, n,
-              rank, args.backend)
+    env = Env(gt.placement.all(args.device), init_device_mesh(args.device, (n,)), ids,
+              targets, n, rank, args.backend)
     modes = ["eager"] if args.no_compile else ["eager", "compiled"]
     rows, steps = _run_ways(base, env, modes, reference)
-    times = round_robin_median(list(steps.values()), args.iters, args.calls, warmup=2)
+    times = round_robin_median(list(steps.values()), args.iters, args.calls, warmup=2,
+                               sync=torch.cuda.synchronize if args.device == "cuda" else None)
     ms = {key: t * 1e3 for key, t in zip(steps, times)}
     if rank == 0:
         _print_table(args, n, modes, rows, ms)
