@@ -28,7 +28,7 @@ from . import comm
 from .layout import Layout
 from .sbp import Broadcast, Partial
 from .tensor import (GlobalTensor, hidden_from_dynamo, install_leaf_watch, skipped_by_dynamo,
-                     to_layout)
+                     to_layout, wrap_part)
 
 BUCKET_MB = 25.0
 FIRST_BUCKET_MB = 1.0  # small first bucket: communication starts early in backward
@@ -72,11 +72,12 @@ def watch(leaf: GlobalTensor) -> None:
     """Make ``leaf``'s gradient end in its layout (called when a leaf is first used)."""
     global _serial
     ref = _watched.get(id(leaf))
-    if (ref is not None and ref() is leaf) or comm.tracing():  # traced: a stand-in
+    if ref is not None and ref() is leaf:
         return
-    if torch._C._current_graph_task_id() != -1:
+    if torch._C._current_graph_task_id() != -1 or comm.tracing():
         # inside backward: a saved view of a parameter, unpacked anew at each backward,
-        # shows as a leaf; a parameter was first used in its forward
+        # shows as a leaf (a parameter was first used in its forward); traced: a
+        # stand-in (fake tensor)
         return
     key = id(leaf)
     _watched[key] = weakref.ref(leaf, lambda r: _watched.pop(key) if _watched.get(key) is r
@@ -134,10 +135,13 @@ def keep_partial(leaf: GlobalTensor, partial: GlobalTensor) -> None:
     leaf.grad = partial
 
 
+_NONE = (lambda: None, lambda: None)
+
+
 def _settle(leaf: GlobalTensor, source: GlobalTensor, grad: GlobalTensor) -> None:
     """``leaf.grad = grad`` (``source`` reduced): into the kept tensor that ``source``
     stood in for, if that is still alive (``keep_partial``)."""
-    kept, partial = (r() for r in _kept.pop(leaf, (lambda: None, lambda: None)))
+    kept, partial = (r() for r in _kept.pop(leaf, _NONE)) if _kept else (None, None)
     if kept is not None and partial is source and kept.dtype == grad.dtype:
         kept.local_part.copy_(grad.local_part)
         grad = kept
@@ -193,7 +197,7 @@ def _after_accumulate(leaf: GlobalTensor) -> None:
         _grad_arrived(grad, leaf.global_layout)
     if grad.global_layout.same_parts(leaf.global_layout):
         # differs only on axes of one rank (a world of one): nothing to reduce or move
-        _settle(leaf, grad, to_layout(grad, leaf.global_layout))
+        _settle(leaf, grad, wrap_part(grad.local_part, leaf.global_layout))
         return
     axes = _reducible_axes(grad.global_layout, leaf.global_layout)
     if axes is None:  # anything but a plain partial-sum reduction: box right away

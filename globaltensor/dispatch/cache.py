@@ -4,7 +4,9 @@ Decisions are keyed by (op, argument spec, per leaf: a GlobalTensor's layout and
 a plain tensor's metadata, a constant's value; a float only by its type). Bounded: when
 full, the oldest quarter goes (hits stay a plain dict lookup). Decisions that depend on
 the value of a float argument (a rule looked at it, or a local implementation reads
-it) are keyed again with the floats' values, in a second table.
+it) are keyed again with the floats' values, in a second table. ``direct_call`` is the
+warm path of a repeated call: its key and local parts made in one pass over the
+arguments, without flattening them.
 
 >>> cached_decision(aten.mm.default, [x, w], (2, ()))   # doctest: +SKIP
 Decision(...)
@@ -56,6 +58,46 @@ def key_of_call(func, leaves: list, spec):
         return key
     except TypeError:
         return None
+
+
+_CONSTANTS = (str, torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
+def direct_call(func, args: tuple, kwargs: dict, watch):
+    """(decision, local parts of the arguments) of a repeated call whose cached decision
+    runs directly, keyed in one pass over the arguments as ``key_of_call`` keys the
+    flattened ones; ``watch`` is called with each leaf that requires grad. None for
+    anything else (a plain tensor, a list of tensors, a traced part, a decision not
+    made yet, by value or not direct): the caller takes the general path."""
+    key, local = [], []
+    for x in (args if not kwargs else (*args, *kwargs.values())):
+        c = x.__class__
+        if c is GlobalTensor:
+            part = x._local
+            if part.__class__ is not _PLAIN:
+                return None
+            if x.requires_grad and x.is_leaf:
+                watch(x)
+            key.append(x._key)
+            local.append(part)
+        elif c is int or c is bool or x is None or c in _CONSTANTS:
+            key.append(x)
+            local.append(x)
+        elif c is float:
+            key.append(float)
+            local.append(x)
+        elif c is list and (not x or x[0].__class__ is int):
+            key.append(tuple(x))
+            local.append(x)
+        else:
+            return None
+    decision = _cache.get((func, (len(args), tuple(kwargs) if kwargs else ()), tuple(key)))
+    if decision is None or decision.__class__ is not Decision or decision.direct is None:
+        return None
+    return decision, local
+
+
+_PLAIN = torch.Tensor
 
 
 def cached_decision(func, leaves: list, spec) -> Decision:

@@ -374,8 +374,7 @@ def _finish(call: Call, meta: _MetaRun, local, gidx: tuple, targets: tuple,
         reduced = ()
     shortcut = not inplace and _empty_shortcut(meta.out_leaves, targets, out_layouts, rank)
     single = len(meta.out_leaves) == 1 and isinstance(meta.out, torch.Tensor)
-    # Direct: no boxing (inputs already hold their targets' parts: equal layouts, or
-    # layouts that differ only on axes of one rank), nothing to reduce, one output.
+    # Direct: no boxing (inputs hold their targets' parts), nothing to reduce, one output.
     direct = (single and not fallback and not shortcut and not reduced
               and call.spec.__class__ is tuple and rank in targets[0].placement
               and all(cur == t or cur.same_parts(t) for cur, t in zip(in_layouts, targets)))
@@ -394,7 +393,8 @@ def _finish(call: Call, meta: _MetaRun, local, gidx: tuple, targets: tuple,
         empty_shortcut=shortcut, gidx=gidx, single=single, out_strides=strides,
         direct=_direct_op(func, local, ctx) if direct else None,
         out_consts=_out_consts(meta.out_leaves),
-        by_value=local is not None or any(v.__class__ is float for v in call._named.values()),
+        by_value=any(v.__class__ is float for v in leaves) and (  # floats to key by
+            local is not None or any(v.__class__ is float for v in call._named.values())),
         reduced=reduced)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..sbp import Split, broadcast, partial_sum
+from ..tensor import GlobalTensor
 from .registry import register
 from .indices import check_index_range
 
@@ -55,7 +56,9 @@ register(aten.embedding, local=_embedding_local)(embedding_rule)
 
 @register(aten.embedding, decompose=True)
 def embedding_checks_indices(weight, indices, *args, **kwargs):
-    check_index_range(indices, weight.shape[0], "embedding")
+    if not (isinstance(indices, GlobalTensor) and indices.placement.size == 1):
+        # (on one rank the lookup gets the whole table: torch's kernel checks)
+        check_index_range(indices, weight.shape[0], "embedding")
     return NotImplemented
 
 

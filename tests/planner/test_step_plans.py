@@ -453,6 +453,42 @@ def check_explain_step_reports_choices():
     step.clear()
 
 
+def check_data_parallel_loss_is_reduced_where_it_is_made():
+    """A data-parallel classifier (broadcast parameters, split batch, cross entropy):
+    the loss's 0-d partials are reduced by the call that makes them, in one
+    collective, which the plan prices so; the planned step is per-op choice (it once
+    moved the log-probabilities to a class split with an all-to-all and gathered the
+    targets, to save a reduction that never happens)."""
+    import globaltensor as gt
+    import torch
+    import torch.nn.functional as F
+    from globaltensor.dispatch import step
+    step.clear()
+    P = gt.placement.all("cpu")
+    torch.manual_seed(0)
+    model = gt.nn.to_global(torch.nn.Sequential(torch.nn.Linear(C, 4 * C), torch.nn.GELU(),
+                                                torch.nn.Linear(4 * C, 64)), P, gt.sbp.broadcast)
+    n = 4 * gt.get_world_size()
+    x = gt.to_global(torch.randn(n, C), P, gt.sbp.split(0))
+    y = gt.to_global(torch.randint(64, (n,)), P, gt.sbp.split(0))
+
+    def train_step():
+        model.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    report = gt.debug.explain_step(train_step)
+    assert not report.changed, report.changed
+    assert report.planned_cost == report.per_op_cost
+    with gt.debug.comm_stats() as stats:
+        train_step()
+    # the targets' index check, the loss's two partials in one all-reduce, the
+    # gradients in one bucket: no all-to-all, no all-gather
+    assert dict(stats.calls) == {"all_reduce": 3}, stats
+    step.clear()
+
+
 def _pin_stream(model, sbp=None):
     """Pin the residual stream after the attention and at the block's output
     (``to_global`` in forward hooks): broadcast, as a user pins Megatron's plan."""
@@ -524,7 +560,8 @@ CHECKS = ["check_head_reshapes_stay_local", "check_planned_steps_replay_and_trai
           "check_changed_program_falls_back_and_stays_right",
           "check_writes_into_views_stay_right_when_planned",
           "check_shapes_changing_every_step_are_never_recorded",
-          "check_explain_step_reports_choices", "check_pinned_steps_replay_to_their_end"]
+          "check_explain_step_reports_choices", "check_pinned_steps_replay_to_their_end",
+          "check_data_parallel_loss_is_reduced_where_it_is_made"]
 
 test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
 # compiling twice on 4 oversubscribed ranks costs 7 s; 2 ranks show the same
