@@ -66,6 +66,8 @@ class Layout:
     shape: tuple[int, ...]
     placement: Placement
     sbp: tuple[SbpParallel, ...]
+    # set once in __post_init__: strides (row-major, of the global shape), partial_axes
+    # (the placement axes whose sbp is partial), asked on every op
 
     # Layouts key every dispatch and plan cache: hash once, compare cheaply.
     def __post_init__(self):
@@ -76,6 +78,8 @@ class Layout:
             acc *= max(s, 1)
         object.__setattr__(self, "strides", tuple(reversed(strides)))
         object.__setattr__(self, "_local_shapes", {})  # rank -> local shape
+        object.__setattr__(self, "partial_axes",
+                           tuple(a for a, s in enumerate(self.sbp) if isinstance(s, Partial)))
 
     def __hash__(self) -> int:
         return self._hash
@@ -148,10 +152,6 @@ class Layout:
     def strided(self) -> bool:
         """Whether an axis holds a strided split (no rank's part is one box)."""
         return any(isinstance(s, StridedSplit) for s in self.sbp)
-
-    @property
-    def partial_axes(self) -> tuple[int, ...]:
-        return tuple(a for a, s in enumerate(self.sbp) if isinstance(s, Partial))
 
     def region_at(self, coord: Sequence[int], axes: int | None = None) -> Region:
         """Region at a hierarchy coordinate, applying placement axes ``[0, axes)``."""

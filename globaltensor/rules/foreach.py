@@ -96,6 +96,7 @@ def _on_parts(args) -> bool:
         if layout.partial_axes or rank not in layout.placement:
             return False
         for t in row:
-            if type(t) is not GlobalTensor or t._layout != layout or (grad and t.requires_grad):
+            if type(t) is not GlobalTensor or (t._layout is not layout and t._layout != layout) \
+                    or (grad and t.requires_grad):
                 return False
     return True
