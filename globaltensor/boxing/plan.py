@@ -16,7 +16,9 @@ priced twice: the search from a source is kept and resumed for its next target (
 settles states in the order a search of its own would: the same path and cost), a
 general route is skipped where a lower bound of its transfer cannot win
 (``transfer_price.py``) and priced without making its moves, and ``route_cost`` gives
-a plan's cost without making the plan.
+a plan's cost without making the plan: per source, against every layout of its shape
+and placement at once (``_routes_from``: the search run to its end, the general
+routes' transfers as arrays; the same floats as pair by pair).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import threading
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from ..layout import Layout
@@ -102,9 +105,104 @@ def route_cost(src: Layout, dst: Layout, itemsize: int = 4) -> float:
             return route_cost(fine[0], fine[1], itemsize)
         whole = _whole(src)
         return route_cost(src, whole, itemsize) + route_cost(whole, dst, itemsize)
+    if src.placement == dst.placement:
+        found = _routes_from(src, itemsize, _holds_max(src) or _holds_max(dst))
+        j = found[1].get(dst.sbp)
+        if j is not None and found[0][j] < float("inf"):
+            return found[0][j].item()
     same = _boxing_cost(src, dst, itemsize)
     general = _general(src, dst, itemsize, same if same is not None else float("inf"))
     return same if general is None else general[0]
+
+
+# --- a source priced against every layout of its shape and placement at once ------------
+# Step planning prices nearly every pair of layouts of a shape (tens of thousands on a
+# 2-D placement). Per source: one Dijkstra search run to its end (every state's cost, in
+# the order and with the sums the kept search gives), and the general routes of every
+# target from the source's reductions as arrays (``transfer_price.transfer_costs``): the
+# cost of each target is min(same placement, cheapest general route), which is what
+# ``_general``'s pruning returns (its floors are lower bounds of the transfers).
+
+@lru_cache(maxsize=1024)
+def _universe(shape: tuple, placement) -> tuple:
+    """(every layout of the shape and placement over the per-axis candidates, with
+    partial_max, as ``transfer_price.Targets`` (``plain``: those without partial_max);
+    {nd-sbp: index}; whether each holds partial_max)."""
+    cands = _candidates(len(shape), (Partial("max"),))
+    sbps = list(itertools.product(cands, repeat=placement.ndim))
+    layouts = tuple(Layout.interned(shape, placement, nd) for nd in sbps)
+    targets = transfer_price.Targets(layouts)
+    maxes = np.array([Partial("max") in nd for nd in sbps], dtype=bool)
+    targets.plain = tuple(l for l, m in zip(layouts, maxes) if not m)
+    return targets, {nd: j for j, nd in enumerate(sbps)}, maxes
+
+
+@lru_cache(maxsize=16384)
+def _costs_to_all(src: Layout, itemsize: int, with_max: bool) -> dict:
+    """{state number: cost} of every state the search from ``src`` reaches (the search
+    run to its end: the same pops, pushes and sums as ``_Search._settle``)."""
+    graph = _graph(src.shape, src.placement, itemsize, with_max)
+    begin = graph.number(graph.state(src.sbp))
+    heap, best, settled, linked, counter = [(0.0, 0, begin)], {begin: 0.0}, {}, graph.linked, 1
+    pop, push, inf, get = heapq.heappop, heapq.heappush, float("inf"), best.get
+    while heap:
+        cost, _, state = pop(heap)
+        if state in settled:
+            continue
+        settled[state] = cost
+        for nxt, step_cost in linked(state):
+            c = cost + step_cost
+            if c < get(nxt, inf) - 1e-15:
+                best[nxt] = c
+                push(heap, (c, counter, nxt))
+                counter += 1
+    return settled
+
+
+def _numbers(graph: "_Graph", layouts: tuple) -> list:
+    """The state numbers of ``layouts`` (one universe) on ``graph``."""
+    found = graph.layouts.get(id(layouts))
+    if found is None or found[0] is not layouts:
+        found = graph.layouts[id(layouts)] = (layouts, [graph.number(graph.state(l.sbp))
+                                                         for l in layouts])
+    return found[1]
+
+
+@lru_cache(maxsize=16384)
+def _routes_from(src: Layout, itemsize: int, with_max: bool) -> tuple:
+    """(route_cost from ``src`` (no strided split) to every layout of its universe that
+    is searched ``with_max`` (``_boxing``: when either end holds partial_max), as an
+    array, NaN or inf elsewhere (priced alone); the universe's {nd-sbp: index})."""
+    targets, index, maxes = _universe(src.shape, src.placement)
+    holds = _holds_max(src)
+    graph = _graph(src.shape, src.placement, itemsize, with_max)
+    get, inf = _costs_to_all(src, itemsize, with_max).get, float("inf")
+    if holds or with_max:
+        numbers = _numbers(graph, targets.layouts)
+        same = np.array([get(k, inf) for k in numbers])
+        if not holds:
+            same[~maxes] = np.nan
+    else:   # no partial_max anywhere: searched without it
+        numbers = _numbers(graph, targets.plain)
+        same = np.full(len(targets.layouts), np.nan)
+        same[~maxes] = [get(k, inf) for k in numbers]
+    graph = _graph(src.shape, src.placement, itemsize, holds)
+    get = _costs_to_all(src, itemsize, holds).get   # the reductions: searched as _general's
+    best = same
+    for mid in _reduced_sources(src):
+        pre = 0.0 if mid == src else get(graph.number(graph.state(mid.sbp)))
+        if pre is None:
+            continue
+        best = np.minimum(best, pre + _transfers_from(mid, itemsize))
+    return best, index
+
+
+@lru_cache(maxsize=16384)
+def _transfers_from(mid: Layout, itemsize: int) -> np.ndarray:
+    """``transfer_cost(mid, t, itemsize)`` per layout t of mid's universe (a reduced
+    source: every source that reduces to it shares them)."""
+    return transfer_price.transfer_costs(mid, _universe(mid.shape, mid.placement)[0],
+                                         itemsize)
 
 
 def _strided_route(src: Layout, dst: Layout, itemsize: int) -> Plan:
@@ -284,6 +382,28 @@ class _Graph:
         self.index = {s: k for k, s in enumerate(self.sbps)}
         self.edges: dict = {}
         self.lock = threading.Lock()
+        self.ids: dict = {}      # state -> its number (``_costs_to_all``'s states)
+        self.states: list = []   # number -> state
+        self.links: list = []    # number -> [(next state's number, step cost)], or None
+        self.layouts: dict = {}  # id of a universe's layouts -> their states' numbers
+
+    def number(self, state: tuple) -> int:
+        k = self.ids.get(state)
+        if k is None:
+            with self.lock:
+                k = self.ids.setdefault(state, len(self.states))
+                if k == len(self.states):
+                    self.states.append(state)
+                    self.links.append(None)
+        return k
+
+    def linked(self, k: int) -> list:
+        """``out`` of state number k as [(next state's number, step cost)]."""
+        found = self.links[k]
+        if found is None:
+            found = self.links[k] = [(self.number(nxt), cost)
+                                     for nxt, _, cost in self.out(self.states[k])]
+        return found
 
     def state(self, nd_sbp: tuple) -> tuple:
         """``nd_sbp`` as a state; an sbp that is no candidate (no step enters it, but a
@@ -321,7 +441,7 @@ def _graph(shape: tuple, placement, itemsize: int, with_max: bool) -> _Graph:
     return _Graph(shape, placement, itemsize, with_max)
 
 
-@lru_cache(maxsize=8192)
+@lru_cache(maxsize=None)
 def _edge(shape: tuple, placement, state: tuple, axis: int, new: SbpParallel, itemsize: int):
     """(next state, step, its cost) changing ``axis`` of ``state`` to ``new``, or None.
     Cached: searches on one shape and placement (every signature an op weighs, every
@@ -347,7 +467,8 @@ def forget_searches() -> None:
     (step planning's working set: a 12-layer GPT on 2 x 4 keeps about 150 MiB of them;
     what runs later needs only its plans)."""
     for cached in (route_cost, _refined_pair, _refined, _strided, _search, _graph,
-                   _holds_max, _edge, _reduced_sources):
+                   _holds_max, _edge, _reduced_sources, _routes_from, _transfers_from, _costs_to_all,
+                   _universe):
         cached.cache_clear()
     transfer_price.clear_caches()
 

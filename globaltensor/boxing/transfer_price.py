@@ -119,3 +119,62 @@ def clear_caches() -> None:
     for cached in (transfer_floor, transfer_cost, _sources, _wanted,
                    _regions, _receivers):
         cached.cache_clear()
+
+
+# --- every target at once --------------------------------------------------------------
+# Step planning prices a source against nearly every layout of its shape and placement;
+# the general route's transfers from one reduced source are priced against all of them
+# in one pass over arrays [target][receiving rank][source region]: the integers of
+# ``transfer_cost`` per target, then its formula on arrays (the same float operations,
+# in the same order, so each entry equals ``transfer_cost`` to the last bit).
+
+class Targets:
+    """Layouts of one shape on one placement, none strided, as arrays: per layout and
+    rank of the placement (in its order) the region's offsets and sizes, and whether
+    the rank receives (``_receivers``)."""
+
+    def __init__(self, layouts: tuple):
+        self.layouts = layouts
+        first = layouts[0]
+        self.placement, self.ndim = first.placement, first.ndim
+        self.ranks = np.array(list(first.placement), dtype=np.int64)
+        n, ndim = len(self.ranks), first.ndim
+        lo = np.zeros((len(layouts), n, ndim), dtype=np.int64)
+        size = np.zeros((len(layouts), n, ndim), dtype=np.int64)
+        receives = np.zeros((len(layouts), n), dtype=bool)
+        for j, layout in enumerate(layouts):
+            for i, r in enumerate(first.placement):
+                region = layout.region(r)
+                lo[j, i], size[j, i] = region.offsets, region.sizes
+                receives[j, i] = identity_fill(layout, r) is None
+        self.lo, self.hi, self.receives = lo, lo + size, receives
+        self.size = size
+
+
+def transfer_costs(src: Layout, targets: Targets, itemsize: int) -> np.ndarray:
+    """``[transfer_cost(src, t, itemsize) for t in targets.layouts]`` as an array
+    (``src``: no strided split, on the targets' placement)."""
+    lo, size, groups = _sources(src)                  # [1, region, dim]
+    ranks = targets.ranks
+    ends = np.minimum(targets.hi[:, :, None, :], lo + size)
+    elements = np.clip(ends - np.maximum(targets.lo[:, :, None, :], lo), 0, None).prod(axis=3)
+    elements *= targets.receives[:, :, None]          # [target][rank][region]
+    holder = np.array([[d if d in group else group[d % len(group)] for group in groups]
+                       for d in ranks.tolist()], dtype=np.int64)   # [rank][region]
+    here = holder == ranks[:, None]
+    moved = elements > 0
+    away = moved & ~here
+    world = int(max(ranks.max(), holder.max())) + 1
+    onto = np.zeros((holder.size, world), dtype=np.int64)   # (rank, region) -> its holder
+    onto[np.arange(holder.size), holder.ravel()] = 1
+    count = len(targets.layouts)
+    messages = away.reshape(count, -1).astype(np.int64) @ onto
+    messages[:, ranks] += away.sum(axis=2)
+    shipped = elements * away
+    sent = shipped.reshape(count, -1) @ onto
+    received = shipped.sum(axis=2)
+    copied = (elements * (moved & here)).sum(axis=2)
+    worst_bytes = np.maximum(sent.max(axis=1), received.max(axis=1)) * itemsize
+    k = costs_of(src, targets.layouts[0])
+    return (k.launch * away.any(axis=(1, 2)) + k.alpha * messages.max(axis=1)
+            + k.p2p_beta * worst_bytes + k.gamma * (copied.max(axis=1) * itemsize))

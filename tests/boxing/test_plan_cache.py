@@ -138,3 +138,28 @@ def test_route_cost_is_the_plans_cost():
             for src, dst in itertools.product(every[p], every[q][::2]):
                 assert planning.route_cost(src, dst, 4) == \
                     planning.plan_route(src, dst, 4).cost, (src, dst)
+
+
+@pytest.mark.parametrize("mesh", [[[0, 1], [2, 3]], [[0, 1, 2, 3], [4, 5, 6, 7]], [0, 1, 2]],
+                         ids=str)
+def test_batched_route_costs_equal_pair_by_pair(mesh, monkeypatch):
+    """``route_cost`` prices a source against its whole universe at once (one search
+    run to its end, the general routes' transfers as arrays): the very floats of the
+    search and pruned general routes of each pair, partial_max and strided ends too."""
+    p = Placement("cpu", mesh)
+    sbps = SBPS + [S.split(2), S.split(0, blocks=2)]
+    every = []
+    for nd in itertools.product(sbps, repeat=p.ndim):
+        try:
+            every.append(Layout.make((4, 6, 8), p, nd))
+        except ValueError:
+            pass
+    pairs = list(itertools.product(every, every))
+    planning.clear_caches()
+    batched = [planning.route_cost(src, dst, 4) for src, dst in pairs]
+    planning.clear_caches()
+    monkeypatch.setattr(planning, "_routes_from", lambda src, itemsize, with_max: ((), {}))
+    alone = [planning.route_cost(src, dst, 4) for src, dst in pairs]
+    monkeypatch.undo()
+    planning.clear_caches()
+    assert batched == alone
