@@ -12,8 +12,13 @@ a checkpoint loads into any layout, placement or world size.
 >>> dcp.load(state, checkpoint_id=gt.checkpoint.latest("ckpt"))
 >>> gt.checkpoint.set_rng_state(state["rng"])
 
-Every chunk of a checkpoint saved to a path carries a checksum, verified on load
-(``interop/checksums.py``): a damaged file fails the load, naming the file and tensor.
+Verified checkpoints: ``ChecksummedWriter(path)`` (DCP's FileSystemWriter that records
+a CRC-32 per chunk) and ``VerifyingReader(path)`` (checks each chunk it reads; a damaged
+file fails the load, naming the file and tensor), passed to DCP as its storage
+(``interop/checksums.py``). ``Autosave`` uses them.
+
+>>> dcp.save(state, storage_writer=gt.checkpoint.ChecksummedWriter("ckpt/step_100"))  # doctest: +SKIP
+>>> dcp.load(state, storage_reader=gt.checkpoint.VerifyingReader("ckpt/step_100"))
 """
 from __future__ import annotations
 
@@ -30,7 +35,18 @@ from .interop.dtensor import from_dtensor, to_dtensor
 from .random import get_draw, set_draw
 
 __all__ = ["Autosave", "from_dtensor", "to_dtensor", "rng_state",
-           "set_rng_state", "is_complete", "latest", "DCP_HINT"]
+           "set_rng_state", "is_complete", "latest", "DCP_HINT", "ChecksummedWriter",
+           "VerifyingReader", "ChecksumError"]
+
+_CHECKSUMS = ("ChecksummedWriter", "VerifyingReader", "ChecksumError")
+
+
+def __getattr__(name: str):
+    # interop/checksums.py imports DCP's filesystem storage: only when first asked for
+    if name in _CHECKSUMS:
+        from .interop import checksums
+        return getattr(checksums, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def rng_state() -> dict:
@@ -114,8 +130,9 @@ class Autosave:
     A save is atomic: DCP writes ``.metadata`` last, after every rank's data, and a
     directory without it is never restored (``latest`` skips it). Values in ``state``
     are small picklable objects, saved once; one with ``state_dict``/``load_state_dict``
-    (an LR scheduler, a data loader) is saved and restored through those.
-    Saves are synchronous: DCP's ``async_save`` shares the process group with training's
+    (an LR scheduler, a data loader) is saved and restored through those. Every chunk
+    saved carries a CRC-32 (``ChecksummedWriter``), checked by ``restore``
+    (``VerifyingReader``). Saves are synchronous: DCP's ``async_save`` shares the process group with training's
     collectives and does not know how to stage GlobalTensors.
 
     >>> saver = gt.checkpoint.Autosave("ckpt", model, optimizer, every=100, keep=2)  # doctest: +SKIP
@@ -159,8 +176,10 @@ class Autosave:
         if step == 0:
             return 0
         import torch.distributed.checkpoint as dcp
+
+        from .interop.checksums import VerifyingReader
         contents = self._contents(0)
-        dcp.load(contents, checkpoint_id=_step_dirs(self.path)[step])
+        dcp.load(contents, storage_reader=VerifyingReader(_step_dirs(self.path)[step]))
         self._put_back(contents)
         return int(contents["step"])
 
@@ -171,6 +190,8 @@ class Autosave:
         if step % self.every:
             return False
         import torch.distributed.checkpoint as dcp
+
+        from .interop.checksums import ChecksummedWriter
         target = os.path.join(self.path, f"step_{step}")
         if comm.get_rank() == 0 and os.path.exists(target):
             # left by a save that died (or a run that went past here before): replaced
@@ -178,7 +199,7 @@ class Autosave:
         # every rank waits for that: dcp.save's local plan makes the directory on every
         # rank, and a rank there first would otherwise see rank 0 remove it
         comm.barrier()
-        dcp.save(self._contents(step), checkpoint_id=target)
+        dcp.save(self._contents(step), storage_writer=ChecksummedWriter(target))
         if comm.get_rank() == 0:
             self._remove_old()
         return True

@@ -1,8 +1,11 @@
-"""Who we are in the world, read from the launcher's environment.
+"""Who we are in the world, read from the launcher's environment, and every
+``GLOBALTENSOR_*`` variable globaltensor reads (``VARIABLES``; the table of them is
+docs/environment.md).
 
 This module reads variables only; ``comm`` turns them into process groups. It sits
 below ``placement`` so that a placement can check its ranks against the world size
-without any communication.
+without any communication. The one other reader is the launcher's worker bootstrap
+(``launch/boot.py``), which imports only the standard library.
 
 A setting read from the environment when globaltensor is imported is registered with
 ``read_at_import``: the launcher's fork server imports globaltensor before it knows a
@@ -14,6 +17,50 @@ import os
 from typing import Callable
 
 _READ_AT_IMPORT: list = []
+
+# Every GLOBALTENSOR_* variable: name -> (default, meaning). docs/environment.md has the
+# same table (tests/core/test_environment.py compares them, and checks that the package
+# reads these variables here only).
+VARIABLES = {
+    "GLOBALTENSOR_TIMEOUT": (
+        "300", "seconds a collective waits for its peers before it fails; also the "
+        "launcher's default --rdzv_timeout"),
+    "GLOBALTENSOR_READ_TIMEOUT": (
+        "10", "seconds the ranks of a read that communicates (x.item() of a split tensor) "
+        "wait for each other before it fails"),
+    "GLOBALTENSOR_DEBUG": (
+        "unset (off)", "1: log every boxing route, and check mode (check_consistency) "
+        "everywhere; read at import"),
+    "GLOBALTENSOR_LOCAL_ADDR": (
+        "unset", "the address this process's gloo groups use (set by the launcher from "
+        "--local_addr, whose default on node 0 is --master_addr); unset: torch's default, "
+        "the address the hostname resolves to; read at import"),
+    "GLOBALTENSOR_TORCH_ADVICE": (
+        "1", "0: no import hook, and torch's fully_shard, parallelize_module and DTensor's "
+        "dispatcher are left unwrapped (no advice when they meet a GlobalTensor); read "
+        "at import"),
+    "GLOBALTENSOR_PLAN_STEPS": (
+        "1", "0: turn whole-step planning (record and replay of a step's decisions) off; "
+        "read at import"),
+    "GLOBALTENSOR_TRIM_HEAP": (
+        "1", "0: fully_shard leaves malloc's mmap threshold and MKL's buffers alone"),
+    "GLOBALTENSOR_CHECK_TIMES": (
+        "unset", "a file: rank 0 of every gt.testing.World appends a line per check (its "
+        "seconds, world size and name)"),
+    "GLOBALTENSOR_LAUNCHER_PID": (
+        "set by the launcher", "the launcher's (or its fork server's) pid: workers die with "
+        "it; its presence means \"under our launcher\""),
+    "GLOBALTENSOR_PS_SERVER_NUM": (
+        "set by the launcher", "parameter-server job: number of server processes "
+        "(--server_num)"),
+    "GLOBALTENSOR_PS_WORKER_NUM": (
+        "set by the launcher", "parameter-server job: number of worker processes "
+        "(--worker_num)"),
+    "GLOBALTENSOR_PS_ROLE": (
+        "set by the launcher", "parameter-server job: this process's role, server or worker"),
+    "GLOBALTENSOR_PS_RANK": (
+        "set by the launcher", "parameter-server job: this process's rank within its role"),
+}
 
 
 def read_at_import(read: Callable[[], None]) -> Callable[[], None]:
@@ -90,5 +137,54 @@ def local_addr() -> str | None:
     return os.environ.get("GLOBALTENSOR_LOCAL_ADDR") or None
 
 
+def _flag(name: str, default: bool) -> bool:
+    """A switch: unset or empty is ``default``, "0" is off, anything else on."""
+    value = os.environ.get(name, "")
+    return default if value == "" else value != "0"
+
+
 def debug_enabled() -> bool:
-    return os.environ.get("GLOBALTENSOR_DEBUG", "") not in ("", "0")
+    """``GLOBALTENSOR_DEBUG=1``: boxing logged, check mode on (default off)."""
+    return _flag("GLOBALTENSOR_DEBUG", False)
+
+
+def torch_advice_enabled() -> bool:
+    """Whether torch's FSDP2/TP/DTensor entry points are wrapped to refuse GlobalTensors
+    with advice (an import hook): ``GLOBALTENSOR_TORCH_ADVICE``, default on."""
+    return _flag("GLOBALTENSOR_TORCH_ADVICE", True)
+
+
+def plan_steps_enabled() -> bool:
+    """Whole-step planning: ``GLOBALTENSOR_PLAN_STEPS``, default on."""
+    return _flag("GLOBALTENSOR_PLAN_STEPS", True)
+
+
+def trim_heap_enabled() -> bool:
+    """Whether fully_shard fixes malloc's mmap threshold (``GLOBALTENSOR_TRIM_HEAP``,
+    default on)."""
+    return os.environ.get("GLOBALTENSOR_TRIM_HEAP", "1") != "0"
+
+
+def check_times_file() -> str | None:
+    """``GLOBALTENSOR_CHECK_TIMES``: where test worlds append each check's time."""
+    return os.environ.get("GLOBALTENSOR_CHECK_TIMES") or None
+
+
+def under_launcher() -> bool:
+    """True in a process started by globaltensor's launcher (``GLOBALTENSOR_LAUNCHER_PID``)."""
+    return bool(os.environ.get("GLOBALTENSOR_LAUNCHER_PID"))
+
+
+def ps_role() -> str | None:
+    """``GLOBALTENSOR_PS_ROLE`` ("server" / "worker"; None outside a parameter-server job)."""
+    return os.environ.get("GLOBALTENSOR_PS_ROLE")
+
+
+def ps_count(name: str) -> int | None:
+    """A parameter-server job's number, ``GLOBALTENSOR_PS_<name>`` (RANK, SERVER_NUM,
+    WORKER_NUM); None when unset."""
+    var = f"GLOBALTENSOR_PS_{name}"
+    if var not in VARIABLES:
+        raise KeyError(f"{var} is not one of globaltensor's variables")
+    value = os.environ.get(var)
+    return None if value is None else int(value)

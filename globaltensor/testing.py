@@ -67,7 +67,8 @@ def _child(rank: int, world: int, port: int, module: str, names: list, results,
         import torch
         torch.set_num_threads(1)
         mod = importlib.import_module(module)
-        times = os.environ.get("GLOBALTENSOR_CHECK_TIMES")  # a file: "<seconds> <check>" lines
+        from .env import check_times_file
+        times = check_times_file()  # a file: "<seconds> <world size> <check>" lines
         for name in names:
             start = time.perf_counter()
             try:

@@ -210,9 +210,11 @@ def backend_of(device_type: str) -> str:
     return "nccl" if dist.is_nccl_available() and torch.cuda.device_count() else "gloo"
 
 
-def bind_gloo_to_address(addr: str) -> None:
+def bind_gloo_to_address(addr: str | None) -> None:
     """Make every gloo group this process creates from now on send and receive on
-    ``addr`` (an address of this machine), not on the address its hostname resolves to.
+    ``addr`` (an address of this machine), not on the address its hostname resolves to;
+    ``None`` puts torch's own class back (a worker forked from a process that had bound
+    an address, in a job without one).
 
     torch offers GLOO_SOCKET_IFNAME, an interface, which cannot tell two addresses of one
     interface apart (two nodes on 127.0.0.2 and 127.0.0.3 of ``lo``), and no address
@@ -223,6 +225,10 @@ def bind_gloo_to_address(addr: str) -> None:
 
     >>> bind_gloo_to_address("127.0.0.3")  # doctest: +SKIP
     """
+    if addr is None:
+        if isinstance(c10d.ProcessGroupGloo, _GlooOnAddress):
+            c10d.ProcessGroupGloo = dist.ProcessGroupGloo = _TORCH_GLOO  # type: ignore[misc]
+        return
     stand_in = _GlooOnAddress(addr)
     c10d.ProcessGroupGloo = dist.ProcessGroupGloo = stand_in  # type: ignore[misc, assignment]
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -115,7 +114,7 @@ def functional_step_begins() -> None:
 @env.read_at_import
 def _read_plan_steps_variable() -> None:
     global ENABLED, functional
-    ENABLED = os.environ.get("GLOBALTENSOR_PLAN_STEPS", "1") != "0"
+    ENABLED = env.plan_steps_enabled()
     functional = ENABLED
     retrace.planning = ENABLED
 

@@ -12,11 +12,13 @@ a load's peak); a mismatch raises ``ChecksumError`` naming the file, the byte
 range and the tensor (its fully qualified name). Inside ``dcp.load`` the error of one
 rank reaches every rank (DCP gathers each step's exceptions), so no rank hangs.
 
-``interop/torch_patches.py`` makes these DCP's storage for ``checkpoint_id=<path>``
-(its defaults, when ``storage_writer``/``storage_reader`` are not given).
+They are DCP storage classes the program passes itself (``gt.checkpoint`` exports
+them; ``gt.checkpoint.Autosave`` uses them): importing globaltensor leaves DCP's own
+defaults for ``checkpoint_id=<path>`` as they are (docs/torch_changes.md).
 
->>> dcp.save(state, checkpoint_id="ckpt/step_100")            # doctest: +SKIP
->>> dcp.load(state, checkpoint_id="ckpt/step_100")  # raises ChecksumError if damaged
+>>> from globaltensor.checkpoint import ChecksummedWriter, VerifyingReader  # doctest: +SKIP
+>>> dcp.save(state, storage_writer=ChecksummedWriter("ckpt/step_100"))
+>>> dcp.load(state, storage_reader=VerifyingReader("ckpt/step_100"))  # ChecksumError if damaged
 """
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """Every change globaltensor makes to torch, in one place, made once when globaltensor is
-imported (``apply``). Each says why. The functions installed live with what they do
-(``rules/``, ``advice.py``, ``random.py``, ``interop/dcp.py``); this module only puts
-them in torch's place:
+imported (``apply``). Each says why; docs/torch_changes.md lists them, and
+tests/interop/test_import_changes.py checks that importing globaltensor changes exactly
+those. Each installed function does what torch's own does unless a GlobalTensor is
+involved. The functions installed live with what they do (``rules/``, ``advice.py``,
+``random.py``, ``interop/dcp.py``); this module only puts them in torch's place:
 
 * ``torch.nn.functional``: ``one_hot``, ``embedding_bag``,
   ``scaled_dot_product_attention``, ``dropout`` and ``dropout1d/2d/3d`` on
@@ -10,14 +12,20 @@ them in torch's place:
 * ``torch.nn.utils``: ``clip_grad_norm_``'s total norm and clipping over gradients on
   several placements;
 * the ``_foreach_*`` paths of ``torch.optim`` and ``torch.nn.utils`` accept GlobalTensors;
-* gloo groups bind to the launcher's ``--local_addr`` when it is given
-  (``torch.distributed.distributed_c10d.ProcessGroupGloo``, comm/groups.py);
+* gloo groups bind to the launcher's ``--local_addr`` under the launcher
+  (``GLOBALTENSOR_LOCAL_ADDR`` set; ``torch.distributed.distributed_c10d.ProcessGroupGloo``,
+  comm/groups.py); without it, nothing;
 * ``torch.save`` refuses a GlobalTensor before it opens its file;
 * ``torch.get_rng_state`` / ``set_rng_state`` carry globaltensor's draw number;
 * FSDP2's ``fully_shard``, ``parallelize_module`` and DTensor's dispatcher refuse
   GlobalTensors with advice, wrapped when the program imports them (an import hook);
-* ``dcp.save``/``dcp.load`` with ``checkpoint_id=<path>`` write a checksum per chunk and
-  verify it on load (``interop/checksums.py``), set when DCP is imported (the same hook).
+  ``GLOBALTENSOR_TORCH_ADVICE=0`` leaves them, and ``sys.meta_path``, alone.
+
+One change is made later, at the first ``dcp.load`` planning into a GlobalTensor:
+``FileSystemReader.read_data`` reads only the overlap for GlobalTensor targets
+(``interop/dcp_reads.py``). Not made at all: DCP checksums are DCP storage classes the
+program passes itself (``gt.checkpoint.ChecksummedWriter`` / ``VerifyingReader``,
+``interop/checksums.py``).
 
 >>> import globaltensor                                  # applies them  # doctest: +SKIP
 """
@@ -38,7 +46,7 @@ from ..rules import random as random_rules
 from ..tensor import GlobalTensor
 from .dcp import refuse_global_tensors
 
-__all__ = ["apply", "override_function", "install_checkpoint_checksums"]
+__all__ = ["apply", "override_function"]
 
 _applied = False
 
@@ -54,7 +62,7 @@ def apply() -> None:
     _accept_in_foreach_paths()
     _guard_torch_save()
     _carry_draws_in_rng_state()
-    _advise_when_torch_tools_are_imported()
+    env.read_at_import(_advise_when_torch_tools_are_imported)
     env.read_at_import(_bind_gloo_to_local_addr)
 
 
@@ -149,10 +157,9 @@ def _carry_draws_in_rng_state() -> None:
 def _bind_gloo_to_local_addr() -> None:
     # Under the launcher's --local_addr, gloo groups use that address, not the one the
     # hostname resolves to: two nodes on one machine (127.0.0.2, 127.0.0.3), or a machine
-    # whose hostname names the wrong network (comm/groups.py).
-    addr = env.local_addr()
-    if addr is not None:
-        comm.bind_gloo_to_address(addr)
+    # whose hostname names the wrong network (comm/groups.py). Without it torch's class
+    # stays (or is put back, in a worker forked from a process that had bound one).
+    comm.bind_gloo_to_address(env.local_addr())
 
 
 # --- torch's distributed tools: wrapped when the program imports them ---------------------
@@ -163,12 +170,34 @@ def _advise_when_torch_tools_are_imported() -> None:
     # costs seconds, so they are not imported here: each is wrapped right after the
     # program imports it (an import hook), or now when it already has. Wrapped in place
     # on every module that exposes them, so that `from torch.distributed.fsdp import
-    # fully_shard` returns the wrapper.
-    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+    # fully_shard` returns the wrapper. GLOBALTENSOR_TORCH_ADVICE=0: none of it (and
+    # what a forked worker inherited wrapped is put back).
+    ours = [f for f in sys.meta_path if isinstance(f, _Finder)]
+    if not env.torch_advice_enabled():
+        for finder in ours:
+            sys.meta_path.remove(finder)
+        _unwrap_torch_tools()
+        return
+    if not ours:
         sys.meta_path.insert(0, _Finder())
     for name, after in _AFTER_IMPORT.items():
         if name in sys.modules:
             after()
+
+
+def _unwrap_torch_tools() -> None:
+    for entries in advice.REFUSING_GLOBAL_MODULES.values():
+        for module_name, name, _ in entries:
+            module = sys.modules.get(module_name)
+            original = getattr(getattr(module, name, None), "__wrapped_by_globaltensor__", None)
+            if original is not None:
+                setattr(module, name, original)
+    dispatch = sys.modules.get("torch.distributed.tensor._dispatch")
+    if dispatch is not None:
+        method = dispatch.OpDispatcher._try_replicate_spec_for_scalar_tensor
+        original = getattr(method, "__wrapped_by_globaltensor__", None)
+        if original is not None:
+            dispatch.OpDispatcher._try_replicate_spec_for_scalar_tensor = original
 
 
 def _refuse_global_modules(imported: str) -> None:
@@ -191,27 +220,6 @@ def _refuse_global_in_dtensor_ops() -> None:
 _AFTER_IMPORT = {name: functools.partial(_refuse_global_modules, name)
                  for name in advice.REFUSING_GLOBAL_MODULES}
 _AFTER_IMPORT["torch.distributed.tensor._dispatch"] = _refuse_global_in_dtensor_ops
-
-
-def install_checkpoint_checksums() -> None:
-    """DCP records where each chunk lies but not what it holds: a flipped byte loads as a
-    wrong value. Its storage for a checkpoint given by path (what it builds when no
-    storage_writer/storage_reader is passed) records and checks a sum per chunk
-    (``interop/checksums.py``). Run when DCP is imported, after ``apply``."""
-    checksums = sys.modules.get(f"{__package__}.checksums")
-    if not _applied or (checksums is not None and not hasattr(checksums, "VerifyingReader")):
-        # Not applied; or checksums is being imported and its import of DCP brought us
-        # here: this runs again when that import ends (the hook watches it too).
-        return
-    from torch.distributed.checkpoint import _storage_utils
-
-    from .checksums import ChecksummedWriter, VerifyingReader
-    _storage_utils.FileSystemWriter = ChecksummedWriter
-    _storage_utils.FileSystemReader = VerifyingReader
-
-
-_AFTER_IMPORT["torch.distributed.checkpoint._storage_utils"] = install_checkpoint_checksums
-_AFTER_IMPORT[f"{__package__}.checksums"] = install_checkpoint_checksums
 
 
 class _Loader(importlib.abc.Loader):

@@ -28,6 +28,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import env
+
 M_MMAP_THRESHOLD = -3          # glibc's mallopt parameter number
 MAPPED_BYTES = 128 << 10    # blocks of this size or more are mapped on their own (glibc's
                             # starting threshold, which it then no longer raises)
@@ -73,7 +75,7 @@ def maps_large_blocks(device_type: str) -> bool:
     """Whether fully_shard on ``device_type`` fixes malloc's mmap threshold: host
     tensors under glibc, unless ``GLOBALTENSOR_TRIM_HEAP=0``."""
     return (device_type == "cpu" and _MALLOPT is not None
-            and os.environ.get("GLOBALTENSOR_TRIM_HEAP", "1") != "0")
+            and env.trim_heap_enabled())
 
 
 def map_large_blocks() -> bool:

@@ -20,13 +20,12 @@ Example (the whole script; every process runs it)::
 from __future__ import annotations
 
 import atexit
-import os
 import re
 import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from .. import comm
+from .. import comm, env
 from ..comm import rpc
 from . import server
 
@@ -78,11 +77,12 @@ state = _State()
 
 
 def _env_int(name: str) -> int:
-    value = os.environ.get(name)
+    value = env.ps_count(name)
     if value is None:
-        raise RuntimeError(f"{name} is not set: this is not a parameter-server job (start it "
-                           f"with python -m globaltensor.launch --server_num S --worker_num W)")
-    return int(value)
+        raise RuntimeError(f"GLOBALTENSOR_PS_{name} is not set: this is not a parameter-server "
+                           f"job (start it with python -m globaltensor.launch --server_num S "
+                           f"--worker_num W)")
+    return value
 
 
 def init(strategy: Optional[Strategy] = None) -> None:
@@ -93,13 +93,13 @@ def init(strategy: Optional[Strategy] = None) -> None:
     if state.strategy is not None:
         return
     strategy = strategy or Strategy()
-    role = os.environ.get("GLOBALTENSOR_PS_ROLE")
+    role = env.ps_role()
     if role not in ("server", "worker"):
         raise RuntimeError(f"GLOBALTENSOR_PS_ROLE is {role!r}: this is not a parameter-server job "
                            f"(start it with python -m globaltensor.launch --server_num S --worker_num W)")
-    state.role, state.rank = role, _env_int("GLOBALTENSOR_PS_RANK")
-    state.servers = _env_int("GLOBALTENSOR_PS_SERVER_NUM")
-    state.workers = _env_int("GLOBALTENSOR_PS_WORKER_NUM")
+    state.role, state.rank = role, _env_int("RANK")
+    state.servers = _env_int("SERVER_NUM")
+    state.workers = _env_int("WORKER_NUM")
     comm.init()  # the default group of all processes; the workers' dense sync splits from it
     world = state.servers + state.workers
     if comm.get_world_size() != world:
@@ -120,7 +120,7 @@ def _watch_failures() -> None:
     report it through sys.excepthook before exiting): a failed worker must not wait at
     exit for its peers to finish, or the launcher would learn of the failure late."""
     previous = sys.excepthook
-    if os.environ.get("GLOBALTENSOR_LAUNCHER_PID"):
+    if env.under_launcher():
         # Under our launcher, skip torch.distributed's "[rankN]: " wrapper as the
         # launcher's bootstrap does: the launcher prefixes every line already.
         # (torch's wrapper keeps the hook it replaced in its closure as ``old_hook``; a
@@ -153,12 +153,12 @@ def _need_init() -> None:
 
 def is_server() -> bool:
     """True in a server process (after ``init``, or from the launcher's variables)."""
-    return (state.role or os.environ.get("GLOBALTENSOR_PS_ROLE")) == "server"
+    return (state.role or env.ps_role()) == "server"
 
 
 def is_worker() -> bool:
     """True in a worker process."""
-    return (state.role or os.environ.get("GLOBALTENSOR_PS_ROLE")) == "worker"
+    return (state.role or env.ps_role()) == "worker"
 
 
 def worker_rank() -> int:

@@ -91,6 +91,28 @@ def test_restore_resumes_everything_and_keeps_the_newest(tmp_path):
         assert torch.equal(a.full(), b.full())
 
 
+def test_autosave_checkpoints_are_verified(tmp_path):
+    """Autosave writes a CRC-32 per chunk and restore checks it: a damaged checkpoint
+    fails the restore naming the file, instead of loading a wrong value."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    gt.manual_seed(5)
+    model, opt, saver = fresh(tmp_path / "run")
+    train(model, opt, saver, 0, 2)
+    path = tmp_path / "run" / "step_2"
+    md = dcp.FileSystemReader(str(path)).read_metadata()
+    assert all(isinstance(getattr(i, "crc32", None), int) for i in md.storage_data.values())
+    info = max(md.storage_data.values(), key=lambda i: i.length)
+    with open(path / info.relative_path, "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    model, opt, saver = fresh(tmp_path / "run")
+    with pytest.raises(CheckpointException, match="does not hold what was saved"):
+        saver.restore()
+
+
 # --- jobs through the launcher, killed and resumed ---------------------------------------
 
 def launch(tmp_path, name: str, *args):

@@ -1,6 +1,8 @@
-"""Verified checkpoints: dcp.save records a CRC-32 per chunk in .metadata, dcp.load checks
-every chunk it reads and names the file and the tensor of a damaged one (on every rank);
-the checkpoint still loads with plain torch, without globaltensor."""
+"""Verified checkpoints: dcp.save with gt.checkpoint.ChecksummedWriter records a CRC-32 per
+chunk in .metadata, dcp.load with gt.checkpoint.VerifyingReader checks every chunk it reads
+and names the file and the tensor of a damaged one (on every rank); the checkpoint still
+loads with plain torch, without globaltensor. DCP's own storage (checkpoint_id=path alone)
+is left as torch has it."""
 import os
 import subprocess
 import sys
@@ -12,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import globaltensor as gt
+from globaltensor.checkpoint import ChecksummedWriter, VerifyingReader
 from mp import checks_in_worlds
 
 
@@ -35,7 +38,7 @@ def saved(path) -> dict:
     state = {"layer.weight": gt.tensor(torch.arange(4096.0).reshape(64, 64), placement=P,
                                        sbp=gt.sbp.split(0)),
              "plain": torch.arange(8.0), "extra": {"note": "x" * 300}}
-    dcp.save(state, checkpoint_id=str(path))
+    dcp.save(state, storage_writer=ChecksummedWriter(str(path)))
     return state
 
 
@@ -55,7 +58,7 @@ def test_a_flipped_byte_names_the_file_and_the_tensor(tmp_path):
     assert not torch.equal(into["layer.weight"], torch.arange(4096.0).reshape(64, 64))
     with pytest.raises(CheckpointException, match=rf"{file}, bytes \d+\.\.\d+, holding tensor "
                                         r"'layer\.weight' .*does not hold what was saved"):
-        dcp.load(into, checkpoint_id=str(tmp_path))
+        dcp.load(into, storage_reader=VerifyingReader(str(tmp_path)))
 
 
 def test_a_flipped_byte_in_an_object_names_it(tmp_path):
@@ -64,7 +67,7 @@ def test_a_flipped_byte_in_an_object_names_it(tmp_path):
     into = {"layer.weight": torch.zeros(64, 64), "plain": torch.zeros(8), "extra": {"note": ""}}
     with pytest.raises(CheckpointException, match=r"holding object 'extra\.note'.*crc32 [0-9a-f]{8}, "
                                         r"saved [0-9a-f]{8}"):
-        dcp.load(into, checkpoint_id=str(tmp_path))
+        dcp.load(into, storage_reader=VerifyingReader(str(tmp_path)))
 
 
 def test_a_clean_checkpoint_loads_with_plain_torch_without_globaltensor(tmp_path):
@@ -99,10 +102,10 @@ def check_a_damaged_chunk_fails_the_load_on_every_rank():
     try:
         dcp.save({"w": gt.tensor(value, placement=P, sbp=gt.sbp.split(0)),
                   "b": gt.tensor(value[:3], placement=P, sbp=gt.sbp.broadcast)},
-                 checkpoint_id=path)
+                 storage_writer=ChecksummedWriter(path))
         into = {"w": gt.zeros(n * 16, 16, placement=P, sbp=gt.sbp.split(1)),
                 "b": gt.zeros(3, 16, placement=P, sbp=gt.sbp.split(0))}
-        dcp.load(into, checkpoint_id=path)
+        dcp.load(into, storage_reader=VerifyingReader(path))
         assert torch.equal(into["w"].full(), value) and torch.equal(into["b"].full(), value[:3])
         dist.barrier()
         file = flip_byte_in_chunk(path, "w", rank_file=n - 1) if rank == 0 else None
@@ -111,7 +114,7 @@ def check_a_damaged_chunk_fails_the_load_on_every_rank():
         into = {"w": gt.zeros(n * 16, 16, placement=P, sbp=gt.sbp.split(0)),
                 "b": gt.zeros(3, 16, placement=P, sbp=gt.sbp.broadcast)}
         with pytest.raises(CheckpointException) as error:
-            dcp.load(into, checkpoint_id=path)
+            dcp.load(into, storage_reader=VerifyingReader(path))
         assert f"file {holder[0]}, bytes" in str(error.value), error.value
         assert "holding tensor 'w' (its chunk at offsets" in str(error.value), error.value
     finally:
@@ -125,12 +128,22 @@ CHECKS = ["check_a_damaged_chunk_fails_the_load_on_every_rank"]
 test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
 
 
-def test_checksums_apply_when_their_module_is_imported_before_dcp():
-    """checksums imports DCP, whose import runs the hook that installs checksums."""
-    code = ("from globaltensor.interop import checksums\n"
-            "from torch.distributed.checkpoint import _storage_utils as u\n"
-            "assert u.FileSystemWriter is checksums.ChecksummedWriter\n"
-            "assert u.FileSystemReader is checksums.VerifyingReader\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
+def test_dcp_defaults_are_torch_own(tmp_path):
+    """Without the explicit storage, DCP saves and loads as torch does: no checksums, and
+    its storage for a path is torch's class."""
+    from torch.distributed.checkpoint import _storage_utils, filesystem
+    assert _storage_utils.FileSystemWriter is filesystem.FileSystemWriter
+    assert _storage_utils.FileSystemReader is filesystem.FileSystemReader
+    dcp.save({"plain": torch.arange(8.0)}, checkpoint_id=str(tmp_path))
+    md = dcp.FileSystemReader(str(tmp_path)).read_metadata()
+    assert all(getattr(info, "crc32", None) is None for info in md.storage_data.values())
+    into = {"plain": torch.zeros(8)}
+    dcp.load(into, storage_reader=VerifyingReader(str(tmp_path)))  # no sums: loads as before
+    assert torch.equal(into["plain"], torch.arange(8.0))
+
+
+def test_gt_checkpoint_exports_the_storage():
+    from globaltensor.interop import checksums
+    assert gt.checkpoint.ChecksummedWriter is checksums.ChecksummedWriter
+    assert gt.checkpoint.VerifyingReader is checksums.VerifyingReader
+    assert gt.checkpoint.ChecksumError is checksums.ChecksumError
