@@ -45,16 +45,26 @@ def describe_signature(sig: list[int]) -> str:
     return str(tuple(sig[1:1 + sig[0]]))
 
 
-def agree_on_batches(ranks: tuple[int, ...], batches: tuple) -> None:
+def agree_on_batches(ranks: tuple[int, ...], batches: tuple, schedule: tuple = ()) -> None:
     """Raise ``DivergenceError`` on every rank of ``ranks`` unless all pass batches (and
-    targets) of one shape, dtype and layout: the micro-batches' hand-offs would
+    targets) of one shape, dtype and layout, and run one schedule (``schedule``: its
+    shape as integers: micro-batches, stages, kind): the micro-batches' hand-offs would
     otherwise pair messages of different sizes (gloo aborts the process) or mix values.
     One small all-gather of integers; in check mode plain batches' values are compared too."""
     sigs = [batch_signature(t, comm.check_mode()) for t in batches if t is not None]
-    flat = [len(sigs)] + [v for sig in sigs for v in [len(sig), *sig]]
+    flat = [len(schedule), *schedule, len(sigs)] + [v for sig in sigs for v in [len(sig), *sig]]
     everyone = comm.all_gather_ints(flat, ranks)
     if all(other == flat for other in everyone):
         return
+    schedules = {tuple(other[1:1 + other[0]]) for other in everyone}
+    if len(schedules) > 1:
+        what = "; ".join(f"rank {r} {other[1]} micro-batches of {other[2]} stages"
+                         for r, other in zip(ranks, everyone) if len(other) > 2)
+        raise comm.DivergenceError(
+            f"globaltensor: the ranks of a Pipeline run different schedules ({what}; or "
+            f"another schedule kind). Every rank of the pipeline makes the Pipeline with the "
+            f"same stages, micro_batches and schedule")
+    everyone = [other[1 + other[0]:] for other in everyone]
     by_batch: dict = {}
     for rank, other in zip(ranks, everyone):
         shapes, i = [], 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -106,6 +107,9 @@ class Pipeline:
         self.stage_worker = tuple(workers.index(p) for p in self.placements)
         n = len(stages)
         self.schedule = schedule
+        # compared among the ranks before each run's hand-offs (agree_on_batches)
+        self._shape = (micro_batches, n, zlib.crc32(getattr(schedule, "__name__",
+                                                            str(schedule)).encode()))
         self._lists = {True: S.build(schedule, n, micro_batches, self.stage_worker),
                        False: S.build(schedule, n, micro_batches, self.stage_worker,
                                       forward=True)}
@@ -153,7 +157,7 @@ class Pipeline:
         rows = batch_rows(x), batch_rows(target) if train else None  # tensors with a batch dim
         # Before anything that depends on this rank's batch: one shape on every rank
         if comm.get_rank() in self._ranks:
-            agree_on_batches(self._ranks, (x, target))
+            agree_on_batches(self._ranks, (x, target), self._shape)
         if train and rows[1] != rows[0]:
             raise ValueError(f"target has {rows[1]} rows, the batch {rows[0]}")
         sizes = [size for _, size in balanced_split(rows[0], m)]
