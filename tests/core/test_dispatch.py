@@ -78,7 +78,7 @@ def check_gradient_buffers_die_with_their_model():
 
 
 def check_megatron_layout_keeps_weights_in_place():
-    # The README's recipe: annotate parameters only. The vocab-parallel embedding's
+    # docs/ops.md's recipe: annotate parameters only. The vocab-parallel embedding's
     # partial output reaches LayerNorm, then fc1 (column-split weight): the activation
     # must be gathered, not the weight (which would make the layer data parallel with
     # gathered weights, and reduce their gradients every step).

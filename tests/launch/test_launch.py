@@ -691,16 +691,16 @@ def test_a_new_option_is_one_row_of_the_table_in_cli(tmp_path: Path, monkeypatch
 
 
 def test_every_launcher_option_is_in_the_readme_table() -> None:
-    """README's launcher table lists every option of the parser, and nothing else (the
-    dash spellings are covered by one sentence there)."""
+    """docs/launching.md's launcher table lists every option of the parser, and nothing else
+    (the dash spellings are covered by one sentence there)."""
     from globaltensor.launch.cli import build_parser
 
-    section = (REPO / "README.md").read_text().split("<!-- launching:start -->")[1].split("<!-- launching:end -->")[0]
+    section = (REPO / "docs" / "launching.md").read_text().split("<!-- launching:start -->")[1].split("<!-- launching:end -->")[0]
     documented = {name for row in section.splitlines() if row.startswith("| `")
                   for name in re.findall(r"`(-[^`]+)`", row.split("|")[1])}
     options = {spelling for action in build_parser()._actions for spelling in action.option_strings
                if "-" not in spelling.lstrip("-")} - {"-h", "--help"}
-    assert options == documented, (f"not in the README table: {sorted(options - documented)}; "
+    assert options == documented, (f"not in the docs/launching.md table: {sorted(options - documented)}; "
                                    f"in the table, not an option: {sorted(documented - options)}")
 
 

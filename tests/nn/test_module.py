@@ -243,7 +243,7 @@ def check_meta_buffers_raise_or_come_real():
     with gt.nn.meta_init():
         model = _Masked()
     assert model.qkv.weight.device.type == "meta" and model.bias.device.type == "cpu"
-    gt.nn.fully_shard(model, p)                 # the README's recipe
+    gt.nn.fully_shard(model, p)                 # docs/memory.md's recipe
     gt.manual_seed(5)
     for m in model.modules():
         if hasattr(m, "reset_parameters"):

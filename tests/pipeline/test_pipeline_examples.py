@@ -1,4 +1,4 @@
-"""The pipeline example runs as the README says, through the launcher: seed 003's
+"""The pipeline example runs as docs/pipeline.md says, through the launcher: seed 003's
 ResNet50 table. (The OneFlow guide's pipelined training, part 5 of
 examples/parallelism_guide.py, runs in tests/examples/test_example_models.py.)"""
 import re
