@@ -14,8 +14,11 @@ a checkpoint loads into any layout, placement or world size.
 
 Verified checkpoints: ``ChecksummedWriter(path)`` (DCP's FileSystemWriter that records
 a CRC-32 per chunk) and ``VerifyingReader(path)`` (checks each chunk it reads; a damaged
-file fails the load, naming the file and tensor), passed to DCP as its storage
-(``interop/checksums.py``). ``Autosave`` uses them.
+file fails the load, naming the file and tensor; so does a damaged ``.metadata``, whose
+own CRC-32 lies beside it in ``.metadata.crc32``), passed to DCP as its storage
+(``interop/checksums.py``). ``Autosave`` uses them. Loading GlobalTensors from a
+checkpoint that carries checksums with DCP's own reader (``checkpoint_id=path``)
+works but is unverified: it warns once per checkpoint (``UnverifiedLoadWarning``).
 
 >>> dcp.save(state, storage_writer=gt.checkpoint.ChecksummedWriter("ckpt/step_100"))  # doctest: +SKIP
 >>> dcp.load(state, storage_reader=gt.checkpoint.VerifyingReader("ckpt/step_100"))
@@ -36,9 +39,9 @@ from .random import get_draw, set_draw
 
 __all__ = ["Autosave", "from_dtensor", "to_dtensor", "rng_state",
            "set_rng_state", "is_complete", "latest", "DCP_HINT", "ChecksummedWriter",
-           "VerifyingReader", "ChecksumError"]
+           "VerifyingReader", "ChecksumError", "UnverifiedLoadWarning"]
 
-_CHECKSUMS = ("ChecksummedWriter", "VerifyingReader", "ChecksumError")
+_CHECKSUMS = ("ChecksummedWriter", "VerifyingReader", "ChecksumError", "UnverifiedLoadWarning")
 
 
 def __getattr__(name: str):
@@ -115,6 +118,10 @@ def _remove(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _ranks(verdicts: list, verdict: int) -> str:
+    return f"rank(s) {[r for r, v in enumerate(verdicts) if v == verdict]}"
+
+
 def _is_stateful(value) -> bool:
     return callable(getattr(value, "state_dict", None)) and \
         callable(getattr(value, "load_state_dict", None))
@@ -132,8 +139,10 @@ class Autosave:
     are small picklable objects, saved once; one with ``state_dict``/``load_state_dict``
     (an LR scheduler, a data loader) is saved and restored through those. Every chunk
     saved carries a CRC-32 (``ChecksummedWriter``), checked by ``restore``
-    (``VerifyingReader``). Saves are synchronous: DCP's ``async_save`` shares the process group with training's
-    collectives and does not know how to stage GlobalTensors.
+    (``VerifyingReader``): a damaged newest checkpoint is skipped with a warning on every
+    rank, and the newest intact one is restored. Saves are synchronous: DCP's
+    ``async_save`` shares the process group with training's collectives and does not
+    know how to stage GlobalTensors.
 
     >>> saver = gt.checkpoint.Autosave("ckpt", model, optimizer, every=100, keep=2)  # doctest: +SKIP
     >>> saver.state["sched"] = scheduler
@@ -165,7 +174,16 @@ class Autosave:
     def restore(self) -> int:
         """Load the newest complete checkpoint under ``path`` (model, optimizer, random
         state, ``self.state``) and return its step; 0 if there is none. Every rank must
-        see the same one (a shared filesystem): otherwise it raises on every rank."""
+        see the same one (a shared filesystem): otherwise it raises on every rank.
+
+        A checkpoint found damaged (``ChecksumError``: a chunk or its ``.metadata`` does
+        not hold what was saved, on any rank) is skipped with a warning on every rank
+        naming it and why, and the next older complete one is loaded (``keep`` >= 2
+        keeps one); the damaged directory is left as it is (the next save of its step
+        replaces it). The ranks agree (a collective) on each checkpoint's verdict before
+        choosing, so they all load the same one. When every one is damaged it raises
+        on every rank, naming them; other errors (a model that does not match the
+        checkpoint) raise as before."""
         done = [step for step, d in _step_dirs(self.path).items() if is_complete(d)]
         step = max(done, default=0)
         seen = sorted({s for s, in comm.all_gather_ints([step])})
@@ -175,13 +193,74 @@ class Autosave:
                                f"filesystem every rank shares")
         if step == 0:
             return 0
+        skipped: list = []   # (directory, why)
+        for candidate in sorted(done, reverse=True):
+            directory = _step_dirs(self.path)[candidate]
+            # its .metadata, then the load: after each, every rank's verdict (0 fine,
+            # 1 damaged, 2 failed otherwise), so that all choose alike and none is left
+            # in a collective the others skipped
+            for attempt in (self._check_metadata, self._load):
+                verdict, why, error = attempt(directory)
+                verdicts = [v for v, in comm.all_gather_ints([verdict], same_length=True)]
+                if max(verdicts) > 0:
+                    break
+            if max(verdicts) == 0:
+                if skipped:
+                    import warnings
+                    warnings.warn(
+                        "Autosave.restore: skipped damaged checkpoint(s) "
+                        + "; ".join(f"{d} ({why})" for d, why in skipped)
+                        + f"; restored {directory} (step {candidate}) instead",
+                        RuntimeWarning, stacklevel=2)
+                return self._restored
+            if max(verdicts) == 2:
+                if verdict == 2:
+                    raise error
+                raise RuntimeError(f"Autosave.restore: loading {directory} failed on "
+                                   f"{_ranks(verdicts, 2)}, not for a damaged file: see "
+                                   f"that rank's error")
+            skipped.append((directory, why or f"damaged on {_ranks(verdicts, 1)}"))
+        from .interop.checksums import ChecksumError
+        raise ChecksumError("Autosave.restore: every complete checkpoint under "
+                            f"{self.path!r} is damaged: "
+                            + "; ".join(f"{d} ({why})" for d, why in skipped))
+
+    @staticmethod
+    def _check_metadata(directory: str) -> tuple:
+        """(0, "", None) when ``directory``'s .metadata reads and matches its checksum,
+        (1, why, error) when it is damaged, (2, why, error) on another error."""
+        from .interop.checksums import ChecksumError, VerifyingReader
+        try:
+            VerifyingReader(directory).read_metadata()
+            return 0, "", None
+        except ChecksumError as e:
+            return 1, str(e), e
+        except Exception as e:  # noqa: BLE001 - the verdict is shared first, then raised
+            return 2, str(e), e
+
+    def _load(self, directory: str) -> tuple:
+        """Load ``directory`` into the model, optimizer and state (``self._restored``:
+        its step); the verdict as ``_check_metadata``'s."""
         import torch.distributed.checkpoint as dcp
 
-        from .interop.checksums import VerifyingReader
-        contents = self._contents(0)
-        dcp.load(contents, storage_reader=VerifyingReader(_step_dirs(self.path)[step]))
-        self._put_back(contents)
-        return int(contents["step"])
+        from .interop.checksums import ChecksumError, VerifyingReader
+        try:
+            contents = self._contents(0)
+            dcp.load(contents, storage_reader=VerifyingReader(directory))
+            self._put_back(contents)
+            self._restored = int(contents["step"])
+            return 0, "", None
+        except ChecksumError as e:
+            return 1, str(e), e
+        except dcp.CheckpointException as e:
+            # DCP gathers every rank's failures: each rank names the damage any saw
+            damage = [(rank, pair[0]) for rank, pair in sorted(e.failures.items())
+                      if isinstance(pair[0], ChecksumError)]
+            if damage:
+                return 1, "; ".join(f"rank {rank}: {err}" for rank, err in damage), e
+            return 2, str(e), e
+        except Exception as e:  # noqa: BLE001 - the verdict is shared first, then raised
+            return 2, str(e), e
 
     def step(self, step: int) -> bool:
         """Called after each training step with the number of steps done: saves when

@@ -13,6 +13,7 @@ worker's environment and runs every such reader again in each worker (``reread``
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Callable
 
@@ -108,13 +109,19 @@ def get_local_rank() -> int:
 
 
 def _seconds_var(name: str, default: str) -> float:
-    value = os.environ.get(name, default)
+    """A number of seconds: finite and > 0 (unset or empty: ``default``). ``inf``,
+    ``nan``, zero, negative numbers and non-numbers raise a ValueError naming the
+    variable, its value and what is allowed (torch's timeouts are timedeltas: an
+    infinite one overflows deep inside process-group creation)."""
+    value = os.environ.get(name) or default
     try:
         seconds = float(value)
     except ValueError:
-        raise ValueError(f"{name}={value!r} is not a number of seconds") from None
-    if seconds <= 0:
-        raise ValueError(f"{name} must be positive, got {value!r}")
+        seconds = None
+    if seconds is None or not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"environment variable {name}={value!r} is not allowed: it must be "
+                         f"a finite number of seconds > 0 (default {default}); unset it for "
+                         f"the default")
     return seconds
 
 

@@ -12,6 +12,13 @@ a load's peak); a mismatch raises ``ChecksumError`` naming the file, the byte
 range and the tensor (its fully qualified name). Inside ``dcp.load`` the error of one
 rank reaches every rank (DCP gathers each step's exceptions), so no rank hangs.
 
+``.metadata`` itself (DCP's pickle of the checkpoint's layout, written last) gets its
+CRC-32 in a file beside it, ``.metadata.crc32`` (``METADATA_SUM``); ``VerifyingReader``
+checks it before unpickling, and a ``.metadata`` that does not match, or cannot be
+unpickled, raises ``ChecksumError`` saying the metadata file is damaged (naming it), not
+an unpickling error or a silently wrong layout. A checkpoint saved without the file
+(by DCP's own writer, or cut short between the two renames) loads as before.
+
 They are DCP storage classes the program passes itself (``gt.checkpoint`` exports
 them; ``gt.checkpoint.Autosave`` uses them): importing globaltensor leaves DCP's own
 defaults for ``checkpoint_id=<path>`` as they are (docs/torch_changes.md).
@@ -22,23 +29,36 @@ defaults for ``checkpoint_id=<path>`` as they are (docs/torch_changes.md).
 """
 from __future__ import annotations
 
+import os
+import pickle
 import zlib
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import (FileSystemReader, FileSystemWriter,
-                                                     SerializationFormat,
-                                                     _StorageReaderTransforms,
-                                                     _StorageWriterTransforms)
+from torch.distributed.checkpoint.filesystem import (
+    FileSystemReader,
+    FileSystemWriter,
+    SerializationFormat,
+    _StorageReaderTransforms,
+    _StorageWriterTransforms,
+)
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
-__all__ = ["ChecksumError", "ChecksummedWriter", "VerifyingReader", "CHECKSUM"]
+__all__ = ["ChecksumError", "ChecksummedWriter", "VerifyingReader", "CHECKSUM",
+           "METADATA_SUM", "carries_checksums", "UnverifiedLoadWarning"]
 
 CHECKSUM = "crc32"  # the attribute of a chunk's storage entry (_StorageInfo) holding it
+# beside a metadata file (``.metadata``): the CRC-32 of its bytes, in hex, as text
+METADATA_SUM = ".crc32"
 
 
 class ChecksumError(RuntimeError):
     """A chunk of a checkpoint file does not hold the bytes that were saved."""
+
+
+class UnverifiedLoadWarning(UserWarning):
+    """A checkpoint saved with checksums is loaded by a reader that does not check them
+    (``interop/dcp_reads.py`` warns, once per checkpoint directory and process)."""
 
 
 class _Hashing:
@@ -88,6 +108,24 @@ class ChecksummedWriter(FileSystemWriter):
         done: Future = Future()
         done.set_result(results)
         return done
+
+    def finish(self, metadata, results) -> None:
+        super().finish(metadata, results)
+        # the metadata file's own sum, beside it (after it: a save cut short in between
+        # leaves a checkpoint that loads unverified at that level, never a wrong sum)
+        if not self.use_collectives and self.rank is not None:
+            path = self._get_metadata_path(self.rank)
+        else:
+            path = self._get_metadata_path()
+        with self.fs.create_stream(path, "rb") as f:
+            crc = _crc32_of(f, 1 << 62)[0]
+        sum_path = self.fs.concat_path(self.path, os.path.basename(str(path)) + METADATA_SUM)
+        tmp = self.fs.concat_path(self.path, os.path.basename(str(path)) + METADATA_SUM + ".tmp")
+        with self.fs.create_stream(tmp, "wb") as f:
+            f.write(f"{crc:08x}\n".encode())
+        if self.fs.exists(sum_path):
+            self.fs.rm_file(sum_path)
+        self.fs.rename(tmp, sum_path)
 
 
 class _VerifyingTransforms(_StorageReaderTransforms):
@@ -147,8 +185,47 @@ class VerifyingReader(FileSystemReader):
         self.transforms = _VerifyingTransforms(self, self.transforms.extension_registry)
         self.verified: set = set()  # chunks checked in this load (a chunk may be read twice)
 
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        """DCP's metadata, after checking ``.metadata`` against the CRC-32 saved beside
+        it; a damaged metadata file raises ChecksumError naming it."""
+        path = self._get_metadata_path(kwargs.get("rank"))
+        name = os.path.basename(str(path))
+        sum_path = self.fs.concat_path(self.path, name + METADATA_SUM)
+        damaged = (f"checkpoint {self.path}: its metadata file {name} ({path}) is damaged "
+                   f"or changed after the save")
+        want = None
+        if self.fs.exists(path) and self.fs.exists(sum_path):
+            with self.fs.create_stream(sum_path, "rb") as f:
+                text = f.read(64).decode(errors="replace").strip()
+            try:
+                want = int(text, 16)
+            except ValueError:
+                raise ChecksumError(f"checkpoint {self.path}: the checksum file of its "
+                                    f"metadata, {name + METADATA_SUM}, is damaged (holds "
+                                    f"{text[:20]!r}): load another checkpoint") from None
+            with self.fs.create_stream(path, "rb") as f:
+                got = _crc32_of(f, 1 << 62)[0]
+            if got != want:
+                raise ChecksumError(f"{damaged} (crc32 {got:08x}, saved {want:08x}): load "
+                                    f"another checkpoint")
+        try:
+            return super().read_metadata(*args, **kwargs)
+        except FileNotFoundError:
+            raise
+        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError,
+                KeyError, TypeError, ValueError, MemoryError, UnicodeDecodeError) as e:
+            raise ChecksumError(f"{damaged}: it cannot be read ({type(e).__name__}: {e}); "
+                                f"load another checkpoint") from e
+
     def set_up_storage_reader(self, metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self.verified = set()
 
+
+
+def carries_checksums(storage_data) -> bool:
+    """Whether a checkpoint's storage entries (DCP's ``metadata.storage_data``) carry
+    the CRC-32s ``ChecksummedWriter`` records."""
+    return any(getattr(info, CHECKSUM, None) is not None
+               for info in (storage_data or {}).values())

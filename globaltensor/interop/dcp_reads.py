@@ -12,6 +12,14 @@ chunk). Anything else (objects, plain and DTensor targets, chunks behind stream
 transforms such as compression, other storage formats) goes DCP's own way. Stream
 transforms still run first, so a checksum check still sees every chunk.
 
+The wrapper also warns (once per checkpoint directory and process) when a checkpoint
+whose metadata carries ``gt.checkpoint.ChecksummedWriter``'s CRC-32s is read by a
+reader that does not check them (DCP's own ``FileSystemReader``, as
+``checkpoint_id=path`` gives): the load is unverified, and
+``storage_reader=gt.checkpoint.VerifyingReader(path)`` would verify it. It is installed
+by the first load planning into a GlobalTensor; loads of plain tensors before that are
+not looked at.
+
 >>> dcp.load({"w": new_layout_w}, checkpoint_id="ckpt")   # part + <= 1 MiB  # doctest: +SKIP
 """
 from __future__ import annotations
@@ -21,8 +29,10 @@ import dataclasses
 import functools
 import io
 import math
+import os
 import pickle
 import sys
+import warnings
 
 import torch
 from torch.futures import Future
@@ -45,6 +55,7 @@ def install() -> None:
 
     @functools.wraps(original)
     def read_data(self, plan, planner):
+        _warn_if_unverified(self)
         lean = [r for r in plan.items if _reads_into_global(self, r, planner)]
         if not lean:
             return original(self, plan, planner)
@@ -61,6 +72,25 @@ def install() -> None:
 
     read_data._globaltensor_lean = True
     FileSystemReader.read_data = read_data
+
+
+_WARNED: set = set()  # checkpoint directories warned about in this process
+
+
+def _warn_if_unverified(reader) -> None:
+    from .checksums import UnverifiedLoadWarning, VerifyingReader, carries_checksums
+    if isinstance(reader, VerifyingReader):
+        return
+    path = os.fspath(getattr(reader, "path", ""))
+    if path in _WARNED or not carries_checksums(getattr(reader, "storage_data", None)):
+        return
+    _WARNED.add(path)
+    warnings.warn(
+        f"checkpoint {path} carries checksums (saved with gt.checkpoint.ChecksummedWriter) "
+        f"but is loaded by {type(reader).__name__}, which does not check them: a damaged "
+        f"file would load as wrong values. Verify the load with dcp.load(state, "
+        f"storage_reader=gt.checkpoint.VerifyingReader(path))",
+        UnverifiedLoadWarning, stacklevel=3)
 
 
 def _reads_into_global(reader, req, planner) -> bool:

@@ -25,15 +25,42 @@ Example (``train.py``)::
             opt.zero_grad(); loss.backward(); opt.step()
         gt.ps.stop_worker()
 
+``gt.ps.Optimizer``, ``DenseOptimizer``'s former name, still works for one release and
+warns (DeprecationWarning).
+
 Transport: ``globaltensor.comm.rpc`` (``torch.distributed.rpc``, TensorPipe). See
 ``examples/wide_and_deep_ps.py``.
 """
 from .dense import DenseOptimizer
 from .optim import OPTIMIZERS
-from .runtime import (MODES, ServerError, Strategy, init, is_server, is_worker, run_server, server_num,
-                      server_rank, stop_worker, worker_group, worker_num, worker_rank)
+from .runtime import (
+    MODES,
+    ServerError,
+    Strategy,
+    init,
+    is_server,
+    is_worker,
+    run_server,
+    server_num,
+    server_rank,
+    stop_worker,
+    worker_group,
+    worker_num,
+    worker_rank,
+)
 from .table import EmbeddingTable, TableStats
 
 __all__ = ["MODES", "OPTIMIZERS", "Strategy", "init", "is_server", "is_worker", "run_server",
            "stop_worker", "worker_rank", "server_rank", "worker_num", "server_num", "EmbeddingTable",
            "TableStats", "DenseOptimizer", "ServerError", "worker_group"]
+
+
+def __getattr__(name: str):
+    # the former name of DenseOptimizer: kept for one release, with a warning
+    if name == "Optimizer":
+        import warnings
+        warnings.warn("gt.ps.Optimizer is deprecated and will be removed in the next "
+                      "release: it is now gt.ps.DenseOptimizer (same arguments)",
+                      DeprecationWarning, stacklevel=2)
+        return DenseOptimizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

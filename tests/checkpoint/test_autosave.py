@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from mp import checks_in_worlds, free_port
 
 import globaltensor as gt
-from mp import free_port
 
 JOB = Path(__file__).resolve().parents[2] / "benchmarks" / "fault_job.py"
 
@@ -95,7 +95,6 @@ def test_autosave_checkpoints_are_verified(tmp_path):
     """Autosave writes a CRC-32 per chunk and restore checks it: a damaged checkpoint
     fails the restore naming the file, instead of loading a wrong value."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
     gt.manual_seed(5)
     model, opt, saver = fresh(tmp_path / "run")
     train(model, opt, saver, 0, 2)
@@ -109,8 +108,159 @@ def test_autosave_checkpoints_are_verified(tmp_path):
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x10]))
     model, opt, saver = fresh(tmp_path / "run")
-    with pytest.raises(CheckpointException, match="does not hold what was saved"):
+    # the only checkpoint is damaged: nothing to fall back to, it raises naming it
+    with pytest.raises(gt.checkpoint.ChecksumError, match=r"every complete checkpoint "
+                       r"under .* is damaged: .*step_2 \(.*does not hold what was saved"):
         saver.restore()
+
+
+def flip_chunk_byte(path) -> str:
+    """Flip a byte in the middle of the largest chunk of checkpoint ``path``."""
+    import torch.distributed.checkpoint as dcp
+    md = dcp.FileSystemReader(str(path)).read_metadata()
+    info = max(md.storage_data.values(), key=lambda i: i.length)
+    flip(path / info.relative_path, info.offset + info.length // 2)
+    return info.relative_path
+
+
+def flip(file, offset: int) -> None:
+    with open(file, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def parameters_after(tmp_path, steps: int) -> list:
+    gt.manual_seed(5)
+    model, opt, saver = fresh(tmp_path / f"ref{steps}")
+    train(model, opt, saver, 0, steps)
+    return [p.full().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("damage", ["chunk", "metadata"])
+def test_restore_falls_back_to_the_newest_intact_checkpoint(tmp_path, damage):
+    """keep=2 kept step_4 and step_6; step_6 is damaged (a flipped byte in a chunk, or in
+    its .metadata): restore warns naming it and why, and resumes from step_4."""
+    gt.manual_seed(5)
+    model, opt, saver = fresh(tmp_path / "run")
+    train(model, opt, saver, 0, 6)
+    assert sorted(os.listdir(tmp_path / "run")) == ["step_4", "step_6"]
+    newest = tmp_path / "run" / "step_6"
+    if damage == "chunk":
+        file, why = flip_chunk_byte(newest), "does not hold what was saved"
+    else:
+        flip(newest / ".metadata", (newest / ".metadata").stat().st_size // 2)
+        file, why = "", "its metadata file .metadata .* is damaged"
+    model, opt, saver = fresh(tmp_path / "run")
+    with pytest.warns(RuntimeWarning, match=rf"skipped damaged checkpoint\(s\) \S*step_6 "
+                                            rf"\(.*{file}.*{why}.*\); restored \S*step_4 "
+                                            rf"\(step 4\) instead"):
+        start = saver.restore()
+    assert start == 4 and saver.state["seen"] == list(range(4))
+    for a, b in zip(model.parameters(), parameters_after(tmp_path, 4)):
+        assert torch.equal(a.full(), b)
+    # the run goes on: the next save of step 6 replaces the damaged one
+    train(model, opt, saver, start, 7)
+    assert sorted(os.listdir(tmp_path / "run")) == ["step_4", "step_6"]
+    model, opt, saver = fresh(tmp_path / "run")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert saver.restore() == 6
+
+
+def test_restore_raises_other_errors_without_falling_back(tmp_path):
+    """A checkpoint that does not match the model is no damage: raised, not skipped."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    gt.manual_seed(5)
+    model, opt, saver = fresh(tmp_path / "run")
+    train(model, opt, saver, 0, 4)
+    other = gt.nn.to_global(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3),
+                                                torch.nn.Linear(8, 3)),
+                            gt.placement("cpu", [0]), gt.sbp.broadcast)
+    saver = gt.checkpoint.Autosave(tmp_path / "run", other, every=2, keep=2)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with pytest.raises(CheckpointException, match="Size mismatch"):
+            saver.restore()
+
+
+# --- in a world of processes: the ranks agree on what they restore --------------------
+
+def check_a_damage_one_rank_sees_falls_back_on_every_rank():
+    """A split model saved at steps 1 and 2 (each rank writes its own chunk). A byte of
+    the last rank's chunk of step_2 flips: only that rank reads it, yet every rank warns
+    and restores step 1. Then .metadata found damaged by the last rank only (its read
+    made to fail): every rank again chooses step 1, none hangs in a load the others
+    skipped."""
+    import shutil
+    import warnings
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    rank, n = gt.get_rank(), gt.get_world_size()
+    P = gt.placement.all("cpu")
+    path = f"/tmp/globaltensor-autosave-{os.getppid()}-{n}"
+
+    def model():
+        torch.manual_seed(0)
+        return gt.nn.to_global(torch.nn.Linear(4, 4 * n), P, gt.sbp.split(0))
+
+    try:
+        m = model()
+        saver = gt.checkpoint.Autosave(path, m, every=1, keep=2)
+        saver.step(1)
+        at_1 = [p.full().clone() for p in m.parameters()]
+        with torch.no_grad():
+            for p in m.parameters():
+                p.mul_(2)
+        saver.step(2)
+        dist.barrier()
+        if rank == 0:
+            md = dcp.FileSystemReader(f"{path}/step_2").read_metadata()
+            info = next(i for index, i in md.storage_data.items() if index.fqn ==
+                        "model.weight" and i.relative_path.startswith(f"__{n - 1}_"))
+            flip(f"{path}/step_2/{info.relative_path}", info.offset + info.length // 2)
+        dist.barrier()
+        m = model()
+        saver = gt.checkpoint.Autosave(path, m, every=1, keep=2)
+        with pytest.warns(RuntimeWarning, match=r"skipped damaged checkpoint\(s\) \S*step_2 "
+                          rf"\(rank {n - 1}: .*does not hold what was saved.*restored "
+                          r"\S*step_1 \(step 1\)"):
+            assert saver.restore() == 1
+        for a, b in zip(m.parameters(), at_1):
+            assert torch.equal(a.full(), b)
+
+        original = gt.checkpoint.Autosave._check_metadata
+
+        def seen_damaged(directory):
+            if rank == n - 1 and directory.endswith("step_2"):
+                return 1, "its .metadata is damaged (test)", None
+            return original(directory)
+
+        m = model()
+        saver = gt.checkpoint.Autosave(path, m, every=1, keep=2)
+        saver._check_metadata = seen_damaged
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert saver.restore() == 1
+        messages = [str(w.message) for w in caught if w.category is RuntimeWarning]
+        want = "(its .metadata is damaged (test))" if rank == n - 1 else \
+            f"(damaged on rank(s) [{n - 1}])"
+        assert any(want in text and "restored" in text for text in messages), messages
+        for a, b in zip(m.parameters(), at_1):
+            assert torch.equal(a.full(), b)
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+CHECKS = ["check_a_damage_one_rank_sees_falls_back_on_every_rank"]
+
+test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
 
 
 # --- jobs through the launcher, killed and resumed ---------------------------------------

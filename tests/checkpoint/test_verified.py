@@ -7,15 +7,16 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from mp import checks_in_worlds
 from torch.distributed.checkpoint.api import CheckpointException
 
 import globaltensor as gt
 from globaltensor.checkpoint import ChecksummedWriter, VerifyingReader
-from mp import checks_in_worlds
 
 
 def flip_byte_in_chunk(path, fqn: str, rank_file: int | None = None) -> str:
@@ -54,7 +55,9 @@ def test_a_flipped_byte_names_the_file_and_the_tensor(tmp_path):
     file = flip_byte_in_chunk(tmp_path, "layer.weight")
     # torch's own reader loads the damaged value silently
     into = {"layer.weight": torch.zeros(64, 64), "plain": torch.zeros(8), "extra": {"note": ""}}
-    dcp.load(into, storage_reader=dcp.FileSystemReader(str(tmp_path)))
+    with warnings.catch_warnings():  # unverified on purpose
+        warnings.simplefilter("ignore", gt.checkpoint.UnverifiedLoadWarning)
+        dcp.load(into, storage_reader=dcp.FileSystemReader(str(tmp_path)))
     assert not torch.equal(into["layer.weight"], torch.arange(4096.0).reshape(64, 64))
     with pytest.raises(CheckpointException, match=rf"{file}, bytes \d+\.\.\d+, holding tensor "
                                         r"'layer\.weight' .*does not hold what was saved"):
@@ -87,6 +90,77 @@ def test_a_clean_checkpoint_loads_with_plain_torch_without_globaltensor(tmp_path
     assert out.returncode == 0, out.stderr
 
 
+def fresh_into() -> dict:
+    return {"layer.weight": torch.zeros(64, 64), "plain": torch.zeros(8), "extra": {"note": ""}}
+
+
+def test_a_flipped_byte_in_the_metadata_names_the_metadata_file(tmp_path):
+    """.metadata's CRC-32 is saved beside it (.metadata.crc32): a flipped byte anywhere in
+    it fails the load saying the metadata file is damaged, naming it."""
+    saved(tmp_path)
+    assert (tmp_path / ".metadata.crc32").read_text().strip() == \
+        f"{__import__('zlib').crc32((tmp_path / '.metadata').read_bytes()):08x}"
+    dcp.load(fresh_into(), storage_reader=VerifyingReader(str(tmp_path)))   # intact: loads
+    data = bytearray((tmp_path / ".metadata").read_bytes())
+    for offset in (len(data) // 2, len(data) - 3, 5):
+        damaged = bytearray(data)
+        damaged[offset] ^= 0x10
+        (tmp_path / ".metadata").write_bytes(bytes(damaged))
+        with pytest.raises(gt.checkpoint.ChecksumError,
+                           match=rf"its metadata file \.metadata \({tmp_path}/\.metadata\) is "
+                                 r"damaged or changed after the save \(crc32 [0-9a-f]{8}, "
+                                 r"saved [0-9a-f]{8}\)"):
+            VerifyingReader(str(tmp_path)).read_metadata()
+        with pytest.raises(CheckpointException, match=r"its metadata file \.metadata .* is "
+                                                      r"damaged"):
+            dcp.load(fresh_into(), storage_reader=VerifyingReader(str(tmp_path)))
+
+
+def test_an_unreadable_metadata_without_its_sum_names_the_file(tmp_path):
+    """A checkpoint whose .metadata has no sum beside it (DCP's own writer): one that
+    cannot be unpickled fails saying the metadata file is damaged, not with pickle's
+    error alone."""
+    dcp.save({"plain": torch.arange(8.0)}, checkpoint_id=str(tmp_path))
+    assert not (tmp_path / ".metadata.crc32").exists()
+    data = (tmp_path / ".metadata").read_bytes()
+    (tmp_path / ".metadata").write_bytes(data[:len(data) // 2])
+    with pytest.raises(gt.checkpoint.ChecksumError, match=r"its metadata file \.metadata .* "
+                                                          r"is damaged .*: it cannot be read"):
+        VerifyingReader(str(tmp_path)).read_metadata()
+
+
+def test_a_load_of_a_checkpoint_with_sums_by_an_unverifying_reader_warns_once(tmp_path):
+    """Loading GlobalTensors from a checkpoint that carries checksums with DCP's own
+    reader (checkpoint_id=path, or FileSystemReader) warns that the load is unverified
+    and how to verify it, once per checkpoint; VerifyingReader, and checkpoints without
+    sums, load without the warning."""
+    import warnings
+    P = gt.placement("cpu", [0])
+
+    def into():
+        return {"layer.weight": gt.zeros(64, 64, placement=P, sbp=gt.sbp.broadcast),
+                "plain": torch.zeros(8), "extra": {"note": ""}}
+
+    def unverified_warnings(**storage) -> list:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dcp.load(into(), **storage)
+        return [str(w.message) for w in caught
+                if issubclass(w.category, gt.checkpoint.UnverifiedLoadWarning)]
+
+    saved(tmp_path / "sums")
+    assert unverified_warnings(storage_reader=VerifyingReader(str(tmp_path / "sums"))) == []
+    found = unverified_warnings(checkpoint_id=str(tmp_path / "sums"))
+    assert len(found) == 1 and f"checkpoint {tmp_path / 'sums'} carries checksums" in found[0]
+    assert "loaded by FileSystemReader, which does not check them" in found[0]
+    assert "storage_reader=gt.checkpoint.VerifyingReader(path)" in found[0]
+    # once per checkpoint
+    assert unverified_warnings(storage_reader=dcp.FileSystemReader(str(tmp_path / "sums"))) == []
+    dcp.save({"layer.weight": torch.zeros(64, 64), "plain": torch.zeros(8),
+              "extra": {"note": ""}}, checkpoint_id=str(tmp_path / "plain"))
+    assert unverified_warnings(checkpoint_id=str(tmp_path / "plain")) == []
+
+
 # --- in a world of processes --------------------------------------------------------------
 
 def check_a_damaged_chunk_fails_the_load_on_every_rank():
@@ -94,6 +168,7 @@ def check_a_damaged_chunk_fails_the_load_on_every_rank():
     chunk flips, every rank's load raises naming the file and tensor (only the last rank
     reads that chunk when the layout is the saved one), and none hangs."""
     import shutil
+
     import torch.distributed as dist
     rank, n = gt.get_rank(), gt.get_world_size()
     P = gt.placement.all("cpu")
@@ -147,3 +222,4 @@ def test_gt_checkpoint_exports_the_storage():
     assert gt.checkpoint.ChecksummedWriter is checksums.ChecksummedWriter
     assert gt.checkpoint.VerifyingReader is checksums.VerifyingReader
     assert gt.checkpoint.ChecksumError is checksums.ChecksumError
+    assert gt.checkpoint.UnverifiedLoadWarning is checksums.UnverifiedLoadWarning

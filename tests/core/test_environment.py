@@ -97,3 +97,24 @@ def test_torch_advice_switch(monkeypatch, value, expected):
 def test_the_docs_are_linked_from_the_readme():
     readme = (ROOT / "README.md").read_text()
     assert "docs/environment.md" in readme and "docs/torch_changes.md" in readme
+
+
+@pytest.mark.parametrize("name, read", [("GLOBALTENSOR_TIMEOUT", env.timeout_seconds),
+                                        ("GLOBALTENSOR_READ_TIMEOUT", env.read_timeout_seconds)])
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "NaN", "0", "-5", "abc", "1e400"])
+def test_a_timeout_that_is_not_finite_and_positive_names_the_variable(monkeypatch, name, read,
+                                                                      value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=rf"{name}={value!r} is not allowed: it must be a "
+                                         r"finite number of seconds > 0"):
+        read()
+
+
+@pytest.mark.parametrize("value, seconds", [(None, 300.0), ("", 300.0), ("2.5", 2.5),
+                                            (" 60 ", 60.0)])
+def test_a_timeout_reads_seconds(monkeypatch, value, seconds):
+    if value is None:
+        monkeypatch.delenv("GLOBALTENSOR_TIMEOUT", raising=False)
+    else:
+        monkeypatch.setenv("GLOBALTENSOR_TIMEOUT", value)
+    assert env.timeout_seconds() == seconds

@@ -2,7 +2,7 @@
 tests read from worker 0's log.
 
 ``save DIR`` (2 servers): 4 steps of a table with lazy Adam, a hashed table with Adagrad
-and a dense head; save with get_state_dict + dcp.save; 3 more steps, whose result (and
+and a dense head; save with get_state_dict(model, DenseOptimizer) + dcp.save; 3 more steps, whose result (and
 the hashed table's counts at the save) goes to DIR/expected.pt. Then, in
 the same job: a hashed table's admission and bound; worker 1 finishes while worker 0
 starts another step (a clear error within seconds, naming worker 1); worker 0 kills
@@ -103,7 +103,7 @@ def failures() -> None:
 if phase == "save":
     for i in range(4):
         step(i)
-    model_sd, optim_sd = get_state_dict(model, opt.local)
+    model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=gt.ps.worker_group())
     saved_counts = counts()
     torch.distributed.barrier(group=gt.ps.worker_group())  # before anyone's next lookup
@@ -115,9 +115,9 @@ if phase == "save":
     failures()
 else:
     start = result()
-    model_sd, optim_sd = get_state_dict(model, opt.local)
+    model_sd, optim_sd = get_state_dict(model, opt)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=gt.ps.worker_group())
-    set_state_dict(model, opt.local, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
     loaded_counts = counts()
     torch.distributed.barrier(group=gt.ps.worker_group())  # before anyone's next lookup
     for i in range(4, 7):
