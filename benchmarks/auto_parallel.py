@@ -42,11 +42,11 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from _common import bar_plot, round_robin_median
-from globaltensor.testing import spawn
+from torch import nn
 from tp import COLUMN, GPT, ROW, Config
+
+from globaltensor.testing import spawn
 
 LOSS_RTOL = 1e-4
 HAND = ["data parallel", "Megatron", "fully_shard"]

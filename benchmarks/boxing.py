@@ -26,8 +26,8 @@ import argparse
 
 import torch
 import torch.distributed as dist
-
 from _common import bar_plot, local_device, round_robin_median
+
 from globaltensor.testing import spawn
 
 

@@ -28,9 +28,9 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import round_robin_median  # noqa: E402
-from globaltensor.testing import peak_rise, spawn  # noqa: E402
 
 import globaltensor as gt  # noqa: E402
+from globaltensor.testing import peak_rise, spawn  # noqa: E402
 
 
 def _dir_bytes(path: str) -> int:

@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-
 from _common import bar_plot, local_device, round_robin_median
+
 from globaltensor.testing import spawn
 
 WAYS = ["ours eager", "ours compiled", "DTensor eager", "DTensor compiled", "plain compiled"]
@@ -199,9 +199,10 @@ def _clear(params: dict) -> None:
 def _setup(model: str, args, full: dict, x_full: torch.Tensor):
     """Per way: a step function (forward, backward, reduced gradients) and its loss;
     ``full`` and ``x_full`` are on ``args.device`` already."""
-    import globaltensor as gt
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+
+    import globaltensor as gt
 
     n, rank = dist.get_world_size(), dist.get_rank()
     P = gt.placement.all(args.device)
@@ -291,8 +292,9 @@ def main(argv=None) -> None:
     if _HEADS_MAJOR:
         from torch._inductor import config as inductor_config
         inductor_config.pattern_matcher = False
-    import globaltensor as gt
     import torch._dynamo
+
+    import globaltensor as gt
     # block_loss's code is compiled for six ways here (ours, as traced and as planned,
     # DTensor and plain, with and without the annotation); a program compiles one
     torch._dynamo.config.recompile_limit = 64

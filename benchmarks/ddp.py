@@ -21,8 +21,8 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from _common import bar_plot, round_robin_median
+
 from globaltensor.testing import spawn
 
 TARGET = 1.05
@@ -54,8 +54,9 @@ def _max_param_diff(ddp, ours) -> float:
 def main(argv=None) -> None:
     args = _parser().parse_args(argv)
 
-    import globaltensor as gt
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import globaltensor as gt
     gt.init()
     n, rank = gt.get_world_size(), gt.get_rank()
     assert args.batch % (2 * n) == 0, "--batch must split evenly into 2 micro-batches per rank"

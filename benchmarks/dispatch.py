@@ -25,8 +25,8 @@ import statistics
 
 import torch
 import torch.distributed as dist
-
 from _common import bar_plot, round_robin_median
+
 from globaltensor.testing import spawn
 
 TARGET = 0.5
@@ -162,9 +162,10 @@ def _einsum_table(args, gt) -> None:
 def main(argv=None) -> None:
     args = _parser().parse_args(argv)
 
-    import globaltensor as gt
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import globaltensor as gt
     gt.init()
     n, rank = gt.get_world_size(), gt.get_rank()
     g = torch.Generator().manual_seed(0)  # identical full values on every rank

@@ -23,9 +23,9 @@ memory is the mode's own. Peak is the kernel's high-water mark (VmHWM, reset thr
 size before the model was built, after one step of a tiny model of the same mode (what
 any first step imports and caches is not the model's: ~75 MiB). "Data" is the same less
 the code pages of torch's libraries that the first calls read in (the anonymous memory
-alone). The step time
-is the median of ``--steps`` timed steps (slowest rank). Every mode starts from the same weights and the final parameters
-are compared with single-process torch (max abs difference). FSDP2 is
+alone). The step time is the median of ``--steps`` timed steps (slowest rank). Every
+mode starts from the same weights and the final parameters are compared with
+single-process torch (max abs difference). FSDP2 is
 ``torch.distributed.fsdp.fully_shard`` on a DeviceMesh of ``--device`` (cpu: gloo).
 
 One more step runs with a ``memory_phases.PhaseRecorder``: the peak resident data of
@@ -55,7 +55,6 @@ import tempfile
 import time
 
 import torch
-
 from _common import local_device
 from memory_models import Spec
 from memory_phases import PhaseRecorder
@@ -151,8 +150,9 @@ def _train_worker(rank, world, port, mode, spec, rows, steps, out_dir, policy, k
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     import torch.distributed as dist
-    import globaltensor as gt
     from memory_phases import data_hwm_mib, data_mib, instrument
+
+    import globaltensor as gt
     device = local_device(kind, rank)
     cuda = device.type == "cuda"
     gt.init()

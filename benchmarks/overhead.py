@@ -58,13 +58,13 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from _common import _Progress, bar_plot
 from dispatch import Floor
-from globaltensor.testing import spawn
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from tp import _copy_to_parallel, _megatron_sbp, _RowParallel
+
+from globaltensor.testing import spawn
 
 SIZES = {"tiny": dict(layers=2, dim=32, heads=2, vocab=64, seq=16, batch=8),
          "real": dict(layers=6, dim=768, heads=12, vocab=8192, seq=256, batch=16)}
@@ -250,8 +250,7 @@ def dtensor(model: GPT, env: Env, kind: str, compiled: bool) -> Run:
     backward, one all-reduce per parameter."""
     from torch.distributed.tensor import DTensor, Partial, Shard, distribute_module
     from torch.distributed.tensor.experimental import implicit_replication
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     ids, targets = env.ids, env.targets   # tp: plain ids, taken as Replicate
     if kind == "tp":
         plan = {}
@@ -413,8 +412,9 @@ def _kind(row: str) -> str:
 
 def main(argv: Optional[list] = None) -> None:
     args = _parser().parse_args(argv)
-    import globaltensor as gt
     from torch.distributed.device_mesh import init_device_mesh
+
+    import globaltensor as gt
     gt.init()
     n, rank = gt.get_world_size(), gt.get_rank()
     s = dict(SIZES[args.size or ("real" if args.device == "cuda" else "tiny")])

@@ -35,10 +35,9 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from _common import bar_plot, round_robin_median
-from globaltensor.testing import peak_rise, spawn
 
+from globaltensor.testing import peak_rise, spawn
 
 SCHEDULES = ("gpipe", "1f1b")
 

@@ -34,9 +34,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from tp import GPT, Config, _megatron_sbp
 
 from globaltensor.testing import spawn
-from tp import GPT, Config, _megatron_sbp
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -73,13 +73,13 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _common import bar_plot, local_device, round_robin_median
+from compile import _CopyToParallel, _ReduceFromParallel
+from dispatch import Floor
 from torch import nn
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from _common import bar_plot, local_device, round_robin_median
-from compile import _CopyToParallel, _ReduceFromParallel
-from dispatch import Floor
 from globaltensor.testing import spawn
 
 LOSS_RTOL = 1e-4
@@ -363,9 +363,13 @@ def ours(model: GPT, env: Env, compiled: bool, pinned: bool = False, auto: bool 
 
 def dtensor(model: GPT, env: Env, compiled: bool, sp: bool = False) -> Way:
     from torch.distributed.tensor import Partial, Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                                   RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
     out = Shard(1) if sp else Replicate()
     plan = {}
     for i in range(len(model.h)):
@@ -564,8 +568,9 @@ def _print_table(args, n: int, modes: list, rows: dict, ms: dict) -> None:
 
 def main(argv=None) -> None:
     args = _parser().parse_args(argv)
-    import globaltensor as gt
     from torch.distributed.device_mesh import init_device_mesh
+
+    import globaltensor as gt
     device = local_device(args.device, gt.get_local_rank())
     gt.init()
     n, rank = dist.get_world_size(), dist.get_rank()

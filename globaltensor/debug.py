@@ -16,8 +16,8 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from .boxing import Plan, plan_route
 from . import comm
+from .boxing import Plan, plan_route
 from .comm import CollectiveError, DivergenceError, stats
 from .comm.stats import CommCounter
 from .dispatch.explain_step import StepReport, explain_step

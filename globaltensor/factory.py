@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import zlib
-
 from typing import Sequence
 
 import torch

@@ -27,8 +27,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import comm
 from .layout import Layout
 from .sbp import Broadcast, Partial
-from .tensor import (GlobalTensor, hidden_from_dynamo, install_leaf_watch, skipped_by_dynamo,
-                     to_layout, wrap_part)
+from .tensor import GlobalTensor, hidden_from_dynamo, install_leaf_watch, skipped_by_dynamo, to_layout, wrap_part
 
 BUCKET_MB = 25.0
 FIRST_BUCKET_MB = 1.0  # small first bucket: communication starts early in backward

@@ -11,8 +11,8 @@ addend of its region).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 import weakref
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
 

@@ -64,6 +64,7 @@ def _child(rank: int, world: int, port: int, module: str, names: list, results,
                        "GLOBALTENSOR_TIMEOUT": "60", **env})
     try:
         import importlib
+
         import torch
         torch.set_num_threads(1)
         mod = importlib.import_module(module)

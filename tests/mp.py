@@ -10,7 +10,6 @@ import os
 
 from globaltensor.testing import World, free_port  # noqa: F401  (tests import them here)
 
-
 # --------------------------------------------------------------------------------------
 # session worlds: every test file's checks for a world of n run in one spawned world
 # --------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ import torch.distributed._functional_collectives as funcol
 
 from . import groups, stats
 from .groups import get_group, init
-from .guard import Waiting, all_gather_single as _all_gather_single, guarded
+from .guard import Waiting, guarded
+from .guard import all_gather_single as _all_gather_single
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 # torch 2.13 renamed reduce_scatter_tensor (deprecated there), with the same signature

@@ -29,6 +29,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+
 # Imported before any group exists, on purpose: its functions take ``group=group.WORLD``
 # as a default argument, evaluated at import. Imported after init (torch._dynamo imports
 # it, e.g. on the first GlobalTensor op) they would hold the default group, so _destroy

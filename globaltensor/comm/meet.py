@@ -31,8 +31,8 @@ from torch.distributed import distributed_c10d as c10d
 
 from .. import env
 from . import guard
-from .guard import CollectiveError, DivergenceError
 from .groups import init
+from .guard import CollectiveError, DivergenceError
 
 _GO = b"go"
 _CANCEL = "cancel|"

@@ -24,7 +24,9 @@ from operator import itemgetter
 
 import numpy as np
 
-from .walks import Trails, argmin as _argmin, scores as _scores
+from .walks import Trails
+from .walks import argmin as _argmin
+from .walks import scores as _scores
 
 MAX_SWEEPS = 20
 

@@ -18,8 +18,8 @@ import gc
 import math
 from dataclasses import dataclass, field
 
-from ..boxing.plan import forget_searches, route_cost
 from ..boxing.cost import costs_of, max_local_bytes
+from ..boxing.plan import forget_searches, route_cost
 from ..sbp import Broadcast, Partial
 from . import solve
 from .decide import Decision, Options, _reduced_scalars

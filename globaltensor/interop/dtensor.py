@@ -116,7 +116,8 @@ def _device_mesh(placement: Placement):
 
 
 def _dtensor_placement(s):
-    from torch.distributed.tensor import Partial as DPartial, Replicate, Shard
+    from torch.distributed.tensor import Partial as DPartial
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
     if isinstance(s, Split):
         return Shard(s.dim)
@@ -128,7 +129,8 @@ def _dtensor_placement(s):
 
 
 def _sbp_of(p):
-    from torch.distributed.tensor import Partial as DPartial, Replicate, Shard
+    from torch.distributed.tensor import Partial as DPartial
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
     if type(p) is Shard:
         return Split(p.dim)

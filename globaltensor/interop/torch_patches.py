@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from .. import advice, comm, env
 from ..random import carrying_draws
 from ..rules import einsum as einsum_rules
-from ..rules import functional as functional_rules, optim as optim_rules
+from ..rules import functional as functional_rules
+from ..rules import optim as optim_rules
 from ..rules import random as random_rules
 from ..tensor import GlobalTensor
 from .dcp import refuse_global_tensors

@@ -61,6 +61,7 @@ Example::
 
 from .cli import parse_args
 from .job import main
+
 # The role-aware names of ranks and their logs (tests/ps/test_ps.py checks them here).
 from .logs import log_name as _log_name  # noqa: F401
 from .report import who as _who  # noqa: F401

@@ -11,9 +11,9 @@ modules allocate only their parts), ``fully_shard`` (ZeRO-3 / FSDP as an sbp),
 from __future__ import annotations
 
 from .auto import AutoPlan, auto_parallel, load_plan
-from .sharded import fully_shard
 from .meta import meta_init
 from .module import to_global
+from .sharded import fully_shard
 from .state import full_state_dict
 
 __all__ = ["to_global", "fully_shard", "meta_init", "full_state_dict", "auto_parallel",

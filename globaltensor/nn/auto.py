@@ -37,8 +37,7 @@ from ..dispatch.step import RECORD_AT
 from ..factory import from_local
 from ..layout import Layout
 from ..placement import Placement, check_placement
-from ..sbp import Broadcast, Partial, SbpParallel, Split, StridedSplit, broadcast, split
-from ..sbp import partial_max, partial_sum
+from ..sbp import Broadcast, Partial, SbpParallel, Split, StridedSplit, broadcast, partial_max, partial_sum, split
 from ..tensor import GlobalTensor
 from .module import to_global
 

@@ -24,11 +24,11 @@ import torch
 
 from .. import comm, origins
 from ..dispatch.step import paused
-from ..random import get_draw
 from ..gradsync import no_sync
 from ..layout import Layout, balanced_split
 from ..local_parts import empty_local
 from ..placement import Placement
+from ..random import get_draw
 from ..sbp import broadcast
 from ..tensor import GlobalTensor, from_local_part
 from . import schedule as S

@@ -8,7 +8,27 @@ and picks the cheapest. A rule itself does not communicate; local implementation
 decompositions may (the index range checks reduce a flag, decompositions box through
 ``to_global``, value reads gather).
 """
-from . import (along_dim, attention, complex, conv, data_dependent,  # noqa: F401
-               einsum, embedding, foreach, functional, like, losses, matmul, norm, optim,
-               out_variant, pointwise, random, reduction, resample, softmax, values,
-               view)  # (registration)
+from . import (  # noqa: F401
+               along_dim,
+               attention,
+               complex,
+               conv,
+               data_dependent,
+               einsum,
+               embedding,
+               foreach,
+               functional,
+               like,
+               losses,
+               matmul,
+               norm,
+               optim,
+               out_variant,
+               pointwise,
+               random,
+               reduction,
+               resample,
+               softmax,
+               values,
+               view,  # (registration)
+)

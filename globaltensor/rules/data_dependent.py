@@ -24,13 +24,13 @@ import torch
 from torch._subclasses.fake_tensor import DynamicOutputShapeException
 
 from .. import comm
+from ..dispatch.call import flatten_args, unflatten_args
 from ..factory import members_metadata
 from ..layout import Layout
 from ..local_parts import device_of, empty_local
 from ..placement import common_placement
 from ..sbp import Split, broadcast
 from ..tensor import GlobalTensor, hidden_from_dynamo, to_layout, wrap_part
-from ..dispatch.call import flatten_args, unflatten_args
 from .random import watch_leaves
 from .registry import register
 

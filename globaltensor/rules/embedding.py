@@ -13,8 +13,8 @@ import torch
 
 from ..sbp import Split, broadcast, partial_sum
 from ..tensor import GlobalTensor
-from .registry import register
 from .indices import check_index_range
+from .registry import register
 
 aten = torch.ops.aten
 B, P = broadcast, partial_sum

@@ -16,8 +16,8 @@ import torch
 from .. import comm
 from ..sbp import Split, broadcast, partial_max, partial_sum
 from ..tensor import GlobalTensor, from_full
-from .registry import register
 from .pointwise import aligned_sbp
+from .registry import register
 
 aten = torch.ops.aten
 

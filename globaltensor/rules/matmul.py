@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..sbp import Split, broadcast, partial_sum
-from .registry import register
 from .pointwise import aligned_sbp
+from .registry import register
 
 aten = torch.ops.aten
 B, P = broadcast, partial_sum

@@ -25,7 +25,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.utils.data as tud
 
-from .. import comm, env, sbp as sbp_
+from .. import comm, env
+from .. import sbp as sbp_
 from ..factory import from_local
 from ..layout import Layout
 from ..placement import Placement, check_placement

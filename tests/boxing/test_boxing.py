@@ -4,14 +4,13 @@ import zlib
 
 import pytest
 import torch
-
-import globaltensor as gt
-from globaltensor.testing import boxing_log
-from globaltensor.boxing import plan_route, simulate
-from globaltensor.layout import Layout
-
 from boxing_cases import random_locals, reference_locals
 from mp import checks_in_worlds
+
+import globaltensor as gt
+from globaltensor.boxing import plan_route, simulate
+from globaltensor.layout import Layout
+from globaltensor.testing import boxing_log
 
 SBPS = [gt.sbp.broadcast, gt.sbp.partial_sum, gt.sbp.partial_max, gt.sbp.split(0),
         gt.sbp.split(1)]

@@ -6,14 +6,15 @@ import contextlib
 
 import pytest
 import torch
+from mp import checks_in_worlds
 
 import globaltensor as gt
-from globaltensor.boxing import cost, plan as boxing_plan
+from globaltensor.boxing import cost
+from globaltensor.boxing import plan as boxing_plan
 from globaltensor.boxing.steps.collectives import ReduceScatter
 from globaltensor.layout import Layout
 from globaltensor.placement import Placement
 from globaltensor.sbp import broadcast, partial_sum, split
-from mp import checks_in_worlds
 
 
 @contextlib.contextmanager

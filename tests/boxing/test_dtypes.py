@@ -9,14 +9,13 @@ import itertools
 
 import pytest
 import torch
+from mp import world_test
 
 import globaltensor as gt
 from globaltensor.boxing import materialize, plan_route, simulate
 from globaltensor.boxing.simulate import scatter
 from globaltensor.layout import Layout
 from globaltensor.placement import Placement
-
-from mp import world_test
 
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
           torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64]

@@ -7,7 +7,8 @@ import itertools
 import pytest
 
 from globaltensor import sbp as S
-from globaltensor.boxing import plan as planning, transfer_price
+from globaltensor.boxing import plan as planning
+from globaltensor.boxing import transfer_price
 from globaltensor.boxing.steps import Transfer
 from globaltensor.layout import Layout
 from globaltensor.placement import Placement

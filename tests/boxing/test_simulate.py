@@ -2,16 +2,16 @@
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from boxing_cases import random_locals, reference_locals
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from globaltensor import sbp as S
 from globaltensor.boxing import materialize, plan_boxing, plan_route, simulate
-from globaltensor.boxing.plan import general_plan
 from globaltensor.boxing import steps as St
+from globaltensor.boxing.plan import general_plan
 from globaltensor.layout import Layout
 from globaltensor.placement import Placement
-
-from boxing_cases import random_locals, reference_locals
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from globaltensor import sbp as S
-from globaltensor.boxing import materialize, plan as planning, plan_boxing, simulate
+from globaltensor.boxing import materialize, plan_boxing, simulate
+from globaltensor.boxing import plan as planning
 from globaltensor.boxing import steps as St
 from globaltensor.boxing.simulate import scatter
 from globaltensor.layout import Layout

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import globaltensor as gt
-from globaltensor.boxing import plan as boxing_plan, run as boxing_run
+from globaltensor.boxing import plan as boxing_plan
+from globaltensor.boxing import run as boxing_run
 from globaltensor.layout import Layout
 from globaltensor.placement import Placement
 from globaltensor.sbp import broadcast, partial_max, partial_sum, split

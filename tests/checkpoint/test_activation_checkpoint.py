@@ -5,11 +5,10 @@ run's exactly, and the draws after the checkpointed block continue in step."""
 from __future__ import annotations
 
 import torch
+from mp import checks_in_worlds
 from torch.utils.checkpoint import checkpoint
 
 import globaltensor as gt
-
-from mp import checks_in_worlds
 
 B, S = gt.sbp.broadcast, gt.sbp.split
 

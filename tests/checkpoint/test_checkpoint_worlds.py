@@ -12,10 +12,10 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from mp import World
 
 import globaltensor as gt
 from globaltensor.layout import Layout, Region
-from mp import World
 
 pytestmark = pytest.mark.multiprocess  # every test here runs in a world of processes
 

@@ -12,11 +12,10 @@ import shutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from mp import checks_in_worlds
 
 import globaltensor as gt
 from globaltensor.interop import dcp_reads
-
-from mp import checks_in_worlds
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 

@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 import torch
+from mp import launch_example, launch_examples_together, run_example
 
 from globaltensor.checkpoint import is_complete as gt_complete
-from mp import launch_example, launch_examples_together, run_example
 
 pytestmark = pytest.mark.multiprocess  # every test here runs an example through the launcher
 

@@ -14,9 +14,7 @@ import datetime
 import threading
 
 import pytest
-
 from mp import World
-
 
 # --------------------------------------------------------------------------------------
 # pure choices

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from mp import World
 
 

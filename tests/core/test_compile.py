@@ -10,12 +10,12 @@ tensors (also checked in this process, a world of one).
 """
 from __future__ import annotations
 
-
 from mp import world_test
 
 
 def _mlp(tensor_parallel: bool):
     import torch
+
     import globaltensor as gt
     P = gt.placement.all("cpu")
     torch.manual_seed(0)
@@ -56,8 +56,9 @@ def _recording_backend(graphs: list):
 
 def _train_fullgraph(tensor_parallel: bool, backend: str) -> None:
     import torch
-    import torch.nn.functional as F
     import torch._dynamo.testing
+    import torch.nn.functional as F
+
     import globaltensor as gt
     from globaltensor.dispatch import step
     step.clear()
@@ -124,6 +125,7 @@ def check_to_global_within_a_placement_is_traced():
     # A same-placement to_global, and the cross-rank softmax decomposition, in one graph;
     # gradients through both.
     import torch
+
     import globaltensor as gt
     P = gt.placement.all("cpu")
 
@@ -147,19 +149,20 @@ def check_traced_boxing_equals_eager():
     # Every same-placement change of sbp, even and uneven, traced (functional
     # collectives: all_gather, all_reduce, all_to_all for reduce-scatter and split->split).
     import torch
+
     import globaltensor as gt
     P = gt.placement.all("cpu")
     S = gt.sbp
     kinds = [S.split(0), S.split(1), S.broadcast, S.partial_sum]
     # The reversed placement's group (ranks 1, 0) is first made while tracing (by its
     # members only, named by its ranks, as in eager code).
-    for shape, P in (((5, 3), P), ((4, 6), P), ((5, 3), gt.placement("cpu", [1, 0]))):
+    for shape, on in (((5, 3), P), ((4, 6), P), ((5, 3), gt.placement("cpu", [1, 0]))):
         plain = torch.randn(shape, generator=torch.Generator().manual_seed(4))
         for src in kinds:
             torch._dynamo.reset()
             f = torch.compile(lambda x: [x.to_global(sbp=dst) * 2 for dst in kinds],
                               backend="aot_eager", fullgraph=True)
-            for dst, y in zip(kinds, f(gt.tensor(plain, placement=P, sbp=src))):
+            for dst, y in zip(kinds, f(gt.tensor(plain, placement=on, sbp=src))):
                 assert y.sbp == (dst,), (src, dst, y.sbp)
                 torch.testing.assert_close(y.full(), plain * 2, msg=lambda m: f"{src}->{dst}: {m}")
 
@@ -167,6 +170,7 @@ def check_traced_boxing_equals_eager():
 def check_to_global_across_placements_breaks_the_graph():
     import torch
     import torch._dynamo.testing
+
     import globaltensor as gt
     P0, P1 = gt.placement("cpu", [0]), gt.placement("cpu", [1])
 
@@ -204,6 +208,7 @@ def check_rank_outside_the_placement_compiles():
     # Rank 1 holds no part: its compiled calls give empty parts, also for a view
     # (a micro-batch slice) whose empty part is no view of its base's.
     import torch
+
     import globaltensor as gt
     P0 = gt.placement("cpu", [0])
     x = gt.tensor(torch.ones(16, 3), placement=P0, sbp=gt.sbp.broadcast)
@@ -218,6 +223,7 @@ def check_rank_outside_the_placement_compiles():
 def check_pipeline_of_compiled_stages_equals_eager():
     import torch
     import torch.nn.functional as F
+
     import globaltensor as gt
     P0, P1 = gt.placement("cpu", [0]), gt.placement("cpu", [1])
 
@@ -256,8 +262,9 @@ def check_compiled_autograd_syncs_gradients():
     # Compiled autograd traces gradient sync's hook: it boxes each gradient at once
     # instead of bucketing (buckets need the engine's end-of-backward callback).
     import torch
-    import torch.nn.functional as F
     import torch._dynamo.compiled_autograd as compiled_autograd
+    import torch.nn.functional as F
+
     import globaltensor as gt
     P = gt.placement.all("cpu")
     torch._dynamo.reset()
@@ -284,6 +291,7 @@ def check_recompile_after_reset_keeps_values():
     # Issue 14's reproduction: the second compilation (after dynamo.reset) raised
     # "cannot box a tensor of shape (9, 6) to shape (8, 6)" on 1 and 2 ranks.
     import torch
+
     import globaltensor as gt
 
     def f(x):
@@ -308,6 +316,7 @@ def _tiny_gpt(vocab_parallel: bool):
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
+
     import globaltensor as gt
     vocab, length, width, heads = 16, 6, 8, 2
 
@@ -354,6 +363,7 @@ def check_gpt_with_embeddings_compiles_whole():
     # expression"): a model with an embedding did not trace as one graph.
     import torch
     import torch._dynamo.testing
+
     import globaltensor as gt
     P, S, B = gt.placement.all("cpu"), gt.sbp.split, gt.sbp.broadcast
     for vocab_parallel, data_sbp in ((False, S(0)), (True, B)):
@@ -382,6 +392,7 @@ def check_positions_built_in_forward_compile_whole_without_a_scope():
     inside a global module; compiled, with fullgraph=True and no context manager, too."""
     import torch
     import torch._dynamo.testing
+
     import globaltensor as gt
     P, S = gt.placement.all("cpu"), gt.sbp.split
 
@@ -415,6 +426,7 @@ def check_data_dependent_ops_break_the_graph():
     # x[mask], nonzero and unique cannot be traced (their output shape depends on the
     # values): dynamo breaks the graph there, as for plain tensors, and they run eagerly.
     import torch
+
     import globaltensor as gt
     P = gt.placement.all("cpu")
     plain = torch.arange(12.0).view(4, 3)
@@ -439,6 +451,7 @@ def _train(model, batches: list, compiled: bool) -> tuple:
     last step, each step's eager collectives by kind)."""
     import torch
     import torch.nn.functional as F
+
     import globaltensor as gt
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
 
@@ -468,6 +481,7 @@ def check_compiled_train_step_with_backward_equals_eager():
     # then reduced each gradient on its own). As for plain tensors, the graph breaks at
     # backward; losses and parameters are eager's.
     import torch
+
     import globaltensor as gt
     from globaltensor.dispatch import step
     P = gt.placement.all("cpu")

@@ -4,7 +4,6 @@ layouts the dispatcher picks keep annotated weights in place, plain operands und
 from __future__ import annotations
 
 import pytest
-
 from mp import world_test
 
 
@@ -13,6 +12,7 @@ def check_cache_bounded_over_long_run():
     # value they added one cache entry per parameter per step (864 -> 9384 in 2000 steps;
     # 200 steps show it: ~800 entries after step 20, well under the 4096-entry bound).
     import torch
+
     import globaltensor as gt
     from globaltensor.dispatch import cache
     P = gt.placement("cpu", [0, 1])
@@ -36,6 +36,7 @@ def check_cache_bounded_over_long_run():
 
 def check_cache_and_layouts_bounded_over_many_shapes():
     import gc
+
     import globaltensor as gt
     from globaltensor import layout
     from globaltensor.dispatch import cache
@@ -63,7 +64,9 @@ def check_cache_and_layouts_bounded_over_many_shapes():
 
 def check_gradient_buffers_die_with_their_model():
     import gc
+
     import torch
+
     import globaltensor as gt
     from globaltensor import gradsync
     P = gt.placement("cpu", [0, 1])
@@ -85,6 +88,7 @@ def check_megatron_layout_keeps_weights_in_place():
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
+
     import globaltensor as gt
     P, B, S = gt.placement("cpu", [0, 1]), gt.sbp.broadcast, gt.sbp.split
     torch.manual_seed(0)
@@ -118,6 +122,7 @@ def check_megatron_layout_keeps_weights_in_place():
 def check_implicit_broadcast_of_plain_operands():
     import torch
     import torch.nn.functional as F
+
     import globaltensor as gt
     P = gt.placement("cpu", [0, 1])
     table = torch.randn(10, 4, generator=torch.Generator().manual_seed(1))
@@ -141,6 +146,7 @@ def check_addmm_partial_bias_on_rank_without_contracted_part():
     # partial output is its bias addend plus an empty product, not zeros (the shortcut
     # for ranks holding an empty part took the output for the identity).
     import torch
+
     import globaltensor as gt
     P, S = gt.placement("cpu", [0, 1]), gt.sbp.split
     g = torch.Generator().manual_seed(0)

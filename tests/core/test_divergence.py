@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from mp import World, world_test
 
 pytestmark = pytest.mark.multiprocess  # every test here runs in a world of processes
@@ -34,6 +33,7 @@ def check_member_only_groups():
 def _split_on_ranks_0_and_1():
     """(rank, a split tensor on ranks [0, 1] whose group exists, the default store)."""
     import torch.distributed as dist
+
     import globaltensor as gt
     r = gt.get_rank()
     x = gt.ones(4, 2, placement=gt.placement("cpu", [0, 1]), sbp=gt.sbp.split(0))
@@ -44,6 +44,7 @@ def _split_on_ranks_0_and_1():
 
 def check_collective_one_rank_skips():
     import datetime
+
     import globaltensor as gt
     r, x, store = _split_on_ranks_0_and_1()
     if r == 0:  # rank 1 never joins this one
@@ -76,6 +77,7 @@ def check_collective_after_a_metric_on_one_rank_names_it():
     # GLOBALTENSOR_TIMEOUT; in a job as soon as rank 0's process ends) naming rank 0's
     # mean as the cause, not only its own to_global.
     import datetime
+
     import globaltensor as gt
     r, x, store = _split_on_ranks_0_and_1()
     metric = "reduce the torch.float32 scalar of aten.mean.default"
@@ -148,6 +150,7 @@ def check_same_line_ops_on_different_tensors():
 
 def check_dtype_differs_per_rank():
     import torch
+
     import globaltensor as gt
     r = gt.get_rank()
     p = gt.placement("cpu", [0, 1])
@@ -166,7 +169,9 @@ def check_dtype_differs_per_rank():
 
 def check_rank_dependent_shapes_raise_at_the_next_boxing():
     import warnings
+
     import torch
+
     import globaltensor as gt
     from globaltensor.comm import guard
     r = gt.get_rank()
@@ -191,6 +196,7 @@ def check_rank_dependent_shapes_raise_at_the_next_boxing():
 
 def check_load_state_dict_differs_per_rank():
     import torch
+
     import globaltensor as gt
     r = gt.get_rank()
     model = gt.nn.to_global(torch.nn.Linear(3, 2), gt.placement("cpu", [0, 1]),
@@ -208,6 +214,7 @@ def check_load_state_dict_differs_per_rank():
 def check_from_local_exchanges_no_pickles():
     import torch
     import torch.distributed as dist
+
     import globaltensor as gt
     r = gt.get_rank()
 
@@ -226,7 +233,9 @@ def check_from_local_exchanges_no_pickles():
 
 def check_profiler_and_debug_log_name_the_boxing():
     import logging
+
     import torch
+
     import globaltensor as gt
     p = gt.placement("cpu", [0, 1])
     x = gt.randn(4, 3, placement=p, sbp=gt.sbp.split(0))

@@ -8,13 +8,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from mp import checks_in_worlds
 
 import globaltensor as gt
 from globaltensor.layout import Region
 from globaltensor.random import sample
 from globaltensor.testing import peak_rise
-
-from mp import checks_in_worlds
 
 B, P, PM, S = gt.sbp.broadcast, gt.sbp.partial_sum, gt.sbp.partial_max, gt.sbp.split
 

@@ -13,7 +13,6 @@ import os
 import time
 
 import pytest
-
 from mp import checks_in_worlds
 
 READ_TIMEOUT = 1.0
@@ -44,6 +43,7 @@ def _no_communication(read):
 def check_loss_is_broadcast_and_read_on_one_rank():
     import torch
     import torch.nn.functional as F
+
     import globaltensor as gt
     P = gt.placement.all("cpu")
     g = torch.Generator().manual_seed(3)
@@ -84,6 +84,7 @@ def check_reads_of_a_sub_placement_reach_every_rank():
     # trunc_normal_ tests values in a loop on every rank); on its own rank, to_local()
     # is a broadcast tensor's copy
     import torch
+
     import globaltensor as gt
     v = torch.arange(6.0).reshape(2, 3)
     last = gt.get_world_size() - 1
@@ -112,6 +113,7 @@ def check_reads_of_different_tensors_raise():
     # rank 0 reads x, the others y: they meet, see it, and all raise (their gathers
     # would have paired up)
     import torch
+
     import globaltensor as gt
     P = gt.placement.all("cpu")
     x = gt.tensor(torch.arange(4.0), placement=P, sbp=gt.sbp.split(0))
@@ -127,6 +129,7 @@ def check_reads_of_different_tensors_raise():
 
 def check_split_read_on_some_ranks_fails_fast():
     import torch
+
     import globaltensor as gt
     P = gt.placement.all("cpu")
     x = gt.tensor(torch.arange(4.0), placement=P, sbp=gt.sbp.split(0))
@@ -156,6 +159,7 @@ def check_read_after_the_others_gave_up_fails():
     # The other ranks reach the read rank 0 gave up on: they raise too, rather than
     # pairing their gather with rank 0's next read.
     import torch
+
     import globaltensor as gt
     P = gt.placement.all("cpu")
     x = gt.tensor(torch.arange(4.0), placement=P, sbp=gt.sbp.split(0))
@@ -178,8 +182,10 @@ def check_pipeline_loss_read_on_rank_0():
     # rank 0 runs the first stage (a stage per rank): the loss comes to every rank of the
     # pipeline
     import copy
+
     import torch
     import torch.nn.functional as F
+
     import globaltensor as gt
     torch.manual_seed(0)
     n = gt.get_world_size()
@@ -214,8 +220,10 @@ def _classifier_step():
     model). ``step()`` runs the next step on the same batch (no tensors made: nothing
     left for the ranks to compare after an error)."""
     import copy
+
     import torch
     import torch.nn.functional as F
+
     import globaltensor as gt
     from globaltensor import env
     assert env.timeout_seconds() >= 2 * BOUND, "the bound must not be the collective timeout"
@@ -299,7 +307,9 @@ def check_next_reduction_after_a_metric_on_one_rank_names_it():
     # metric: they pass over its cancelled round, wait in vain in the next one, and their
     # error names rank 0's metric as the cause, not only their own sum
     import datetime
+
     import torch.distributed as dist
+
     import globaltensor as gt
     _, logits, y, (xv, yv), _ = _classifier_step()
     store = dist.distributed_c10d._get_default_store()

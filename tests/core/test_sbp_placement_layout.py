@@ -3,7 +3,8 @@ import itertools
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from globaltensor import sbp
 from globaltensor.layout import Layout, Region, balanced_split

@@ -3,13 +3,11 @@
 import pytest
 import torch
 import torch.utils.data as tud
+from mp import world_test
 
 import globaltensor as gt
 import globaltensor.utils.data  # noqa: F401  (until globaltensor/__init__ imports utils)
 from globaltensor.utils.data import DistributedSampler, GlobalDataLoader
-
-from mp import world_test
-
 
 # --- the sampler, without processes ------------------------------------------------
 

@@ -2,7 +2,6 @@
 import os
 
 import pytest
-
 from mp import World
 
 

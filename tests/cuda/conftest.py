@@ -6,7 +6,6 @@ the end of the session (also an interrupted one)."""
 import os
 
 import pytest
-
 from cuda_suite import plan_worlds
 
 

@@ -12,13 +12,12 @@ import itertools
 import zlib
 
 import torch
+from boxing.boxing_cases import random_locals, reference_locals
+from cuda_suite import local_device, place, world_checks
 
 import globaltensor as gt
 from globaltensor.boxing import plan_route, simulate
 from globaltensor.layout import Layout
-
-from boxing.boxing_cases import random_locals, reference_locals
-from cuda_suite import DEVICE, local_device, place, world_checks
 
 S, B, PS = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 SBPS = [S(0), S(1), B, PS]

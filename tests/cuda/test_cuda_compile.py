@@ -14,10 +14,9 @@ import logging
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from cuda_suite import ON_CUDA, local_device, place, seeded, world_checks
 
 import globaltensor as gt
-
-from cuda_suite import ON_CUDA, local_device, place, seeded, world_checks
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 VOCAB, LENGTH, WIDTH, HEADS, STEPS = 16, 6, 8, 2, 3

@@ -8,10 +8,9 @@ import copy
 
 import torch
 import torch.nn.functional as F
+from cuda_suite import DEVICE, local_device, place, seeded, world_checks
 
 import globaltensor as gt
-
-from cuda_suite import DEVICE, local_device, place, seeded, world_checks
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 BF16 = torch.bfloat16

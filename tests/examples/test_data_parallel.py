@@ -4,7 +4,6 @@ import re
 
 import pytest
 import torch
-
 from mp import launch_examples_together
 
 pytestmark = pytest.mark.multiprocess  # every test here runs an example through the launcher

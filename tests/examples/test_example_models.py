@@ -6,8 +6,8 @@ mismatch); these tests also read the key printed numbers back and check them aga
 import re
 
 import pytest
-
-from mp import launch_example as launch, launch_examples_together
+from mp import launch_example as launch
+from mp import launch_examples_together
 
 pytestmark = pytest.mark.multiprocess  # every test here runs an example through the launcher
 

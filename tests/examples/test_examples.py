@@ -1,6 +1,5 @@
 """The examples run as the README says, through the launcher."""
 import pytest
-
 from mp import launch_example as launch
 
 pytestmark = pytest.mark.multiprocess  # every test here runs an example through the launcher

@@ -14,7 +14,6 @@ import re
 
 import pytest
 import torch
-
 from mp import run_examples_together
 
 pytestmark = pytest.mark.multiprocess  # every test here runs an example through the launcher

@@ -7,12 +7,12 @@ through both conversions.
 """
 import pytest
 import torch
+from mp import checks_in_worlds
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
 import globaltensor as gt
-from globaltensor.testing import boxing_log
 from globaltensor.layout import Layout
-from mp import checks_in_worlds
+from globaltensor.testing import boxing_log
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 PSUM, PMAX = gt.sbp.partial_sum, gt.sbp.partial_max

@@ -136,6 +136,7 @@ def test_advice_off_removes_the_hook_and_unwraps_on_reread(monkeypatch):
     own environment turns it off (env.reread), gets torch's functions back, and the
     hook back again when it is on."""
     import torch.distributed.fsdp as fsdp
+
     from globaltensor import env
     from globaltensor.interop import torch_patches
     assert hasattr(fsdp.fully_shard, "__wrapped_by_globaltensor__")
@@ -154,6 +155,7 @@ def test_advice_off_removes_the_hook_and_unwraps_on_reread(monkeypatch):
 
 def test_gloo_binding_is_undone_without_a_local_address(monkeypatch):
     import torch.distributed as dist
+
     from globaltensor import env
     from globaltensor.comm import groups
     monkeypatch.delenv("GLOBALTENSOR_LOCAL_ADDR", raising=False)

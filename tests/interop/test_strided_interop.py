@@ -5,8 +5,10 @@ from mp import checks_in_worlds
 def check_strided_split_saves_loads_and_converts():
     import os
     import shutil
+
     import torch
     import torch.distributed.checkpoint as dcp
+
     import globaltensor as gt
     P = gt.placement.all("cpu")
     value = torch.arange(96.).reshape(16, 6)

@@ -494,7 +494,8 @@ def test_log_dir_symlinks_are_refused(tmp_path: Path, capfd, monkeypatch) -> Non
 
 def test_logs_are_opened_without_following_links(tmp_path: Path) -> None:
     """The open itself refuses links (a link planted after the up-front check)."""
-    from globaltensor.launch.logs import LaunchError, make_logs_specs as _make_logs_specs
+    from globaltensor.launch.logs import LaunchError
+    from globaltensor.launch.logs import make_logs_specs as _make_logs_specs
 
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
@@ -695,7 +696,8 @@ def test_every_launcher_option_is_in_the_readme_table() -> None:
     (the dash spellings are covered by one sentence there)."""
     from globaltensor.launch.cli import build_parser
 
-    section = (REPO / "docs" / "launching.md").read_text().split("<!-- launching:start -->")[1].split("<!-- launching:end -->")[0]
+    text = (REPO / "docs" / "launching.md").read_text()
+    section = text.split("<!-- launching:start -->")[1].split("<!-- launching:end -->")[0]
     documented = {name for row in section.splitlines() if row.startswith("| `")
                   for name in re.findall(r"`(-[^`]+)`", row.split("|")[1])}
     options = {spelling for action in build_parser()._actions for spelling in action.option_strings
@@ -767,8 +769,9 @@ def test_the_launcher_package_keeps_its_shape() -> None:
 
 @pytest.mark.timeout(60)
 def test_version(capfd) -> None:
-    import globaltensor as gt
     import torch
+
+    import globaltensor as gt
 
     code, out, _ = run_in_process(["--version"], capfd)
     assert code == 0
@@ -778,8 +781,9 @@ def test_version(capfd) -> None:
 
 def test_packaging_metadata_is_complete_and_single_sourced() -> None:
     """pyproject reads the version from globaltensor.__version__; py.typed and LICENSE ship."""
-    import globaltensor as gt
     from setuptools.config.pyprojecttoml import read_configuration
+
+    import globaltensor as gt
 
     project = read_configuration(REPO / "pyproject.toml")
     meta = project["project"]

@@ -20,6 +20,7 @@ def _mlp():
 
 def _inputs():
     import torch
+
     import globaltensor as gt
     torch.manual_seed(1)
     return gt.tensor(torch.randn(8, 16), placement=gt.placement.all("cpu"),
@@ -28,7 +29,9 @@ def _inputs():
 
 def check_auto_parallel_chooses_measured_layouts_and_trains_equal():
     import copy
+
     import torch
+
     import globaltensor as gt
     from globaltensor.dispatch import step
     step.clear()
@@ -58,7 +61,9 @@ def check_a_candidate_that_fails_is_skipped_with_a_warning_naming_it():
     """A layout some op of the model cannot take costs that candidate, not the call."""
     import copy
     import warnings
+
     import torch
+
     import globaltensor as gt
     from globaltensor.dispatch import step
     from globaltensor.sbp import Split
@@ -87,7 +92,9 @@ def check_a_candidate_that_fails_is_skipped_with_a_warning_naming_it():
 
 def check_memory_budget_rules_out_data_parallel_or_raises():
     import copy
+
     import pytest
+
     import globaltensor as gt
     from globaltensor.dispatch import step
     from globaltensor.nn.auto import _bytes_per_rank, _candidates
@@ -106,7 +113,9 @@ def check_plan_edits_saves_loads_and_applies():
     import copy
     import os
     import shutil
+
     import torch
+
     import globaltensor as gt
     from globaltensor.dispatch import step
     P, x = gt.placement.all("cpu"), _inputs()
@@ -139,7 +148,9 @@ def check_two_d_placements_offer_hybrids_that_train_equal():
     # with Megatron on the inner (auto_parallel's candidates); each trains equal to one
     # process
     import copy
+
     import torch
+
     import globaltensor as gt
     from globaltensor.dispatch import step
     from globaltensor.nn.auto import _candidates
@@ -177,6 +188,7 @@ def check_close_candidates_take_more_turns_and_every_step_starts_together():
     rank's medians count, on every rank. The ranks meet before every step (a step timed
     while a peer still ran the one before it was charged with that wait)."""
     import torch
+
     import globaltensor as gt
     from globaltensor import comm
     from globaltensor.nn import auto
@@ -218,8 +230,9 @@ def check_close_candidates_take_more_turns_and_every_step_starts_together():
 
 
 def test_megatron_pairs_in_sequentials_chain_and_in_modules_fan_in():
-    from globaltensor.nn.auto import _megatron_pairs
     from torch import nn
+
+    from globaltensor.nn.auto import _megatron_pairs
     flat = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(8, 8), nn.ReLU())][:-1])
     assert _megatron_pairs(flat) == ({"2", "6"}, {"0", "4"})
 

@@ -15,13 +15,12 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+from mp import checks_in_worlds
 
 import globaltensor as gt
 from globaltensor.nn import heap as fs_heap
 from globaltensor.nn import shard_comm as fs_comm
 from globaltensor.nn import sharded as fs_module
-
-from mp import checks_in_worlds
 
 B, S = gt.sbp.broadcast, gt.sbp.split
 
@@ -293,6 +292,7 @@ def check_host_blocks_go_back_to_the_system_when_freed():
     (glibc), so freeing one gives it back at once, also after glibc would have raised its
     mmap threshold; GLOBALTENSOR_TRIM_HEAP=0 leaves malloc alone."""
     import os
+
     from globaltensor.testing import _status_mib
     p = gt.placement.all("cpu")
     calls = []

@@ -15,11 +15,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from hub_models import MODELS, VOCAB, T, megatron_sbp
+from mp import world_test
 
 import globaltensor as gt
-
-from hub_models import MODELS, T, VOCAB, megatron_sbp
-from mp import world_test
 
 B, S = gt.sbp.broadcast, gt.sbp.split
 LAYOUTS = ("data_parallel", "tensor_parallel", "fully_shard")

@@ -11,11 +11,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from mp import world_test
+from test_fully_shard import _data, _mlp  # the same small model and batch
 
 import globaltensor as gt
-
-from mp import world_test
-from test_fully_shard import _data, _mlp   # the same small model and batch
 
 B, S = gt.sbp.broadcast, gt.sbp.split
 BF16 = torch.bfloat16

@@ -13,11 +13,10 @@ import math
 
 import pytest
 import torch
+from mp import checks_in_worlds
 
 import globaltensor as gt
 from globaltensor.testing import peak_rise
-
-from mp import checks_in_worlds
 
 B, S = gt.sbp.broadcast, gt.sbp.split
 
@@ -201,7 +200,8 @@ def check_full_state_dict_on_the_ranks_asked():
 def check_saving_for_other_tools():
     import os
     import tempfile
-    import safetensors.torch as safetensors     # in the test extra
+
+    import safetensors.torch as safetensors  # in the test extra
     p = gt.placement.all("cpu")
     torch.manual_seed(0)
     plain = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.BatchNorm1d(9),

@@ -7,9 +7,9 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from mp import checks_in_worlds
 
 import globaltensor as gt
-from mp import checks_in_worlds
 
 VOCAB, DIM, HIDDEN, BATCH, STEPS = 11, 8, 12, 6, 3
 

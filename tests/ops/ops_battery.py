@@ -36,10 +36,9 @@ import zlib
 
 import torch
 import torch.distributed as dist
+from mp import world_test
 
 import globaltensor as gt
-
-from mp import world_test
 
 B, P = gt.sbp.broadcast, gt.sbp.partial_sum
 S = gt.sbp.split

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from ops_battery import B, S, battery_tests, case, checked, expect, line, nd, placements, randint, randn
 
 import globaltensor as gt
-
-from ops_battery import (B, S, battery_tests, case, checked, expect, line, nd, placements,
-                         randint, randn)
 
 
 @checked

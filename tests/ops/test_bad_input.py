@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from ops_battery import F64, B, S, battery_tests, checked, close, guard, line, mesh, nd, raises, randn
 
 import globaltensor as gt
-
-from ops_battery import (B, F64, S, battery_tests, checked, close, guard, line, mesh, nd,
-                         raises, randn)
 
 
 @checked

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from ops_battery import B, P, S, battery_tests, case, checked, expect, fail, line, placements, randint, randn
 
 import globaltensor as gt
-
-from ops_battery import (B, P, S, battery_tests, case, checked, expect, fail, line,
-                         placements, randint, randn)
 
 FLOAT = [B, S(0), S(1), P]
 MASK = [B, S(0), S(1)]

@@ -5,7 +5,6 @@ Run in the shared worlds of tests/ops/ops_battery.py (2, 4, and 3 with bystander
 from __future__ import annotations
 
 import torch.nn.functional as F
-
 from ops_battery import B, P, S, battery_tests, case, checked, placements, randint, randn
 
 

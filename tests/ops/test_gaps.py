@@ -12,11 +12,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from mp import checks_in_worlds
 
 import globaltensor as gt
 from globaltensor.testing import no_fallback
-
-from mp import checks_in_worlds
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 

@@ -4,11 +4,9 @@ Run in the shared worlds of tests/ops/ops_battery.py (2, 4, and 3 with bystander
 from __future__ import annotations
 
 import torch
+from ops_battery import F64, battery_tests, case, checked, close, combos, describe, expect, guard, placements, randn
 
 import globaltensor as gt
-
-from ops_battery import (F64, battery_tests, case, checked, close, combos, describe,
-                         expect, guard, placements, randn)
 
 
 @checked

@@ -9,13 +9,27 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from ops_battery import (
+    F64,
+    B,
+    P,
+    S,
+    battery_tests,
+    case,
+    checked,
+    close,
+    describe,
+    expect,
+    guard,
+    line,
+    nd,
+    placements,
+    raises,
+    randn,
+)
 
 import globaltensor as gt
-
 from globaltensor.testing import no_fallback
-from ops_battery import (B, F64, P, S, battery_tests, case, checked, close, describe,
-                         expect, guard, line, nd, placements, randn, raises)
-
 
 MM_MUST = [(S(0), B), (B, S(1)), (S(1), S(0)), (P, B), (B, B)]
 MM_OUT = {(S(0), B): S(0), (B, S(1)): S(1), (S(1), S(0)): P, (P, B): P, (B, P): P, (B, B): B}

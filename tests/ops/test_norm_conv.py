@@ -8,11 +8,28 @@ import copy
 
 import torch
 import torch.nn.functional as F
+from ops_battery import (
+    F64,
+    B,
+    P,
+    S,
+    as_tuple,
+    battery_tests,
+    case,
+    checked,
+    close,
+    combos,
+    describe,
+    expect,
+    guard,
+    make_global,
+    nd,
+    placements,
+    randn,
+    run_case,
+)
 
 import globaltensor as gt
-from ops_battery import (B, F64, P, S, as_tuple, battery_tests, case, checked, close, combos,
-                         describe, expect, guard, make_global, nd, placements, randn,
-                         run_case)
 
 
 @checked

@@ -8,11 +8,23 @@ import copy
 
 import torch
 import torch.nn.functional as F
+from ops_battery import (
+    B,
+    S,
+    as_tuple,
+    battery_tests,
+    checked,
+    close,
+    expect,
+    guard,
+    line,
+    mesh,
+    randint,
+    randn,
+    same_on_every_rank,
+)
 
 import globaltensor as gt
-
-from ops_battery import (B, S, as_tuple, battery_tests, checked, close, expect, guard,
-                         line, mesh, randint, randn, same_on_every_rank)
 
 
 def _mlp():

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from ops_battery import F64, battery_tests, case, checked, placements, randn
 
 

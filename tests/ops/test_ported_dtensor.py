@@ -4,14 +4,12 @@ with plain torch on the whole tensors, in a world of 2 and a world of 4 processe
 """
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
+from mp import checks_in_worlds
 
 import globaltensor as gt
 from globaltensor.testing import no_fallback
-
-from mp import checks_in_worlds
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 

@@ -7,11 +7,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from ops_battery import F64, B, S, battery_tests, checked, close, expect, guard, line, mesh, nd, randn
 
 import globaltensor as gt
-
-from ops_battery import (B, F64, S, battery_tests, checked, close, expect, guard, line,
-                         mesh, nd, randn)
 
 
 def _allequal_locals(t, where):

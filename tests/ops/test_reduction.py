@@ -6,11 +6,9 @@ Run in the shared worlds of tests/ops/ops_battery.py (2, 4, and 3 with bystander
 from __future__ import annotations
 
 import torch
+from ops_battery import P, S, battery_tests, case, checked, describe, expect, guard, line, placements, randn
 
 import globaltensor as gt
-
-from ops_battery import (P, S, battery_tests, case, checked, describe, expect, guard, line,
-                         placements, randn)
 
 
 @checked

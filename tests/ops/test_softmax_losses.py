@@ -5,7 +5,6 @@ Run in the shared worlds of tests/ops/ops_battery.py (2, 4, and 3 with bystander
 from __future__ import annotations
 
 import torch.nn.functional as F
-
 from ops_battery import B, P, S, battery_tests, case, checked, placements, randint, randn
 
 
@@ -59,6 +58,7 @@ def check_cross_entropy_over_split_rows_checks_targets_once():
     """The mean over split rows is computed as a sum, which comes back to the same
     decomposition: its targets are checked (a collective) once, not twice."""
     import torch
+
     import globaltensor as gt
     if gt.get_world_size() != 2:
         return

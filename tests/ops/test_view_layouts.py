@@ -11,7 +11,8 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from globaltensor import sbp as S
 from globaltensor.dispatch import decide

@@ -11,10 +11,10 @@ import tempfile
 import pytest
 import torch
 import torch.nn.functional as F
+from mp import checks_in_worlds
 
 import globaltensor as gt
 from globaltensor.testing import boxing_log
-from mp import checks_in_worlds
 
 B, S = gt.sbp.broadcast, gt.sbp.split
 WIDTHS = (6, 8, 8, 8, 8, 3)
@@ -388,8 +388,8 @@ def check_the_code_of_a_plain_step_runs_on_every_rank_after_pipe_step():
     # clip_grad_norm_ over every stage's parameters (the whole model's norm, on every
     # rank), optimizers, zero_grad, get_state_dict and dcp.save/load. On a rank outside
     # a stage, that stage's .grad are empty GlobalTensors, as a backward leaves them.
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     if gt.get_world_size() == 2:
         specs = [(P(0), B), (P(1), B)]
     else:  # tensor-parallel first stage; rank 3 holds no stage

@@ -4,7 +4,6 @@ examples/parallelism_guide.py, runs in tests/examples/test_example_models.py.)""
 import re
 
 import pytest
-
 from mp import run_example
 
 pytestmark = pytest.mark.multiprocess  # every test here runs an example through the launcher

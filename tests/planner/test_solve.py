@@ -3,8 +3,7 @@ against brute force on random ones (no processes)."""
 import itertools
 import random
 
-from globaltensor.dispatch.solve import (Problem, forward_dp, fuse, improve, propagate, solve,
-                                         tree_dp)
+from globaltensor.dispatch.solve import Problem, forward_dp, fuse, improve, propagate, solve, tree_dp
 
 
 def brute_force(problem: Problem) -> float:
@@ -133,7 +132,9 @@ def test_views_written_in_place_are_found_through_view_chains():
     # x = mm(...); v = x.view(...); s = v.select(...); s.copy_(...) writes through both
     # views; w = x.view(...) is only read: the plan may box at w, not at v or s
     from types import SimpleNamespace as NS
+
     import torch
+
     from globaltensor.dispatch.step_plan import _written_views
     aten = torch.ops.aten
     call = lambda func, producers, inplace=False: NS(
@@ -149,7 +150,9 @@ def test_views_written_in_place_are_found_through_view_chains():
 def test_planning_pauses_the_garbage_collector_and_restores_it(monkeypatch):
     # full collections of a large heap doubled a 12-layer GPT's planning time
     import gc
+
     import pytest
+
     from globaltensor.dispatch import step_plan
     seen = []
 
@@ -202,6 +205,7 @@ def test_fast_solver_chooses_as_the_plain_one():
     # choice equals that of the plain loops it replaced (solve_reference.py), ties
     # included (equal sums in the same order)
     import solve_reference as plain
+
     from globaltensor.dispatch import solve as fast
     rng = random.Random(5)
     for trial in range(400):

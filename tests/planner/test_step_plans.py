@@ -10,9 +10,10 @@ def _block():
     """A nanoGPT-style block: layer norm, q/k/v, heads by view + transpose, causal
     softmax attention, proj, residual; a 2-layer MLP."""
     import math
+
     import torch
-    from torch import nn
     import torch.nn.functional as F
+    from torch import nn
 
     class Block(nn.Module):
         def __init__(self):
@@ -49,6 +50,7 @@ def _megatron(name, t):
 def _fresh():
     """No plan left from other checks; the block, and a copy with Megatron's layout."""
     import copy
+
     import globaltensor as gt
     from globaltensor.dispatch import step
     step.clear()
@@ -59,7 +61,9 @@ def _fresh():
 
 def check_head_reshapes_stay_local():
     import math
+
     import torch
+
     import globaltensor as gt
     P = gt.placement.all("cpu")
     torch.manual_seed(1)
@@ -92,6 +96,7 @@ def check_head_reshapes_stay_local():
 
 def _train(model, x, steps, plain=False):
     import torch
+
     import globaltensor as gt
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, sent = [], []
@@ -112,6 +117,7 @@ def check_functional_steps_are_planned_too():
     call after a backward, and is recorded, planned and replayed as a module's. It
     trains equal to one process and, planned, sends Megatron's bytes."""
     import torch
+
     import globaltensor as gt
     from globaltensor.dispatch import step
     P, plain, model = _fresh()        # ``model``: only its parameters, as laid out
@@ -156,6 +162,7 @@ def check_functional_steps_are_planned_too():
 def _train_lm(model, args, steps):
     """Losses of ``steps`` SGD steps, and what the last one sent."""
     import torch
+
     import globaltensor as gt
     opt, losses = torch.optim.SGD(model.parameters(), lr=0.1), []
     for _ in range(steps):
@@ -172,6 +179,7 @@ def _train_equal(model, plain, P, seed: int) -> tuple:
     """Train the global ``model`` and the ``plain`` block RECORD_AT + 2 steps on one
     batch; check losses and parameters equal; (the batch, the bytes sent per step)."""
     import torch
+
     import globaltensor as gt
     from globaltensor.dispatch import step
     torch.manual_seed(seed)
@@ -187,6 +195,7 @@ def _train_equal(model, plain, P, seed: int) -> tuple:
 
 def check_planned_steps_replay_and_train_equal():
     import torch
+
     import globaltensor as gt
     from globaltensor.dispatch import step
     P, plain, model = _fresh()
@@ -214,9 +223,11 @@ def check_tied_gpt_plans_megatrons_collectives():
     # batch-splitting the head instead pays an all-gather and a reduce-scatter per
     # sublayer in backward (per-op choice: 31 collectives)
     import copy
+
     import torch
-    from torch import nn
     import torch.nn.functional as F
+    from torch import nn
+
     import globaltensor as gt
     from globaltensor.dispatch import step
     step.clear()
@@ -280,6 +291,7 @@ def check_compiled_graphs_follow_the_eager_plan():
     # backward follow the plan (Megatron's four all-reduces, nothing else), where
     # graphs traced op by op also gather and exchange; both train equal to one process
     import torch
+
     import globaltensor as gt
     from globaltensor.dispatch import step
 
@@ -314,6 +326,7 @@ def check_compiled_graphs_plan_their_own_trace():
     # recorded; at the next call the record is planned, the graphs trace again and follow
     # the plan (Megatron's four all-reduces); every step trains equal to one process
     import torch
+
     import globaltensor as gt
     from globaltensor.dispatch import step
 
@@ -357,6 +370,7 @@ def check_compiled_graphs_plan_their_own_trace():
 
 def check_changed_program_falls_back_and_stays_right():
     import torch
+
     import globaltensor as gt
     from globaltensor.dispatch import step
     P, plain, model = _fresh()
@@ -387,7 +401,9 @@ def check_changed_program_falls_back_and_stays_right():
 
 def check_writes_into_views_stay_right_when_planned():
     import copy
+
     import torch
+
     import globaltensor as gt
     from globaltensor.dispatch import step
     step.clear()
@@ -410,7 +426,9 @@ def check_writes_into_views_stay_right_when_planned():
 
 def check_shapes_changing_every_step_are_never_recorded():
     import copy
+
     import torch
+
     import globaltensor as gt
     from globaltensor.dispatch import step
     step.clear()
@@ -424,8 +442,10 @@ def check_shapes_changing_every_step_are_never_recorded():
 
 def check_explain_step_reports_choices():
     import copy
-    import globaltensor as gt
+
     import torch
+
+    import globaltensor as gt
     from globaltensor.dispatch import step
     step.clear()
     P = gt.placement.all("cpu")
@@ -459,9 +479,10 @@ def check_data_parallel_loss_is_reduced_where_it_is_made():
     collective, which the plan prices so; the planned step is per-op choice (it once
     moved the log-probabilities to a class split with an all-to-all and gathered the
     targets, to save a reduction that never happens)."""
-    import globaltensor as gt
     import torch
     import torch.nn.functional as F
+
+    import globaltensor as gt
     from globaltensor.dispatch import step
     step.clear()
     P = gt.placement.all("cpu")
@@ -521,6 +542,7 @@ def check_a_variant_compiled_later_plans_its_own_graph():
     # the first's plan and leaves it at the pin; its graphs are traced once more,
     # recorded, then planned and traced again following their own plan
     import torch
+
     import globaltensor as gt
     from globaltensor.dispatch import step
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from mp import free_port
 
 REPO = Path(__file__).resolve().parents[2]

@@ -28,7 +28,7 @@ def main() -> None:
         print(f"PID {os.getpid()}", flush=True)
         time.sleep(120)
         return
-    import torch     # after the modes that need no torch: they end within moments
+    import torch  # after the modes that need no torch: they end within moments
     import torch.distributed as dist
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=3))
     if mode == "early":
