@@ -23,10 +23,12 @@ from .comm.stats import CommCounter
 from .dispatch.explain_step import StepReport, explain_step
 from .layout import Layout
 from .placement import Placement
+from .rules.registry import FallbackWarning
 from .tensor import GlobalTensor
 
 __all__ = ["explain", "explain_step", "StepReport", "comm_stats", "show_layout",
-           "check_consistency", "CommCounter", "CollectiveError", "DivergenceError"]
+           "check_consistency", "CommCounter", "CollectiveError", "DivergenceError",
+           "FallbackWarning"]
 
 
 @contextlib.contextmanager

@@ -266,14 +266,15 @@ def peak_rise():
 
 def no_fallback(fn: Callable, what: str = ""):
     """``fn()``, failing with AssertionError if any op inside ran without an sbp rule
-    (gathered to broadcast, "no sbp rule" warning); returns ``fn``'s result.
+    (gathered to broadcast: a ``FallbackWarning``); returns ``fn``'s result.
 
     >>> y = no_fallback(lambda: x @ w, "matmul")     # doctest: +SKIP
     """
+    from .rules.registry import FallbackWarning
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = fn()
-    fallbacks = [str(w.message) for w in caught if "no sbp rule" in str(w.message)]
+    fallbacks = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
     assert not fallbacks, f"{what}: {fallbacks}"
     return out
 

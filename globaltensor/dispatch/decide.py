@@ -30,7 +30,7 @@ from ..boxing import plan_route
 from ..boxing.plan import route_cost
 from ..layout import Layout
 from ..placement import Placement
-from ..rules.registry import lookup, lookup_check
+from ..rules.registry import FallbackWarning, lookup, lookup_check
 from ..sbp import Partial, Split, StridedSplit, broadcast
 from ..tensor import GlobalTensor
 from .call import Call, LocalCtx, unflatten_args
@@ -352,7 +352,7 @@ def _fallback(func, leaves: list, gidx: tuple, placement: Placement, n_out: int)
     if func not in _warned:
         _warned.add(func)
         warnings.warn(f"globaltensor: {func} has no sbp rule; its inputs are gathered to "
-                      f"broadcast (correct but slow)", stacklevel=5)
+                      f"broadcast (correct but slow)", FallbackWarning, stacklevel=5)
     nd_b = (broadcast,) * placement.ndim
     return tuple(Layout.make(leaves[i].shape, placement, nd_b) for i in gidx), [nd_b] * n_out
 

@@ -31,6 +31,15 @@ from typing import Callable
 
 import torch
 
+
+class FallbackWarning(UserWarning):
+    """An op with no sbp rule ran on broadcast copies: its inputs were gathered whole on
+    every rank (correct, but slow). Warned once per op; ``gt.debug.FallbackWarning``.
+
+    >>> warnings.simplefilter("error", gt.debug.FallbackWarning)   # doctest: +SKIP
+    """
+
+
 _RULES: dict = {}
 _LOCAL: dict = {}
 _CHECKS: dict = {}

@@ -172,3 +172,24 @@ CHECKS = ["check_cache_bounded_over_long_run", "check_cache_and_layouts_bounded_
 
 
 test_world2 = world_test(__name__, 2, CHECKS)
+
+
+def test_an_op_without_a_rule_warns_a_fallback_warning_once():
+    """An op with no sbp rule gathers its inputs and warns ``gt.debug.FallbackWarning``
+    (a class to filter on, not a text to match), once per op; the value is torch's."""
+    import warnings
+
+    import torch
+
+    import globaltensor as gt
+    from globaltensor.dispatch import decide
+    decide._warned.discard(torch.ops.aten._linalg_det.default)
+    plain = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+    x = gt.tensor(plain, placement=gt.placement("cpu", [0]), sbp=gt.sbp.split(0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            det = torch.linalg.det(x)
+    fallbacks = [w for w in caught if issubclass(w.category, gt.debug.FallbackWarning)]
+    assert len(fallbacks) == 1 and "no sbp rule" in str(fallbacks[0].message), caught
+    torch.testing.assert_close(det.full(), torch.linalg.det(plain))
