@@ -24,7 +24,7 @@ from . import comm, origins
 from .boxing.run import call_site
 from .placement import Placement
 from .sbp import Broadcast, broadcast
-from .tensor import GlobalTensor, to_layout
+from .tensor import GlobalTensor, install_methods, to_layout
 
 
 def whole_value(x: GlobalTensor, call: str) -> torch.Tensor:
@@ -87,3 +87,15 @@ def equal(a: GlobalTensor, b: GlobalTensor) -> bool:
     call = "torch.equal(a, b)"
     values = [whole_value(t, call) if isinstance(t, GlobalTensor) else t for t in (a, b)]
     return bool(values[0].equal(values[1].to(values[0].device)))
+
+
+def _format(x: GlobalTensor, format_spec: str) -> str:
+    # As torch's for a 0-d tensor (f"{loss:.4f}"), which skips subclasses.
+    if x.dim() == 0 and format_spec:
+        return format(item(x, f"f\"{{x:{format_spec}}}\""), format_spec)
+    return object.__format__(x, format_spec)
+
+
+# A broadcast tensor's reads take this rank's copy, without communication.
+install_methods(item=lambda self: item(self), tolist=tolist, __format__=_format,
+                numpy=lambda self, *, force=False: numpy(self, force))

@@ -41,7 +41,8 @@ _dispatcher = None  # set by dispatch.py
 _watch_leaf = None  # gradsync.watch, set by gradsync.py
 
 __all__ = ["GlobalTensor", "is_global", "hidden_from_dynamo", "skipped_by_dynamo", "wrap_part",
-           "from_local_part", "from_full", "to_layout", "install_dispatcher", "install_leaf_watch"]
+           "from_local_part", "from_full", "to_layout", "install_dispatcher", "install_leaf_watch",
+           "install_methods"]
 
 
 def install_dispatcher(fn) -> None:
@@ -52,6 +53,18 @@ def install_dispatcher(fn) -> None:
 def install_leaf_watch(fn) -> None:
     global _watch_leaf
     _watch_leaf = fn
+
+
+def install_methods(**methods: Callable) -> None:
+    """Make each function a method of GlobalTensor: the one way the modules above this
+    one (which it must not import) give it theirs: reads (``reads.py``), raw-memory
+    refusals (``nn/state.py``), DCP's protocol and pickling (``interop/dcp.py``),
+    ``to_dtensor`` (``interop/dtensor.py``).
+
+    >>> install_methods(item=lambda self: whole_value(self, "x.item()").item())  # doctest: +SKIP
+    """
+    for name, fn in methods.items():
+        setattr(GlobalTensor, name, fn)
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
@@ -181,44 +194,10 @@ class GlobalTensor(torch.Tensor):
         everyone = Placement(self.placement.type, list(range(comm.get_world_size())))
         return self.to_global(everyone, (broadcast,)).to_local()
 
-    # Reads (``reads.py``): a broadcast tensor's copy here, without communication.
-    def numpy(self, *, force: bool = False):
-        from .reads import numpy
-        return numpy(self, force)
-
-    def tolist(self):
-        from .reads import tolist
-        return tolist(self)
-
-    def item(self):
-        from .reads import item
-        return item(self)
-
-    def __format__(self, format_spec: str) -> str:
-        # As torch's for a 0-d tensor (f"{loss:.4f}"), which skips subclasses.
-        if self.dim() == 0 and format_spec:
-            from .reads import item
-            return format(item(self, f"f\"{{x:{format_spec}}}\""), format_spec)
-        return object.__format__(self, format_spec)
-
-    # No storage of its own: code outside torch reading raw memory (safetensors,
-    # save_pretrained) gets an error pointing to gt.nn.full_state_dict instead of an
-    # invalid storage; torch itself (deepcopy, torch.compile) handles wrapper subclasses.
-    def untyped_storage(self):
-        from .nn.state import raw_memory
-        return raw_memory("untyped_storage", super().untyped_storage)
-
-    def storage(self):
-        from .nn.state import raw_memory
-        return raw_memory("storage", super().storage)
-
-    def data_ptr(self):
-        from .nn.state import raw_memory
-        return raw_memory("data_ptr", super().data_ptr)
-
-    # Pickling (refused), torch.distributed.checkpoint's tensor-subclass protocol and
-    # ``to_dtensor`` are installed by ``interop/dcp.py`` and ``interop/dtensor.py``, which
-    # sit above this module.
+    # Reads (item, tolist, numpy, f"{x:.4f}"), the refusal of raw memory (storage,
+    # data_ptr), pickling (refused), DCP's tensor-subclass protocol and ``to_dtensor``
+    # are installed (``install_methods``) by the modules that implement them, above this
+    # one: reads.py, nn/state.py, interop/dcp.py, interop/dtensor.py.
 
     # --- traceable-subclass protocol: torch.compile sees the local part as the tensor ----
     @skipped_by_dynamo

@@ -36,7 +36,7 @@ from .. import comm
 from ..layout import Layout, Region
 from ..partials import identity_fill, keep_on_first
 from ..sbp import Split, StridedSplit
-from ..tensor import GlobalTensor, to_layout
+from ..tensor import GlobalTensor, install_methods, to_layout
 from .dcp_reads import install as install_lean_reads
 
 __all__ = ["DCP_HINT", "create_write_items", "create_chunk_list", "get_tensor_shard",
@@ -222,7 +222,5 @@ def _write_items(self, fqn: str, object) -> list:
 
 
 # GlobalTensor's answers (tensor.py sits below this module, so they are installed here).
-GlobalTensor.__create_write_items__ = _write_items
-GlobalTensor.__create_chunk_list__ = create_chunk_list
-GlobalTensor.__get_tensor_shard__ = get_tensor_shard
-GlobalTensor.__reduce_ex__ = _reduce_ex
+install_methods(__create_write_items__=_write_items, __create_chunk_list__=create_chunk_list,
+                __get_tensor_shard__=get_tensor_shard, __reduce_ex__=_reduce_ex)

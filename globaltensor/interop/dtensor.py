@@ -23,7 +23,7 @@ from ..boxing.steps import Transfer
 from ..layout import Layout, Region
 from ..placement import Placement
 from ..sbp import Broadcast, Split, StridedSplit, broadcast, partial_max, partial_sum
-from ..tensor import GlobalTensor, from_local_part
+from ..tensor import GlobalTensor, from_local_part, install_methods
 
 __all__ = ["to_dtensor", "from_dtensor"]
 
@@ -224,4 +224,4 @@ def _strided_to_dtensor(x: GlobalTensor):
                               run_check=False, shape=x.shape, stride=x.stride())
 
 
-GlobalTensor.to_dtensor = to_dtensor  # tensor.py sits below this module
+install_methods(to_dtensor=to_dtensor)  # tensor.py sits below this module

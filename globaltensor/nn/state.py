@@ -16,7 +16,7 @@ import torch
 from .. import comm
 from ..placement import Placement
 from ..sbp import broadcast
-from ..tensor import GlobalTensor
+from ..tensor import GlobalTensor, install_methods
 
 __all__ = ["full_state_dict", "raw_memory"]
 
@@ -81,3 +81,21 @@ def raw_memory(method: str, torch_method):
         f"rank 0, {{}} elsewhere), then save `state` on rank 0 (e.g. "
         f"save_pretrained(..., state_dict=state)); or save the parts with "
         f"torch.distributed.checkpoint")
+
+
+# No storage of its own: code outside torch reading raw memory (safetensors,
+# save_pretrained) gets an error pointing to gt.nn.full_state_dict instead of an invalid
+# storage; torch itself (deepcopy, torch.compile) handles wrapper subclasses by them.
+def _untyped_storage(self):
+    return raw_memory("untyped_storage", lambda: torch.Tensor.untyped_storage(self))
+
+
+def _storage(self):
+    return raw_memory("storage", lambda: torch.Tensor.storage(self))
+
+
+def _data_ptr(self):
+    return raw_memory("data_ptr", lambda: torch.Tensor.data_ptr(self))
+
+
+install_methods(untyped_storage=_untyped_storage, storage=_storage, data_ptr=_data_ptr)

@@ -12,11 +12,9 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "globaltensor"
 
-# GlobalTensor's methods that read values (x.item(), x.numpy(), ...) and refuse raw
-# storage: entry points into modules above tensor.py, imported when called.
-UPWARD_CALLS = {("globaltensor.tensor", "globaltensor.reads"),
-                ("globaltensor.tensor", "globaltensor.nn.state"),
-                ("globaltensor.tensor", "globaltensor.nn")}
+# Imports allowed to point up (none: the modules above tensor.py give GlobalTensor
+# their methods with tensor.install_methods).
+UPWARD_CALLS: set = set()
 
 
 def _module_names() -> dict:
