@@ -10,29 +10,13 @@ import torch
 import torch.nn.functional as F
 from cuda_suite import DEVICE, local_device, place, seeded, world_checks
 
+# tests/nn/test_training.py's model (embedding, pre-norm MLP with a residual, head)
+from nn.test_training import BATCH, STEPS, VOCAB, Block
+
 import globaltensor as gt
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 BF16 = torch.bfloat16
-VOCAB, DIM, HIDDEN, BATCH, STEPS = 11, 8, 12, 6, 3
-
-
-class Block(torch.nn.Module):
-    """Embedding, pre-norm MLP with a residual, head (tests/nn/test_training.py's)."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(VOCAB, DIM)
-        self.ln = torch.nn.LayerNorm(DIM)
-        self.fc1 = torch.nn.Linear(DIM, HIDDEN)
-        self.fc2 = torch.nn.Linear(HIDDEN, DIM)
-        self.head = torch.nn.Linear(DIM, VOCAB)
-
-    def forward(self, tokens):
-        h = self.emb(tokens)
-        h = h + self.fc2(F.gelu(self.fc1(self.ln(h))))
-        return self.head(h)
-
 
 # Megatron: column-parallel fc1, row-parallel fc2, vocab-parallel embedding and head
 MEGATRON = {"emb.weight": S(0), "fc1.weight": S(0), "fc1.bias": S(0), "fc2.weight": S(1),
