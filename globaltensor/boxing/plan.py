@@ -138,11 +138,49 @@ def _universe(shape: tuple, placement) -> tuple:
 
 
 @lru_cache(maxsize=16384)
-def _costs_to_all(src: Layout, itemsize: int, with_max: bool) -> dict:
-    """{state number: cost} of every state the search from ``src`` reaches (the search
-    run to its end: the same pops, pushes and sums as ``_Search._settle``)."""
+def _costs_to_all(src: Layout, itemsize: int, with_max: bool):
+    """The cost of the cheapest route from ``src`` to each state of its graph, by state
+    number (inf where none; a sequence, or a dict for a source off the candidates)."""
     graph = _graph(src.shape, src.placement, itemsize, with_max)
     begin = graph.number(graph.state(src.sbp))
+    table = _all_pairs(graph)
+    if begin < len(table):
+        return table[begin]
+    return _searched_to_all(graph, begin)
+
+
+@lru_cache(maxsize=1024)
+def _all_pairs(graph: "_Graph") -> np.ndarray:
+    """[source state][state]: the cheapest route's cost between every two states made of
+    candidate sbp (inf where none), numbered first: every source of a universe at once,
+    by Bellman-Ford rounds as arrays (a round extends every route by one step; each
+    route summed from its source on, as a search sums it). Equal to a search's costs
+    but where two routes cost within 1e-15 of each other (its tie margin)."""
+    n = graph.moves ** graph.placement.ndim
+    step = np.full((n, n), np.inf)
+    for k in range(n):
+        for nxt, cost in graph.linked(k):
+            step[k, nxt] = min(step[k, nxt], cost)
+    costs = np.full((n, n), np.inf)
+    np.fill_diagonal(costs, 0.0)
+    for _ in range(n):
+        longer = np.minimum(costs, (costs[:, :, None] + step[None, :, :]).min(axis=1))
+        if np.array_equal(longer, costs):
+            break
+        costs = longer
+    return costs
+
+
+def _looked_up(reached, numbers: list) -> np.ndarray:
+    """``_costs_to_all``'s costs of the states ``numbers`` (inf: not reached)."""
+    if isinstance(reached, np.ndarray):
+        return reached[numbers]
+    inf = float("inf")
+    return np.array([reached.get(k, inf) for k in numbers])
+
+
+def _searched_to_all(graph: "_Graph", begin: int) -> dict:
+    """{state number: cost} of every state the search from state ``begin`` reaches."""
     heap, best, settled, linked, counter = [(0.0, 0, begin)], {begin: 0.0}, {}, graph.linked, 1
     pop, push, inf, get = heapq.heappop, heapq.heappush, float("inf"), best.get
     while heap:
@@ -176,22 +214,21 @@ def _routes_from(src: Layout, itemsize: int, with_max: bool) -> tuple:
     targets, index, maxes = _universe(src.shape, src.placement)
     holds = _holds_max(src)
     graph = _graph(src.shape, src.placement, itemsize, with_max)
-    get, inf = _costs_to_all(src, itemsize, with_max).get, float("inf")
+    reached = _costs_to_all(src, itemsize, with_max)
     if holds or with_max:
-        numbers = _numbers(graph, targets.layouts)
-        same = np.array([get(k, inf) for k in numbers])
+        same = _looked_up(reached, _numbers(graph, targets.layouts))
         if not holds:
             same[~maxes] = np.nan
     else:   # no partial_max anywhere: searched without it
-        numbers = _numbers(graph, targets.plain)
         same = np.full(len(targets.layouts), np.nan)
-        same[~maxes] = [get(k, inf) for k in numbers]
+        same[~maxes] = _looked_up(reached, _numbers(graph, targets.plain))
     graph = _graph(src.shape, src.placement, itemsize, holds)
-    get = _costs_to_all(src, itemsize, holds).get   # the reductions: searched as _general's
+    reached = _costs_to_all(src, itemsize, holds)   # the reductions: searched as _general's
     best = same
     for mid in _reduced_sources(src):
-        pre = 0.0 if mid == src else get(graph.number(graph.state(mid.sbp)))
-        if pre is None:
+        pre = 0.0 if mid == src else \
+            _looked_up(reached, [graph.number(graph.state(mid.sbp))])[0]
+        if pre == float("inf"):
             continue
         best = np.minimum(best, pre + _transfers_from(mid, itemsize))
     return best, index
@@ -386,6 +423,8 @@ class _Graph:
         self.states: list = []   # number -> state
         self.links: list = []    # number -> [(next state's number, step cost)], or None
         self.layouts: dict = {}  # id of a universe's layouts -> their states' numbers
+        for state in itertools.product(range(self.moves), repeat=placement.ndim):
+            self.number(state)   # the candidate states first (``_all_pairs``)
 
     def number(self, state: tuple) -> int:
         k = self.ids.get(state)
@@ -468,6 +507,7 @@ def forget_searches() -> None:
     what runs later needs only its plans)."""
     for cached in (route_cost, _refined_pair, _refined, _strided, _search, _graph,
                    _holds_max, _edge, _reduced_sources, _routes_from, _transfers_from, _costs_to_all,
+                   _all_pairs,
                    _universe):
         cached.cache_clear()
     transfer_price.clear_caches()

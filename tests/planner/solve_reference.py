@@ -1,7 +1,7 @@
 """The whole-step solver as first written (dispatch/solve.py before its fast paths:
 plain loops, no memos, no arrays): the reference the fast one must choose exactly as
 (test_solve.py). Same names, same sums in the same order."""
-from globaltensor.dispatch.solve import MAX_SWEEPS, Problem, fuse
+from globaltensor.dispatch.solve import MAX_SWEEPS, TRIED, Problem, fuse
 
 
 def solve(problem: Problem, start: list, seeds: tuple = ()) -> list:
@@ -135,7 +135,10 @@ def propagate(problem: Problem, choice: list, window: int = 24, sweeps: int = 2)
         for v in _near_costs(problem, choice):
             if touched is not None and v not in touched:
                 continue
-            for o in range(len(problem.unary[v])):
+            scores = _scores(problem, v, choice)
+            tried = sorted((o for o in range(len(scores)) if o != choice[v]),
+                           key=scores.__getitem__)[:TRIED]
+            for o in tried:
                 if o == choice[v]:
                     continue
                 best = None
