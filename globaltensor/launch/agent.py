@@ -56,6 +56,7 @@ class ExitTimes(threading.Thread):
         # only processes that ended after it can have been ended by the launcher.
         self.stopping_since: Optional[float] = None
         self._done = threading.Event()
+        self._lock = threading.Lock()
         self.enabled = os.path.isfile(f"/proc/{os.getpid()}/stat")
 
     def run(self) -> None:
@@ -94,13 +95,25 @@ class ExitTimes(threading.Thread):
 
     def poll(self) -> None:
         """Find new worker processes and note the ones that ended since the last poll."""
-        if self.find_workers and len(self.rank_of) - len(self.ended_at) < self.nproc:
-            self._find_workers()
-        for pid in list(self.rank_of):
-            if pid not in self.ended_at and not alive(pid):
-                # the time seen, not the poll's start: a slow scan of /proc (a loaded
-                # machine) must not date a death before the launcher's signal
-                self.ended_at[pid] = time.monotonic()
+        # the agent's thread polls too (ended, agent_stops_workers): one scan at a time
+        with self._lock:
+            if self.find_workers and len(self.rank_of) - len(self.ended_at) < self.nproc:
+                self._find_workers()
+            dead: set[int] = set()
+            # Scan again while a scan finds a new death: a process that ended before one
+            # found ended is then found too, even if the scan looked at it just before it
+            # ended (a rank that left first must never be dated after the peer it failed).
+            while True:
+                found = {pid for pid in list(self.rank_of) if pid not in self.ended_at and not alive(pid)}
+                if found <= dead:
+                    break
+                dead |= found
+            # One time for them all: they cannot be ordered. The time after the scan, not its
+            # start: a slow scan of /proc (a loaded machine) must not date a death before the
+            # launcher's signal.
+            now = time.monotonic()
+            for pid in dead:
+                self.ended_at[pid] = now
 
     def _find_workers(self) -> None:
         me = str(os.getpid())

@@ -146,15 +146,19 @@ def _run_agent(args: argparse.Namespace, listen_socket: Optional[socket.socket],
     def on_restart(result: Any, left: int) -> None:
         say(restart_line(result.failures, args.log_dir, exit_times.ended(), args.ps, left, node_ranks(args),
                          exit_times.stopping_since))
+        boot.remove_left(args.log_dir, node_ranks(args))  # the attempt's workers have ended
 
     # launch_agent builds the agent by this name
     launcher_api.LocalElasticAgent = grace_agent_class(exit_times, on_restart)
     config = _launch_config(args, listen_socket)
+    boot.remove_left(args.log_dir, node_ranks(args))  # a killed job's, in a --log_dir used again
     exit_times.start()
     try:
         launcher_api.launch_agent(config, sys.executable, _worker_command(args))
     except ChildFailedError as e:
-        sys.exit(report_failure(e, args.log_dir, exit_times.stop(), exit_times.stopping_since, args.ps))
+        ended = exit_times.stop()
+        left = boot.read_left(args.log_dir, node_ranks(args), _newest_pids(exit_times, e.failures))
+        sys.exit(report_failure(e, args.log_dir, ended, exit_times.stopping_since, args.ps, left))
     except LaunchError as e:
         fail(str(e), 1)
     except SignalException as e:
@@ -162,5 +166,12 @@ def _run_agent(args: argparse.Namespace, listen_socket: Optional[socket.socket],
         say(f"interrupted by {e.sigval.name}, workers stopped")
         sys.exit(128 + int(e.sigval))
     finally:
+        boot.remove_left(args.log_dir, node_ranks(args))  # the log directory keeps the logs only
         if server is not None:
             server.close()
+
+
+def _newest_pids(exit_times: ExitTimes, failures: dict[int, Any]) -> dict[int, int]:
+    """{rank: pid of its newest worker} where known: a left file another pid wrote is an
+    earlier attempt's (a restart another node caused leaves this node's files)."""
+    return {**exit_times.latest, **{rank: failure.pid for rank, failure in failures.items()}}

@@ -6,13 +6,17 @@ The summary reads the failed ranks' logs (``logs``) and when each rank ended
 stopping workers is collateral; a rank whose log says a peer went away (connection
 reset, EOF) failed because of another; among the rest the first to end caused the
 failure, and when several ended together one that said why is named before a silent one.
+A rank whose program ended with code 0 before the failed rank's process ended is named
+first (it left its peers waiting); when a program ended comes from the worker itself
+(``boot.read_left``): its process ends later, after its exit closed its connections.
 
 Example::
 
     try:
         launch_agent(config, sys.executable, command)
     except ChildFailedError as e:
-        sys.exit(report_failure(e, args.log_dir, exit_times.stop(), exit_times.stopping_since, args.ps))
+        left = boot.read_left(args.log_dir, node_ranks(args), pids)
+        sys.exit(report_failure(e, args.log_dir, exit_times.stop(), exit_times.stopping_since, args.ps, left))
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import re
 import shlex
 import signal
 import sys
+import time
 from typing import Any, Optional, Sequence
 
 from .logs import DEFAULT_LOG_ROOT, LATEST_LINK, read_log, worker_log
@@ -74,13 +79,15 @@ def where_stopped(lines: list[str]) -> Optional[str]:
 
 
 def report_failure(error: Any, log_dir: str, ended: dict[int, float], stopping_since: Optional[float],
-                   ps: Roles = None) -> int:
+                   ps: Roles = None, left: Optional[dict[int, Any]] = None) -> int:
     """Print which rank caused the failure, why, and its log tail; return our exit code.
 
     ``error`` is elastic's ChildFailedError (``failures``: {global rank: ProcessFailure},
-    this node's workers only); ``ended`` is {rank: when it ended} on this node (may be
-    empty where /proc is missing); ``stopping_since`` when the agent began stopping
-    workers. The exit code is the failed rank's, 128 + N for a signal N (as a shell's).
+    this node's workers only); ``ended`` is {rank: when its process ended} on this node
+    (may be empty where /proc is missing); ``stopping_since`` when the agent began
+    stopping workers; ``left`` is {rank: boot.Left} for this node's ranks whose program
+    ended (said so itself). The exit code is the failed rank's, 128 + N for a signal N
+    (as a shell's).
     """
     failures = error.failures
     logs = {rank: read_log(log_dir, rank, ps) for rank in failures}
@@ -89,13 +96,15 @@ def report_failure(error: Any, log_dir: str, ended: dict[int, float], stopping_s
     first = failures[rank]
     how = _how(first)
     tail = (logs[rank] or [])[-LOG_TAIL_LINES:]
-    stopped = [r for r in stopped if r != rank]
-    out = _cause_lines(rank, how, tail, stopped, failures, ended, ps)
+    early = _left_early(rank, failures, ended, left or {})
+    # an early leaver's line says what became of its process; it was not "still running"
+    stopped = [r for r in stopped if r != rank and r not in early]
+    out = _cause_lines(rank, how, tail, stopped, early, ended, left or {}, failures, logs, ps)
     out.append(f"globaltensor.launch: {who(rank, ps)} {how} (local_rank {first.local_rank}, pid {first.pid})")
     if os.path.isfile(first.error_file):  # written by elastic's @record in the worker
         message = first.message
         out.append(f"  exception: {message.get('message') if isinstance(message, dict) else message}")
-    out += _other_rank_lines(rank, stopped, failures, logs, log_dir, ps)
+    out += _other_rank_lines(rank, [*stopped, *early], failures, logs, log_dir, ps, shown=stopped)
     path = worker_log(log_dir, rank, ps)
     if logs[rank] is None:
         out.append(f"  (no log file at {path})")
@@ -168,11 +177,8 @@ def _root_cause(failures: dict[int, Any], logs: dict[int, Optional[list[str]]], 
         except OSError:
             return float(failures[rank].timestamp)
 
-    def blames_peer(rank: int) -> bool:
-        return any(PEER_LOST.search(line) for line in (logs[rank] or [])[-LOG_TAIL_LINES:])
-
     def tier(rank: int) -> tuple[bool, bool]:
-        return rank in stopped, blames_peer(rank)
+        return rank in stopped, _blames_peer(logs[rank])
 
     best = min(tier(r) for r in failures)
     candidates = sorted((r for r in failures if tier(r) == best), key=when)
@@ -180,31 +186,80 @@ def _root_cause(failures: dict[int, Any], logs: dict[int, Optional[list[str]]], 
     return next((r for r in together if logs[r]), candidates[0])
 
 
-def _cause_lines(rank: int, how: str, tail: list[str], stopped: list[int], failures: dict[int, Any],
-                 ended: dict[int, float], ps: Roles) -> list[str]:
+def _blames_peer(lines: Optional[list[str]]) -> bool:
+    """Whether a log's tail says a peer went away: that rank failed because of another."""
+    return any(PEER_LOST.search(line) for line in (lines or [])[-LOG_TAIL_LINES:])
+
+
+def _left_at(rank: int, ended: dict[int, float], left: dict[int, Any]) -> Optional[float]:
+    """When ``rank`` left: when its program ended if it said so, else when its process
+    ended (None: unknown). Monotonic time."""
+    return left[rank].at if rank in left else ended.get(rank)
+
+
+def _left_early(rank: int, failures: dict[int, Any], ended: dict[int, float], left: dict[int, Any]) -> list[int]:
+    """The ranks other than ``rank`` (the failed one named) that left with code 0 before
+    ``rank``'s process ended, first to leave first.
+
+    A program's own word on its end (``left``) counts, not its process's end: exiting
+    destroys its process groups, which fails the peers while the process still runs.
+    Only a rank that said nothing is judged by its process: one that ended and did not
+    fail (code 0)."""
+    def code_0(r: int) -> bool:
+        return left[r].code == 0 if r in left else (r in ended and r not in failures)
+
+    deadline = ended.get(rank, _left_at(rank, ended, left))
+    deadline = float("inf") if deadline is None else deadline
+    # <=: processes that one poll found ended share its time (agent.ExitTimes)
+    early = [r for r in {*ended, *left} if r != rank and code_0(r) and _left_at(r, ended, left) <= deadline]
+    return sorted(early, key=lambda r: (_left_at(r, ended, left), r))
+
+
+def _clock(at: float, left: Optional[Any]) -> str:
+    """``at`` (monotonic) as the time of day, to the millisecond: the worker's own clock
+    reading when it said when it left (``left``), else converted from now."""
+    wall = left.wall if left is not None else time.time() - (time.monotonic() - at)
+    return f"{time.strftime('%H:%M:%S', time.localtime(wall))}.{int(wall % 1 * 1000):03d}"
+
+
+def _cause_lines(rank: int, how: str, tail: list[str], stopped: list[int], early: list[int],
+                 ended: dict[int, float], left: dict[int, Any], failures: dict[int, Any],
+                 logs: dict[int, Optional[list[str]]], ps: Roles) -> list[str]:
     """The summary's opening, when the failed rank is not the whole story: a rank that
-    ended (code 0) before the failure left its peers waiting for it; a timeout while
+    left (code 0) before the failure left its peers waiting for it; a timeout while
     other ranks still ran points at those ranks (stuck?)."""
-    early = sorted(r for r, t in ended.items() if r not in failures and t < ended.get(rank, float("inf")))
     if early:
-        return [f"globaltensor.launch: rank {', '.join(map(str, early))} exited with code 0 while other "
-                f"ranks were still running; then {who(rank, ps)} {how}",
-                "  a rank that ends early leaves its peers waiting in collectives it never joins"]
+        # A rank whose log says a peer went away left after that peer, whatever the times say:
+        # a process's end is seen up to one poll late, a program's end when it happens.
+        times = {r: t for r in {*ended, *left} if (t := _left_at(r, ended, left)) is not None
+                 and not (r in logs and _blames_peer(logs[r]))}
+        out = []
+        for i, r in enumerate(early):
+            at = _left_at(r, ended, left)
+            first = ": the first to leave" if at <= min(times.values(), default=at) else ""
+            then = f"; then {who(rank, ps)} {how}" if i == 0 else ""
+            # its program ended, then its process failed or was stopped while it shut down
+            after = f" (its process then {_how(failures[r])})" if r in failures else ""
+            out.append(f"{'globaltensor.launch:' if i == 0 else ' '} {who(r, ps)} exited with code 0 at "
+                       f"{_clock(at, left.get(r))}, before the others finished{first}{after}{then}")
+        return out + ["  a rank that ends early leaves its peers waiting in collectives it never joins"]
     if stopped and _timed_out(tail):
         return [f"globaltensor.launch: {who(rank, ps)} {how} after a timeout; rank "
                 f"{', '.join(map(str, stopped))} was still running then (stuck?), see where below"]
     return []
 
 
-def _other_rank_lines(rank: int, stopped: list[int], failures: dict[int, Any],
-                      logs: dict[int, Optional[list[str]]], log_dir: str, ps: Roles) -> list[str]:
-    """Where each rank the launcher stopped was, and the other failed ranks' exit codes."""
+def _other_rank_lines(rank: int, skip: list[int], failures: dict[int, Any],
+                      logs: dict[int, Optional[list[str]]], log_dir: str, ps: Roles,
+                      shown: list[int]) -> list[str]:
+    """Where each rank the launcher stopped (``shown``) was, and the exit codes of the
+    failed ranks not named already (``rank``, ``skip``)."""
     out = []
-    for r in stopped:
+    for r in shown:
         where = where_stopped(read_log(log_dir, r, ps) or [])
         out.append(f"  {who(r, ps)}: still running, stopped by the launcher" + (f" in {where}" if where else ""))
     others = [f"{r} (exit code {failures[r].exitcode}{'' if logs[r] else ', no output'})"
-              for r in sorted(failures) if r != rank and r not in stopped]
+              for r in sorted(failures) if r != rank and r not in skip]
     if others:
         out.append(f"  other failed ranks on this node: {', '.join(others)}")
     return out

@@ -270,10 +270,11 @@ def summary(stderr: str) -> str:
 
 
 FAULT_CASES = [
-    # rank 1 exits 0 at once; rank 0's all_reduce then fails: rank 1 is named first (rank 0
-    # then exits 1, or gloo's threads abort it at exit: that is torch's, not the summary's)
-    ("early", [r"rank 1 exited with code 0 while other ranks were still running; then rank 0 "
-               r"(exited with code 1|was killed by signal SIGABRT)"]),
+    # rank 1 exits 0 at once (os._exit: it says nothing, its process's end counts); rank 0's
+    # all_reduce then fails: rank 1 is named first (rank 0 then exits 1, or gloo's threads
+    # abort it at exit: that is torch's, not the summary's)
+    ("early", [r"rank 1 exited with code 0 at \d\d:\d\d:\d\d\.\d{3}, before the others finished: the first "
+               r"to leave; then rank 0 (exited with code 1|was killed by signal SIGABRT)"]),
     # rank 1 is stuck outside the barrier, rank 0 times out: rank 1 is named, with where it was
     ("hang", [r"rank 0 exited with code 1 after a timeout; rank 1 was still running",
               r"rank 1: still running, stopped by the launcher in File .*faults\.py.* in stuck_here"]),
@@ -342,6 +343,101 @@ def test_summary_names_the_rank_that_caused_the_failure(fault_jobs: dict, mode: 
         run_dir = (tmp_path / "log" / "latest").resolve()
         assert f"last 1 lines of {run_dir.relative_to(tmp_path)}/workerlog.0:" in text, text
         assert re.fullmatch(r"\d{8}-\d{6}-\d+", run_dir.name), run_dir
+
+
+# --- a rank that leaves early with code 0 is named, every time -----------------------
+
+EARLY_LEAVER = re.compile(
+    r"^globaltensor.launch: rank 1 exited with code 0 at \d\d:\d\d:\d\d\.\d{3}, before the others "
+    # on a loaded machine rank 1's shutdown may outlast the grace period: it is stopped then
+    r"finished: the first to leave( \(its process then was killed by signal SIG(TERM|KILL)\))?; "
+    r"then rank 0 (exited with code 1|was killed by signal SIGABRT)$", re.M)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+@pytest.mark.parametrize("how", ["exit", "return", "exit-again"])
+def test_a_rank_that_leaves_early_with_code_0_is_named_every_time(tmp_path: Path, start_method: str,
+                                                                   how: str) -> None:
+    # Rank 1's exit destroys its gloo group while its process still runs: rank 0 fails and
+    # its process ended first in most runs, so the summary used to name rank 0 alone. The
+    # repetitions (two of sys.exit) are what made it show: each run must name rank 1.
+    log_dir = tmp_path / "log"
+    r = launch(["--nproc_per_node", "2", "--start_method", start_method, "--master_port", str(free_port()),
+                "--log_dir", str(log_dir), str(SCRIPTS / "leave_early.py"), how.split("-")[0]],
+               cwd=tmp_path, env=launcher_env(GLOBALTENSOR_TIMEOUT="5"), timeout=45)
+    text = summary(r.stderr)
+    assert r.returncode in (1, 134), r.stdout + r.stderr  # rank 0's: it failed
+    assert EARLY_LEAVER.search(text), text
+    assert re.search(r"^globaltensor.launch: rank 0 (exited with code 1|was killed by signal SIGABRT) "
+                     r"\(local_rank 0, pid \d+\)$", text, re.M), text
+    assert "still running" not in text and "got through" not in r.stdout, text
+    assert sorted(p.name for p in log_dir.iterdir()) == [".lock", "workerlog.0", "workerlog.1"]  # no left files
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_says_when_its_program_ended(tmp_path: Path) -> None:
+    """boot alone: the left file names the worker's pid, a time between its start and
+    end, and the code asked for; a file of another pid (an earlier attempt) is dropped."""
+    from globaltensor.launch import boot
+
+    (tmp_path / "prog.py").write_text("import sys\nsys.exit(int(sys.argv[1]))\n")
+    env = {**os.environ, "GLOBALTENSOR_LAUNCHER_PID": str(os.getpid()), "RANK": "3",
+           "TORCHELASTIC_ERROR_FILE": str(tmp_path / "error.3.json")}
+    before = time.monotonic()
+    r = subprocess.run([sys.executable, "-u", boot.__file__, str(tmp_path / "prog.py"), "7"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 7, r.stdout + r.stderr
+    left = boot.read_left(str(tmp_path), range(4), {})
+    assert list(left) == [3] and left[3].code == 7 and before < left[3].at < time.monotonic(), left
+    assert boot.read_left(str(tmp_path), [3], {3: left[3].pid}) == left
+    assert boot.read_left(str(tmp_path), [3], {3: left[3].pid + 1}) == {}
+    boot.remove_left(str(tmp_path), range(4))
+    assert not (tmp_path / ".left.3").exists()
+    # a link planted where the file goes is not followed
+    (tmp_path / ".left.3").symlink_to(tmp_path / "victim")
+    r = subprocess.run([sys.executable, "-u", boot.__file__, str(tmp_path / "prog.py"), "0"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and not (tmp_path / "victim").exists(), r.stdout + r.stderr
+
+
+def test_the_summary_goes_by_when_programs_ended_not_processes(tmp_path: Path, capsys) -> None:
+    """Rank 1 returned (code 0) before rank 0 failed, but its process ended after rank
+    0's (its exit destroyed its process group, which failed rank 0): rank 1 is named."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from globaltensor.launch.boot import Left
+    from globaltensor.launch.report import report_failure
+
+    (tmp_path / "workerlog.0").write_text("RuntimeError: Connection reset by peer\n")
+    error = SimpleNamespace(failures={0: ProcessFailure(0, 100, 1, str(tmp_path / "error.0.json"))})
+    ended = {0: 50.0, 1: 50.05}  # monotonic: rank 1's process ended last
+    left = {1: Left(101, 49.9, time.time(), 0), 0: Left(100, 49.95, time.time(), 1)}
+    assert report_failure(error, str(tmp_path), ended, 51.0, None, left) == 1
+    text = capsys.readouterr().err
+    assert EARLY_LEAVER.search(text), text
+    # without the programs' word, the processes' order stands: rank 0 alone
+    assert report_failure(error, str(tmp_path), ended, 51.0, None, {}) == 1
+    text = capsys.readouterr().err
+    assert "rank 1" not in text and text.startswith("globaltensor.launch: rank 0 exited with code 1"), text
+
+
+def test_a_poll_never_dates_the_rank_that_ended_first_after_its_peer(monkeypatch) -> None:
+    """The scan looked at rank 1 just before it ended, then found rank 0 (which failed
+    because rank 1 left) ended: rank 1 must not get a later time than rank 0."""
+    from globaltensor.launch import agent
+
+    exit_times = agent.ExitTimes(nproc=2, find_workers=False)
+    exit_times.add_worker(11, rank=1)  # scanned first
+    exit_times.add_worker(10, rank=0)
+    looks = {10: iter([False]), 11: iter([True, False])}  # what each look at /proc says: running?
+    monkeypatch.setattr(agent, "alive", lambda pid: next(looks[pid], False))
+    exit_times.poll()
+    ended = exit_times.ended()
+    assert set(ended) == {0, 1} and ended[1] <= ended[0], ended
 
 
 @pytest.mark.multiprocess
