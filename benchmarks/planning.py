@@ -71,7 +71,7 @@ def main(argv=None) -> None:
     args = _parser().parse_args(argv)
     import globaltensor as gt
     from globaltensor.boxing import plan as boxing_plan
-    from globaltensor.dispatch import step
+    from globaltensor.planner import record as step
     gt.init()
     rank = dist.get_rank()
     P, params, inputs = _placement_and_layouts(args.mesh)

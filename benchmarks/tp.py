@@ -342,7 +342,7 @@ def ours(model: GPT, env: Env, compiled: bool, pinned: bool = False, auto: bool 
     if traced and not compiled:
         raise NotBuilt    # the same as "ours annotated" in eager mode
     if traced:            # as a fresh program: no plan from the ways before
-        from globaltensor.dispatch import step
+        from globaltensor.planner import record as step
         kept = dict(step.state.plans)
         step.state.plans.clear()
     if compiled and not auto and not traced:   # one eager step planned; traces replay it
@@ -523,7 +523,7 @@ def _run_ways(base: GPT, env: Env, modes: list, reference: float) -> tuple[dict,
             if mode == "compiled" and env.backend != "inductor":
                 nbytes = None       # the counting pass is inductor's
             elif mode == "eager":   # a planned step (ours records one, then plans)
-                from globaltensor.dispatch.step import RECORD_AT, state
+                from globaltensor.planner.record import RECORD_AT, state
                 last = state.last
                 nbytes = [_measured(way, graphs)[1] for _ in range(RECORD_AT)][-1]
                 if state.last is not last:

@@ -20,9 +20,9 @@ from . import comm
 from .boxing import Plan, plan_route
 from .comm import CollectiveError, DivergenceError, stats
 from .comm.stats import CommCounter
-from .dispatch.explain_step import StepReport, explain_step
 from .layout import Layout
 from .placement import Placement
+from .planner.explain import StepReport, explain_step
 from .rules.registry import FallbackWarning
 from .tensor import GlobalTensor
 

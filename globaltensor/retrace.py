@@ -1,7 +1,7 @@
 """Compiled graphs traced before a plan existed are traced again, once.
 
 torch.compile's first trace of a graph decides every call op by op (there is no plan
-yet) while ``dispatch/step.py`` records it; the plan made from that record only helps
+yet) while ``planner/record.py`` records it; the plan made from that record only helps
 if the graph is traced again. Dynamo re-traces a graph when one of its guards fails:
 every GlobalTensor input carries a ``Mark`` in its flatten metadata (the recorded trace
 the graph came from, if any), which the guard saves when the graph's trace ends, and
@@ -12,7 +12,7 @@ only when compiled code is about to run again, after the trace that was recorded
 ended.
 
 >>> mark = new_trace()
->>> trace_begins(mark)   # dispatch/traced.py, as a recorded trace begins
+>>> trace_begins(mark)   # planner/traced.py, as a recorded trace begins
 >>> retrace({mark})      # the graph traced then traces again at its next call
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ class Mark:
 
 
 current = Mark()        # what a GlobalTensor's flatten metadata carries now
-planning = False        # dispatch/step.py plans traced graphs (not cached by AOTAutograd)
+planning = False        # planner/record.py plans traced graphs (not cached by AOTAutograd)
 _stale: set = set()     # recorded traces whose graphs trace again
 _traces = 0             # recorded traces so far (never reset: marks stay unique)
 _pending: "Callable[[], None] | None" = None

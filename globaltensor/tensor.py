@@ -116,7 +116,7 @@ class GlobalTensor(torch.Tensor):
 
     _local: torch.Tensor
     _layout: Layout
-    __slots__ = ("_local", "_layout", "_key", "_origin")  # _origin: see dispatch/step.py
+    __slots__ = ("_local", "_layout", "_key", "_origin")  # _origin: see planner/record.py
 
     # Construction and the conversions are hidden from dynamo (as DTensor's constructor
     # is): dynamo inlining them baked shape-dependent decisions into graphs reused for
@@ -301,7 +301,7 @@ def is_global(t) -> bool:
     return isinstance(t, GlobalTensor)
 
 
-# The dispatcher's step planner watches every ``to_global`` (``dispatch/pins.py``):
+# The dispatcher's step planner watches every ``to_global`` (``planner/pins.py``):
 # forward(x, dst) -> a link or None, backward(out, grad, link) -> out, and
 # unmoved(x, dst) for one that moves nothing (and returns ``x``).
 _pin_watch = None

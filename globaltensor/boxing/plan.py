@@ -1,10 +1,8 @@
 """Planning: the cheapest sequence of boxing steps from one layout to another.
 
 ``plan_route`` is the entry point. On one placement, each step changes the sbp of one
-axis (docs/DESIGN.md's table); a search over nd-sbp states (Dijkstra, each step priced by
-its own ``cost``) finds the cheapest valid order (``plan_boxing``). An order is invalid
-when a later axis splits the dim an axis works on, or when an outer partial axis would
-be reduced before an inner partial of another kind. The general route (``general_plan``)
+axis; a search over nd-sbp states (``search.py``: Dijkstra, each step priced by its own
+``cost``) finds the cheapest valid order (``plan_boxing``). The general route (``general_plan``)
 reduces the source's partial axes on the source placement (to a split when possible,
 so less is sent), then moves regions with one ``Transfer``; it works between any two
 placements and is the fallback on one. A strided split is boxed on the refined view
@@ -17,14 +15,14 @@ settles states in the order a search of its own would: the same path and cost), 
 general route is skipped where a lower bound of its transfer cannot win
 (``transfer_price.py``) and priced without making its moves, and ``route_cost`` gives
 a plan's cost without making the plan: per source, against every layout of its shape
-and placement at once (``_routes_from``: the search run to its end, the general
-routes' transfers as arrays; the same floats as pair by pair).
+and placement at once (``_routes_from``: every source's routes on the graph as arrays,
+``_all_pairs``; the general routes' transfers as arrays; the same costs as pair by
+pair).
 """
 from __future__ import annotations
 
 import heapq
 import itertools
-import threading
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -32,11 +30,12 @@ import numpy as np
 import torch
 
 from ..layout import Layout
-from ..sbp import Partial, SbpParallel, Split, StridedSplit, broadcast
+from ..sbp import Partial, Split, StridedSplit, broadcast
 from . import transfer_price
 from .execute import start
 from .explain import format_plan
-from .steps import AXIS_STEPS, Handle
+from .search import Graph, candidates, edge_of, graph_of, holds_max, search_from
+from .steps import Handle
 from .steps.reshape import ViewAs
 from .steps.transfer import Transfer
 from .transfer_price import transfer_cost, transfer_floor
@@ -106,7 +105,7 @@ def route_cost(src: Layout, dst: Layout, itemsize: int = 4) -> float:
         whole = _whole(src)
         return route_cost(src, whole, itemsize) + route_cost(whole, dst, itemsize)
     if src.placement == dst.placement:
-        found = _routes_from(src, itemsize, _holds_max(src) or _holds_max(dst))
+        found = _routes_from(src, itemsize, holds_max(src) or holds_max(dst))
         j = found[1].get(dst.sbp)
         if j is not None and found[0][j] < float("inf"):
             return found[0][j].item()
@@ -128,7 +127,7 @@ def _universe(shape: tuple, placement) -> tuple:
     """(every layout of the shape and placement over the per-axis candidates, with
     partial_max, as ``transfer_price.Targets`` (``plain``: those without partial_max);
     {nd-sbp: index}; whether each holds partial_max)."""
-    cands = _candidates(len(shape), (Partial("max"),))
+    cands = candidates(len(shape), (Partial("max"),))
     sbps = list(itertools.product(cands, repeat=placement.ndim))
     layouts = tuple(Layout.interned(shape, placement, nd) for nd in sbps)
     targets = transfer_price.Targets(layouts)
@@ -141,7 +140,7 @@ def _universe(shape: tuple, placement) -> tuple:
 def _costs_to_all(src: Layout, itemsize: int, with_max: bool):
     """The cost of the cheapest route from ``src`` to each state of its graph, by state
     number (inf where none; a sequence, or a dict for a source off the candidates)."""
-    graph = _graph(src.shape, src.placement, itemsize, with_max)
+    graph = graph_of(src.shape, src.placement, itemsize, with_max)
     begin = graph.number(graph.state(src.sbp))
     table = _all_pairs(graph)
     if begin < len(table):
@@ -150,7 +149,7 @@ def _costs_to_all(src: Layout, itemsize: int, with_max: bool):
 
 
 @lru_cache(maxsize=1024)
-def _all_pairs(graph: "_Graph") -> np.ndarray:
+def _all_pairs(graph: "Graph") -> np.ndarray:
     """[source state][state]: the cheapest route's cost between every two states made of
     candidate sbp (inf where none), numbered first: every source of a universe at once,
     by Bellman-Ford rounds as arrays (a round extends every route by one step; each
@@ -179,7 +178,7 @@ def _looked_up(reached, numbers: list) -> np.ndarray:
     return np.array([reached.get(k, inf) for k in numbers])
 
 
-def _searched_to_all(graph: "_Graph", begin: int) -> dict:
+def _searched_to_all(graph: "Graph", begin: int) -> dict:
     """{state number: cost} of every state the search from state ``begin`` reaches."""
     heap, best, settled, linked, counter = [(0.0, 0, begin)], {begin: 0.0}, {}, graph.linked, 1
     pop, push, inf, get = heapq.heappop, heapq.heappush, float("inf"), best.get
@@ -197,7 +196,7 @@ def _searched_to_all(graph: "_Graph", begin: int) -> dict:
     return settled
 
 
-def _numbers(graph: "_Graph", layouts: tuple) -> list:
+def _numbers(graph: "Graph", layouts: tuple) -> list:
     """The state numbers of ``layouts`` (one universe) on ``graph``."""
     found = graph.layouts.get(id(layouts))
     if found is None or found[0] is not layouts:
@@ -212,8 +211,8 @@ def _routes_from(src: Layout, itemsize: int, with_max: bool) -> tuple:
     is searched ``with_max`` (``_boxing``: when either end holds partial_max), as an
     array, NaN or inf elsewhere (priced alone); the universe's {nd-sbp: index})."""
     targets, index, maxes = _universe(src.shape, src.placement)
-    holds = _holds_max(src)
-    graph = _graph(src.shape, src.placement, itemsize, with_max)
+    holds = holds_max(src)
+    graph = graph_of(src.shape, src.placement, itemsize, with_max)
     reached = _costs_to_all(src, itemsize, with_max)
     if holds or with_max:
         same = _looked_up(reached, _numbers(graph, targets.layouts))
@@ -222,7 +221,7 @@ def _routes_from(src: Layout, itemsize: int, with_max: bool) -> tuple:
     else:   # no partial_max anywhere: searched without it
         same = np.full(len(targets.layouts), np.nan)
         same[~maxes] = _looked_up(reached, _numbers(graph, targets.plain))
-    graph = _graph(src.shape, src.placement, itemsize, holds)
+    graph = graph_of(src.shape, src.placement, itemsize, holds)
     reached = _costs_to_all(src, itemsize, holds)   # the reductions: searched as _general's
     best = same
     for mid in _reduced_sources(src):
@@ -286,43 +285,6 @@ def _whole(layout: Layout) -> Layout:
     return Layout.make(layout.shape, layout.placement, (broadcast,) * layout.placement.ndim)
 
 
-def _axis_step(src: Layout, dst: Layout, axis: int, itemsize: int):
-    """The cheapest registered step that changes ``axis`` from src's sbp to dst's, or
-    None (partial_sum <-> partial_max goes through broadcast). Every kind that serves
-    the change is priced: a new kind competes with the existing ones on cost alone."""
-    best, best_cost = None, float("inf")
-    for kind in AXIS_STEPS:
-        step = kind.for_axis(axis, src, dst)
-        if step is not None:
-            cost = step.cost(itemsize)
-            if cost < best_cost:
-                best, best_cost = step, cost
-    return best
-
-
-def _valid(nd_sbp: tuple, axis: int, new: SbpParallel) -> bool:
-    """Can ``axis`` change from nd_sbp[axis] to ``new`` with one collective inside
-    its sub-groups, given the other axes as they are?"""
-    old = nd_sbp[axis]
-    dims = {s.dim for s in (old, new) if isinstance(s, Split)}
-    later = nd_sbp[axis + 1:]
-    if any(isinstance(s, Split) and s.dim in dims for s in later):
-        return False  # later axes cut the parts this axis moves into pieces
-    if isinstance(old, Partial) and not isinstance(new, Partial):
-        # Reducing an outer partial first is only right if inner partials commute.
-        if any(isinstance(s, Partial) and s.reduce != old.reduce for s in later):
-            return False
-    return True
-
-
-def _candidates(ndim: int, ends: tuple) -> list[SbpParallel]:
-    """The sbp an axis may pass through. A partial_max state is a detour unless an end
-    holds one: entered from broadcast or split (free) and left by a reduction, it costs
-    what the same detour through partial_sum costs, which stays a candidate."""
-    partials = [Partial("sum")] + ([Partial("max")] if Partial("max") in ends else [])
-    return [broadcast, *partials] + [Split(d) for d in range(ndim)]
-
-
 @lru_cache(maxsize=8192)
 def plan_boxing(src: Layout, dst: Layout, itemsize: int = 4) -> Plan | None:
     """The cheapest same-placement plan from ``src`` to ``dst``, or None when the
@@ -340,157 +302,12 @@ def _boxing(src: Layout, dst: Layout, itemsize: int):
         return None
     if src.sbp == dst.sbp:
         return 0.0, ()
-    return _search(src, itemsize, _holds_max(src) or _holds_max(dst)).reach(dst)
-
-
-@lru_cache(maxsize=16384)
-def _holds_max(layout: Layout) -> bool:
-    """Whether an axis is partial_max (searches then pass through it, ``_candidates``)."""
-    return Partial("max") in layout.sbp
+    return search_from(src, itemsize, holds_max(src) or holds_max(dst)).reach(dst)
 
 
 def _boxing_cost(src: Layout, dst: Layout, itemsize: int) -> float | None:
     found = _boxing(src, dst, itemsize)
     return None if found is None else found[0]
-
-
-class _Search:
-    """The Dijkstra search over nd-sbp states from one source, kept between queries:
-    a query settles states (in the order one search for that goal would, ties broken
-    by push order) until its goal is settled, and later queries go on from there. So
-    every goal gets the path and cost a search of its own would return, and a source
-    priced against many targets (every option of a consumer, in step planning) is
-    searched once. States are tuples of indices into ``_Graph.sbps``."""
-
-    __slots__ = ("graph", "heap", "best", "settled", "counter", "lock", "answers")
-
-    def __init__(self, graph: "_Graph", begin: tuple):
-        self.graph = graph
-        self.heap = [(0.0, 0, begin, None, None)]   # (cost, push order, state, parent, step)
-        self.best = {begin: 0.0}
-        self.settled: dict = {}   # state -> (cost, steps)
-        self.counter = 1
-        self.lock = threading.Lock()
-        self.answers: dict = {}   # goal layout -> what reach gave
-
-    def reach(self, goal: Layout):
-        """(cost, steps) of the cheapest route to ``goal``'s nd-sbp, or None."""
-        if goal in self.answers:
-            return self.answers[goal]
-        found = self.answers[goal] = self._settle(self.graph.state(goal.sbp))
-        return found
-
-    def _settle(self, goal: tuple):
-        found = self.settled.get(goal)
-        if found is not None:
-            return found
-        with self.lock:
-            heap, best, settled, out = self.heap, self.best, self.settled, self.graph.out
-            while heap and goal not in settled:
-                cost, _, state, parent, step = heapq.heappop(heap)
-                if state in settled:
-                    continue   # an older, dearer entry (each push improves best)
-                # the path pushed with it: its parent's when the parent was left
-                settled[state] = (cost, () if parent is None else settled[parent][1] + (step,))
-                for nxt, step, step_cost in out(state):
-                    c = cost + step_cost
-                    if c < best.get(nxt, float("inf")) - 1e-15:
-                        best[nxt] = c
-                        heapq.heappush(heap, (c, self.counter, nxt, state, step))
-                        self.counter += 1
-            return settled.get(goal)
-
-
-@lru_cache(maxsize=4096)
-def _search(src: Layout, itemsize: int, with_max: bool) -> _Search:
-    graph = _graph(src.shape, src.placement, itemsize, with_max)
-    return _Search(graph, graph.state(src.sbp))
-
-
-class _Graph:
-    """The nd-sbp states of one shape and placement and the per-axis steps between
-    them (``_candidates``: partial_max only ``with_max``), each state's edges made
-    when a search first leaves it, in the order axis, then candidate sbp."""
-
-    def __init__(self, shape: tuple, placement, itemsize: int, with_max: bool):
-        self.shape, self.placement, self.itemsize = shape, placement, itemsize
-        self.sbps = _candidates(len(shape), (Partial("max"),) if with_max else ())
-        self.moves = len(self.sbps)   # the candidates; a source's other sbp come after
-        self.index = {s: k for k, s in enumerate(self.sbps)}
-        self.edges: dict = {}
-        self.lock = threading.Lock()
-        self.ids: dict = {}      # state -> its number (``_costs_to_all``'s states)
-        self.states: list = []   # number -> state
-        self.links: list = []    # number -> [(next state's number, step cost)], or None
-        self.layouts: dict = {}  # id of a universe's layouts -> their states' numbers
-        for state in itertools.product(range(self.moves), repeat=placement.ndim):
-            self.number(state)   # the candidate states first (``_all_pairs``)
-
-    def number(self, state: tuple) -> int:
-        k = self.ids.get(state)
-        if k is None:
-            with self.lock:
-                k = self.ids.setdefault(state, len(self.states))
-                if k == len(self.states):
-                    self.states.append(state)
-                    self.links.append(None)
-        return k
-
-    def linked(self, k: int) -> list:
-        """``out`` of state number k as [(next state's number, step cost)]."""
-        found = self.links[k]
-        if found is None:
-            found = self.links[k] = [(self.number(nxt), cost)
-                                     for nxt, _, cost in self.out(self.states[k])]
-        return found
-
-    def state(self, nd_sbp: tuple) -> tuple:
-        """``nd_sbp`` as a state; an sbp that is no candidate (no step enters it, but a
-        source may hold it on an axis that stays) gets an index of its own."""
-        out = []
-        for s in nd_sbp:
-            k = self.index.get(s)
-            if k is None:
-                with self.lock:
-                    k = self.index.setdefault(s, len(self.sbps))
-                    if k == len(self.sbps):
-                        self.sbps.append(s)
-            out.append(k)
-        return tuple(out)
-
-    def out(self, state: tuple) -> list:
-        """[(next state, step, its cost)] leaving ``state``."""
-        found = self.edges.get(state)
-        if found is None:
-            sbps = self.sbps
-            nd_sbp = tuple(sbps[k] for k in state)
-            found = []
-            for axis in range(len(state)):
-                for k in range(self.moves):
-                    edge = _edge(self.shape, self.placement, nd_sbp, axis, sbps[k],
-                                 self.itemsize)
-                    if edge is not None:
-                        found.append((state[:axis] + (k,) + state[axis + 1:],) + edge[1:])
-            self.edges[state] = found
-        return found
-
-
-@lru_cache(maxsize=1024)
-def _graph(shape: tuple, placement, itemsize: int, with_max: bool) -> _Graph:
-    return _Graph(shape, placement, itemsize, with_max)
-
-
-@lru_cache(maxsize=None)
-def _edge(shape: tuple, placement, state: tuple, axis: int, new: SbpParallel, itemsize: int):
-    """(next state, step, its cost) changing ``axis`` of ``state`` to ``new``, or None.
-    Cached: searches on one shape and placement (every signature an op weighs, every
-    target of a partial output) walk the same edges."""
-    if new == state[axis] or not _valid(state, axis, new):
-        return None
-    nxt = state[:axis] + (new,) + state[axis + 1:]
-    step = _axis_step(Layout.interned(shape, placement, state), Layout.interned(shape, placement, nxt),
-                      axis, itemsize)
-    return None if step is None else (nxt, step, step.cost(itemsize))
 
 
 def clear_caches() -> None:
@@ -505,8 +322,8 @@ def forget_searches() -> None:
     """Forget the searches and prices kept for pricing many pairs, not the plans
     (step planning's working set: a 12-layer GPT on 2 x 4 keeps about 150 MiB of them;
     what runs later needs only its plans)."""
-    for cached in (route_cost, _refined_pair, _refined, _strided, _search, _graph,
-                   _holds_max, _edge, _reduced_sources, _routes_from, _transfers_from, _costs_to_all,
+    for cached in (route_cost, _refined_pair, _refined, _strided, search_from, graph_of,
+                   holds_max, edge_of, _reduced_sources, _routes_from, _transfers_from, _costs_to_all,
                    _all_pairs,
                    _universe):
         cached.cache_clear()

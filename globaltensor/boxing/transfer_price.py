@@ -13,9 +13,9 @@ from functools import lru_cache
 
 import numpy as np
 
+from ..cost import costs_of
 from ..layout import Layout
 from ..partials import identity_fill
-from .cost import costs_of
 
 
 @lru_cache(maxsize=16384)

@@ -283,6 +283,36 @@ def local_device(device_type: str) -> torch.device:
 _local_devices: dict = {}
 
 
+def _init_default_group() -> None:
+    """The default group from the launcher's variables (a world of one in memory)."""
+    global _store
+    timeout = datetime.timedelta(seconds=env.timeout_seconds())
+    world = env.get_world_size()
+    # No device_id: binding the group to a GPU starts NCCL at once (on every rank,
+    # also for a program on cpu placements), and makes sub-groups split from its
+    # communicator, a collective of all ranks, which members-only groups cannot
+    # run. NCCL starts on a group's first cuda collective, on the current device.
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        # A world of one needs no rendezvous: an in-memory store does.
+        dist.init_process_group(_choose_backend(None, 1), store=dist.HashStore(),
+                                rank=0, world_size=1, timeout=timeout)
+    else:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        # The store of the first world is kept for the worlds made again after the
+        # program destroyed the group, under a new prefix each (gloo would read the
+        # dead group's addresses otherwise). A new store would race: rank 0 hosts it
+        # on the same port, and a rank that gets there first can connect to the old
+        # one, which closes as rank 0 destroys its group.
+        if _store is None:
+            _store = next(dist.rendezvous("env://", env.get_rank(), world,
+                                          timeout=timeout))[0]
+        store = _store if _generation == 0 else \
+            dist.PrefixStore(f"globaltensor/generation{_generation}", _store)
+        dist.init_process_group(_choose_backend(store, world), store=store,
+                                rank=env.get_rank(), world_size=world, timeout=timeout)
+
+
 def init() -> None:
     """Initialise torch.distributed from the launcher's variables (idempotent).
 
@@ -293,7 +323,7 @@ def init() -> None:
     >>> gt.init(); gt.get_world_size()
     1
     """
-    global _ready, _generation, _store, _cuda_via_gloo_why
+    global _ready, _generation, _cuda_via_gloo_why
     if _ready:
         if dist.is_initialized():
             return
@@ -306,31 +336,7 @@ def init() -> None:
     _local_devices.clear()
     _cuda_via_gloo_why = ""  # the program's own group: its backend is its choice, not ours
     if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=env.timeout_seconds())
-        world = env.get_world_size()
-        # No device_id: binding the group to a GPU starts NCCL at once (on every rank,
-        # also for a program on cpu placements), and makes sub-groups split from its
-        # communicator, a collective of all ranks, which members-only groups cannot
-        # run. NCCL starts on a group's first cuda collective, on the current device.
-        if world == 1 and "MASTER_ADDR" not in os.environ:
-            # A world of one needs no rendezvous: an in-memory store does.
-            dist.init_process_group(_choose_backend(None, 1), store=dist.HashStore(),
-                                    rank=0, world_size=1, timeout=timeout)
-        else:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29500")
-            # The store of the first world is kept for the worlds made again after the
-            # program destroyed the group, under a new prefix each (gloo would read the
-            # dead group's addresses otherwise). A new store would race: rank 0 hosts it
-            # on the same port, and a rank that gets there first can connect to the old
-            # one, which closes as rank 0 destroys its group.
-            if _store is None:
-                _store = next(dist.rendezvous("env://", env.get_rank(), world,
-                                              timeout=timeout))[0]
-            store = _store if _generation == 0 else \
-                dist.PrefixStore(f"globaltensor/generation{_generation}", _store)
-            dist.init_process_group(_choose_backend(store, world), store=store,
-                                    rank=env.get_rank(), world_size=world, timeout=timeout)
+        _init_default_group()
     if torch.cuda.is_available():
         # Also when the program made the group: outputs of transfers land on the
         # current device, which must be this rank's (shared when local ranks outnumber

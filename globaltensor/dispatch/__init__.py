@@ -18,9 +18,9 @@ The rooms:
 - ``cache.py``: decisions cached per (op, input layouts and dtypes, constants).
 - ``call.py``: what rules see (``Call``, ``LocalCtx``) and argument flattening.
 - ``plain.py``: plain tensor operands, ``implicit_broadcast``.
-- ``step.py``: whole-step layouts in eager mode (record a step, plan it, replay);
-  ``traced.py``: the same for graphs torch.compile traces; ``step_plan.py`` and
-  ``solve.py``: a record as a min-sum problem and its solver; ``explain_step.py``.
+Whole-step layouts (record a step, plan it, replay; traced graphs too) are
+``globaltensor/planner/``'s: it uses ``decide`` and ``cache``, and ``entry`` hands it
+the calls of a step it records or replays.
 
 This index re-exports the names of ``call`` and ``plain`` only: the rules import
 ``call`` (through this index), and ``entry`` and ``decide`` import the rules, so

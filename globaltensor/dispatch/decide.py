@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten
 from .. import comm
 from ..advice import dtensor_operand_error, is_dtensor
 from ..boxing import plan_route
-from ..boxing.plan import route_cost
+from ..cost import PARAMETER_WEIGHT
 from ..layout import Layout
 from ..placement import Placement
 from ..rules.registry import FallbackWarning, lookup, lookup_check
@@ -71,12 +71,6 @@ class _MetaRun:
     out_spec: object
     out_tensors: list         # positions of the tensors among ``out_leaves``
 
-
-# Moving a parameter costs more than its bytes once: its gradient comes back the same
-# way in backward, and the parameter is moved again every step, while moving the
-# activation instead keeps the layer as annotated (a Megatron column-split weight stays
-# split; the activation is gathered).
-PARAMETER_WEIGHT = 3.0
 
 _warned: set = set()  # ops warned of as falling back
 
@@ -204,7 +198,7 @@ def _signatures(call: Call, rule, meta: _MetaRun, gidx: tuple, inplace: bool,
 @dataclass(frozen=True)
 class Options:
     """Every valid signature of one call, for a planner that chooses among them with
-    the whole step in view (``dispatch/step.py``); ``greedy`` is the one ``decide``
+    the whole step in view (``planner/record.py``); ``greedy`` is the one ``decide``
     takes looking at this call alone."""
     call: Call
     meta: _MetaRun
@@ -338,9 +332,11 @@ def _cheapest_reductions(shape: tuple, placement: Placement, sbp: tuple, axes: t
         found = []
         for e in ends:
             try:
-                found.append(route_cost(src, Layout.make(shape, placement,
+                # a plan searched to its goal: pricing the source against its whole
+                # universe (``route_cost``) is for step planning's many pairs
+                found.append(plan_route(src, Layout.make(shape, placement,
                                                          sbp[:a] + (e,) + sbp[a + 1:]),
-                                        size))
+                                        size).cost)
             except ValueError:   # a split of a dim another axis splits strided
                 continue
         cost += min(found)

@@ -22,9 +22,10 @@ from ..boxing.run import box
 from ..layout import Layout
 from ..local_parts import device_of, empty_local
 from ..partials import identity_value
+from ..planner import pins, record, traced  # noqa: F401  (pins: watches to_global)
 from ..rules.registry import lookup_decomposition
 from ..tensor import GlobalTensor, install_dispatcher, wrap_part
-from . import pins, plain, step, traced  # noqa: F401  (pins: watches to_global)
+from . import plain
 from .cache import cached_decision, direct_call
 from .call import flatten_args, unflatten_args
 from .decide import Decision
@@ -51,7 +52,7 @@ def dispatch(func, types, args, kwargs):
         out = special(*args, **kwargs)
         if out is not NotImplemented:
             return out
-    elif not (step.active or step.functional or comm.check_mode()):
+    elif not (record.active or record.functional or comm.check_mode()):
         out = _repeated(func, args, kwargs)
         if out is not None:
             return out
@@ -70,15 +71,15 @@ def dispatch(func, types, args, kwargs):
             # tensor the traced code built (positions, masks, rotary tables) is taken
             # as broadcast there, as the scope takes it eagerly.
             leaves[i] = plain.as_broadcast(x, leaves, func)
-    if step.functional:   # no module marks steps: one begins at the first call after a backward
+    if record.functional:   # no module marks steps: one begins at the first call after a backward
         if _in_backward():
-            step.after_backward = True
-        elif step.after_backward:
-            step.functional_step_begins()
+            record.after_backward = True
+        elif record.after_backward:
+            record.functional_step_begins()
     # torch.compile traces with parts that are no plain tensors (fake, functional)
-    if step.active:
+    if record.active:
         return _in_step(func, leaves, spec, fake and comm.tracing())
-    if fake and (step.ENABLED or step.state.plans) and comm.tracing():
+    if fake and (record.ENABLED or record.state.plans) and comm.tracing():
         return _in_step(func, leaves, spec, True)   # may replay a plan, or be recorded
     if comm.check_mode():
         return _checked(func, leaves, spec)
@@ -127,11 +128,11 @@ def _carry_out(func, decision: Decision, leaves, spec, why=None):
 
 
 def _in_step(func, leaves, spec, tracing: bool):
-    """A call while a step is recorded or replayed (``step.py``), or traced."""
-    decision, node = (traced.decision if tracing else step.decision)(func, leaves, spec)
+    """A call while a step is recorded or replayed (``planner/record.py``), or traced."""
+    decision, node = (traced.decision if tracing else record.decision)(func, leaves, spec)
     out = _carry_out(func, decision, leaves, spec)
     if node is not None:
-        step.made(node, out)
+        record.made(node, out)
     return out
 
 

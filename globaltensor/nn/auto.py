@@ -10,7 +10,7 @@ tensor parallel) or for ZeRO-3 (fully sharded x tensor parallel) and the inner a
 Megatron's layout. Each candidate that fits the memory
 budget (parameters, gradients and two optimizer moments per rank) runs a few training
 steps on the example inputs, whose activation layouts the whole-step planner chooses
-(dispatch/step.py); the timed ones in turns with the others and with the ranks meeting
+(planner/record.py); the timed ones in turns with the others and with the ranks meeting
 before each step; candidates within 10 % of the fastest take more turns. The fastest
 (the slowest rank's median step) wins, and every rank agrees on it. A candidate whose
 warm-up steps raise on every rank is skipped with a warning naming it and the error.
@@ -32,11 +32,11 @@ from typing import Callable, Sequence
 import torch
 
 from .. import comm
-from ..boxing.cost import max_local_bytes
-from ..dispatch.step import RECORD_AT
+from ..cost import max_local_bytes
 from ..factory import from_local
 from ..layout import Layout
 from ..placement import Placement, check_placement
+from ..planner.record import RECORD_AT
 from ..sbp import Broadcast, Partial, SbpParallel, Split, StridedSplit, broadcast, partial_max, partial_sum, split
 from ..tensor import GlobalTensor
 from .module import to_global

@@ -17,11 +17,11 @@ import torch
 
 from .. import comm
 from ..dispatch import implicit_broadcast
-from ..dispatch.step import step_boundary
 from ..factory import made
 from ..layout import Layout
 from ..local_parts import device_of, empty_local
 from ..placement import Placement, check_placement
+from ..planner.record import step_boundary
 from ..sbp import broadcast
 from ..tensor import GlobalTensor, to_layout
 from .meta import check_meta_buffers

@@ -23,11 +23,11 @@ from typing import Callable, Sequence
 import torch
 
 from .. import comm, origins
-from ..dispatch.step import paused
 from ..gradsync import no_sync
 from ..layout import Layout, balanced_split
 from ..local_parts import empty_local
 from ..placement import Placement
+from ..planner.record import paused
 from ..random import get_draw
 from ..sbp import broadcast
 from ..tensor import GlobalTensor, from_local_part
@@ -299,7 +299,7 @@ class _Run:
     def execute(self, actions) -> None:
         lists = self.pipe._lists[self.train]
         me = self.pipe.worker
-        self.channels = _channels(lists, self.pipe.stage_worker, self.last)
+        self.channels = S.channels(lists, self.pipe.stage_worker)
         self.posted = {c: 0 for c in self.channels}
         last_backward = {a.stage: a.mb for a in actions if a.kind == S.BACKWARD}
         timeline = self.pipe.last_timeline
@@ -423,26 +423,6 @@ class _Run:
                 and work.is_completed()]
         for key in done:
             self.sends.pop(key).wait()
-
-
-@functools.lru_cache(maxsize=64)
-def _channels(lists, stage_worker, last: int) -> dict:
-    """(sending worker, receiving worker) -> the messages in the order the sender posts."""
-    channels: dict = {}
-    for w, acts in enumerate(lists):
-        for a in acts:
-            if a.kind == S.SEND_ACT:
-                dst, key = stage_worker[a.stage + 1], ("act", a.stage, a.mb)
-            elif a.kind == S.SEND_GRAD:
-                dst, key = stage_worker[a.stage - 1], ("grad", a.stage, a.mb)
-            else:
-                continue
-            if dst != w:
-                channels.setdefault((w, dst), []).append(key)
-    for w in range(len(lists)):
-        for v in range(len(lists)):
-            channels.setdefault((w, v), [])
-    return channels
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ runtime.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -250,3 +251,25 @@ def simulate(lists: Schedule, stage_worker: Sequence[int], n_stages: int, n_micr
     busy = sum(e - s for tl in timeline for _, s, e in tl)
     bubble = 1 - busy / (makespan * len(lists)) if makespan else 0.0
     return Simulation(tuple(tuple(t) for t in timeline), makespan, bubble, tuple(peak))
+
+
+@functools.lru_cache(maxsize=64)
+def channels(lists: tuple, stage_worker: tuple) -> dict:
+    """(sending worker, receiving worker) -> the messages in the order the sender posts
+    (``lists``: each worker's actions): receives from one worker are posted in this
+    order, since point-to-point messages between two ranks match in posting order."""
+    channels: dict = {}
+    for w, acts in enumerate(lists):
+        for a in acts:
+            if a.kind == SEND_ACT:
+                dst, key = stage_worker[a.stage + 1], ("act", a.stage, a.mb)
+            elif a.kind == SEND_GRAD:
+                dst, key = stage_worker[a.stage - 1], ("grad", a.stage, a.mb)
+            else:
+                continue
+            if dst != w:
+                channels.setdefault((w, dst), []).append(key)
+    for w in range(len(lists)):
+        for v in range(len(lists)):
+            channels.setdefault((w, v), [])
+    return channels

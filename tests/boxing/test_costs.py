@@ -3,13 +3,14 @@ constants; NCCL's partial -> split is one native reduce_scatter (run here on glo
 reduce_scatter with NCCL's constants: the same code path), and explain names the
 constants it priced with."""
 import contextlib
+import dataclasses
 
 import pytest
 import torch
 from mp import checks_in_worlds
 
 import globaltensor as gt
-from globaltensor.boxing import cost
+from globaltensor import cost
 from globaltensor.boxing import plan as boxing_plan
 from globaltensor.boxing.steps.collectives import ReduceScatter
 from globaltensor.layout import Layout
@@ -35,7 +36,10 @@ def test_cpu_is_priced_as_gloo_and_cuda_before_init_as_its_backend():
     expected = cost.NCCL if torch.distributed.is_nccl_available() and torch.cuda.device_count() \
         else cost.GLOO
     if not torch.distributed.is_initialized():
-        assert cost.costs_for("cuda") is expected
+        cuda = cost.costs_for("cuda")
+        assert dataclasses.replace(cuda, mac=expected.mac, element=expected.element) == expected
+        # a GPU's compute rates, whichever backend carries its collectives
+        assert cuda.mac < cost.GLOO.mac / 100 and cuda.element < cost.GLOO.element / 10
 
 
 def test_a_cross_device_move_goes_at_the_slower_pace(monkeypatch):

@@ -8,7 +8,7 @@ import pytest
 
 from globaltensor import sbp as S
 from globaltensor.boxing import plan as planning
-from globaltensor.boxing import transfer_price
+from globaltensor.boxing import search, transfer_price
 from globaltensor.boxing.steps import Transfer
 from globaltensor.layout import Layout
 from globaltensor.placement import Placement
@@ -21,7 +21,7 @@ def world_of_eight(monkeypatch):
 
 def fresh_search(src: Layout, dst: Layout, itemsize: int):
     """(cost, steps) of one Dijkstra search from src that stops at dst, or None."""
-    cands = planning._candidates(len(src.shape), src.sbp + dst.sbp)
+    cands = search.candidates(len(src.shape), src.sbp + dst.sbp)
     best, heap, counter = {src.sbp: 0.0}, [(0.0, 0, src.sbp, ())], 1
     while heap:
         cost, _, state, path = heapq.heappop(heap)
@@ -31,10 +31,10 @@ def fresh_search(src: Layout, dst: Layout, itemsize: int):
             continue
         for axis in range(len(state)):
             for new in cands:
-                if new == state[axis] or not planning._valid(state, axis, new):
+                if new == state[axis] or not search.valid(state, axis, new):
                     continue
                 nxt = state[:axis] + (new,) + state[axis + 1:]
-                step = planning._axis_step(Layout.make(src.shape, src.placement, state),
+                step = search.axis_step(Layout.make(src.shape, src.placement, state),
                                            Layout.make(src.shape, src.placement, nxt),
                                            axis, itemsize)
                 if step is None:

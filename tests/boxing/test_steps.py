@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from globaltensor import sbp as S
-from globaltensor.boxing import materialize, plan_boxing, simulate
+from globaltensor.boxing import materialize, plan_boxing, search, simulate
 from globaltensor.boxing import plan as planning
 from globaltensor.boxing import steps as St
 from globaltensor.boxing.simulate import scatter
@@ -34,7 +34,7 @@ def test_each_one_axis_change_has_a_step_and_the_cheapest_is_planned():
             partials = {a, b} == {S.partial_sum, S.partial_max}
             assert bool(steps) != partials, (a, b, steps)
             if steps:
-                chosen = planning._axis_step(src, dst, 0, 4)
+                chosen = search.axis_step(src, dst, 0, 4)
                 assert chosen.cost(4) == min(s.cost(4) for s in steps)
 
 

@@ -60,7 +60,7 @@ def _train_fullgraph(tensor_parallel: bool, backend: str) -> None:
     import torch.nn.functional as F
 
     import globaltensor as gt
-    from globaltensor.dispatch import step
+    from globaltensor.planner import record as step
     step.clear()
     P = gt.placement.all("cpu")
     data_sbp = gt.sbp.broadcast if tensor_parallel else gt.sbp.split(0)
@@ -483,7 +483,7 @@ def check_compiled_train_step_with_backward_equals_eager():
     import torch
 
     import globaltensor as gt
-    from globaltensor.dispatch import step
+    from globaltensor.planner import record as step
     P = gt.placement.all("cpu")
 
     def mlp():

@@ -51,8 +51,9 @@ def check_cache_and_layouts_bounded_over_many_shapes():
         assert len(cache._cache) <= 64 and len(cache._by_value) <= 64
         # The plan caches are LRU caches of fixed size; beyond them (and the decisions
         # kept) nothing holds a layout: the intern table kept one per shape ever seen.
-        from globaltensor.boxing import cost, plan
-        from globaltensor.dispatch import step
+        from globaltensor import cost
+        from globaltensor.boxing import plan
+        from globaltensor.planner import record as step
         step.clear()   # whole-step plans hold layouts too (at most step.MAX_PLANS)
         plan.clear_caches()
         cost._max_local_numel.cache_clear()

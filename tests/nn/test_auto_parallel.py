@@ -33,7 +33,7 @@ def check_auto_parallel_chooses_measured_layouts_and_trains_equal():
     import torch
 
     import globaltensor as gt
-    from globaltensor.dispatch import step
+    from globaltensor.planner import record as step
     step.clear()
     plain, x = _mlp(), _inputs()
     model = copy.deepcopy(plain)
@@ -65,7 +65,7 @@ def check_a_candidate_that_fails_is_skipped_with_a_warning_naming_it():
     import torch
 
     import globaltensor as gt
-    from globaltensor.dispatch import step
+    from globaltensor.planner import record as step
     from globaltensor.sbp import Split
     step.clear()
     plain, x = _mlp(), _inputs()
@@ -96,8 +96,8 @@ def check_memory_budget_rules_out_data_parallel_or_raises():
     import pytest
 
     import globaltensor as gt
-    from globaltensor.dispatch import step
     from globaltensor.nn.auto import _bytes_per_rank, _candidates
+    from globaltensor.planner import record as step
     P, x = gt.placement.all("cpu"), _inputs()
     plain = _mlp()
     sizes = {k: _bytes_per_rank(plain, p) for k, p in _candidates(plain, P, (x,)).items()}
@@ -117,7 +117,7 @@ def check_plan_edits_saves_loads_and_applies():
     import torch
 
     import globaltensor as gt
-    from globaltensor.dispatch import step
+    from globaltensor.planner import record as step
     P, x = gt.placement.all("cpu"), _inputs()
     plain = _mlp()
     plan = gt.nn.auto_parallel(copy.deepcopy(plain), P, (x,))
@@ -152,8 +152,8 @@ def check_two_d_placements_offer_hybrids_that_train_equal():
     import torch
 
     import globaltensor as gt
-    from globaltensor.dispatch import step
     from globaltensor.nn.auto import _candidates
+    from globaltensor.planner import record as step
     B, S0, S1 = gt.sbp.broadcast, gt.sbp.split(0), gt.sbp.split(1)
     P = gt.placement("cpu", [[0, 1], [2, 3]])
     plain = _mlp()

@@ -1,7 +1,7 @@
-"""The whole-step solver as first written (dispatch/solve.py before its fast paths:
+"""The whole-step solver as first written (planner/solve.py before its fast paths:
 plain loops, no memos, no arrays): the reference the fast one must choose exactly as
 (test_solve.py). Same names, same sums in the same order."""
-from globaltensor.dispatch.solve import MAX_SWEEPS, TRIED, Problem, fuse
+from globaltensor.planner.solve import MAX_SWEEPS, TRIED, Problem, fuse
 
 
 def solve(problem: Problem, start: list, seeds: tuple = ()) -> list:

@@ -1,9 +1,9 @@
-"""The whole-step solver (dispatch/solve.py) on small problems with known optima, and
+"""The whole-step solver (planner/solve.py) on small problems with known optima, and
 against brute force on random ones (no processes)."""
 import itertools
 import random
 
-from globaltensor.dispatch.solve import Problem, forward_dp, fuse, improve, propagate, solve, tree_dp
+from globaltensor.planner.solve import Problem, forward_dp, fuse, improve, propagate, solve, tree_dp
 
 
 def brute_force(problem: Problem) -> float:
@@ -135,7 +135,7 @@ def test_views_written_in_place_are_found_through_view_chains():
 
     import torch
 
-    from globaltensor.dispatch.step_plan import _written_views
+    from globaltensor.planner.problem import _written_views
     aten = torch.ops.aten
     call = lambda func, producers, inplace=False: NS(
         func=func, producers=producers, greedy=NS(inplace=inplace))
@@ -153,7 +153,7 @@ def test_planning_pauses_the_garbage_collector_and_restores_it(monkeypatch):
 
     import pytest
 
-    from globaltensor.dispatch import step_plan
+    from globaltensor.planner import problem as step_plan
     seen = []
 
     def plan(record, sinks, pin_grads):
@@ -200,13 +200,13 @@ def _tied_problem(rng: random.Random) -> tuple:
 
 
 def test_fast_solver_chooses_as_the_plain_one():
-    # dispatch/solve.py keeps what a node picks for the options it sees, walks chains
+    # planner/solve.py keeps what a node picks for the options it sees, walks chains
     # of one-consumer calls as cached links, sums options as arrays and in C: every
     # choice equals that of the plain loops it replaced (solve_reference.py), ties
     # included (equal sums in the same order)
     import solve_reference as plain
 
-    from globaltensor.dispatch import solve as fast
+    from globaltensor.planner import solve as fast
     rng = random.Random(5)
     for trial in range(400):
         p, start = _tied_problem(rng)

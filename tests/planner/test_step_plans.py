@@ -52,7 +52,7 @@ def _fresh():
     import copy
 
     import globaltensor as gt
-    from globaltensor.dispatch import step
+    from globaltensor.planner import record as step
     step.clear()
     P = gt.placement.all("cpu")
     plain = _block()
@@ -119,7 +119,7 @@ def check_functional_steps_are_planned_too():
     import torch
 
     import globaltensor as gt
-    from globaltensor.dispatch import step
+    from globaltensor.planner import record as step
     P, plain, model = _fresh()        # ``model``: only its parameters, as laid out
     params = {n: p.detach().requires_grad_() for n, p in model.named_parameters()}
     buffers = dict(model.named_buffers())
@@ -181,7 +181,7 @@ def _train_equal(model, plain, P, seed: int) -> tuple:
     import torch
 
     import globaltensor as gt
-    from globaltensor.dispatch import step
+    from globaltensor.planner import record as step
     torch.manual_seed(seed)
     x = torch.randn(B, T, C)
     n = step.RECORD_AT + 2
@@ -197,7 +197,7 @@ def check_planned_steps_replay_and_train_equal():
     import torch
 
     import globaltensor as gt
-    from globaltensor.dispatch import step
+    from globaltensor.planner import record as step
     P, plain, model = _fresh()
     x, sent = _train_equal(model, plain, P, seed=2)
     plan = step.state.last
@@ -229,7 +229,7 @@ def check_tied_gpt_plans_megatrons_collectives():
     from torch import nn
 
     import globaltensor as gt
-    from globaltensor.dispatch import step
+    from globaltensor.planner import record as step
     step.clear()
     V = 64
 
@@ -293,7 +293,7 @@ def check_compiled_graphs_follow_the_eager_plan():
     import torch
 
     import globaltensor as gt
-    from globaltensor.dispatch import step
+    from globaltensor.planner import record as step
 
     def collectives(planned: bool) -> list:
         P, plain, model = _fresh()
@@ -328,7 +328,7 @@ def check_compiled_graphs_plan_their_own_trace():
     import torch
 
     import globaltensor as gt
-    from globaltensor.dispatch import step
+    from globaltensor.planner import record as step
 
     P, plain, model = _fresh()
     graphs = []
@@ -372,7 +372,7 @@ def check_changed_program_falls_back_and_stays_right():
     import torch
 
     import globaltensor as gt
-    from globaltensor.dispatch import step
+    from globaltensor.planner import record as step
     P, plain, model = _fresh()
     torch.manual_seed(3)
     xs = [torch.randn(B, T, C) for _ in range(2)]
@@ -405,7 +405,7 @@ def check_writes_into_views_stay_right_when_planned():
     import torch
 
     import globaltensor as gt
-    from globaltensor.dispatch import step
+    from globaltensor.planner import record as step
     step.clear()
     P = gt.placement.all("cpu")
     plain = _block()
@@ -430,7 +430,7 @@ def check_shapes_changing_every_step_are_never_recorded():
     import torch
 
     import globaltensor as gt
-    from globaltensor.dispatch import step
+    from globaltensor.planner import record as step
     step.clear()
     P = gt.placement.all("cpu")
     model = gt.nn.to_global(copy.deepcopy(_block()), P, _megatron)
@@ -446,7 +446,7 @@ def check_explain_step_reports_choices():
     import torch
 
     import globaltensor as gt
-    from globaltensor.dispatch import step
+    from globaltensor.planner import record as step
     step.clear()
     P = gt.placement.all("cpu")
     model = gt.nn.to_global(copy.deepcopy(_block()), P, _megatron)
@@ -483,7 +483,7 @@ def check_data_parallel_loss_is_reduced_where_it_is_made():
     import torch.nn.functional as F
 
     import globaltensor as gt
-    from globaltensor.dispatch import step
+    from globaltensor.planner import record as step
     step.clear()
     P = gt.placement.all("cpu")
     torch.manual_seed(0)
@@ -525,7 +525,7 @@ def check_pinned_steps_replay_to_their_end():
     # The plan prices the pins (to_global in forward hooks) and sees through their
     # backward: unseen, it chose layouts that made the pins move more, and sent 4612 B
     # per step where Megatron's layout sends 4096
-    from globaltensor.dispatch import step
+    from globaltensor.planner import record as step
     P, plain, model = _fresh()
     _, sent = _train_equal(_pin_stream(model), plain, P, seed=3)
     plan = step.state.last
@@ -544,7 +544,7 @@ def check_a_variant_compiled_later_plans_its_own_graph():
     import torch
 
     import globaltensor as gt
-    from globaltensor.dispatch import step
+    from globaltensor.planner import record as step
 
     P, plain, model = _fresh()
     g = torch.Generator().manual_seed(8)

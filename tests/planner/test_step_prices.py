@@ -1,4 +1,4 @@
-"""Step planning's prices (dispatch/step_plan.py) are made once and shared (a layer's
+"""Step planning's prices (planner/problem.py) are made once and shared (a layer's
 calls price like the layer before), priced with ``route_cost`` instead of plans: the
 problem equals the one priced pair by pair with ``plan_route`` (no processes)."""
 import itertools
@@ -10,9 +10,9 @@ import torch
 
 from globaltensor import sbp as S
 from globaltensor.boxing import plan as planning
-from globaltensor.dispatch.step_plan import Node, _compute_seconds, _problem
 from globaltensor.layout import Layout
 from globaltensor.placement import Placement
+from globaltensor.planner.problem import Node, _compute_seconds, _problem
 
 aten = torch.ops.aten
 

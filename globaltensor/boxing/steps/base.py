@@ -2,7 +2,7 @@
 
 A step is a frozen value (its layouts and parameters) that knows, in one class: which
 change of layout it serves (``for_axis`` for per-axis steps), what it costs
-(``cost``, the alpha-beta model of ``boxing/cost.py``), how it runs on this rank
+(``cost``, the alpha-beta model of ``cost.py``), how it runs on this rank
 (``start`` returns a ``Handle``; ``wait()`` gives the local tensor) and how it runs on
 every rank's tensor in one process (``simulate``, the reference model). A concrete
 class that leaves any of them abstract fails when it is defined, and every concrete
@@ -16,8 +16,8 @@ from typing import Callable, ClassVar
 
 import torch
 
+from ...cost import Costs, costs_of, max_local_bytes
 from ...layout import Layout, balanced_split
-from ..cost import Costs, costs_of, max_local_bytes
 from .registry import register
 
 Locals = dict  # rank -> torch.Tensor, the simulator's per-rank tensors
@@ -86,7 +86,7 @@ class Step:
 
     @property
     def costs(self) -> Costs:
-        """The constants of the backend that runs this step (``boxing/cost.py``)."""
+        """The constants of the backend that runs this step (``cost.py``)."""
         return costs_of(self.src, self.dst)
 
     @abstractmethod

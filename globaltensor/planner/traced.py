@@ -6,7 +6,7 @@ then AOTAutograd's metadata pass and its trace of forward and backward (one make
 session, the graph that is compiled). A call that begins a planned step (the newest
 plan whose first call it is: made eagerly, by ``explain_step``, or from an earlier
 trace of the graph) starts replaying that plan, and the calls that follow take their
-planned decisions as in eager mode (``step.py``). A graph whose trace begins with no
+planned decisions as in eager mode (``record.py``). A graph whose trace begins with no
 plan is recorded (``Trace``) and planned at its next guard check (``plan_traces``);
 a plan at least ``MIN_GAIN`` cheaper than the traced per-op choice is kept and the
 graph recorded then traces again (``retrace.py``), replaying it. Each graph (by its first
@@ -33,10 +33,10 @@ import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from .. import retrace
+from ..dispatch.cache import cached_decision, key_of_call
 from ..tensor import GlobalTensor
-from . import step
-from .cache import cached_decision, key_of_call
-from .step_plan import plan_step
+from . import record
+from .problem import plan_step
 
 log = logging.getLogger("globaltensor")
 
@@ -50,9 +50,9 @@ class Trace:
     serial: int
     mark: int = field(default_factory=retrace.new_trace)   # what its guards save
     record: list = field(default_factory=list)
-    pin_grads: list = field(default_factory=list)   # step_plan's pin_grads
+    pin_grads: list = field(default_factory=list)   # problem.plan_step's pin_grads
     backward: set = field(default_factory=set)   # the calls made in backward
-    sinks: list = field(default_factory=list)    # step_plan's sinks: gradients of inputs
+    sinks: list = field(default_factory=list)    # problem.plan_step's sinks: gradients of inputs
     watched: set = field(default_factory=set)    # ids of the inputs given a hook
 
     def watch_inputs(self, leaves: list) -> None:
@@ -75,14 +75,14 @@ class Trace:
 
 def decision(func, leaves: list, spec) -> tuple:
     """A call while torch.compile traces: (its decision, the node recording it or None)."""
-    state = step.state
+    state = record.state
     session = get_proxy_mode()   # make_fx's: AOTAutograd traces the graph it compiles
     fresh = session is not None and (state.session is None or state.session() is not session)
     if fresh:   # a graph's trace begins: it replays a plan from its first call, or none
         state.session, state.trace, state.traced = weakref.ref(session), None, None
         state.follows, state.traced_misses = None, 0
         retrace.trace_begins(0)
-    if state.hold and state.mode == "idle":   # inside step.paused(): op by op
+    if state.hold and state.mode == "idle":   # inside record.paused(): op by op
         return cached_decision(func, leaves, spec), None
     key = key_of_call(func, leaves, spec)
     found = _follow(func, leaves, spec, key)
@@ -90,7 +90,7 @@ def decision(func, leaves: list, spec) -> tuple:
         state.traced_misses = 0
     elif state.follows is not None:
         state.traced_misses += 1
-        if state.traced_misses > step.MAX_MISSES:
+        if state.traced_misses > record.MAX_MISSES:
             _diverged()
     again = key is not None and key in state.record_next   # recorded afresh
     if again:
@@ -110,8 +110,8 @@ def decision(func, leaves: list, spec) -> tuple:
     if found is not None:
         return found, None
     greedy = cached_decision(func, leaves, spec)
-    if fresh and step.ENABLED and key is not None and state.mode != "recording" and (
-            again or key not in state.traced_firsts and len(state.traced_firsts) < step.MAX_KEYS):
+    if fresh and record.ENABLED and key is not None and state.mode != "recording" and (
+            again or key not in state.traced_firsts and len(state.traced_firsts) < record.MAX_KEYS):
         state.record_next.discard(key)
         (state.rerecorded if again else state.traced_firsts).add(key)
         state.serial += 1
@@ -124,7 +124,7 @@ def decision(func, leaves: list, spec) -> tuple:
         return greedy, None
     if torch._C._current_graph_task_id() == -1:
         trace.watch_inputs(leaves)
-    node = step.record_call(func, leaves, spec, greedy, trace.record, trace.serial)
+    node = record.record_call(func, leaves, spec, greedy, trace.record, trace.serial)
     if not trace.record:   # too long (``step.MAX_CALLS``): this graph is not planned
         state.trace = None
         state.pending.remove(trace)
@@ -138,7 +138,7 @@ def plan_traces() -> None:
     """Plan the graphs recorded while torch.compile traced them (at a guard check, when
     their traces have ended). A plan cheaper than the traced per-op choice is kept, and
     its graph traces again (``retrace.py``) and replays it."""
-    state = step.state
+    state = record.state
     pending, state.pending, state.trace = state.pending, [], None
     better, state.diverged = state.diverged, set()
     for trace in pending:
@@ -153,7 +153,7 @@ def plan_traces() -> None:
         plan.problem = None
         if plan.planned_cost < (1 - MIN_GAIN) * plan.per_op_cost:
             state.plans.pop((0, plan.first_key), None)   # (re)inserted as the newest
-            if len(state.plans) >= step.MAX_PLANS:
+            if len(state.plans) >= record.MAX_PLANS:
                 state.plans.pop(next(iter(state.plans)))
             state.plans[0, plan.first_key] = plan   # owner 0: replayed by traces only
             state.last = plan
@@ -184,7 +184,7 @@ def _diverged() -> None:
     call is the same (a variant of a step with a layout pinned, an evaluation step).
     Its trace goes on op by op; the graph traces again once, recorded from its first
     call on and followed by no plan, so that it is planned on its own."""
-    state = step.state
+    state = record.state
     key, mark = state.follows
     state.follows = None
     if key not in state.rerecorded and key not in state.record_next:
@@ -195,17 +195,17 @@ def _diverged() -> None:
 
 def recording() -> "Trace | None":
     """The trace being recorded now, if any."""
-    return step.state.trace if get_proxy_mode() is not None else None
+    return record.state.trace if get_proxy_mode() is not None else None
 
 
 def _follow(func, leaves: list, spec, key):
     """The planned decision when this call goes on the plan being replayed, else None."""
-    traced = step.state.traced
+    traced = record.state.traced
     if traced is None:
         return None
     plan, cursor = traced
-    for ahead in range(cursor, min(cursor + step.LOOKAHEAD, len(plan.nodes))):
-        found = step.replayed(plan.nodes[ahead], func, leaves, spec, key)
+    for ahead in range(cursor, min(cursor + record.LOOKAHEAD, len(plan.nodes))):
+        found = record.replayed(plan.nodes[ahead], func, leaves, spec, key)
         if found is not None:
             traced[1] = ahead + 1
             return found

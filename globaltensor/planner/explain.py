@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..comm import stats
-from . import step
+from . import record
 
 
 @dataclass(frozen=True)
@@ -65,15 +65,15 @@ def explain_step(fn, *args, **kwargs) -> StepReport:
     >>> print(report.per_op_cost, report.planned_cost)
     """
     counter = stats.CommCounter()
-    step.start_recording(fn)
+    record.start_recording(fn)
     stats.push(counter)
-    step.state.sent = counter
+    record.state.sent = counter
     try:
         result = fn(*args, **kwargs)
     finally:
         stats.pop(counter)
-        step.state.sent = None
-        plan = step.finish_recording()
+        record.state.sent = None
+        plan = record.finish_recording()
     if plan is None:
         return StepReport((), 0.0, 0.0, 0.0, result)
     problem = plan.problem

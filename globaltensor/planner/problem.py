@@ -1,6 +1,6 @@
 """A recorded step as a min-sum problem, and the plan its solution gives.
 
-``plan_step`` turns the calls ``step.py`` recorded into a ``solve.Problem``: per call,
+``plan_step`` turns the calls ``record.py`` recorded into a ``solve.Problem``: per call,
 a unary cost per option (boxing the operands made before the step, and compute:
 multiply-adds for matrix products, elements written otherwise, so duplicated work is
 not free), and per producer/consumer pair a matrix of boxing costs (``plan_route``'s
@@ -18,22 +18,13 @@ import gc
 import math
 from dataclasses import dataclass, field
 
-from ..boxing.cost import costs_of, max_local_bytes
 from ..boxing.plan import forget_searches, route_cost
+from ..cost import GLOO, costs_of, max_local_bytes
+from ..dispatch.decide import Decision, Options, _reduced_scalars
 from ..sbp import Broadcast, Partial
 from . import solve
-from .decide import Decision, Options, _reduced_scalars
 
-# Compute is priced too, so that duplicated work (a weight gathered and the whole
-# product computed on every rank) is not free: seconds per multiply-add of a matrix
-# product (one CPU core with MKL: 45-48 GMAC/s measured here for 256 x 128 x 512) and
-# per element any other op writes (1.5 G/s for a softmax, 8 G/s for an add).
-SECONDS_PER_MAC = 1 / 40e9
-SECONDS_PER_ELEMENT = 1 / 1e9
 _PRODUCTS = {"mm": 0, "bmm": 0, "addmm": 1, "baddbmm": 1}
-# A parameter moved for an op has its gradient moved back in backward, which the
-# record does not show (gradients reach ``.grad`` outside dispatch).
-PARAMETER_WEIGHT = 2.0
 _INFEASIBLE = 1e9
 
 
@@ -164,17 +155,20 @@ def _with_bucket_launch(problem: solve.Problem, bucketed: dict, launch: float):
 
 
 def _compute_seconds(func, targets: tuple, outs: tuple) -> float:
-    """The slowest rank's compute for one signature (see SECONDS_PER_MAC). A view
-    writes nothing: priced by its elements, a chain of views on a split tensor would
-    look cheaper than the same chain on a broadcast one."""
+    """The slowest rank's compute for one signature (``cost.Costs.mac`` and
+    ``element``: duplicated work is not free). A view writes nothing: priced by its
+    elements, a chain of views on a split tensor would look cheaper than the same chain
+    on a broadcast one."""
     if _writes_nothing(func):
         return 0.0
+    layouts = [t for t in (*targets, *outs) if t is not None]
+    rates = costs_of(*layouts) if layouts else GLOO
     first = _PRODUCTS.get(func.overloadpacket.__name__)
     if first is not None and len(targets) >= first + 2:
         a, b = targets[first], targets[first + 1]
-        return SECONDS_PER_MAC * max(math.prod(a.local_shape(r)) * b.local_shape(r)[-1]
-                                     for r in a.placement)
-    return SECONDS_PER_ELEMENT * sum(max_local_bytes(o, 1) for o in outs if o is not None)
+        return rates.mac * max(math.prod(a.local_shape(r)) * b.local_shape(r)[-1]
+                               for r in a.placement)
+    return rates.element * sum(max_local_bytes(o, 1) for o in outs if o is not None)
 
 
 def _returns_view(func) -> bool:

@@ -5,8 +5,8 @@ the first steps may differ, optimizer state is made lazily, and planning pays of
 a run, not a few steps), every call is decided op by op (``decide.py``) and recorded: every signature its rule allows
 (``decide.options``) and which earlier call of the step made each operand (outputs
 carry ``_origin``). At the next step boundary the record becomes a min-sum problem
-(``step_plan.py``, ``solve.py``: options priced by the boxing between them, with the
-alpha-beta model of ``boxing/cost.py``; tensors made before the step, parameters among them, keep their
+(``problem.py``, ``solve.py``: options priced by the boxing between them, with the
+alpha-beta model of ``cost.py``; tensors made before the step, parameters among them, keep their
 layouts, as do the layouts ``to_global`` pins) and the cheapest choice is kept as a
 plan, keyed by the step's first call. A later step whose first call matches replays
 it: call i takes its planned decision when its op, arguments and operand layouts are
@@ -37,11 +37,12 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from .. import env, gradsync, retrace
+from ..cost import PARAMETER_WEIGHT
+from ..dispatch.cache import cached_decision, key_of_call
+from ..dispatch.decide import Decision, options
 from ..sbp import StridedSplit
 from ..tensor import GlobalTensor
-from .cache import cached_decision, key_of_call
-from .decide import Decision, options
-from .step_plan import PARAMETER_WEIGHT, Node, StepPlan, plan_step
+from .problem import Node, StepPlan, plan_step
 
 log = logging.getLogger("globaltensor")
 
@@ -59,8 +60,8 @@ MAX_CALLS = 20000   # a recording longer than this is dropped
 class _State:
     mode: str = "idle"         # "armed" | "recording" | "replaying" | "idle"
     record: list = field(default_factory=list)
-    sinks: list = field(default_factory=list)   # step_plan.plan_step's sinks
-    pin_grads: list = field(default_factory=list)   # step_plan.plan_step's pin_grads
+    sinks: list = field(default_factory=list)   # problem.plan_step's sinks
+    pin_grads: list = field(default_factory=list)   # problem.plan_step's pin_grads
     serial: int = 0            # tells this recording's outputs from older ones
     plan: "StepPlan | None" = None
     cursor: int = 0

@@ -5,7 +5,7 @@ A user's ``to_global`` in a step (Megatron's layout annotated on an activation, 
 it as recorded. While a step (or a compiled graph's trace) is recorded:
 
 - a ``to_global`` that moves something charges its boxing to the call that made its
-  input (a "pin" sink of ``step_plan``). Its backward boxes the gradient into the
+  input (a "pin" sink of ``problem.plan_step``). Its backward boxes the gradient into the
   input's layout, partial axes broadcast, which the plan chooses with the input's
   call: the calls after it in backward take the gradient as made by that call
   "through the pin", and the boxing there is priced between that call and the
@@ -21,28 +21,28 @@ from __future__ import annotations
 
 from .. import comm
 from ..tensor import GlobalTensor, install_pin_watch
-from . import step, traced
+from . import record, traced
 
 
-def note_pin(x: GlobalTensor, dst, record: list, serial: int, sinks: list):
-    """A ``to_global`` of ``x`` to ``dst`` in ``record`` (made with ``serial``) that moves
+def note_pin(x: GlobalTensor, dst, calls: list, serial: int, sinks: list):
+    """A ``to_global`` of ``x`` to ``dst`` in ``calls`` (made with ``serial``) that moves
     something. Returns the link its backward hands to ``note_pin_gradient`` (None:
     ``x`` was made elsewhere, and its gradient's layout is fixed)."""
-    origin = step.recorded_origin(x, record, serial)
+    origin = record.recorded_origin(x, calls, serial)
     if origin is None or len(origin) > 3:
         return None
     sinks.append((origin[1], origin[2], dst, x.element_size(), "pin"))
     return origin[1], origin[2], dst
 
 
-def note_pin_gradient(out: GlobalTensor, grad, link: tuple, record: list, serial: int,
+def note_pin_gradient(out: GlobalTensor, grad, link: tuple, calls: list, serial: int,
                       pin_grads: list) -> GlobalTensor:
     """The backward of a ``to_global`` noted by ``note_pin``: ``grad`` was boxed into
     ``out``. Returns ``out``, a new tensor marked as made through the pin."""
     if not isinstance(grad, GlobalTensor):
         return out
     u, k, dst = link
-    origin = step.recorded_origin(grad, record, serial)
+    origin = record.recorded_origin(grad, calls, serial)
     made_by = origin[1:3] if origin is not None and len(origin) == 3 else None
     pin_grads.append((u, k, made_by, grad._layout, grad.element_size(), dst))
     if out is grad:   # (its strides kept: they are part of what the next calls expect)
@@ -53,9 +53,9 @@ def note_pin_gradient(out: GlobalTensor, grad, link: tuple, record: list, serial
     return out
 
 
-def note_unmoved(x: GlobalTensor, dst, record: list, serial: int, sinks: list) -> None:
+def note_unmoved(x: GlobalTensor, dst, calls: list, serial: int, sinks: list) -> None:
     """A ``to_global`` of ``x`` that moves nothing: the call that made ``x`` keeps ``dst``."""
-    origin = step.recorded_origin(x, record, serial)
+    origin = record.recorded_origin(x, calls, serial)
     if origin is not None and len(origin) == 3:
         sinks.append((origin[1], origin[2], dst, x.element_size(), "held"))
 
@@ -66,7 +66,7 @@ def _recording_now():
         trace = traced.recording()
         return None if trace is None else (trace.record, trace.serial, trace.sinks,
                                            trace.pin_grads)
-    state = step.state
+    state = record.state
     if state.mode != "recording":
         return None
     return state.record, state.serial, state.sinks, state.pin_grads
