@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Sequence, Union
 
 __all__ = ["SbpParallel", "Split", "StridedSplit", "Broadcast", "Partial", "split", "broadcast",
-           "partial_sum", "partial_max", "normalize"]
+           "partial_sum", "partial_max", "normalize", "candidates"]
 
 
 class SbpParallel:
@@ -103,6 +103,27 @@ partial_sum = Partial("sum")
 partial_max = Partial("max")
 
 SbpLike = Union[SbpParallel, Sequence[SbpParallel]]
+
+
+def candidates(ndim: int, partials: Sequence[Partial] = ()) -> list:
+    """The sbp a tensor of ``ndim`` dims may take on one placement axis: broadcast, the
+    ``partials`` asked for (in their order), then ``split(0)`` ... ``split(ndim - 1)``.
+    Rules list their signatures in this order and dispatch breaks cost ties by it, so
+    the order is part of the answer.
+
+    >>> candidates(2)
+    [broadcast, split(dim=0), split(dim=1)]
+    >>> candidates(1, partials=(partial_sum, partial_max))
+    [broadcast, partial_sum, partial_max, split(dim=0)]
+    """
+    ndim = _int("candidates ndim", ndim)
+    if ndim < 0:
+        raise ValueError(f"candidates ndim must be >= 0, got {ndim}")
+    for p in partials:
+        if not isinstance(p, Partial):
+            raise ValueError(f"candidates partials must be partial sbps (partial_sum, "
+                             f"partial_max), got {p!r}")
+    return [broadcast, *partials, *(Split(d) for d in range(ndim))]
 
 
 def normalize(sbp: SbpLike, placement_ndim: int, tensor_ndim: int) -> tuple:

@@ -11,6 +11,7 @@ A leaf of the dispatcher: the rules import it, so it imports nothing of globalte
 from __future__ import annotations
 
 import itertools
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -59,7 +60,7 @@ class Call:
     out_shapes: list      # global shapes of the tensor outputs
     leaves: list          # every flattened argument (tensors and constants)
     spec: object          # pytree spec to rebuild (args, kwargs) from leaves
-    mesh: tuple           # the placement's hierarchy shape
+    axis_sizes: tuple     # ranks per placement axis (``Placement.shape``): (2, 4) on a 2x4 mesh
     # Block counts of strided splits that the step planner has seen in this step: its
     # options also offer operands strided so, where the operands do not hold it now.
     strided_blocks: tuple = ()
@@ -67,6 +68,14 @@ class Call:
     # dispatch cache key, so the local implementations of one cached decision can reuse
     # them; a schema walk per lookup would cost more than the op.
     _named: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @property
+    def mesh(self) -> tuple:
+        """Deprecated name of ``axis_sizes`` (it held no mesh, only its shape); kept for
+        one release because ``Call`` is exported from ``globaltensor.dispatch``."""
+        warnings.warn("Call.mesh is deprecated: use Call.axis_sizes (ranks per placement axis)",
+                      DeprecationWarning, stacklevel=2)
+        return self.axis_sizes
 
     @property
     def args_kwargs(self):

@@ -256,7 +256,7 @@ def _same_outs(layouts: tuple, decision: Decision) -> bool:
 def _combinations(call: Call, rule, n_in: int, n_out: int, strided_ok: bool = False):
     """Every combination of the rule's 1-D signatures over the placement's axes, as
     (per input: its nd-sbp, per tensor output: its nd-sbp)."""
-    per_axis = [rule(call, axis) for axis in range(len(call.mesh))]
+    per_axis = [rule(call, axis) if rule.per_axis else rule(call) for axis in range(len(call.axis_sizes))]
     if strided_ok:
         per_axis = [_with_strided(call, axis, cands) for axis, cands in enumerate(per_axis)]
     for combo in itertools.product(*per_axis):

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from ..sbp import Split, broadcast, partial_sum
+from ._dims import normalize_dim
 from .registry import register
-from .view import _norm
 
 aten = torch.ops.aten
 B = broadcast
@@ -29,40 +29,40 @@ def _split_elsewhere(call, n_in: int, n_out: int, busy: set, moved=lambda d: d):
 
 @register(aten.cumsum, aten.cumprod, aten.logcumsumexp, aten.cummax, aten.cummin,
           aten.sort, aten.argsort, aten.topk)
-def along_dim_rule(call, axis):
+def along_dim_rule(call):
     ndim = len(call.in_shapes[0])
-    return _split_elsewhere(call, 1, len(call.out_shapes), {_norm(call.arg("dim", -1), ndim)})
+    return _split_elsewhere(call, 1, len(call.out_shapes), {normalize_dim(call.arg("dim", -1), ndim)})
 
 
 @register(aten.kthvalue, aten.median.dim, aten.nanmedian.dim, aten.mode)
-def kthvalue_rule(call, axis):
+def kthvalue_rule(call):
     ndim = len(call.in_shapes[0])
-    dim = _norm(call.arg("dim", -1), ndim)
+    dim = normalize_dim(call.arg("dim", -1), ndim)
     drop = not call.arg("keepdim", False)
     return _split_elsewhere(call, 1, 2, {dim}, lambda d: d - (drop and d > dim))
 
 
 @register(aten.flip)
-def flip_rule(call, axis):
+def flip_rule(call):
     ndim = len(call.in_shapes[0])
-    return _split_elsewhere(call, 1, 1, {_norm(d, ndim) for d in call.arg("dims")})
+    return _split_elsewhere(call, 1, 1, {normalize_dim(d, ndim) for d in call.arg("dims")})
 
 
 @register(aten.roll)
-def roll_rule(call, axis):
+def roll_rule(call):
     ndim = len(call.in_shapes[0])
     dims = call.arg("dims")
     if not dims:  # rolls the flattened tensor: every dim is involved
         return [((B,), (B,))]
-    return _split_elsewhere(call, 1, 1, {_norm(d, ndim) for d in dims})
+    return _split_elsewhere(call, 1, 1, {normalize_dim(d, ndim) for d in dims})
 
 
 @register(aten.gather, aten.scatter, aten.scatter_add)
-def gather_scatter_rule(call, axis):
+def gather_scatter_rule(call):
     # gather(self, dim, index); scatter(self, dim, index, src | value). Index and src may
     # be smaller than self on other dims: a split there only lines up when the sizes match.
     ndim = len(call.in_shapes[0])
-    dim = _norm(call.arg("dim"), ndim)
+    dim = normalize_dim(call.arg("dim"), ndim)
     n_in = len(call.inputs)
     shape = call.in_shapes[0]
     busy = {dim} | {d for d in range(ndim)
@@ -71,7 +71,7 @@ def gather_scatter_rule(call, axis):
 
 
 @register(aten.tril, aten.triu)
-def triangle_rule(call, axis):
+def triangle_rule(call):
     # Every split carries over; a part keeps the elements the whole would keep at the
     # part's global position (see _triangle_local). Zeros keep a partial sum.
     return _split_elsewhere(call, 1, 1, set()) + [((partial_sum,), (partial_sum,))]

@@ -52,7 +52,7 @@ def _out_sbp(call, shape, q_shape, d):
     return _sbp_of(shape, q_shape, d) or B
 
 
-def attention_rule(call, axis):
+def attention_rule(call):
     n_in, n_out = len(call.inputs), len(call.out_shapes)
     cands = [((B,) * n_in, (B,) * n_out)]
     if call.arg("dropout_p", 0.0) != 0.0:

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import torch
 
-from ..sbp import Split, broadcast, partial_sum
+from ..sbp import candidates, partial_sum
 from .registry import register
 
 aten = torch.ops.aten
-B, P = broadcast, partial_sum
 
 
-def _elementwise(call, axis):
-    ndim = len(call.in_shapes[0])
-    return [((B,), (B,)), ((P,), (P,))] + [((Split(d),), (Split(d),)) for d in range(ndim)]
+def _elementwise(call):
+    """Every dim keeps its split; conjugation and negation are linear over the reals,
+    so partial sums pass through."""
+    return [((s,), (s,)) for s in candidates(len(call.in_shapes[0]), partials=(partial_sum,))]
 
 
 def _conj_local(ctx, x):
@@ -35,18 +35,15 @@ register(aten._neg_view, local=_neg_local)(_elementwise)
 
 
 @register(aten.view_as_real)
-def view_as_real_rule(call, axis):
+def view_as_real_rule(call):
     """(...) complex -> (..., 2) real: every dim keeps its split."""
-    ndim = len(call.in_shapes[0])
-    return [((B,), (B,)), ((P,), (P,))] + [((Split(d),), (Split(d),)) for d in range(ndim)]
+    return _elementwise(call)
 
 
 @register(aten.view_as_complex)
-def view_as_complex_rule(call, axis):
+def view_as_complex_rule(call):
     """(..., 2) real -> (...) complex: every dim but the pair keeps its split."""
-    ndim = len(call.in_shapes[0])
-    return [((B,), (B,)), ((P,), (P,))] + [((Split(d),), (Split(d),))
-                                           for d in range(ndim - 1)]
+    return [((s,), (s,)) for s in candidates(len(call.in_shapes[0]) - 1, partials=(partial_sum,))]
 
 
 def _view_as_complex_local(ctx, x):

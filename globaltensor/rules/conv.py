@@ -17,7 +17,7 @@ B, P = broadcast, partial_sum
 
 
 @register(aten.convolution)
-def convolution_rule(call, axis):
+def convolution_rule(call):
     """(input, weight, bias?) -> out."""
     bias = (B,) * (len(call.inputs) - 2)
     cands = [((B, B) + bias, (B,)), ((Split(0), B) + bias, (Split(0),))]
@@ -27,7 +27,7 @@ def convolution_rule(call, axis):
 
 
 @register(aten.convolution_backward)
-def convolution_backward_rule(call, axis):
+def convolution_backward_rule(call):
     """(grad, input, weight) -> (grad_input?, grad_weight?, grad_bias?)."""
     mask = call.arg("output_mask")
     pick = lambda outs: tuple(o for o, keep in zip(outs, mask) if keep)  # noqa: E731
@@ -39,19 +39,19 @@ def convolution_backward_rule(call, axis):
 
 
 @register(aten.max_pool2d_with_indices, aten.max_pool3d_with_indices)
-def max_pool_rule(call, axis):
+def max_pool_rule(call):
     return [((s,), (s, s)) for s in (B, Split(0), Split(1))]
 
 
 @register(aten.max_pool2d_with_indices_backward, aten.max_pool3d_with_indices_backward)
-def max_pool_backward_rule(call, axis):
+def max_pool_backward_rule(call):
     return [((s, s, s), (s,)) for s in (B, Split(0), Split(1))] + \
         [((P, B, B), (P,))]
 
 
 @register(aten.avg_pool2d, aten.avg_pool3d, aten._adaptive_avg_pool2d,
           aten._adaptive_avg_pool3d, aten.adaptive_max_pool2d)
-def pool_rule(call, axis):
+def pool_rule(call):
     n_out = len(call.out_shapes)
     cands = [((s,), (s,) * n_out) for s in (B, Split(0), Split(1))]
     if call.func.overloadpacket is not aten.adaptive_max_pool2d:
@@ -62,7 +62,7 @@ def pool_rule(call, axis):
 @register(aten.avg_pool2d_backward, aten.avg_pool3d_backward,
           aten._adaptive_avg_pool2d_backward, aten._adaptive_avg_pool3d_backward,
           aten.adaptive_max_pool2d_backward)
-def pool_backward_rule(call, axis):
+def pool_backward_rule(call):
     n_in = len(call.inputs)
     cands = [((s,) * n_in, (s,)) for s in (B, Split(0), Split(1))]
     if call.func.overloadpacket is not aten.adaptive_max_pool2d_backward:

@@ -120,14 +120,14 @@ def index_with_mask(x, indices):
 
 
 @register(aten.masked_scatter)
-def masked_scatter_rule(call, axis):
+def masked_scatter_rule(call):
     """The backward of ``masked_select``: its source's elements go to the mask's places in
     order, so which element lands where depends on the whole mask: broadcast only."""
     return [((broadcast,) * len(call.inputs), (broadcast,))]
 
 
 @register(aten.index_put, aten.index_put_, aten._index_put_impl_)
-def index_put_rule(call, axis):
+def index_put_rule(call):
     """``x[mask] = v``: broadcast; and, for one mask over ``x``'s leading dims and a
     scalar ``v``, any split of ``x`` (the mask split alike over the dims it covers)."""
     cands = [((broadcast,) * len(call.inputs), (broadcast,))]

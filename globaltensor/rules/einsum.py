@@ -8,7 +8,8 @@ on 2 ranks) cannot stay a split, so "bhqd,bhkd->bhqk" over split heads made part
 all-reduced them and ran all-to-alls and an all-gather in backward. Here an einsum of
 two GlobalTensors runs as one op, ``globaltensor::einsum_pair``, whose rule reads the
 equation (more operands contract left to right in pairs, as torch's einsum does
-without opt_einsum). Per placement axis, with each operand's subscripts:
+without opt_einsum). Per placement axis, with each operand's subscripts
+(``pair_signatures``, which the matmul rules share):
 
 - everything broadcast -> broadcast;
 - a letter split: each operand that holds the letter whole (not as a size-1 dim it
@@ -112,22 +113,47 @@ def _letter_sizes(subscripts, shapes) -> dict:
     return sizes
 
 
-@register(einsum_pair)
-def einsum_rule(call, axis):
-    eq = _parsed(call.arg("equation"))
-    operands = (call.arg("left"), call.arg("right"))
-    shapes = [tuple(t.shape) for t in operands]
-    sizes = _letter_sizes(eq.inputs, shapes)
-    cands = [(B, B, B)]
-    for c, size in sizes.items():
-        ins = [Split(sub.index(c)) if c in sub and shape[sub.index(c)] == size else B
-               for sub, shape in zip(eq.inputs, shapes)]
-        cands.append((*ins, Split(eq.output.index(c)) if c in eq.output else P))
-    cands += [(P, B, P), (B, P, P)]
-    # a plain operand (of one element) is whole on every rank: it has no sbp to list
+@functools.lru_cache(maxsize=1024)
+def pair_signatures(equation: str, shapes: tuple) -> tuple:
+    """The (left sbp, right sbp, output sbp) of one placement axis for the einsum of
+    two operands of ``shapes`` (``equation`` written out: no ellipsis, an output), in
+    matmul's order: everything broadcast; a split of each output letter one operand
+    holds (a product's rows, then its columns); of each summed letter; one operand
+    partial; a split of each output letter both operands hold (a batch). The matmul
+    rules take theirs from here (``matmul.py``), and dispatch breaks cost ties by this
+    order, so an einsum and the product it spells choose alike.
+
+    >>> pair_signatures("mk,kn->mn", ((4, 3), (3, 2)))[:4]   # doctest: +NORMALIZE_WHITESPACE
+    ((broadcast, broadcast, broadcast), (split(dim=0), broadcast, split(dim=0)),
+     (broadcast, split(dim=1), split(dim=1)), (split(dim=1), split(dim=0), partial_sum))
+    """
+    eq = _parsed(equation)
+    free, summed, batch = [], [], []
+    for c, size in _letter_sizes(eq.inputs, shapes).items():
+        # an operand that has the letter as a size-1 dim broadcasts it: it stays whole
+        ins = tuple(Split(sub.index(c)) if c in sub and shape[sub.index(c)] == size else B
+                    for sub, shape in zip(eq.inputs, shapes))
+        if c not in eq.output:
+            summed.append((*ins, P))
+        else:
+            (free if B in ins else batch).append((*ins, Split(eq.output.index(c))))
+    return ((B, B, B), *free, *summed, (P, B, P), (B, P, P), *batch)
+
+
+def pair_rule(equation: str, left, right) -> list:
+    """The rule's ``(input sbps, output sbps)`` for the einsum of ``left`` and
+    ``right``: ``pair_signatures``, with an sbp for each GlobalTensor operand only (a
+    plain operand, of one element, is whole on every rank: it cannot be partial)."""
+    operands = (left, right)
+    cands = pair_signatures(equation, tuple(tuple(t.shape) for t in operands))
     held = [k for k, t in enumerate(operands) if isinstance(t, GlobalTensor)]
     return [(tuple(c[k] for k in held), (c[2],)) for c in cands
             if all(c[k] != P or k in held for k in range(2))]
+
+
+@register(einsum_pair)
+def einsum_rule(call):
+    return pair_rule(call.arg("equation"), call.arg("left"), call.arg("right"))
 
 
 class _EinsumPair(torch.autograd.Function):

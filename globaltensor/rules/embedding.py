@@ -21,7 +21,7 @@ B, P = broadcast, partial_sum
 
 
 @register(aten.embedding)
-def embedding_rule(call, axis):
+def embedding_rule(call):
     """(weight, indices) -> out (indices.shape + (dim,))."""
     idx_ndim = len(call.in_shapes[1])
     cands = [((B, B), (B,)), ((Split(0), B), (P,)), ((Split(1), B), (Split(idx_ndim),)),
@@ -63,7 +63,7 @@ def embedding_checks_indices(weight, indices, *args, **kwargs):
 
 
 @register(aten.embedding_dense_backward)
-def embedding_backward_rule(call, axis):
+def embedding_backward_rule(call):
     """(grad, indices) -> grad_weight (num_weights, dim)."""
     idx_ndim = len(call.in_shapes[1])
     cands = [((B, B), (B,)), ((Split(idx_ndim), B), (Split(1),)), ((P, B), (P,))]

@@ -14,7 +14,7 @@ import zlib
 import torch
 
 from .. import comm
-from ..sbp import Split, broadcast, partial_max, partial_sum
+from ..sbp import Split, broadcast, candidates, partial_max, partial_sum
 from ..tensor import GlobalTensor, from_full
 from .pointwise import aligned_sbp
 from .registry import register
@@ -23,10 +23,8 @@ aten = torch.ops.aten
 
 
 def _same_layout_cands(call, partials: bool):
-    ndim = len(call.in_shapes[0])
-    sbps = [broadcast] + [Split(d) for d in range(ndim)]
     n_out = len(call.out_shapes)
-    cands = [((s,) * len(call.inputs), (s,) * n_out) for s in sbps]
+    cands = [((s,) * len(call.inputs), (s,) * n_out) for s in candidates(len(call.in_shapes[0]))]
     if partials:
         cands += [((s,) * len(call.inputs), (s,) * n_out) for s in (partial_sum, partial_max)]
     else:
@@ -38,23 +36,22 @@ def _same_layout_cands(call, partials: bool):
 
 
 @register(aten.zeros_like)
-def zeros_like_rule(call, axis):
+def zeros_like_rule(call):
     return _same_layout_cands(call, partials=True)
 
 
 @register(aten.empty_like)
-def empty_like_rule(call, axis):
+def empty_like_rule(call):
     return _same_layout_cands(call, partials=True)
 
 
 @register(aten.new_zeros, aten.new_ones, aten.new_full, aten.new_empty, aten.new_empty_strided)
-def new_tensor_rule(call, axis):
+def new_tensor_rule(call):
     """A new tensor of a given global size: broadcast, whatever the source's layout;
     of the source's own size, it takes the source's layout (listed first, so it wins
     the tie). Autograd makes such tensors when it copies a gradient into the memory
     order of its leaf; a broadcast one would gather the gradient."""
-    ndim = len(call.in_shapes[0])
-    sources = [broadcast, partial_sum, partial_max] + [Split(d) for d in range(ndim)]
+    sources = candidates(len(call.in_shapes[0]), partials=(partial_sum, partial_max))
     cands = [((s,), (broadcast,)) for s in sources]
     if call.in_shapes[0] == call.out_shapes[0]:
         values = call.func.overloadpacket in (aten.new_ones, aten.new_full)
@@ -86,14 +83,14 @@ register(aten.new_zeros, aten.new_ones, aten.new_full, aten.new_empty, aten.new_
 
 
 @register(aten.ones_like, aten.full_like, aten.fill_, aten.fill, aten.zero_)
-def constant_like_rule(call, axis):
+def constant_like_rule(call):
     if call.func.overloadpacket is aten.zero_:
         return _same_layout_cands(call, partials=True)
     return _same_layout_cands(call, partials=False)
 
 
 @register(aten.copy_, aten.detach, aten.alias, aten.clone, aten.lift_fresh, aten.contiguous)
-def copy_rule(call, axis):
+def copy_rule(call):
     if len(call.inputs) == 2 and call.in_shapes[1] != call.in_shapes[0]:
         return _broadcast_copy_cands(call)
     return _same_layout_cands(call, partials=True)
@@ -108,7 +105,7 @@ def _broadcast_copy_cands(call):
 
 
 @register(aten._to_copy)
-def to_copy_rule(call, axis):
+def to_copy_rule(call):
     # A cast keeps partial sums only between floating types (rounding to integers or
     # bool does not distribute over the sum); partial maxima survive any monotone cast.
     src = call.inputs[0].dtype

@@ -35,7 +35,7 @@ def _sample_dims(ndim: int) -> dict:
 
 
 @register(aten.nll_loss_forward, aten.nll_loss2d_forward)
-def nll_rule(call, axis):
+def nll_rule(call):
     """(logits, target[, weight]) -> (loss, total_weight)."""
     reduction = call.arg("reduction")
     ndim = len(call.in_shapes[0])
@@ -114,7 +114,7 @@ register(aten.nll_loss_forward, aten.nll_loss2d_forward, local=_nll_forward_loca
 
 
 @register(aten.nll_loss_backward, aten.nll_loss2d_backward)
-def nll_backward_rule(call, axis):
+def nll_backward_rule(call):
     """(grad, logits, target[, weight], total_weight) -> grad_logits."""
     ndim = len(call.in_shapes[1])
     if ndim < 2:
@@ -154,7 +154,7 @@ register(aten.nll_loss_backward, aten.nll_loss2d_backward,
 
 @register(aten.mse_loss, aten.binary_cross_entropy, aten.binary_cross_entropy_with_logits,
           aten.smooth_l1_loss, aten.huber_loss, aten.soft_margin_loss)
-def elementwise_loss_rule(call, axis):
+def elementwise_loss_rule(call):
     reduction = call.arg("reduction", _MEAN)
     shape = call.in_shapes[0]
     n = len(call.inputs)
@@ -202,7 +202,7 @@ for _op in (aten.smooth_l1_loss, aten.huber_loss, aten.soft_margin_loss):
 
 
 @register(aten.mse_loss_backward, aten.binary_cross_entropy_backward)
-def elementwise_loss_backward_rule(call, axis):
+def elementwise_loss_backward_rule(call):
     """(grad, input, target[, weight]) -> grad_input."""
     reduction = call.arg("reduction", _MEAN)
     shape = call.in_shapes[1]

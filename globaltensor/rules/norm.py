@@ -20,7 +20,7 @@ B, P = broadcast, partial_sum
 
 
 @register(aten.native_layer_norm)
-def layer_norm_rule(call, axis):
+def layer_norm_rule(call):
     """(input, weight?, bias?) -> (out, mean, rstd)."""
     ndim = len(call.in_shapes[0])
     lead = ndim - len(call.arg("normalized_shape"))
@@ -31,7 +31,7 @@ def layer_norm_rule(call, axis):
 
 
 @register(aten.native_layer_norm_backward)
-def layer_norm_backward_rule(call, axis):
+def layer_norm_backward_rule(call):
     """(grad, input, mean, rstd, weight?, bias?) -> (grad_input?, grad_weight?, grad_bias?)."""
     ndim = len(call.in_shapes[0])
     lead = ndim - len(call.arg("normalized_shape"))
@@ -45,7 +45,7 @@ def layer_norm_backward_rule(call, axis):
 
 
 @register(aten.native_group_norm)
-def group_norm_rule(call, axis):
+def group_norm_rule(call):
     """(input, weight?, bias?, N, C, HxW, group, eps) -> (out, mean, rstd), mean and rstd
     of shape (N, group)."""
     params = (B,) * (len(call.inputs) - 1)
@@ -53,7 +53,7 @@ def group_norm_rule(call, axis):
 
 
 @register(aten.native_group_norm_backward)
-def group_norm_backward_rule(call, axis):
+def group_norm_backward_rule(call):
     """(grad, input, mean, rstd, weight?, N, C, HxW, group, output_mask)."""
     mask = call.arg("output_mask")
     params = (B,) * (len(call.inputs) - 4)
@@ -93,7 +93,7 @@ def _batch_norm_local(ctx, x, *args):
 
 @register(aten.native_batch_norm, aten._native_batch_norm_legit_functional,
           local=_batch_norm_local)
-def batch_norm_rule(call, axis):
+def batch_norm_rule(call):
     """(input, weight?, bias?, running_mean?, running_var?) -> (out, save_mean, save_invstd)
     and, for the functional form, (..., running_mean_out, running_var_out)."""
     n_params = len(call.inputs) - 1
@@ -108,7 +108,7 @@ def batch_norm_rule(call, axis):
 
 
 @register(aten.native_batch_norm_backward)
-def batch_norm_backward_rule(call, axis):
+def batch_norm_backward_rule(call):
     """(grad, input, weight?, running_mean?, running_var?, save_mean?, save_invstd?)."""
     n_rest = len(call.inputs) - 2
     n_out = len(call.out_shapes)

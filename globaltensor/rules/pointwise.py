@@ -39,7 +39,7 @@ def aligned_sbp(in_shape, out_shape, d):
 
 
 @register(torch.Tag.pointwise)
-def pointwise_rule(call, axis):
+def pointwise_rule(call):
     out = call.out_shapes[0]
     n_in, n_out = len(call.inputs), len(call.out_shapes)
     cands = [((broadcast,) * n_in, (broadcast,) * n_out)]

@@ -13,6 +13,7 @@ import math
 import torch
 
 from ..sbp import Split, broadcast, partial_max, partial_sum
+from ._dims import normalize_dim
 from .registry import register
 
 aten = torch.ops.aten
@@ -30,13 +31,14 @@ def reduced_dims(call, ndim: int):
     if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
         return set(range(ndim)), bool(call.arg("keepdim", False))
     dims = dim if isinstance(dim, (list, tuple)) else [dim]
-    return ({d % ndim for d in dims} if ndim else set()), bool(call.arg("keepdim", False))
+    # a 0-d tensor's dim 0 (or -1) names no dim it has: nothing to reduce over
+    return ({normalize_dim(d, ndim) for d in dims} if ndim else set()), bool(call.arg("keepdim", False))
 
 
 @register(aten.sum, aten.mean, aten.amax, aten.amin, aten.max, aten.min, aten.var, aten.std,
           aten.argmax, aten.argmin, aten.any, aten.all, aten.linalg_vector_norm, aten.nansum,
           aten.prod, aten.logsumexp)
-def reduction_rule(call, axis):
+def reduction_rule(call):
     in_shape = call.in_shapes[0]
     ndim = len(in_shape)
     dims, keepdim = reduced_dims(call, ndim)
@@ -72,8 +74,8 @@ register(aten.mean, local=_local_mean)(reduction_rule)
 def vector_norm_decomposition(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     """A norm over a split dim from partial sums of |x|^p (or a partial max for inf)."""
     ndim = x.dim()
-    dims = set(range(ndim)) if dim is None else (
-        {d % ndim for d in dim} if isinstance(dim, (list, tuple)) else {dim % ndim})
+    dims = set(range(ndim)) if dim is None else {
+        normalize_dim(d, ndim) for d in (dim if isinstance(dim, (list, tuple)) else [dim])}
     split = any(isinstance(s, Split) and s.dim in dims for s in x.sbp)
     if not split or not (ord == math.inf or (isinstance(ord, (int, float)) and ord > 0)):
         return NotImplemented

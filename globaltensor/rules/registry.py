@@ -4,11 +4,19 @@ family files register into it, dispatch looks up in it).
 One form registers all three:
 
 >>> @register(aten.mm, aten.bmm)                        # doctest: +SKIP
-... def matmul_rule(call, axis): ...
+... def product_rule(call): ...
 >>> @register(aten.cumsum, local=_cumsum_local)         # doctest: +SKIP
-... def along_dim_rule(call, axis): ...
+... def along_dim_rule(call): ...
 >>> @register(aten.linalg_vector_norm, decompose=True)  # doctest: +SKIP
-... def _norm(x, ord=2, ...): ...
+... def vector_norm_decomposition(x, ord=2, ...): ...
+
+A rule gives the 1-D signatures of one placement axis, the same on every axis for
+almost every op: ``rule(call)``, asked once per axis. A rule whose signatures differ by
+axis (a reshape, whose parts depend on that axis's rank count) asks for it with
+``per_axis=True`` and is called ``rule(call, axis)``:
+
+>>> @register(aten.view, per_axis=True)                 # doctest: +SKIP
+... def view_rule(call, axis): ...
 
 A key may be an op, an ``OpOverloadPacket`` (every overload) or a ``torch.Tag``: the
 rule registered for ``torch.Tag.pointwise`` serves every pointwise op without its own.
@@ -47,8 +55,10 @@ _DECOMPOSITIONS: dict = {}
 _FAMILIES: list = []  # (predicate, factory) in registration order
 
 
-def register(*funcs, local=None, check=None, decompose: bool = False):
-    """Decorator. By default the function becomes the sbp rule of ``funcs``;
+def register(*funcs, local=None, check=None, decompose: bool = False, per_axis: bool = False):
+    """Decorator. By default the function becomes the sbp rule of ``funcs``, called
+    ``rule(call)``, or ``rule(call, axis)`` with ``per_axis=True`` (the rule's
+    ``per_axis`` attribute says which to the dispatcher);
     ``local(ctx, *args, **kwargs)``, when given, replaces the op on local tensors (for
     ops that need global offsets or counts); ``check(call, in_layouts, out_layouts)``,
     when given, vets each combination of the rule's per-axis signatures as a whole (a
@@ -57,7 +67,17 @@ def register(*funcs, local=None, check=None, decompose: bool = False):
     instead computes the op from other ops on GlobalTensors (which dispatch on their
     own), or returns NotImplemented to use the op's rule: for ops that would otherwise
     need the data of several ranks."""
+    if decompose and per_axis:
+        raise ValueError("register: per_axis is for rules; a decomposition takes the op's arguments")
+
     def wrap(fn):
+        if not decompose:
+            # How a rule is called belongs to the function, not to one op it serves: a
+            # rule registered twice (again with a local implementation) must agree.
+            if getattr(fn, "per_axis", per_axis) != per_axis:
+                raise ValueError(f"register: {getattr(fn, '__name__', fn)} was registered with "
+                                 f"per_axis={fn.per_axis}, now with per_axis={per_axis}")
+            fn.per_axis = per_axis
         for f in funcs:
             if decompose:
                 _DECOMPOSITIONS[f] = fn

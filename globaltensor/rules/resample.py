@@ -15,6 +15,7 @@ import math
 import torch
 
 from ..sbp import Split, broadcast, partial_sum
+from ._dims import normalize_dim
 from .registry import register
 
 aten = torch.ops.aten
@@ -31,11 +32,11 @@ def _keep(n_in: int, n_out: int, moved: dict, partial: bool = True):
 
 
 def _divides(call, channels: int) -> bool:
-    return channels % math.prod(call.mesh) == 0
+    return channels % math.prod(call.axis_sizes) == 0
 
 
 @register(aten.repeat)
-def repeat_rule(call, axis):
+def repeat_rule(call):
     repeats = list(call.arg("repeats"))
     ndim = len(call.in_shapes[0])
     lead = len(repeats) - ndim
@@ -43,17 +44,17 @@ def repeat_rule(call, axis):
 
 
 @register(aten.unfold)
-def unfold_rule(call, axis):
+def unfold_rule(call):
     """Tensor.unfold(dim, size, step): windows along ``dim`` in a new last dim."""
     ndim = len(call.in_shapes[0])
-    dim = call.arg("dimension") % max(ndim, 1)
+    dim = normalize_dim(call.arg("dimension"), ndim)
     return _keep(1, 1, {d: d for d in range(ndim) if d != dim})
 
 
 @register(aten.unfold_backward)
-def unfold_backward_rule(call, axis):
+def unfold_backward_rule(call):
     ndim = len(call.out_shapes[0])
-    dim = call.arg("dim") % max(ndim, 1)
+    dim = normalize_dim(call.arg("dim"), ndim)
     return _keep(1, 1, {d: d for d in range(ndim) if d != dim})
 
 
@@ -67,7 +68,7 @@ register(aten.unfold_backward, local=_input_sizes_local)(unfold_backward_rule)
 
 
 @register(aten.im2col)
-def im2col_rule(call, axis):
+def im2col_rule(call):
     """(N, C, H, W) -> (N, C * kh * kw, L), or unbatched (C, H, W) -> (C * k, L)."""
     shape = call.in_shapes[0]
     c = len(shape) - 3
@@ -78,7 +79,7 @@ def im2col_rule(call, axis):
 
 
 @register(aten.col2im)
-def col2im_rule(call, axis):
+def col2im_rule(call):
     """(N, C * kh * kw, L) -> (N, C, H, W) (F.fold, and im2col's backward)."""
     out = call.out_shapes[0]
     c = len(out) - 3
@@ -89,7 +90,7 @@ def col2im_rule(call, axis):
 
 
 @register(aten.pixel_shuffle, aten.pixel_unshuffle)
-def pixel_shuffle_rule(call, axis):
+def pixel_shuffle_rule(call):
     """(*, C * r^2, H, W) <-> (*, C, H * r, W * r): leading dims keep their split; the
     channel dim when C (the smaller count) divides evenly over the placement."""
     shape, out = call.in_shapes[0], call.out_shapes[0]
@@ -113,7 +114,7 @@ _UPSAMPLE_BACKWARD = [getattr(aten, n + "_backward") for n in _UPSAMPLE
 
 
 @register(*_UPSAMPLE_OPS, *_UPSAMPLE_BACKWARD)
-def upsample_rule(call, axis):
+def upsample_rule(call):
     return _keep(1, 1, {0: 0, 1: 1})
 
 

@@ -12,8 +12,9 @@ from .. import comm
 from ..layout import Layout
 from ..local_parts import empty_local
 from ..partials import identity_value
-from ..sbp import Partial, Split, broadcast, partial_sum
+from ..sbp import Partial, Split, broadcast, candidates, partial_sum
 from ..tensor import GlobalTensor, to_layout
+from ._dims import normalize_dim
 from .registry import register
 
 aten = torch.ops.aten
@@ -22,22 +23,22 @@ B, P = broadcast, partial_sum
 
 def splits_dim(x, dim) -> bool:
     """Whether an axis of ``x``'s sbp splits ``dim``."""
-    return any(isinstance(s, Split) and s.dim == dim % x.dim() for s in x.sbp)
+    dim = normalize_dim(dim, x.dim())
+    return any(isinstance(s, Split) and s.dim == dim for s in x.sbp)
 
 
 @register(aten._softmax, aten._log_softmax, aten._safe_softmax)  # (attention's math path)
-def softmax_rule(call, axis):
+def softmax_rule(call):
     ndim = len(call.in_shapes[0])
-    dim = call.arg("dim") % ndim
-    return [((B,), (B,))] + [((Split(d),), (Split(d),)) for d in range(ndim) if d != dim]
+    whole = Split(normalize_dim(call.arg("dim"), ndim))
+    return [((s,), (s,)) for s in candidates(ndim) if s != whole]
 
 
 @register(aten._softmax_backward_data, aten._log_softmax_backward_data)
-def softmax_backward_rule(call, axis):
+def softmax_backward_rule(call):
     ndim = len(call.in_shapes[0])
-    dim = call.arg("dim") % ndim
-    return [((B, B), (B,))] + [((Split(d), Split(d)), (Split(d),))
-                               for d in range(ndim) if d != dim]
+    whole = Split(normalize_dim(call.arg("dim"), ndim))
+    return [((s, s), (s,)) for s in candidates(ndim) if s != whole]
 
 
 def _row_stat(x, dim: int, reduce: str):
@@ -45,7 +46,7 @@ def _row_stat(x, dim: int, reduce: str):
     split ``dim``: each rank reduces its part, then one all-reduce of the row
     statistics. Done here rather than left to dispatch, which could judge moving the
     (small) logits cheaper than reducing a partial and then move them back."""
-    dim %= x.dim()
+    dim = normalize_dim(dim, x.dim())
     shape = list(x.shape)
     shape[dim] = 1
     cut = {a for a, s in enumerate(x.sbp) if isinstance(s, Split) and s.dim == dim}

@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 from ..layout import balanced_split
 from ..sbp import Split, StridedSplit, broadcast, partial_max, partial_sum
 from ..tensor import GlobalTensor
+from ._dims import normalize_dim
 from .registry import register
 
 aten = torch.ops.aten
@@ -42,19 +43,15 @@ def _args(call):
     return call.args_kwargs
 
 
-def _norm(d, ndim):
-    return d % ndim if ndim else 0
-
-
 @register(aten.t, aten.transpose, aten.permute)
-def permute_rule(call, axis):
+def permute_rule(call):
     args, kwargs = _args(call)
     ndim = len(call.in_shapes[0])
     if call.func.overloadpacket is aten.permute:
-        perm = [_norm(d, ndim) for d in args[1]]
+        perm = [normalize_dim(d, ndim) for d in args[1]]
     else:
-        d0, d1 = (0, 1) if call.func.overloadpacket is aten.t else (_norm(args[1], ndim),
-                                                                     _norm(args[2], ndim))
+        d0, d1 = (0, 1) if call.func.overloadpacket is aten.t else \
+            (normalize_dim(args[1], ndim), normalize_dim(args[2], ndim))
         perm = list(range(ndim))
         if ndim >= 2 or call.func.overloadpacket is not aten.t:
             perm[d0], perm[d1] = perm[d1], perm[d0]
@@ -62,22 +59,22 @@ def permute_rule(call, axis):
 
 
 @register(aten.as_strided)
-def as_strided_rule(call, axis):
+def as_strided_rule(call):
     # Sizes and strides address the global tensor's memory: only a whole copy has it
     # (compiled autograd reshapes gradients this way; they are broadcast already).
     return _same_sbp(1, 1, {}, partial_ok=False, max_ok=False)
 
 
 @register(aten.unsqueeze)
-def unsqueeze_rule(call, axis):
+def unsqueeze_rule(call):
     args, _ = _args(call)
     ndim = len(call.in_shapes[0])
-    dim = _norm(args[1], ndim + 1)
+    dim = normalize_dim(args[1], ndim + 1)
     return _same_sbp(1, 1, {d: d + (d >= dim) for d in range(ndim)})
 
 
 @register(aten.squeeze)
-def squeeze_rule(call, axis):
+def squeeze_rule(call):
     in_shape, out_shape = call.in_shapes[0], call.out_shapes[0]
     kept = _kept_after_squeeze(call, in_shape)
     assert len(kept) == len(out_shape)
@@ -101,7 +98,7 @@ def _kept_after_squeeze(call, in_shape):
         dims = {d for d in range(ndim) if in_shape[d] == 1}
     else:
         given = args[1] if isinstance(args[1], (list, tuple)) else [args[1]]
-        dims = {_norm(d, ndim) for d in given if in_shape[_norm(d, ndim)] == 1}
+        dims = {d for d in (normalize_dim(g, ndim) for g in given) if in_shape[d] == 1}
     return [d for d in range(ndim) if d not in dims]
 
 
@@ -127,7 +124,7 @@ for _name in ("squeeze_", "unsqueeze_", "t_", "transpose_"):
 
 
 @register(aten.expand)
-def expand_rule(call, axis):
+def expand_rule(call):
     in_shape, out_shape = call.in_shapes[0], call.out_shapes[0]
     lead = len(out_shape) - len(in_shape)
     moved = {d: d + lead for d in range(len(in_shape)) if in_shape[d] == out_shape[d + lead]}
@@ -135,22 +132,22 @@ def expand_rule(call, axis):
 
 
 @register(aten.slice, aten.select, aten.narrow)
-def slice_rule(call, axis):
+def slice_rule(call):
     args, kwargs = _args(call)
     ndim = len(call.in_shapes[0])
-    dim = _norm(args[1] if len(args) > 1 else kwargs.get("dim", 0), ndim)
+    dim = normalize_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), ndim)
     drops = call.func.overloadpacket is aten.select
     moved = {d: d - (drops and d > dim) for d in range(ndim) if d != dim}
     return _same_sbp(1, 1, moved)
 
 
 @register(aten.cat)
-def cat_rule(call, axis):
+def cat_rule(call):
     args, kwargs = _args(call)
     n_in = len(call.inputs)
     shapes = [s for s in call.in_shapes if len(s) > 1 or s != (0,)]
     ndim = len(call.out_shapes[0])
-    dim = _norm(args[1] if len(args) > 1 else kwargs.get("dim", 0), ndim)
+    dim = normalize_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), ndim)
     # An empty input makes dispatch take the output for an identity (zeros) when it is
     # partial, but the other inputs still fill it: no partial signature then.
     empty = any(math.prod(s) == 0 for s in call.in_shapes)
@@ -162,15 +159,15 @@ def cat_rule(call, axis):
 
 
 @register(aten.stack)
-def stack_rule(call, axis):
+def stack_rule(call):
     args, kwargs = _args(call)
     ndim = len(call.out_shapes[0])
-    dim = _norm(args[1] if len(args) > 1 else kwargs.get("dim", 0), ndim)
+    dim = normalize_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), ndim)
     return _same_sbp(len(call.inputs), 1, {d: d + (d >= dim) for d in range(ndim - 1)})
 
 
 @register(aten.constant_pad_nd)
-def pad_rule(call, axis):
+def pad_rule(call):
     # pad holds (before, after) pairs from the last dim backwards; a padded dim changes
     # size, so only the others keep a split. Zero padding keeps a partial sum.
     ndim = len(call.in_shapes[0])
@@ -182,11 +179,11 @@ def pad_rule(call, axis):
 
 
 @register(aten.slice_backward, aten.select_backward)
-def slice_backward_rule(call, axis):
+def slice_backward_rule(call):
     # The gradient of a slice or select, placed into zeros of the input's shape: a split
     # on another dim carries over, and zeros keep a partial sum (not a partial max).
     ndim = len(call.out_shapes[0])
-    dim = _norm(call.arg("dim"), ndim)
+    dim = normalize_dim(call.arg("dim"), ndim)
     if call.func.overloadpacket is aten.select_backward:
         moved = {d: d + (d >= dim) for d in range(ndim - 1)}
     else:
@@ -204,15 +201,15 @@ register(aten.slice_backward, aten.select_backward,
 
 
 @register(aten.split, aten.split_with_sizes, aten.unbind)
-def split_rule(call, axis):
+def split_rule(call):
     args, kwargs = _args(call)
     ndim = len(call.in_shapes[0])
     n_out = len(call.out_shapes)
     if call.func.overloadpacket is aten.unbind:
-        dim = _norm(args[1] if len(args) > 1 else kwargs.get("dim", 0), ndim)
+        dim = normalize_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), ndim)
         moved = {d: d - (d > dim) for d in range(ndim) if d != dim}
     else:
-        dim = _norm(args[2] if len(args) > 2 else kwargs.get("dim", 0), ndim)
+        dim = normalize_dim(args[2] if len(args) > 2 else kwargs.get("dim", 0), ndim)
         moved = {d: d for d in range(ndim) if d != dim}
     return _same_sbp(1, n_out, moved)
 
@@ -224,13 +221,13 @@ def _view_check(call, in_layouts, out_layouts) -> bool:
     the first one's part, which no one axis's rule can see). One-axis placements keep
     the per-axis conditions of ``_view_splits``, which are exact there."""
     src, dst = in_layouts[0], out_layouts[0]
-    if len(call.mesh) == 1:
+    if len(call.axis_sizes) == 1:
         return True
     a, b = _plain(src), _plain(dst)
     if a is None or b is None:
         return False
     return all(_row_major_runs(a, c) == _row_major_runs(b, c)
-               for c in itertools.product(*map(range, call.mesh)))
+               for c in itertools.product(*map(range, call.axis_sizes)))
 
 
 def _plain(layout):
@@ -267,7 +264,9 @@ def _row_major_runs(layout, coord) -> tuple:
     return first, tuple(runs)
 
 
-@register(aten.view, aten._unsafe_view, aten._reshape_alias, check=_view_check)
+# per_axis: which splits survive a reshape depends on the axis's rank count, and a
+# strided split the input holds on that axis may become a plain one again.
+@register(aten.view, aten._unsafe_view, aten._reshape_alias, check=_view_check, per_axis=True)
 def view_rule(call, axis):
     if call.func is aten.view.dtype:
         return []
@@ -275,10 +274,10 @@ def view_rule(call, axis):
     held = call.inputs[0]._layout.sbp[axis] if isinstance(call.inputs[0], GlobalTensor) \
         else None
     cands = _same_sbp(1, 1, {})
-    cands += [((s,), (t,)) for s, t in _view_splits(a, b, call.mesh[axis],
-                                                    math.prod(call.mesh), held,
+    cands += [((s,), (t,)) for s, t in _view_splits(a, b, call.axis_sizes[axis],
+                                                    math.prod(call.axis_sizes), held,
                                                     call.strided_blocks)]
-    if len(call.mesh) > 1:
+    if len(call.axis_sizes) > 1:
         # Where another axis splits the same dim, this axis cuts that axis's part: a
         # split of any output dim of the group may be the one that lines up
         # (``_view_check`` keeps the combinations that do).
@@ -386,6 +385,6 @@ def _to_local_size(ctx, x, size, *args, **kwargs):
     return x.reshape(local_size)
 
 
-for _op in (aten.view.default, aten._unsafe_view.default, aten.expand.default):
-    register(_op, local=_to_local_size)(view_rule if _op is not aten.expand.default
-                                        else expand_rule)
+for _op in (aten.view.default, aten._unsafe_view.default):
+    register(_op, local=_to_local_size, per_axis=True)(view_rule)
+register(aten.expand.default, local=_to_local_size)(expand_rule)

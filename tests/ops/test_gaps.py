@@ -319,7 +319,7 @@ def _kernel_signatures(func, *args):
     rule, _ = lookup(func)
     assert rule is not None, f"{func} has no rule"
     call = Call(func, inputs, [tuple(x.shape) for x in inputs], outs, flat, spec, (2,))
-    return rule(call, 0)
+    return rule(call, 0) if rule.per_axis else rule(call)
 
 
 def test_cuda_attention_kernels_keep_batch_and_head_splits():
