@@ -14,6 +14,7 @@ from .comm import init
 from .dispatch import entry as _dispatch_entry  # noqa: F401  (installs __torch_dispatch__)
 from .dispatch import implicit_broadcast
 from .env import get_local_rank
+from .explicit_mode import LayoutError, explicit
 from .factory import arange, empty, from_local, full, normal, ones, rand, randint, randn, tensor, to_global, zeros
 from .gradsync import no_sync
 from .interop import torch_patches as _torch_patches
@@ -40,4 +41,4 @@ __all__ = ["init", "get_rank", "get_world_size", "get_local_rank", "manual_seed"
            "Placement", "sbp", "GlobalTensor", "is_global", "tensor", "from_local", "to_global",
            "randn", "rand", "randint", "normal", "zeros", "ones", "full", "empty", "arange",
            "matmul", "debug", "nn", "no_sync", "utils", "checkpoint", "from_dtensor",
-           "pipeline", "ps", "implicit_broadcast"]
+           "pipeline", "ps", "implicit_broadcast", "explicit", "LayoutError"]

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .. import comm, gradsync, origins, rules  # noqa: F401  (rules: every family registers)
+from .. import comm, explicit_mode, gradsync, origins, rules  # noqa: F401  (rules: every family registers)
+from ..boxing.plan import plan_route
 from ..boxing.run import box
 from ..layout import Layout
 from ..local_parts import device_of, empty_local
@@ -52,7 +53,7 @@ def dispatch(func, types, args, kwargs):
         out = special(*args, **kwargs)
         if out is not NotImplemented:
             return out
-    elif not (record.active or record.functional or comm.check_mode()):
+    elif not (record.active or record.functional or comm.check_mode() or explicit_mode._regions):
         out = _repeated(func, args, kwargs)
         if out is not None:
             return out
@@ -116,6 +117,8 @@ def _checked(func, leaves, spec):
 def _carry_out(func, decision: Decision, leaves, spec, why=None):
     """Run ``decision``: a call that needs no boxing runs its local op directly, the
     rest goes through ``_run`` (``why`` names its boxing: by default ``func``)."""
+    if explicit_mode._regions:
+        _explicit_check(func, decision, leaves)
     op = decision.direct
     if op is not None:
         local = [x._local if x.__class__ is GlobalTensor else x for x in leaves]
@@ -125,6 +128,29 @@ def _carry_out(func, decision: Decision, leaves, spec, why=None):
             return leaves[0]
         return wrap_part(out, decision.out_layouts[0], decision.out_strides[0])
     return _run(func, decision, leaves, spec, why)
+
+
+def _explicit_check(func, decision: Decision, leaves) -> None:
+    """In an explicit region (``gt.explicit()``): raise ``LayoutError`` before anything
+    is sent when ``decision`` boxes an operand, or makes a partial result where partials
+    are not allowed (``explicit_mode.py``)."""
+    if func is aten._is_any_true.default:   # anomaly detection's check of a gradient
+        return
+    moves = []
+    for i, target in zip(decision.gidx, decision.targets):
+        layout = leaves[i]._layout
+        if layout is not target and layout != target:
+            plan = plan_route(layout, target, leaves[i].element_size())
+            if any(step.sends for step in plan.steps):   # a local slice or view is free
+                moves.append((i, layout, target, plan))
+    if moves:
+        raise explicit_mode.op_boxing_error(func, moves)
+    if not explicit_mode.allows_partial():
+        outs = [o if r is None else r for o, r in
+                zip(decision.out_layouts, decision.reduced or (None,) * len(decision.out_layouts))]
+        made = explicit_mode.makes_partial(list(decision.targets), outs)
+        if made:
+            raise explicit_mode.partial_error(func, made)
 
 
 def _in_step(func, leaves, spec, tracing: bool):
@@ -237,7 +263,7 @@ def _wrap_reduced(func, decision: Decision, out, inside: bool, like):
     else:
         out_leaves = [None] * len(decision.out_layouts)
     layouts = list(decision.out_layouts)
-    if _in_backward():
+    if _in_backward() or explicit_mode._regions:   # explicit: the program reduces them
         layouts = [layout if r is None else r for layout, r in zip(layouts, decision.reduced)]
     elif inside:
         together: dict = {}

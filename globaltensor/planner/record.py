@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_flatten
 
-from .. import env, gradsync, retrace
+from .. import env, explicit_mode, gradsync, retrace
 from ..cost import PARAMETER_WEIGHT
 from ..dispatch.cache import cached_decision, key_of_call
 from ..dispatch.decide import Decision, options
@@ -342,7 +342,9 @@ def record_call(func, leaves: list, spec, greedy: Decision, record: list, serial
     for i in greedy.gidx:
         blocks.update(s.blocks for s in leaves[i]._layout.sbp if isinstance(s, StridedSplit))
     opts = None
-    if key is not None and not greedy.fallback:
+    # in an explicit region each call keeps its own decision: a plan boxes only where
+    # the program does
+    if key is not None and not greedy.fallback and not explicit_mode.active():
         opts = options(func, leaves, spec, greedy, tuple(sorted(blocks)))
     producers, inputs = [], []
     for i in greedy.gidx:

@@ -66,6 +66,9 @@ class Step:
     # Collectives of gloo and NCCL lack some dtypes (int16): such a step's input
     # travels widened (the executor does it; point-to-point carries any dtype).
     widens: ClassVar[bool] = False
+    # Whether the step sends data between ranks (explicit mode allows those that do not:
+    # a broadcast tensor sliced to a split, a view).
+    sends: ClassVar[bool] = True
     src: Layout
     dst: Layout
 

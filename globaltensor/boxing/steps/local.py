@@ -14,6 +14,8 @@ from .base import AxisStep, Handle, Locals
 @dataclass(frozen=True)
 class LocalSlice(AxisStep):
     """broadcast -> split(dim): keep this member's part; no communication."""
+
+    sends = False
     dim: int
 
     @classmethod
@@ -42,6 +44,8 @@ class LocalSlice(AxisStep):
 class ZeroNonRoot(AxisStep):
     """broadcast -> partial_sum: the axis' first member keeps the value, others zeros."""
 
+    sends = False
+
     @classmethod
     def for_axis(cls, axis, src, dst):
         a, b = src.sbp[axis], dst.sbp[axis]
@@ -66,6 +70,8 @@ class ZeroNonRoot(AxisStep):
 class Relabel(AxisStep):
     """broadcast -> partial_max: every member keeps the value (max of equal values)."""
 
+    sends = False
+
     @classmethod
     def for_axis(cls, axis, src, dst):
         a, b = src.sbp[axis], dst.sbp[axis]
@@ -87,6 +93,8 @@ class Relabel(AxisStep):
 class PadToPartial(AxisStep):
     """split(dim) -> partial: put the part into a tensor of the whole axis region
     filled with the reduction's identity; no communication."""
+
+    sends = False
     dim: int
     reduce: str
 

@@ -17,6 +17,8 @@ from .base import Handle, Locals, Step
 class ViewAs(Step):
     """The same elements on every rank, seen as ``dst`` (same placement, a reshaped
     global shape whose parts are this rank's part reshaped); no communication."""
+
+    sends = False
     src: Layout
     dst: Layout
 

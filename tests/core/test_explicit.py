@@ -1,0 +1,193 @@
+"""Explicit mode (``gt.explicit()``): an op that would box raises ``LayoutError`` naming
+the boxing before anything is sent; boxings the program writes run; partial results
+flow (or raise with ``allow_partial=False``); backward, the library's own boxings and
+whole-step planning keep to it."""
+from __future__ import annotations
+
+import pytest
+from mp import world_test
+
+import globaltensor as gt
+
+
+def test_explicit_is_a_context_manager_and_a_decorator():
+    from globaltensor import explicit_mode as ex
+    assert not ex.active()
+    with gt.explicit():
+        assert ex.active() and ex.allows_partial()
+        with gt.explicit(allow_partial=False):
+            assert not ex.allows_partial()
+        assert ex.allows_partial()
+    assert not ex.active()
+
+    @gt.explicit
+    def f(x):
+        return ex.active(), x
+
+    @gt.explicit(allow_partial=False)
+    def g():
+        return ex.allows_partial()
+    assert f(3) == (True, 3) and f.__name__ == "f" and g() is False and not ex.active()
+    with pytest.raises(ValueError):
+        with gt.explicit():
+            raise ValueError("inside")
+    assert not ex.active()
+    with pytest.raises(TypeError, match="allow_partial is a keyword"):
+        gt.explicit(False)
+
+
+def _setup():
+    import torch
+    P = gt.placement.all("cpu")
+    torch.manual_seed(0)
+    return torch, P
+
+
+def check_an_op_that_would_box_raises_before_sending():
+    torch, P = _setup()
+    x = gt.randn(8, 4, placement=P, sbp=gt.sbp.split(0))
+    w = gt.randn(4, 6, placement=P, sbp=gt.sbp.broadcast)
+    v = gt.randn(6, 3, placement=P, sbp=gt.sbp.split(0))
+    with gt.explicit():
+        y = x @ w                                  # no boxing: runs
+        with gt.debug.comm_stats() as stats:
+            with pytest.raises(gt.LayoutError) as caught:
+                y @ v                              # v would be gathered
+        assert stats.total_calls == 0, stats
+        z = y @ v.to_global(sbp=gt.sbp.broadcast)  # written: runs
+    message = str(caught.value)
+    for part in ("aten.mm.default", "test_explicit.py:", "operand 1: (6, 3)", "split(dim=0) -> broadcast",
+                 "AllGather", "72 B per rank", ".to_global(sbp=broadcast)"):
+        assert part in message, (part, message)
+    ref = y.full() @ v.full()
+    torch.testing.assert_close(z.full(), ref)
+
+
+def check_a_partial_scalar_flows_and_trains_equal():
+    # data parallel: the loss stays partial inside the region (no reduction at once);
+    # backward inside it reduces only the parameters' gradients (their own layouts)
+    torch, P = _setup()
+    full_x, full_w = torch.randn(8, 4), torch.randn(4, 3)
+    grads, losses = [], []
+    for explicit in (False, True):
+        x = gt.to_global(full_x, P, gt.sbp.broadcast).to_global(sbp=gt.sbp.split(0))
+        w = gt.to_global(full_w.clone(), P, gt.sbp.broadcast).requires_grad_()
+        with gt.explicit() if explicit else _nothing():
+            loss = (x @ w).tanh().sum()
+            assert loss.sbp == ((gt.sbp.partial_sum,) if explicit else (gt.sbp.broadcast,))
+            loss.backward()
+            value = loss.to_global(sbp=gt.sbp.broadcast).item()
+        losses.append(value)
+        grads.append(w.grad.full())
+        assert w.grad.sbp == (gt.sbp.broadcast,)
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    torch.testing.assert_close(grads[0], grads[1])
+    ref_w = full_w.clone().requires_grad_()
+    (full_x @ ref_w).tanh().sum().backward()
+    torch.testing.assert_close(grads[1], ref_w.grad, rtol=1e-5, atol=1e-6)
+
+
+def check_allow_partial_false_raises_where_an_op_makes_a_partial():
+    torch, P = _setup()
+    x = gt.randn(8, 4, placement=P, sbp=gt.sbp.split(0))
+    with gt.explicit(allow_partial=False):
+        with pytest.raises(gt.LayoutError, match="makes a partial result"):
+            x.sum()
+        # a partial the program made itself flows
+        p = gt.to_global(torch.ones(3), P, gt.sbp.partial_sum)
+        assert (p * 2).sbp == (gt.sbp.partial_sum,)
+
+
+def check_megatron_block_with_its_boxings_written_trains_equal():
+    # forward in the region: without the written all-reduce it raises at the residual
+    # add; with it, values and gradients equal implicit mode's (backward outside)
+    import torch.nn.functional as F
+    torch, P = _setup()
+    full = [torch.randn(8, 16), torch.randn(32, 16) * 0.1, torch.randn(16, 32) * 0.1]
+    B, S0, S1 = gt.sbp.broadcast, gt.sbp.split(0), gt.sbp.split(1)
+
+    def block(x, w1, w2, written: bool):
+        h = F.linear(x, w1).relu()                # w1 split(0): h split(1), no boxing
+        out = F.linear(h, w2)                     # w2 split(1): out partial_sum
+        if written:
+            out = out.to_global(sbp=B)            # Megatron's all-reduce, written
+        return x + out
+
+    results = []
+    for mode in ("implicit", "explicit", "explicit, unwritten"):
+        x = gt.to_global(full[0], P, B)
+        w1 = gt.to_global(full[1], P, B).to_global(sbp=S0).detach().requires_grad_()
+        w2 = gt.to_global(full[2], P, B).to_global(sbp=S1).detach().requires_grad_()
+        if mode == "explicit, unwritten":
+            with gt.explicit(), pytest.raises(gt.LayoutError) as caught:
+                block(x, w1, w2, written=False)
+            assert "aten.add.Tensor" in str(caught.value), str(caught.value)
+            assert "operand 1: (8, 16)" in str(caught.value) and "partial_sum ->" in str(caught.value)
+            continue
+        with gt.explicit() if mode == "explicit" else _nothing():
+            y = block(x, w1, w2, written=mode == "explicit")
+        (y * y).sum().backward()
+        results.append([y.full(), w1.grad.full(), w2.grad.full()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)
+
+
+def check_backward_boxing_names_its_autograd_node():
+    torch, P = _setup()
+    a = gt.randn(8, 4, placement=P, sbp=gt.sbp.split(0), requires_grad=True)
+    w = gt.randn(4, 6, placement=P, sbp=gt.sbp.split(1), requires_grad=True)
+    loss = ((a @ w) ** 2).sum()                  # forward outside the region
+    with gt.explicit(), pytest.raises(gt.LayoutError) as caught:
+        loss.backward()
+    assert "in backward (MmBackward0" in str(caught.value), str(caught.value)
+    with torch.autograd.set_detect_anomaly(True):
+        y = a @ w                                 # the forward line named below
+        loss = (y ** 2).sum()
+        with gt.explicit(), pytest.raises(gt.LayoutError) as caught:
+            loss.backward()
+    assert "forward at " in str(caught.value) and "test_explicit.py" in str(caught.value)
+
+
+def check_a_planned_step_in_the_region_boxes_only_where_the_program_does():
+    # a function step (no module) run often enough to be recorded and replayed: every
+    # step sends what the first sends, and none raises
+    torch, P = _setup()
+    x = gt.randn(8, 4, placement=P, sbp=gt.sbp.split(0))
+    w = gt.randn(4, 4, placement=P, sbp=gt.sbp.broadcast, requires_grad=True)
+    sent = []
+    for _ in range(9):
+        with gt.explicit(), gt.debug.comm_stats() as stats:
+            y = (x @ w).relu() @ w
+            y.sum().backward()
+        sent.append(stats.total_calls)
+        w.grad = None
+    assert len(set(sent)) == 1, sent
+
+
+def check_compiled_code_raises_while_tracing():
+    torch, P = _setup()
+    y = gt.randn(8, 6, placement=P, sbp=gt.sbp.split(0))
+    v = gt.randn(6, 3, placement=P, sbp=gt.sbp.split(0))
+    f = torch.compile(lambda y, v: y @ v, fullgraph=True, backend="eager")
+    with gt.explicit(), pytest.raises(Exception, match="would box 1 operand") as caught:
+        f(y, v)
+    assert "LayoutError" in str(caught.value) or isinstance(caught.value, gt.LayoutError)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+test_world2 = world_test(__name__, 2, [
+    "check_an_op_that_would_box_raises_before_sending",
+    "check_a_partial_scalar_flows_and_trains_equal",
+    "check_allow_partial_false_raises_where_an_op_makes_a_partial",
+    "check_megatron_block_with_its_boxings_written_trains_equal",
+    "check_backward_boxing_names_its_autograd_node",
+    "check_a_planned_step_in_the_region_boxes_only_where_the_program_does",
+    "check_compiled_code_raises_while_tracing",
+])
