@@ -109,5 +109,30 @@ def check_native_reduce_scatter_values():
                     torch.testing.assert_close(y.full(), whole)
 
 
-CHECKS = ["check_native_reduce_scatter_values"]
+def check_a_plans_sent_bytes_are_what_comm_stats_counts():
+    """``Step.sent_bytes`` (explain_step's estimate of a plan's bytes) equals the bytes
+    ``comm_stats`` counts when the plan runs, for every kind of step (even parts)."""
+    from globaltensor.boxing.plan import plan_route
+    n = gt.get_world_size()
+    P = gt.placement("cpu", list(range(n)))
+    half = gt.placement("cpu", list(range(n // 2)))
+    cases = [(P, partial_sum, P, broadcast), (P, partial_sum, P, split(0)),
+             (P, split(0), P, broadcast), (P, split(0), P, split(1)),
+             (P, broadcast, P, split(1)), (P, split(0), half, split(1))]
+    for src_p, src_sbp, dst_p, dst_sbp in cases:
+        x = gt.to_global(torch.ones(8, 12), src_p, broadcast)
+        if src_sbp != broadcast:
+            x = x.to_global(sbp=src_sbp) if src_sbp != partial_sum else \
+                gt.from_local(torch.ones(8, 12), placement=src_p, sbp=partial_sum)
+        plan = plan_route(x.global_layout, Layout.make((8, 12), dst_p, dst_sbp), 4)
+        with gt.debug.comm_stats() as counted:
+            x.to_global(dst_p, dst_sbp)
+        expected = sum(step.sent_bytes(4) for step in plan.steps)
+        busiest = gt.from_local(torch.tensor([float(counted.total_bytes)]), placement=P,
+                                sbp=gt.sbp.partial_max).to_global(sbp=broadcast).item()
+        assert busiest == expected, (src_sbp, dst_sbp, busiest, plan)
+
+
+CHECKS = ["check_native_reduce_scatter_values",
+          "check_a_plans_sent_bytes_are_what_comm_stats_counts"]
 test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)

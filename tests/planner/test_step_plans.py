@@ -465,11 +465,15 @@ def check_explain_step_reports_choices():
     assert sum(c.sent_bytes for c in report.calls) > 0
     text = str(report)
     assert "planned" in text and "addmm" in text and "=>" in text
+    assert f"{report.planned_bytes} planned" in text
+    # the estimated bytes are those sent: op by op (this run) and planned (the replay)
+    assert report.per_op_bytes == report.sent_bytes, (report.per_op_bytes, report.sent_bytes)
     # the plan is kept for the module's steps: the next one replays it to its end
     with gt.debug.comm_stats() as stats:
         train_step()
     assert step.state.mode == "idle" and step.state.plan is None
     assert set(stats.calls) == {"all_reduce"}, stats
+    assert report.planned_bytes == stats.total_bytes, (report.planned_bytes, stats)
     step.clear()
 
 

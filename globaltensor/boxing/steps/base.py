@@ -96,6 +96,12 @@ class Step:
     def cost(self, itemsize: int) -> float:
         """Estimated seconds on the slowest rank (alpha-beta model)."""
 
+    def sent_bytes(self, itemsize: int) -> int:
+        """Bytes the busiest rank sends, counted as ``gt.debug.comm_stats`` counts the
+        collectives (a ring's share); a step that sends nothing: 0. A sending step
+        without its own count is taken to send its whole input."""
+        return self.bytes_in(itemsize) if self.sends else 0
+
     @abstractmethod
     def start(self, x: torch.Tensor, rank: int, own: bool = False) -> Handle:
         """Start this rank's part on its local tensor ``x``. ``own`` says no one else

@@ -34,6 +34,9 @@ class AllGather(AxisStep):
             return cls(axis, src, dst, a.dim)
         return None
 
+    def sent_bytes(self, itemsize):
+        return self.bytes_in(itemsize) * (self.group_size - 1)
+
     def cost(self, itemsize):
         n, k = self.group_size, self.costs
         return k.launch + k.alpha * (n - 1) + k.beta * self.bytes_out(itemsize) * (n - 1) / n
@@ -71,6 +74,9 @@ class AllReduce(AxisStep):
             return cls(axis, src, dst, a.reduce)
         return None
 
+    def sent_bytes(self, itemsize):
+        return 2 * self.bytes_in(itemsize) * (self.group_size - 1) // self.group_size
+
     def cost(self, itemsize):
         n, k = self.group_size, self.costs
         return (k.launch + 2 * k.alpha * (n - 1)
@@ -102,6 +108,9 @@ class ReduceScatter(AxisStep):
         if isinstance(a, Partial) and isinstance(b, Split):
             return cls(axis, src, dst, b.dim, a.reduce)
         return None
+
+    def sent_bytes(self, itemsize):
+        return self.bytes_in(itemsize) * (self.group_size - 1) // self.group_size
 
     def cost(self, itemsize):
         n, b_in, k = self.group_size, self.bytes_in(itemsize), self.costs
@@ -198,6 +207,9 @@ class AllToAll(AxisStep):
         if isinstance(a, Split) and isinstance(b, Split):
             return cls(axis, src, dst, a.dim, b.dim)
         return None
+
+    def sent_bytes(self, itemsize):
+        return self.bytes_in(itemsize) * (self.group_size - 1) // self.group_size
 
     def cost(self, itemsize):
         n, b_in, k = self.group_size, self.bytes_in(itemsize), self.costs

@@ -70,6 +70,13 @@ class Transfer(Step):
         """None when ``rank`` receives data, else the reduce whose identity it holds."""
         return identity_fill(self.dst, rank)
 
+    def sent_bytes(self, itemsize: int) -> int:
+        sent: dict = {}
+        for m in self.moves:
+            if m.src != m.dst:
+                sent[m.src] = sent.get(m.src, 0) + m.region.numel * itemsize
+        return max(sent.values(), default=0)
+
     def cost(self, itemsize: int) -> float:
         sent, received, messages, copied = {}, {}, {}, {}
         for m in self.moves:
