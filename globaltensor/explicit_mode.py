@@ -35,7 +35,7 @@ from .layout import Layout
 from .sbp import Partial
 
 
-class LayoutError(RuntimeError):
+class LayoutError(ValueError):
     """An op in an explicit region (``gt.explicit()``) would box an operand, or make a
     partial result where ``allow_partial=False``."""
 

@@ -34,6 +34,7 @@ def test_explicit_is_a_context_manager_and_a_decorator():
     assert not ex.active()
     with pytest.raises(TypeError, match="allow_partial is a keyword"):
         gt.explicit(False)
+    assert issubclass(gt.LayoutError, ValueError)   # the API's contract
 
 
 def _setup():
