@@ -7,7 +7,11 @@ all-reduced asynchronously while backward goes on, the way DDP overlaps. At the 
 backward the last bucket is sent, everything is waited for, and each ``.grad`` becomes
 a GlobalTensor with its leaf's placement and sbp. Inside ``no_sync()`` nothing is
 reduced: partial gradients accumulate locally across micro-batches and the first
-backward outside reduces the total once.
+backward outside reduces the total once. The first time a bucket is reduced from a call
+path (or gradients are added to kept ones, which all-reduces them outside the buckets),
+its ranks meet through the store first (``comm/meet.py``), so a rank that skipped
+``backward()`` makes the others fail within GLOBALTENSOR_READ_TIMEOUT, naming it,
+instead of waiting GLOBALTENSOR_TIMEOUT in the all-reduce.
 
 >>> import globaltensor as gt
 >>> with gt.no_sync():            # doctest: +SKIP
@@ -25,6 +29,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import comm
+from .boxing.run import call_path, where
+from .comm.meet import meet_once, met_before
 from .layout import Layout
 from .sbp import Broadcast, Partial
 from .tensor import GlobalTensor, hidden_from_dynamo, install_leaf_watch, skipped_by_dynamo, to_layout, wrap_part
@@ -99,7 +105,11 @@ def _before_accumulate(leaf: GlobalTensor):
 
     @skipped_by_dynamo
     def hook(grad):
-        if _sync or _by_compiled_autograd() or not isinstance(grad, GlobalTensor):
+        if _sync:
+            if _decided_task != torch._C._current_graph_task_id():
+                _accumulation_meets(ref(), grad)
+            return None
+        if _by_compiled_autograd() or not isinstance(grad, GlobalTensor):
             return None
         leaf = ref()
         kept = None if leaf is None else leaf.grad
@@ -206,7 +216,12 @@ def _after_accumulate(leaf: GlobalTensor) -> None:
     if _pending is None:
         _pending = _Reducer()
         torch.autograd.Variable._execution_engine.queue_callback(_finish)
-    _pending.add(leaf, grad, axes)
+    try:
+        _pending.add(leaf, grad, axes)
+    except BaseException:
+        # A failed backward runs no end-of-backward callback: the next one starts anew.
+        _pending = None
+        raise
 
 
 @hidden_from_dynamo
@@ -234,14 +249,15 @@ def _storage_uses(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
-def _flat_buffer(items) -> torch.Tensor:
+def _flat_buffer(items, serials: tuple) -> torch.Tensor:
     """The bucket's gradients copied once into a flat buffer kept between steps. The
     previous step's ``.grad`` are views into it: the buffer is reused only when none of
     them (nor any other view of it) is alive any more, as after ``zero_grad()`` when no
     one kept a gradient; else the new gradients get new memory, so that a gradient
     a user kept never changes (torch gives every backward after ``set_to_none`` fresh
-    gradients; DDP reuses its buckets only with ``gradient_as_bucket_view=True``)."""
-    key = tuple((_serials[leaf], g.local_part.shape, g.dtype) for leaf, g in items)
+    gradients; DDP reuses its buckets only with ``gradient_as_bucket_view=True``).
+    ``serials``: the leaves' serial numbers."""
+    key = tuple((serial, g.local_part.shape, g.dtype) for serial, (_, g) in zip(serials, items))
     owned = _buffers.get(items[0][0])
     if owned is None:
         owned = _buffers[items[0][0]] = {}
@@ -280,6 +296,72 @@ def _plan(order) -> dict:
     return plan
 
 
+# The backward pass (autograd graph task) whose gradients' kind of reduction was seen
+# (``_accumulation_meets``): the other gradients of that pass cost one comparison.
+_decided_task = -1
+
+
+def _accumulation_meets(leaf: GlobalTensor | None, grad) -> None:
+    """At the first gradient of a backward pass that must be reduced (partial where its
+    parameter is broadcast): if the parameter keeps a reduced ``.grad`` from an earlier
+    backward (no ``zero_grad()`` in between: gradient accumulation, or
+    ``set_to_none=False``), autograd adds the gradient to it with an op that all-reduces
+    it, outside the buckets; its ranks meet first, as a bucket's (``_gradients_meet``).
+    Without a kept ``.grad`` the gradients go to buckets, which meet when sent. Either
+    way the pass's other gradients are not looked at again."""
+    global _decided_task
+    if leaf is None or not isinstance(grad, GlobalTensor) \
+            or not _reducible_axes(grad.global_layout, leaf.global_layout):
+        return
+    _decided_task = torch._C._current_graph_task_id()
+    kept = leaf.grad
+    if isinstance(kept, GlobalTensor) and kept.global_layout == leaf.global_layout \
+            and not comm.tracing() and not _by_compiled_autograd():
+        _gradients_meet(leaf.placement, grad.dtype, [(leaf, grad)], (_serials[leaf],),
+                        " to add them to the kept .grad")
+
+
+GRADIENT_ADVICE = (
+    "backward() reduces the gradients of parameters used on split data (data parallel) "
+    "among the ranks of their placement: a collective, which every one of them must run, "
+    "on the same loss. A rank that skips backward() (if its loss is not finite, or once "
+    "it has no batches left) leaves the others waiting there. Decide on every rank alike, "
+    "from a value every rank has: the loss itself is broadcast, so if not "
+    "torch.isfinite(loss): continue skips the step on every rank; and give every rank the "
+    "same number of batches.")
+
+
+def _gradients_meet(placement, dtype: torch.dtype, items: list, serials: tuple,
+                    how: str = "") -> None:
+    """Before the gradients ``items`` ((leaf, gradient) pairs, ``serials`` their leaves'
+    serial numbers) are first all-reduced from a call path (the program's line that
+    called ``backward()``, and the lines that called it), the ranks of their placement
+    meet through the store, as a read's do: a rank that skipped ``backward()`` makes the
+    others raise ``CollectiveError`` within GLOBALTENSOR_READ_TIMEOUT, naming it, and
+    ranks whose buckets differ (other parameters got gradients) raise
+    ``DivergenceError`` naming both, where their all-reduces would wait or pair up.
+
+    Told apart by placement, dtype, ``how`` and the serials (the same on every rank): a
+    training loop meets in its first steps (the second one's buckets follow the first
+    one's gradient order; the first backward into kept gradients meets once more), and
+    then pays the call path and a set look-up per bucket, no communication. A rank that
+    skips a later backward is not caught so, as a reduction's path run on every rank
+    first and later on some only is not (``boxing.run.reduction_meets``; check mode
+    meets every time): the others' all-reduce meets that rank's next collective, or
+    fails after GLOBALTENSOR_TIMEOUT, or at once when that rank's process ends."""
+    ranks = tuple(sorted(placement.flat_ranks))
+    if len(ranks) == 1:
+        return
+    path = call_path()
+    key = ("gradients", how, placement, dtype, serials, path)
+    if met_before(ranks, key):
+        return
+    elements = sum(leaf.numel() for leaf, _ in items)
+    same = (f"all-reduce the {dtype} gradients of {len(items)} parameter(s) ({elements} "
+            f"elements) on {placement}{how}, in backward() called from {where(path)}")
+    meet_once(ranks, key, "backward()", same, GRADIENT_ADVICE, same)
+
+
 class _Reducer:
     """The buckets of one backward pass."""
 
@@ -313,12 +395,15 @@ class _Reducer:
             self._send(kind, self.open.pop(kind))
 
     def _send(self, kind, items) -> None:
-        placement, _, axes = kind
+        placement, dtype, axes = kind
         rank = comm.get_rank()
         if rank not in placement:
             self.sent.append((kind, items, None, None))
             return
-        flat = _flat_buffer(items)
+        serials = tuple(_serials[leaf] for leaf, _ in items)  # (a weak-key look-up each)
+        if not comm.tracing():
+            _gradients_meet(placement, dtype, items, serials)
+        flat = _flat_buffer(items, serials)
         # Several partial axes reduce one after another; the first runs asynchronously.
         work = comm.all_reduce_async(flat, placement.group(rank, axes[0]),
                                      what=f"gradient all-reduce of {len(items)} "

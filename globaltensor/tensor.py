@@ -176,12 +176,7 @@ class GlobalTensor(torch.Tensor):
                 raise ValueError(f"the new placement has {placement.ndim} axis(es), the old "
                                  f"{self.placement.ndim}: give an sbp for it")
             sbp = self.sbp
-        dst = Layout.make(self.shape, placement, sbp)
-        if dst == self._layout:
-            if _pin_watch is not None:
-                _pin_watch[2](self, dst)
-            return self
-        return _ToGlobal.apply(self, dst)
+        return _moved(self, Layout.make(self.shape, placement, sbp), "x.to_global()")
 
     @hidden_from_dynamo
     def to_local(self) -> torch.Tensor:
@@ -192,7 +187,7 @@ class GlobalTensor(torch.Tensor):
     def full(self) -> torch.Tensor:
         """The whole value as a plain tensor on every rank of the world (a collective)."""
         everyone = Placement(self.placement.type, list(range(comm.get_world_size())))
-        return self.to_global(everyone, (broadcast,)).to_local()
+        return _moved(self, Layout.make(self.shape, everyone, (broadcast,)), "x.full()").to_local()
 
     # Reads (item, tolist, numpy, f"{x:.4f}"), the refusal of raw memory (storage,
     # data_ptr), pickling (refused), DCP's tensor-subclass protocol and ``to_dtensor``
@@ -312,12 +307,23 @@ def install_pin_watch(forward, backward, unmoved) -> None:
     _pin_watch = (forward, backward, unmoved)
 
 
+def _moved(x: GlobalTensor, dst: Layout, call: str) -> GlobalTensor:
+    """``x`` in layout ``dst``, differentiably, for the program's ``call`` ("x.to_global()",
+    "x.full()"), whose ranks meet the first time it moves data from a call path (so a
+    target that differs between ranks fails fast: ``boxing.run.boxing_meets``)."""
+    if dst == x._layout:
+        if _pin_watch is not None:
+            _pin_watch[2](x, dst)
+        return x
+    return _ToGlobal.apply(x, dst, call)
+
+
 class _ToGlobal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: GlobalTensor, dst: Layout):
+    def forward(ctx, x: GlobalTensor, dst: Layout, call: str):
         ctx.src = x._layout
         ctx.link = None if _pin_watch is None else _pin_watch[0](x, dst)
-        return GlobalTensor(box(x._local, x._layout, dst, why=_boxing_of(x)), dst)
+        return GlobalTensor(box(x._local, x._layout, dst, why=_boxing_of(x), call=call), dst)
 
     @staticmethod
     @skipped_by_dynamo  # the autograd engine calls it
@@ -329,7 +335,7 @@ class _ToGlobal(torch.autograd.Function):
         out = to_layout(grad, ctx.src.without_partials())
         if ctx.link is not None:
             out = _pin_watch[1](out, grad, ctx.link)
-        return out, None
+        return out, None, None
 
 
 class _ToLocal(torch.autograd.Function):

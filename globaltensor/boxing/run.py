@@ -5,7 +5,11 @@ rechunking (``run`` of a given plan). Each run is logged at DEBUG level on the
 mode (every rank taking part must be at the same boxing, from the same line of the
 program, before any of them communicates) and named in profiler ranges and in
 collective errors. The scalars an op reduces at once so that one rank can read them (a
-loss) first meet as a read's ranks do (``box(meet=True)``, ``reduction_meets``).
+loss) first meet as a read's ranks do (``box(meet=True)``, ``reduction_meets``), and so
+does a boxing the program asked for (``x.to_global()``, ``x.full()``: ``box(call=...)``,
+``boxing_meets``), once per call path: a target layout that differs between ranks
+fails at once, naming each rank's, and a ``to_global`` on some ranks only within
+GLOBALTENSOR_READ_TIMEOUT, instead of waiting GLOBALTENSOR_TIMEOUT in a collective.
 
 >>> local = box(x_local, src_layout, dst_layout)                 # doctest: +SKIP
 >>> handle = start(plan, x_local, "pipeline hand-off", ranks)    # doctest: +SKIP
@@ -23,6 +27,7 @@ from typing import ContextManager
 import torch
 
 from .. import comm, env
+from ..comm.meet import meet_once, met_before
 from ..layout import Layout
 from ..local_parts import empty_local
 from .execute import execute
@@ -33,18 +38,24 @@ _log = logging.getLogger("globaltensor")
 
 
 def box(local: torch.Tensor, src: Layout, dst: Layout, donate: bool = False,
-        why: object = "to_global", meet: bool = False) -> torch.Tensor:
+        why: object = "to_global", meet: bool = False, call: str | None = None) -> torch.Tensor:
     """This rank's local tensor of ``dst``, from its local tensor of ``src``; with
     ``donate``, ``local`` is a temporary that boxing may overwrite (reduce in place).
     ``why`` (an op, "to_global", ...) names the work in logs, errors and profiles.
     ``meet``: the boxing reduces scalars an op made, at once, so that any one rank can
     read them (a loss, ``x.mean()`` over split rows, an index check): its ranks first
-    meet as a read's do (``reduction_meets``)."""
+    meet as a read's do (``reduction_meets``). ``call``: the program's call that asked
+    for this boxing ("x.to_global()", "x.full()"; not an op's input boxing, whose target
+    follows from its inputs' layouts): its ranks meet once per call path
+    (``boxing_meets``)."""
     plan = plan_route(src, dst, local.element_size())
     if not plan.steps:
         return local
-    if meet and not comm.tracing():  # (a traced graph runs on every rank by construction)
-        reduction_meets(plan, local.dtype, why)
+    if (meet or call is not None) and not comm.tracing():  # (a traced graph runs on every rank)
+        if meet:
+            reduction_meets(plan, local.dtype, why)
+        else:
+            boxing_meets(plan, local.dtype, call)
     out = run(plan, local, why, donate)
     if comm.get_rank() not in dst.placement:
         return empty_local(dst, local.dtype, like=local)
@@ -59,13 +70,6 @@ REDUCTION_ADVICE = (
     "log(acc.item()): the reduced scalar is broadcast, so that read needs no "
     "communication); or, for a figure of this rank's own rows only, compute it from "
     "x.to_local() (plain tensors, no communication).")
-
-
-# Per group of ranks (sorted): the scalar reductions (op, layouts, dtype, call path) its
-# members have met at together. Every member adds a key at the same meeting, so the sets
-# agree among them, and so does the choice to meet.
-_met: dict[tuple[int, ...], set] = {}
-_MAX_MET = 4096  # keys kept per group (a program whose shapes vary makes new ones)
 
 
 def reduction_meets(plan: Plan, dtype: torch.dtype, why: object) -> None:
@@ -90,24 +94,71 @@ def reduction_meets(plan: Plan, dtype: torch.dtype, why: object) -> None:
     alone). A path run on every rank and later on some ranks only (``if rank == 0 or
     step == 0``) is not caught; check mode catches it."""
     src, dst = plan.src, plan.dst
-    ranks = tuple(sorted(set(src.placement.flat_ranks) | set(dst.placement.flat_ranks)))
+    ranks = _ranks_of(plan)
     if comm.get_rank() not in ranks:
         return
-    path = _call_path()
-    checking = comm.check_mode()
-    key = (why, src, dst, dtype, path)
-    met = _met.setdefault(ranks, set())
-    if key in met and not checking:
+    path = call_path()
+    key = ("reduction", why, src, dst, dtype, path)
+    if met_before(ranks, key):
         return
     scalars = "scalar" if not src.shape else f"{src.shape[0]} scalars"
-    where = " <- ".join(f"{name}:{line}" for name, line in path) or "?"
     same = (f"reduce the {dtype} {scalars} of {why} from sbp {src.sbp} to {dst.sbp} on "
-            f"{src.placement}, called from {where}")
-    comm.meet(ranks, str(why), same, REDUCTION_ADVICE, same)
-    if not checking:  # (check mode names boxings by their inputs' origins: new each time)
-        if len(met) >= _MAX_MET:
-            met.clear()
-        met.add(key)
+            f"{src.placement}, called from {where(path)}")
+    meet_once(ranks, key, str(why), same, REDUCTION_ADVICE, same)
+
+
+BOXING_ADVICE = {
+    "x.to_global()": (
+        "x.to_global() moves data among the ranks of both placements: a collective, which "
+        "every one of them must call, with the same placement and sbp (a target computed "
+        "from the rank, sbp=split(0) if rank == 0 else broadcast, or a to_global inside if "
+        "rank == 0: ..., is not). Compute the target from what every rank has alike and "
+        "call it on every rank; for this rank's own part, use x.to_local() (no "
+        "communication)."),
+    "x.full()": (
+        "x.full() gathers the whole value on every rank of the world: a collective, which "
+        "every rank must call. Call it on every rank, then use the value on one; for this "
+        "rank's own part, use x.to_local() (no communication)."),
+}
+
+# Steps that only compute on this rank's part (no communication): a boxing of those alone
+# cannot wait for another rank, so it does not meet. (A local kind missing here would
+# only meet once per call path, needlessly.)
+_LOCAL_STEPS = frozenset({"LocalSlice", "ZeroNonRoot", "Relabel", "PadToPartial", "ViewAs"})
+
+
+def boxing_meets(plan: Plan, dtype: torch.dtype, call: str) -> None:
+    """Before a boxing the program asked for (``call``: "x.to_global()", "x.full()") first
+    runs from a call path, its ranks meet as a read's do (``comm.meet``): a target layout
+    that differs between ranks (``x.to_global(sbp=split(0))`` on rank 0, ``sbp=broadcast``
+    on rank 1) raises ``DivergenceError`` on both, naming both layouts, where their
+    different collectives would wait GLOBALTENSOR_TIMEOUT or pair up (garbage); one on
+    some ranks only raises ``CollectiveError`` within GLOBALTENSOR_READ_TIMEOUT. Met once
+    per (call, layouts without their shapes, dtype, call path), as ``reduction_meets``:
+    a loop meets in its first step only, also when its shapes vary; later steps pay the
+    call path (microseconds) and a set look-up. A plan that communicates nothing (a
+    broadcast tensor sliced to a split) does not meet: it cannot wait for anyone."""
+    src, dst = plan.src, plan.dst
+    ranks = _ranks_of(plan)
+    if comm.get_rank() not in ranks or all(s.kind in _LOCAL_STEPS for s in plan.steps):
+        return
+    path = call_path()
+    key = ("boxing", call, src.placement, src.sbp, dst.placement, dst.sbp, dtype, path)
+    if met_before(ranks, key):
+        return
+    moves = f"sbp {src.sbp} to sbp {dst.sbp} on {src.placement}" if dst.placement == src.placement \
+        else f"sbp {src.sbp} on {src.placement} to sbp {dst.sbp} on {dst.placement}"
+    tail = f"tensor with {call} from {moves}, called from {where(path)}"
+    # Compared (``same``): not the shape, which the ranks compare at the boxing itself
+    # (``_settle_claims``: naming the tensors made with a rank-dependent size).
+    advice = BOXING_ADVICE.get(call, BOXING_ADVICE["x.to_global()"])
+    meet_once(ranks, key, call, f"box a {dtype} {tuple(src.shape)} {tail}", advice,
+              f"box a {dtype} {tail}")
+
+
+def _ranks_of(plan: Plan) -> tuple[int, ...]:
+    """Every rank of both placements of ``plan``, sorted: the ranks that run it."""
+    return tuple(sorted(set(plan.src.placement.flat_ranks) | set(plan.dst.placement.flat_ranks)))
 
 
 def run(plan: Plan, local: torch.Tensor, why: object, donate: bool = False) -> torch.Tensor:
@@ -191,13 +242,18 @@ def call_site() -> str:
 
 
 _INTERNAL = (os.sep + "globaltensor" + os.sep, os.sep + "torch" + os.sep, "<frozen ")
-_internal_files: dict[str, bool] = {}  # file name -> not the program's (``_call_path``)
+_internal_files: dict[str, bool] = {}  # file name -> not the program's (``call_path``)
 _paths = sysconfig.get_paths()
 _STDLIB = tuple({_paths["stdlib"], _paths["platstdlib"]})
 _INSTALLED = tuple({_paths["purelib"], _paths["platlib"]})
 
 
-def _call_path() -> tuple[tuple[str, int], ...]:
+def where(path: tuple[tuple[str, int], ...]) -> str:
+    """A ``call_path`` as text: "file:line <- file:line ..." (innermost first)."""
+    return " <- ".join(f"{name}:{line}" for name, line in path) or "?"
+
+
+def call_path() -> tuple[tuple[str, int], ...]:
     """(file, line) of every frame of the program, innermost first: its path to this
     call, where a branch on the rank shows. Not frames of globaltensor, torch or
     Python's standard library (a launcher's, a test harness's: the same on every rank,

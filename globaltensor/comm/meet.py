@@ -21,6 +21,12 @@ round, where the others are. The rank that cancels records what it was reading (
 call, the layout and the program line): a rank that finds a cancelled round of that
 same read came too late for it, and raises as well, instead of pairing its read with
 the others' next one.
+
+Reads meet at every call. What runs every step (a scalar reduction, a ``to_global``, a
+bucket of gradients) meets once per key instead (``meet_once``; the key holds the
+program's call path): its ranks meet the first time, the keys they met at are
+remembered alike on every member, and a training loop pays nothing after its first
+steps. A branch on the rank takes a new path, so it meets.
 """
 from __future__ import annotations
 
@@ -39,6 +45,11 @@ _CANCEL = "cancel|"
 _DIFFER = "differ|"
 _round: dict[tuple[int, ...], int] = {}    # the next round this rank meets in, per group
 _cleaned: dict[tuple[int, ...], int] = {}  # rounds below this are deleted from the store
+# Per group (sorted ranks): the keys its members met at together (``meet_once``). Every
+# member adds a key at the same meeting, so the sets agree among them, and so does the
+# choice to meet.
+_met: dict[tuple[int, ...], set] = {}
+_MAX_MET = 4096  # keys kept per group (a program whose shapes vary makes new ones)
 
 
 def meet(ranks: tuple[int, ...], what: str, read: str, advice: str, same: str = "") -> None:
@@ -80,9 +91,10 @@ def meet(ranks: tuple[int, ...], what: str, read: str, advice: str, same: str = 
                               for at, rs in sorted(by_read.items(), key=lambda kv: min(kv[1])))
             raise DivergenceError(
                 f"globaltensor: {what} on rank {rank} met the other ranks at different "
-                f"communication ({reads}). Every rank must reach the same reads and scalar "
-                f"reductions in the same order: a branch on the rank that reads or reduces "
-                f"on some ranks only (if rank == 0: ...) does not. {advice}")
+                f"communication ({reads}). Every rank must reach the same reads, scalar "
+                f"reductions, to_global calls and gradient reductions in the same order, "
+                f"alike: a branch on the rank that reads or reduces on some ranks only (if "
+                f"rank == 0: ...), or a rank-dependent target layout, does not. {advice}")
         if text == mine:
             raise CollectiveError(
                 f"globaltensor: {what} on rank {rank} needs every rank of {list(ranks)}, and "
@@ -99,6 +111,31 @@ def meet(ranks: tuple[int, ...], what: str, read: str, advice: str, same: str = 
         # A read of other ranks that this rank never took part in: the next round (the
         # others may have caught their error and gone on; they are there).
         skipped.append(f"rank {canceller} gave up waiting for {theirs}")
+
+
+def met_before(members: tuple[int, ...], key: object) -> bool:
+    """Whether the ranks ``members`` (sorted) met at ``key`` before (``meet_once``), so
+    need not again; never in check mode, which meets every time. One set look-up: what
+    a step pays once its keys are met.
+
+    >>> if not met_before(ranks, key): meet_once(ranks, key, "x.to_global()", ...)  # doctest: +SKIP
+    """
+    met = _met.get(members)
+    return met is not None and key in met and not guard.check_mode()
+
+
+def meet_once(members: tuple[int, ...], key: object, what: str, read: str, advice: str,
+              same: str = "") -> None:
+    """``meet`` (same arguments), then remember ``key`` (the same on every member for
+    the same communication: no rank numbers, no local sizes) so that ``met_before`` is
+    True from now on. Not in check mode: there keys hold the tensors' origins (new each
+    time), and every one meets anyway."""
+    meet(members, what, read, advice, same)
+    if not guard.check_mode():
+        met = _met.setdefault(members, set())
+        if len(met) >= _MAX_MET:
+            met.clear()
+        met.add(key)
 
 
 def _key(members: tuple[int, ...], number: int) -> str:

@@ -31,29 +31,45 @@ def check_member_only_groups():
 
 
 def _split_on_ranks_0_and_1():
-    """(rank, a split tensor on ranks [0, 1] whose group exists, the default store)."""
+    """(rank, a split tensor on ranks [0, 1], the default store)."""
     import torch.distributed as dist
 
     import globaltensor as gt
-    r = gt.get_rank()
     x = gt.ones(4, 2, placement=gt.placement("cpu", [0, 1]), sbp=gt.sbp.split(0))
-    if r in (0, 1):
-        x.to_global(sbp=gt.sbp.broadcast)  # both join: the group exists
-    return r, x, dist.distributed_c10d._get_default_store()
+    return gt.get_rank(), x, dist.distributed_c10d._get_default_store()
+
+
+def _broadcast_again(x, ranks, before=lambda: None):
+    """``x.to_global(sbp=broadcast)`` from one line twice, as a loop's steps: on ranks 0
+    and 1 (its ranks meet there first: a new call path), then, after ``before()``, on
+    ``ranks`` only. A call path met before is not met again, so the second is a plain
+    collective, which waits GLOBALTENSOR_TIMEOUT for a rank that never comes. Returns the
+    second one's CollectiveError (None where it completed or was not called) and seconds."""
+    import globaltensor as gt
+    r = gt.get_rank()
+    for step in range(2):
+        if step == 1:
+            before()
+        if r in ((0, 1) if step == 0 else ranks):
+            start = time.monotonic()
+            try:
+                x.to_global(sbp=gt.sbp.broadcast)
+            except gt.debug.CollectiveError as error:
+                if step == 0:
+                    raise
+                return error, time.monotonic() - start
+    return None, 0.0
 
 
 def check_collective_one_rank_skips():
     import datetime
 
-    import globaltensor as gt
     r, x, store = _split_on_ranks_0_and_1()
-    if r == 0:  # rank 1 never joins this one
-        start = time.monotonic()
-        with pytest.raises(gt.debug.CollectiveError) as info:
-            x.to_global(sbp=gt.sbp.broadcast)
-        took = time.monotonic() - start
+    error, took = _broadcast_again(x, (0,))  # rank 1 never joins the second one
+    if r == 0:
         store.set("one_rank_skipped", "done")
-        text = str(info.value)
+        assert error is not None
+        text = str(error)
         assert took < 4 * TIMEOUT, took
         for word in ("to_global", "AllGather", "[0, 1]", "GLOBALTENSOR_TIMEOUT"):
             assert word in text, (word, text)
@@ -81,28 +97,182 @@ def check_collective_after_a_metric_on_one_rank_names_it():
     import globaltensor as gt
     r, x, store = _split_on_ranks_0_and_1()
     metric = "reduce the torch.float32 scalar of aten.mean.default"
-    if r == 0:
-        with pytest.raises(gt.debug.CollectiveError) as info:
-            _mean(x).item()
-        text = str(info.value)
-        for words in ("aten.mean.default on rank 0 needs every rank", metric,
-                      f"{__file__}:{MEAN_LINE}", "x.to_local()"):
-            assert words in text, (words, text)
-        store.set("metric_given_up", "yes")
-    elif r == 1:
-        # (in a job, rank 1's collective fails long after: at rank 0's exit, or after
-        # GLOBALTENSOR_TIMEOUT; here that timeout is short, so start once rank 0 gave up)
-        store.wait(["metric_given_up"], datetime.timedelta(seconds=60))
-        with pytest.raises(gt.debug.CollectiveError) as info:
-            x.to_global(sbp=gt.sbp.broadcast)
+
+    def metric_on_rank_0():
+        if r == 0:
+            with pytest.raises(gt.debug.CollectiveError) as info:
+                _mean(x).item()
+            text = str(info.value)
+            for words in ("aten.mean.default on rank 0 needs every rank", metric,
+                          f"{__file__}:{MEAN_LINE}", "x.to_local()"):
+                assert words in text, (words, text)
+            store.set("metric_given_up", "yes")
+        elif r == 1:
+            # (in a job, rank 1's collective fails long after: at rank 0's exit, or after
+            # GLOBALTENSOR_TIMEOUT; here that timeout is short, so start once rank 0 gave up)
+            store.wait(["metric_given_up"], datetime.timedelta(seconds=60))
+    error, _ = _broadcast_again(x, (1,), before=metric_on_rank_0)
+    if r == 1:
         store.set("metric_on_one_rank", "done")
-        text = str(info.value)
+        assert error is not None
+        text = str(error)
         for words in ("AllGather", f"Probable cause: rank 0 gave up waiting for {metric}",
                       f"{__file__}:{MEAN_LINE}", "which rank 1 never reached"):
             assert words in text, (words, text)
     if r != 1:
         # rank 0 must not join rank 1's collective, nor anyone leave before it failed
         store.wait(["metric_on_one_rank"], datetime.timedelta(seconds=60))
+
+
+# --- divergences that fail within seconds, not after GLOBALTENSOR_TIMEOUT ----------------
+
+BOUND = 30  # seconds: every rank raises well within the shared worlds' 60 s collective timeout
+
+
+def _world_goes_on():
+    """Every rank waits here (a plain collective: no meeting) for the others: the ranks
+    that went on, for the one that gave up."""
+    from globaltensor import comm
+    comm.barrier()
+
+
+def _short_read_timeout():
+    """GLOBALTENSOR_READ_TIMEOUT=1 inside: meetings no other rank comes to fail fast."""
+    import os
+    from unittest import mock
+    return mock.patch.dict(os.environ, {"GLOBALTENSOR_READ_TIMEOUT": "1"})
+
+
+def _to_target(x, target):
+    return x.to_global(sbp=target)  # one line on every rank: only the target differs
+
+
+TARGET_LINE = _to_target.__code__.co_firstlineno + 1
+
+
+def check_to_global_target_that_differs_per_rank():
+    # One tensor boxed to split(0) on rank 0 and to broadcast on rank 1: their collectives
+    # (all-to-all or reduce-scatter, all-gather or all-reduce) waited GLOBALTENSOR_TIMEOUT
+    # (300 s by default). A to_global's ranks meet the first time it moves data from a call
+    # path and compare its layouts: both raise at once, naming both targets.
+    import globaltensor as gt
+    from globaltensor import env
+    assert env.timeout_seconds() >= 2 * BOUND, "the bound must not be the collective timeout"
+    r = gt.get_rank()
+    p = gt.placement("cpu", [0, 1])
+    mine = gt.sbp.split(0) if r == 0 else gt.sbp.broadcast
+    for src in (gt.sbp.split(1), gt.sbp.partial_sum):
+        x = gt.ones(4, 4, placement=p, sbp=src)
+        start = time.monotonic()
+        with pytest.raises(gt.debug.DivergenceError) as info:
+            _to_target(x, mine)
+        assert time.monotonic() - start < BOUND
+        text = str(info.value)
+        for words in (f"x.to_global() on rank {r} met the other ranks",
+                      f"ranks [0] box a torch.float32 tensor with x.to_global() from sbp ({src},) "
+                      f"to sbp (split(dim=0),)",
+                      f"ranks [1] box a torch.float32 tensor with x.to_global() from sbp ({src},) "
+                      f"to sbp (broadcast,)",
+                      f"called from {__file__}:{TARGET_LINE}",
+                      "sbp=split(0) if rank == 0 else broadcast", "x.to_local()"):
+            assert words in text, (words, text)
+    # Split(0) already on rank 0: nothing moves there, so nothing waits; rank 1's gather
+    # meets no one and fails within GLOBALTENSOR_READ_TIMEOUT (rank 0 learns of it at its
+    # next meeting, or in its next collective once rank 1's process ends).
+    x = gt.ones(4, 4, placement=p, sbp=gt.sbp.split(0))
+    with _short_read_timeout():
+        if r == 1:
+            start = time.monotonic()
+            with pytest.raises(gt.debug.CollectiveError) as info:
+                _to_target(x, mine)
+            assert time.monotonic() - start < BOUND
+            text = str(info.value)
+            for words in ("x.to_global() on rank 1 needs every rank of [0, 1]",
+                          "GLOBALTENSOR_READ_TIMEOUT=1 s", f"called from {__file__}:{TARGET_LINE}",
+                          "sbp=split(0) if rank == 0 else broadcast"):
+                assert words in text, (words, text)
+        else:
+            assert _to_target(x, mine) is x
+        _world_goes_on()
+    # the world goes on, and so does the line with one target on every rank
+    assert _to_target(x, gt.sbp.broadcast).to_local().tolist() == [[1.0] * 4] * 4
+
+
+def _backward(loss):
+    loss.backward()  # the gradients' all-reduce: every rank of the placement must be here
+
+
+BACKWARD_LINE = _backward.__code__.co_firstlineno + 1
+
+
+def check_backward_skipped_on_one_rank():
+    # Rank 1 skips backward() (a step it decided to skip alone): rank 0's gradient
+    # all-reduce waited GLOBALTENSOR_TIMEOUT. A bucket's ranks meet the first time it is
+    # reduced from a call path: rank 0 fails within GLOBALTENSOR_READ_TIMEOUT naming
+    # backward(), its line and the fix; a rank at another meeting (a read) raises at once.
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    import globaltensor as gt
+    r = gt.get_rank()
+    p, s0 = gt.placement("cpu", [0, 1]), gt.sbp.split(0)
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(3, 2)
+    model = gt.nn.to_global(copy.deepcopy(reference), p, gt.sbp.broadcast)
+    g = torch.Generator().manual_seed(1)
+    xv, yv = torch.randn(4, 3, generator=g), torch.randn(4, 2, generator=g)
+    x, y = gt.tensor(xv, placement=p, sbp=s0), gt.tensor(yv, placement=p, sbp=s0)
+
+    def loss():
+        return F.mse_loss(model(x), y)
+    with _short_read_timeout():
+        step = loss()
+        if r == 0:
+            start = time.monotonic()
+            with pytest.raises(gt.debug.CollectiveError) as info:
+                _backward(step)
+            assert time.monotonic() - start < BOUND
+            text = str(info.value)
+            for words in ("backward() on rank 0 needs every rank of [0, 1]",
+                          "GLOBALTENSOR_READ_TIMEOUT=1 s", "all-reduce the torch.float32 gradients of",
+                          f"in backward() called from {__file__}:{BACKWARD_LINE}",
+                          "if not torch.isfinite(loss): continue"):
+                assert words in text, (words, text)
+        _world_goes_on()
+    model.zero_grad(set_to_none=True)
+    step = loss()
+    with pytest.raises(gt.debug.DivergenceError) as info:
+        if r == 0:
+            _backward(step)
+        else:
+            x.tolist()
+    for words in ("ranks [0] all-reduce the torch.float32 gradients",
+                  f"in backward() called from {__file__}:{BACKWARD_LINE}",
+                  "ranks [1] read a torch.float32 (4, 3) tensor"):
+        assert words in str(info.value), (words, str(info.value))
+    # the world goes on: backward on every rank reduces the gradients as before
+    model.zero_grad(set_to_none=True)
+    _backward(loss())
+    F.mse_loss(reference(xv), yv).backward()
+    for mine, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine.grad.full(), want.grad)
+    # Gradients kept from that backward (no zero_grad(): gradient accumulation): autograd
+    # adds the next ones to them with an all-reduce of its own, outside the buckets,
+    # which meets as well. (Four steps in all: the fifth would be recorded for the step
+    # planner, whose replay would take over the next checks' calls.)
+    with _short_read_timeout():
+        step = loss()
+        if r == 0:
+            with pytest.raises(gt.debug.CollectiveError) as info:
+                _backward(step)
+            for words in ("backward() on rank 0 needs every rank of [0, 1]",
+                          "to add them to the kept .grad",
+                          f"in backward() called from {__file__}:{BACKWARD_LINE}"):
+                assert words in str(info.value), (words, str(info.value))
+        _world_goes_on()
+    assert x.tolist() == xv.tolist()  # every rank reads together again
 
 
 def check_read_of_different_tensors():
@@ -263,7 +433,8 @@ def check_profiler_and_debug_log_name_the_boxing():
 
 
 CHECKS3 = ["check_member_only_groups"]
-CHECKS2 = ["check_read_of_different_tensors", "check_same_line_ops_on_different_tensors",
+CHECKS2 = ["check_to_global_target_that_differs_per_rank", "check_backward_skipped_on_one_rank",
+           "check_read_of_different_tensors", "check_same_line_ops_on_different_tensors",
            "check_dtype_differs_per_rank", "check_rank_dependent_shapes_raise_at_the_next_boxing",
            "check_load_state_dict_differs_per_rank", "check_from_local_exchanges_no_pickles",
            "check_profiler_and_debug_log_name_the_boxing"]

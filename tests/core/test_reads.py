@@ -102,11 +102,11 @@ def check_reads_of_a_sub_placement_reach_every_rank():
 
 
 def _everyone_waits_here():
-    """A collective of the world: the ranks that went on wait here, reading nothing, until
-    the one reading alone gave up."""
-    import globaltensor as gt
-    gt.ones(gt.get_world_size(), placement=gt.placement.all("cpu"),
-            sbp=gt.sbp.split(0)).to_global(sbp=gt.sbp.broadcast)
+    """A collective of the world that does not meet first (a to_global from a new call
+    path would): the ranks that went on wait here, reading nothing, until the one
+    reading alone gave up."""
+    from globaltensor import comm
+    comm.barrier()
 
 
 def check_reads_of_different_tensors_raise():
@@ -128,6 +128,7 @@ def check_reads_of_different_tensors_raise():
 
 
 def check_split_read_on_some_ranks_fails_fast():
+    import numpy as np
     import torch
 
     import globaltensor as gt
@@ -138,6 +139,8 @@ def check_split_read_on_some_ranks_fails_fast():
     with _read_timeout(ABANDONED_READ_TIMEOUT):
         if gt.get_rank() == 0:
             for read, call in ((x.tolist, "x.tolist()"), (x.numpy, "x.numpy()"),
+                               (lambda: np.asarray(x), "x.numpy()"),
+                               (lambda: x.detach().numpy(), "x.numpy()"),
                                (one.item, "x.item()"), (lambda: float(one), "float(x)")):
                 start = time.monotonic()
                 with pytest.raises(gt.debug.CollectiveError) as info:
@@ -149,6 +152,16 @@ def check_split_read_on_some_ranks_fails_fast():
                 for words in (call, "GLOBALTENSOR_READ_TIMEOUT", everyone,
                               "x.to_global(sbp=gt.sbp.broadcast)"):
                     assert words in text, (words, text)
+            # x.full(), which x.numpy() is as numpy, meets the first time it gathers from
+            # a call path (a branch on the rank is a new one)
+            start = time.monotonic()
+            with pytest.raises(gt.debug.CollectiveError) as info:
+                x.full()
+            assert time.monotonic() - start < ABANDONED_READ_TIMEOUT + 2
+            for words in (f"x.full() on rank 0 needs every rank of {everyone}",
+                          "GLOBALTENSOR_READ_TIMEOUT", "Call it on every rank"):
+                assert words in str(info.value), (words, str(info.value))
+        _everyone_waits_here()
     with _read_timeout(READ_TIMEOUT):
         # The world still works: a collective, then reads on every rank.
         assert x.to_global(sbp=gt.sbp.broadcast).to_local().tolist() == [0.0, 1.0, 2.0, 3.0]
@@ -171,7 +184,7 @@ def check_read_after_the_others_gave_up_fails():
         if gt.get_rank() == 0:
             with pytest.raises(gt.debug.CollectiveError, match="not all of them called it"):
                 read()
-        x.to_global(sbp=gt.sbp.broadcast)  # the others wait here until rank 0 gave up
+        _everyone_waits_here()  # the others wait here until rank 0 gave up
         if gt.get_rank() != 0:
             with pytest.raises(gt.debug.CollectiveError, match="came after rank 0 stopped"):
                 read()
@@ -337,14 +350,16 @@ def check_next_reduction_after_a_metric_on_one_rank_names_it():
 
 
 def check_reductions_met_once_are_not_met_again():
-    # a loop's reductions meet in its first step only: later steps cost no store round
-    # trips, and a rank late to its loss (validating alone, say) is waited for as long as
-    # the collective waits, not GLOBALTENSOR_READ_TIMEOUT
+    # a loop's reductions and gradient buckets meet in its first step only: later steps
+    # cost no store round trips, and a rank late to its loss (validating alone, say) is
+    # waited for as long as the collective waits, not GLOBALTENSOR_READ_TIMEOUT
+    import importlib
+
     import globaltensor as gt
-    from globaltensor import comm
+    meeting = importlib.import_module("globaltensor.comm.meet")  # (comm.meet: the function)
     step, *_ = _classifier_step()
-    shipped, names = comm.meet, []
-    comm.meet = lambda ranks, what, *rest: (names.append(what), shipped(ranks, what, *rest))
+    shipped, names = meeting.meet, []
+    meeting.meet = lambda ranks, what, *rest: (names.append(what), shipped(ranks, what, *rest))
     met = []
     try:
         for i in range(3):
@@ -355,8 +370,9 @@ def check_reductions_met_once_are_not_met_again():
                 step()
             met.append(names[before:])
     finally:
-        comm.meet = shipped
-    assert "embedding index check" in met[0] and "aten.nll_loss_forward.default" in met[0], met
+        meeting.meet = shipped
+    for name in ("embedding index check", "aten.nll_loss_forward.default", "backward()"):
+        assert name in met[0], (name, met)
     assert met[1:] == [[], []], met
 
 
