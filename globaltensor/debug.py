@@ -7,6 +7,8 @@
 ...     y = x.to_global(sbp=gt.sbp.broadcast)
 >>> stats.total_bytes                                       # doctest: +SKIP
 >>> gt.debug.show_layout(x)                                 # doctest: +SKIP
+>>> gt.debug.plot_layout(x, "x.png")                        # doctest: +SKIP
+>>> gt.debug.plot_step(gt.debug.explain_step(step), "step.png")  # doctest: +SKIP
 
 Set ``GLOBALTENSOR_DEBUG=1`` to log every boxing route as it runs (logger "globaltensor",
 level DEBUG) and to turn on the check mode (``check_consistency``).
@@ -21,13 +23,15 @@ from .boxing import Plan, plan_route
 from .comm import CollectiveError, DivergenceError, stats
 from .comm.stats import CommCounter
 from .layout import Layout
+from .pictures import draw_layout, plot_layout, plot_step
 from .placement import Placement
 from .planner.explain import StepReport, explain_step
 from .rules.registry import FallbackWarning
+from .step_check import StepCheck, check_step
 from .tensor import GlobalTensor
 
-__all__ = ["explain", "explain_step", "StepReport", "comm_stats", "show_layout",
-           "check_consistency", "CommCounter", "CollectiveError", "DivergenceError",
+__all__ = ["explain", "explain_step", "StepReport", "check_step", "StepCheck", "comm_stats", "show_layout",
+           "plot_layout", "plot_step", "check_consistency", "CommCounter", "CollectiveError", "DivergenceError",
            "FallbackWarning"]
 
 
@@ -68,9 +72,23 @@ def comm_stats() -> Iterator[CommCounter]:
 
 
 def show_layout(x: GlobalTensor, file=None) -> str:
-    """Print (and return) which rank holds which slice of ``x``. No communication."""
+    """Print (and return) which rank holds which block of ``x``: a text picture of its
+    first two split dims (blocks labelled with their ranks: "0,1" copies, "0+1"
+    addends), then each rank's slice. No communication.
+
+    >>> gt.debug.show_layout(x)     # (8, 8) on [[0, 1], [2, 3]], (split(0), split(1))  # doctest: +SKIP
+    (8, 8) torch.float32 on placement(type="cpu", ranks=[[0, 1], [2, 3]]), sbp (split(dim=0), split(dim=1))
+      rows: dim 0 (8), columns: dim 1 (8)
+      +---------------+--------------+
+      |               |              |
+      ...
+      |       0       |      1       |
+      ...
+      rank 0 [0, 0]: [0:4, 0:4] shape (4, 4)
+    """
     layout = x.global_layout
     lines = [f"{tuple(x.shape)} {x.dtype} on {layout.placement}, sbp {layout.sbp}"]
+    lines += ["  " + line for line in draw_layout(layout).splitlines()]
     for rank in layout.placement:
         region = layout.region(rank)
         index = ", ".join(f"{o}:{o + s}" for o, s in zip(region.offsets, region.sizes))

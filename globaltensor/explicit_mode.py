@@ -129,7 +129,7 @@ def program_line() -> str:
     return ""
 
 
-def _backward_node() -> str:
+def backward_node() -> str:
     """" in backward (MmBackward0, forward at train.py:12)" inside backward, else "". The
     forward's line is known under ``torch.autograd.set_detect_anomaly(True)``, which
     keeps each node's forward traceback."""
@@ -157,7 +157,7 @@ def op_boxing_error(func, moves: list) -> LayoutError:
     """The error of an op that would box operands: ``moves``, per operand that moves,
     (its position, its layout, the target, the plan)."""
     line = program_line()
-    lines = [f"globaltensor: {func} at {line or '(no program line)'}{_backward_node()} "
+    lines = [f"globaltensor: {func} at {line or '(no program line)'}{backward_node()} "
              f"would box {len(moves)} operand(s) in an explicit region (gt.explicit()):"]
     total = 0
     for i, src, dst, plan in moves:
@@ -177,7 +177,7 @@ def boxing_error(why: object, src: Layout, dst: Layout) -> LayoutError:
     """The error of a boxing the library would do on its own (inside an op's
     decomposition) in an explicit region."""
     return LayoutError(
-        f"globaltensor: {why} at {program_line() or '(no program line)'}{_backward_node()} "
+        f"globaltensor: {why} at {program_line() or '(no program line)'}{backward_node()} "
         f"would box {tuple(src.shape)} {src.placement} {_sbp_text(src)} -> {_sbp_text(dst)} "
         f"in an explicit region (gt.explicit()); box the operands first with "
         f"x.to_global(...), or run this op outside the region")
@@ -187,7 +187,7 @@ def partial_error(func, outs: list) -> LayoutError:
     """The error of an op that makes a partial result where ``allow_partial=False``."""
     made = ", ".join(_sbp_text(o) for o in outs)
     return LayoutError(
-        f"globaltensor: {func} at {program_line() or '(no program line)'}{_backward_node()} "
+        f"globaltensor: {func} at {program_line() or '(no program line)'}{backward_node()} "
         f"makes a partial result ({made}) in an explicit region with allow_partial=False; "
         f"reduce it explicitly (y.to_global(sbp=...)) or allow partials")
 

@@ -95,6 +95,21 @@ def watch(leaf: GlobalTensor) -> None:
     leaf.register_post_accumulate_grad_hook(_after_accumulate)
 
 
+_kept_grads: list = []   # open ``grads_kept()``: {id(leaf): (leaf, its .grad before)}
+
+
+@contextlib.contextmanager
+def grads_kept() -> Iterator[None]:
+    """Put back, on exit, the ``.grad`` of every watched leaf that a backward inside
+    reached (``gt.debug.check_step``: a step on fake tensors leaves no gradient)."""
+    _kept_grads.append({})
+    try:
+        yield
+    finally:
+        for leaf, grad in _kept_grads.pop().values():
+            leaf.grad = grad
+
+
 def _before_accumulate(leaf: GlobalTensor):
     """A hook that, inside ``no_sync()``, gives a kept ``.grad`` (e.g. zeroed with
     ``zero_grad(set_to_none=False)``) the incoming gradient's partial axes before
@@ -105,6 +120,8 @@ def _before_accumulate(leaf: GlobalTensor):
 
     @skipped_by_dynamo
     def hook(grad):
+        if _kept_grads:
+            _kept_grads[-1].setdefault(id(ref()), (ref(), ref().grad))
         if _sync:
             if _decided_task != torch._C._current_graph_task_id():
                 _accumulation_meets(ref(), grad)

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import comm, origins, retrace
+from . import comm, explicit_mode, origins, retrace
 from .boxing.run import box
 from .layout import Layout
 from .local_parts import device_of, empty_local
@@ -315,6 +315,8 @@ def _moved(x: GlobalTensor, dst: Layout, call: str) -> GlobalTensor:
         if _pin_watch is not None:
             _pin_watch[2](x, dst)
         return x
+    if explicit_mode._regions and not explicit_mode.called_by_program():
+        call = None   # the library's own to_global (an op's decomposition): not written
     return _ToGlobal.apply(x, dst, call)
 
 
@@ -332,7 +334,8 @@ class _ToGlobal(torch.autograd.Function):
         # so each rank holds it whole. Boxing it back to a partial would be correct too,
         # but the next backward ops would then produce (and later reduce) full-size
         # partials.
-        out = to_layout(grad, ctx.src.without_partials())
+        with explicit_mode.written():   # the backward of a to_global the program wrote
+            out = to_layout(grad, ctx.src.without_partials())
         if ctx.link is not None:
             out = _pin_watch[1](out, grad, ctx.link)
         return out, None, None

@@ -17,16 +17,17 @@ GLOBALTENSOR_READ_TIMEOUT, instead of waiting GLOBALTENSOR_TIMEOUT in a collecti
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import sysconfig
 import zlib
-from typing import ContextManager
+from typing import ContextManager, Iterator
 
 import torch
 
-from .. import comm, env
+from .. import comm, env, explicit_mode
 from ..comm.meet import meet_once, met_before
 from ..layout import Layout
 from ..local_parts import empty_local
@@ -51,6 +52,13 @@ def box(local: torch.Tensor, src: Layout, dst: Layout, donate: bool = False,
     plan = plan_route(src, dst, local.element_size())
     if not plan.steps:
         return local
+    if explicit_mode._regions and call is None and not meet and not explicit_mode.boxing_written() \
+            and any(step.sends for step in plan.steps):
+        # a boxing the library would do on its own (inside an op's decomposition): the
+        # op's own operands were checked before it ran (dispatch/entry.py)
+        raise explicit_mode.boxing_error(why, src, dst)
+    for observe in _observers:   # gt.debug.check_step
+        observe(why, src, dst, plan)
     if (meet or call is not None) and not comm.tracing():  # (a traced graph runs on every rank)
         if meet:
             reduction_meets(plan, local.dtype, why)
@@ -60,6 +68,19 @@ def box(local: torch.Tensor, src: Layout, dst: Layout, donate: bool = False,
     if comm.get_rank() not in dst.placement:
         return empty_local(dst, local.dtype, like=local)
     return out
+
+
+_observers: list = []   # functions told of every boxing (why, src, dst, plan) before it runs
+
+
+@contextlib.contextmanager
+def observed(observe) -> Iterator[None]:
+    """Tell ``observe(why, src, dst, plan)`` of every boxing inside, before it runs."""
+    _observers.append(observe)
+    try:
+        yield
+    finally:
+        _observers.remove(observe)
 
 
 REDUCTION_ADVICE = (

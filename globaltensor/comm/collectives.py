@@ -107,7 +107,8 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...]
         src, back = _traced_on_host("all_gather", inp.contiguous().view(-1))
         out.view(-1).copy_(back(funcol.all_gather_tensor(src, 0, get_group(ranks))))
         return
-    stats.record("all_gather", _nbytes(inp) * (len(ranks) - 1))
+    if stats.record("all_gather", _nbytes(inp) * (len(ranks) - 1)):
+        return
     # Flat views: backends check the output as len(ranks) chunks of the input's shape.
     dst, src = out.view(-1), inp.contiguous().view(-1)
     host = _HostCopies() if _staged("all_gather", out.device) else None
@@ -126,7 +127,8 @@ def all_reduce_(t: torch.Tensor, reduce: str, ranks: tuple[int, ...]) -> None:
         src, back = _traced_on_host("all_reduce" if reduce == "sum" else "all_reduce:max", t)
         t.copy_(back(funcol.all_reduce(src, reduce, get_group(ranks))))
         return
-    stats.record("all_reduce", 2 * _nbytes(t) * (len(ranks) - 1) // len(ranks))
+    if stats.record("all_reduce", 2 * _nbytes(t) * (len(ranks) - 1) // len(ranks)):
+        return
     host = _HostCopies() if _staged("all_reduce" if reduce == "sum" else "all_reduce:max",
                                     t.device) else None
     buf = t if host is None else host.both(t)
@@ -149,7 +151,8 @@ def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, reduce: str,
         out.copy_(back(_FUNCTIONAL_REDUCE_SCATTER(src, reduce, 0,
                                                   get_group(ranks))).view(out.shape))
         return
-    stats.record("reduce_scatter", _nbytes(inp) * (len(ranks) - 1) // len(ranks))
+    if stats.record("reduce_scatter", _nbytes(inp) * (len(ranks) - 1) // len(ranks)):
+        return
     dst, src = out, inp.contiguous()
     host = _HostCopies() if _staged("reduce_scatter", out.device) else None
     if host is not None:
@@ -173,7 +176,8 @@ def all_reduce_async(t: torch.Tensor, ranks: tuple[int, ...], what: str = "all_r
     if tracing():
         all_reduce_(t, "sum", ranks)
         return _Done()
-    stats.record("all_reduce", 2 * _nbytes(t) * (len(ranks) - 1) // len(ranks))
+    if stats.record("all_reduce", 2 * _nbytes(t) * (len(ranks) - 1) // len(ranks)):
+        return _Done()
     host = _HostCopies() if _staged("all_reduce", t.device) else None
     buf = t if host is None else host.both(t)
     work = guarded("all_reduce", ranks, lambda: dist.all_reduce(
@@ -192,7 +196,8 @@ def all_gather_async(out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...
     if tracing():
         all_gather_into(out, inp, ranks)
         return _Done()
-    stats.record("all_gather", _nbytes(inp) * (len(ranks) - 1))
+    if stats.record("all_gather", _nbytes(inp) * (len(ranks) - 1)):
+        return _Done()
     dst, src = out.view(-1), inp.contiguous().view(-1)
     host = _HostCopies() if _staged("all_gather", out.device) else None
     if host is not None:
@@ -216,7 +221,8 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence
                                                 get_group(ranks))))
         return
     me = ranks.index(dist.get_rank())
-    stats.record("all_to_all", (sum(in_splits) - in_splits[me]) * inp.element_size())
+    if stats.record("all_to_all", (sum(in_splits) - in_splits[me]) * inp.element_size()):
+        return
     dst, src = out, inp
     host = _HostCopies() if _staged("all_to_all", out.device) else None
     if host is not None:
@@ -235,8 +241,9 @@ def broadcast_(t: torch.Tensor, src: int, ranks: tuple[int, ...]) -> None:
         sent, back = _traced_on_host("broadcast", t)
         t.copy_(back(funcol.broadcast(sent, ranks.index(src), get_group(ranks))))
         return
-    if dist.get_rank() == src:
-        stats.record("broadcast", _nbytes(t) * (len(ranks) - 1))
+    if (stats.record("broadcast", _nbytes(t) * (len(ranks) - 1)) if dist.get_rank() == src
+            else stats.dry()):
+        return
     host = _HostCopies() if _staged("broadcast", t.device) else None
     buf = t if host is None else host.both(t)
     guarded("broadcast", ranks, lambda: dist.broadcast(buf, src=src, group=get_group(ranks)))
@@ -268,6 +275,10 @@ def start_p2p(sends: Sequence[tuple[torch.Tensor, int]],
     one pair of ranks match in the order posted. Receive tensors must be contiguous.
     Each send is counted as ``kind`` (None: not counted, the caller counts)."""
     if not sends and not recvs:
+        return P2PWork([])
+    if stats.dry():
+        for t, _ in sends if kind is not None else ():
+            stats.record(kind, _nbytes(t))
         return P2PWork([])
     if tracing():
         raise RuntimeError(
@@ -307,7 +318,8 @@ def all_gather_p2p(pieces: Sequence[torch.Tensor], mine: torch.Tensor,
     pieces[me].copy_(mine.view(pieces[me].shape))
     if len(ranks) == 1:
         return P2PWork([])
-    stats.record("all_gather", _nbytes(mine) * (len(ranks) - 1))
+    if stats.record("all_gather", _nbytes(mine) * (len(ranks) - 1)):
+        return P2PWork([])
     sends = [(mine, m) for j, m in enumerate(ranks) if j != me and mine.numel()]
     recvs = [(p, m) for j, (p, m) in enumerate(zip(pieces, ranks)) if j != me and p.numel()]
     return start_p2p(sends, recvs, kind=None)
@@ -329,8 +341,9 @@ def all_gather_ints(values: Sequence[int], ranks: tuple[int, ...] | None = None,
         ranks = tuple(range(dist.get_world_size()))
     if len(ranks) == 1:
         return [list(values)]
+    if stats.record("all_gather", 8 * (len(values) + (not same_length)) * (len(ranks) - 1)):
+        return [list(values)] * len(ranks)   # a dry run: as if every member agreed
     group = get_group(ranks)
-    stats.record("all_gather", 8 * (len(values) + (not same_length)) * (len(ranks) - 1))
     n = len(ranks)
     if same_length:
         lengths = torch.full((n,), len(values), dtype=torch.int64)

@@ -1,9 +1,14 @@
-"""Counters of communication by kind, switched on by ``debug.comm_stats()``."""
+"""Counters of communication by kind, switched on by ``debug.comm_stats()``; and dry
+runs (``gt.debug.check_step``), in which every collective is counted and none is sent.
+"""
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
+from typing import Iterator
 
 _active: list["CommCounter"] = []
+_dry = 0   # open dry runs: collectives are counted, not sent
 
 
 class CommCounter:
@@ -27,10 +32,32 @@ class CommCounter:
         return f"CommCounter({kinds or 'no communication'})"
 
 
-def record(kind: str, nbytes: int) -> None:
+def record(kind: str, nbytes: int) -> bool:
+    """Count a collective; True in a dry run, where the caller sends nothing."""
     for counter in _active:
         counter.calls[kind] += 1
         counter.bytes[kind] += int(nbytes)
+    return _dry > 0
+
+
+def dry() -> bool:
+    """Whether a dry run is open (collectives counted, not sent)."""
+    return _dry > 0
+
+
+@contextlib.contextmanager
+def dry_run() -> Iterator[CommCounter]:
+    """Count every collective and point-to-point message inside, and send none: their
+    outputs keep what they held (``gt.debug.check_step`` runs on fake tensors)."""
+    global _dry
+    counter = CommCounter()
+    push(counter)
+    _dry += 1
+    try:
+        yield counter
+    finally:
+        _dry -= 1
+        pop(counter)
 
 
 def push(counter: CommCounter) -> None:

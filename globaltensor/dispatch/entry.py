@@ -14,6 +14,9 @@ per-op hot path, where a property call per operand is measurable.
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -46,6 +49,8 @@ def dispatch(func, types, args, kwargs):
 
     >>> (x @ w).relu()      # each op enters here once     # doctest: +SKIP
     """
+    if _fake_parts:   # gt.debug.check_step: the op runs on fake parts
+        args, kwargs = _on_fake_parts(args, kwargs)
     special = _special.get(func)
     if special is None:
         special = _special[func] = _special_handler(func)
@@ -85,6 +90,35 @@ def dispatch(func, types, args, kwargs):
     if comm.check_mode():
         return _checked(func, leaves, spec)
     return _carry_out(func, cached_decision(func, leaves, spec), leaves, spec)
+
+
+_fake_parts: list = []   # open fake_parts(): their FakeTensorModes, innermost last
+
+
+@contextlib.contextmanager
+def fake_parts(mode) -> Iterator[None]:
+    """Run every op inside on fake local parts made by ``mode`` (a ``FakeTensorMode``
+    that allows real inputs): no values, no compute (``gt.debug.check_step``)."""
+    _fake_parts.append(mode)
+    try:
+        yield
+    finally:
+        _fake_parts.remove(mode)
+
+
+def _on_fake_parts(args: tuple, kwargs: dict) -> tuple:
+    """``args`` and ``kwargs`` with each GlobalTensor's part made fake (a twin of the
+    same layout: the program's tensors keep their real parts)."""
+    mode = _fake_parts[-1]
+
+    def fake(x):
+        if type(x) is not GlobalTensor or x._local.__class__ is not _PLAIN:
+            return x
+        if x.requires_grad and x.is_leaf:
+            gradsync.watch(x)   # as a real step would (the twin is no leaf)
+        return GlobalTensor(mode.from_tensor(x._local), x._layout)
+    leaves, spec = tree_flatten((args, kwargs))
+    return tree_unflatten([fake(x) for x in leaves], spec)
 
 
 def _repeated(func, args: tuple, kwargs: dict):

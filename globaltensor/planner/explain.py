@@ -23,7 +23,8 @@ class CallChoice:
     """One call of the step: its op, the per-op and the planned signature (input
     sbps -> output sbps), what each costs (seconds, the boxing into the call and its
     compute), the bytes its boxings send per-op and planned (estimated, the busiest
-    rank) and the bytes this rank sent for it when it ran op by op."""
+    rank), the bytes this rank sent for it when it ran op by op, and whether it ran in
+    backward."""
     index: int
     op: str
     per_op: str
@@ -33,6 +34,7 @@ class CallChoice:
     sent_bytes: int
     per_op_bytes: int = 0
     planned_bytes: int = 0
+    in_backward: bool = False
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,8 @@ def explain_step(fn, *args, **kwargs) -> StepReport:
         calls.append(CallChoice(
             v, _op_name(node.func), _signature(sigs[greedy(node)]), _signature(sigs[node.choice]),
             _node_cost(problem, plan.nodes, v, greedy), _node_cost(problem, plan.nodes, v, planned),
-            node.sent_bytes, _boxed_bytes(plan.nodes, v, greedy), _boxed_bytes(plan.nodes, v, planned)))
+            node.sent_bytes, _boxed_bytes(plan.nodes, v, greedy), _boxed_bytes(plan.nodes, v, planned),
+            node.in_backward))
     return StepReport(tuple(calls), plan.per_op_cost, plan.planned_cost, plan.seconds,
                       result)
 

@@ -165,6 +165,18 @@ def check_a_planned_step_in_the_region_boxes_only_where_the_program_does():
     assert len(set(sent)) == 1, sent
 
 
+def check_the_librarys_own_boxing_inside_an_op_raises_too():
+    # softmax over the split dim gathers inside its decomposition: not the program's
+    torch, P = _setup()
+    x = gt.randn(4, 8, placement=P, sbp=gt.sbp.split(1))
+    with gt.explicit(), gt.debug.comm_stats() as stats:
+        with pytest.raises(gt.LayoutError, match="would box"):
+            x.softmax(1)
+        y = x.to_global(sbp=gt.sbp.split(0)).softmax(1)   # written: the dim made local
+    assert stats.calls == {"all_to_all": 1}, stats
+    torch.testing.assert_close(y.full(), x.full().softmax(1))
+
+
 def check_compiled_code_raises_while_tracing():
     torch, P = _setup()
     y = gt.randn(8, 6, placement=P, sbp=gt.sbp.split(0))
@@ -191,4 +203,5 @@ test_world2 = world_test(__name__, 2, [
     "check_backward_boxing_names_its_autograd_node",
     "check_a_planned_step_in_the_region_boxes_only_where_the_program_does",
     "check_compiled_code_raises_while_tracing",
+    "check_the_librarys_own_boxing_inside_an_op_raises_too",
 ])
