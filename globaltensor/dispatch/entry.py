@@ -32,7 +32,7 @@ from ..tensor import GlobalTensor, install_dispatcher, wrap_part
 from . import plain
 from .cache import cached_decision, direct_call
 from .call import flatten_args, unflatten_args
-from .decide import Decision
+from .decide import Decision, options
 
 aten = torch.ops.aten
 _PLAIN = torch.Tensor
@@ -152,7 +152,7 @@ def _carry_out(func, decision: Decision, leaves, spec, why=None):
     """Run ``decision``: a call that needs no boxing runs its local op directly, the
     rest goes through ``_run`` (``why`` names its boxing: by default ``func``)."""
     if explicit_mode._regions:
-        _explicit_check(func, decision, leaves)
+        decision = _explicit_check(func, decision, leaves, spec)
     op = decision.direct
     if op is not None:
         local = [x._local if x.__class__ is GlobalTensor else x for x in leaves]
@@ -164,27 +164,42 @@ def _carry_out(func, decision: Decision, leaves, spec, why=None):
     return _run(func, decision, leaves, spec, why)
 
 
-def _explicit_check(func, decision: Decision, leaves) -> None:
-    """In an explicit region (``gt.explicit()``): raise ``LayoutError`` before anything
-    is sent when ``decision`` boxes an operand, or makes a partial result where partials
-    are not allowed (``explicit_mode.py``)."""
+def _explicit_check(func, decision: Decision, leaves, spec) -> Decision:
+    """In an explicit region (``gt.explicit()``): ``decision``, or where it would send
+    data to box an operand, the first signature the op's rule allows that sends none (a
+    broadcast operand made a partial addend locally, say); else ``LayoutError`` before
+    anything is sent. Also raised where an op makes a partial result and partials are
+    not allowed (``explicit_mode.py``)."""
     if func is aten._is_any_true.default:   # anomaly detection's check of a gradient
-        return
-    moves = []
-    for i, target in zip(decision.gidx, decision.targets):
-        layout = leaves[i]._layout
-        if layout is not target and layout != target:
-            plan = plan_route(layout, target, leaves[i].element_size())
-            if any(step.sends for step in plan.steps):   # a local slice or view is free
-                moves.append((i, layout, target, plan))
+        return decision
+    moves = _sending_moves(decision.gidx, decision.targets, leaves)
     if moves:
-        raise explicit_mode.op_boxing_error(func, moves)
+        opts = options(func, leaves, spec, decision)
+        quiet = [k for k, (targets, _) in enumerate(opts.signatures if opts else ())
+                 if not _sending_moves(decision.gidx, targets, leaves)]
+        if not quiet:
+            raise explicit_mode.op_boxing_error(func, moves)
+        decision = opts.decision(quiet[0], tuple(leaves[i]._layout for i in decision.gidx))
     if not explicit_mode.allows_partial():
         outs = [o if r is None else r for o, r in
                 zip(decision.out_layouts, decision.reduced or (None,) * len(decision.out_layouts))]
         made = explicit_mode.makes_partial(list(decision.targets), outs)
         if made:
             raise explicit_mode.partial_error(func, made)
+    return decision
+
+
+def _sending_moves(gidx: tuple, targets: tuple, leaves) -> list:
+    """(position, layout, target, plan) of each operand whose boxing to ``targets``
+    sends data (a local slice or view does not)."""
+    moves = []
+    for i, target in zip(gidx, targets):
+        layout = leaves[i]._layout
+        if layout is not target and layout != target:
+            plan = plan_route(layout, target, leaves[i].element_size())
+            if any(step.sends for step in plan.steps):
+                moves.append((i, layout, target, plan))
+    return moves
 
 
 def _in_step(func, leaves, spec, tracing: bool):

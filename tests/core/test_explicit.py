@@ -100,8 +100,9 @@ def check_allow_partial_false_raises_where_an_op_makes_a_partial():
 
 
 def check_megatron_block_with_its_boxings_written_trains_equal():
-    # forward in the region: without the written all-reduce it raises at the residual
-    # add; with it, values and gradients equal implicit mode's (backward outside)
+    # forward in the region: without the written all-reduce the residual add makes x an
+    # addend locally and the square of the partial sum raises; with it, values and
+    # gradients equal implicit mode's (backward outside)
     import torch.nn.functional as F
     torch, P = _setup()
     full = [torch.randn(8, 16), torch.randn(32, 16) * 0.1, torch.randn(16, 32) * 0.1]
@@ -120,10 +121,13 @@ def check_megatron_block_with_its_boxings_written_trains_equal():
         w1 = gt.to_global(full[1], P, B).to_global(sbp=S0).detach().requires_grad_()
         w2 = gt.to_global(full[2], P, B).to_global(sbp=S1).detach().requires_grad_()
         if mode == "explicit, unwritten":
-            with gt.explicit(), pytest.raises(gt.LayoutError) as caught:
-                block(x, w1, w2, written=False)
-            assert "aten.add.Tensor" in str(caught.value), str(caught.value)
-            assert "operand 1: (8, 16)" in str(caught.value) and "partial_sum ->" in str(caught.value)
+            with gt.explicit():
+                y = block(x, w1, w2, written=False)   # x made an addend locally: runs
+                assert y.sbp == (gt.sbp.partial_sum,), y.sbp
+                with pytest.raises(gt.LayoutError) as caught:
+                    y * y                                 # a product of partials: raises
+            assert "aten.mul.Tensor" in str(caught.value), str(caught.value)
+            assert "partial_sum ->" in str(caught.value), str(caught.value)
             continue
         with gt.explicit() if mode == "explicit" else _nothing():
             y = block(x, w1, w2, written=mode == "explicit")
@@ -177,6 +181,42 @@ def check_the_librarys_own_boxing_inside_an_op_raises_too():
     torch.testing.assert_close(y.full(), x.full().softmax(1))
 
 
+def check_nanogpt_tensor_parallel_raises_then_trains_equal_with_its_boxings_written():
+    # benchmarks/tp.py's GPT with Megatron's layout: in the region it raises at the
+    # first implicit boxing; with Megatron's to_global calls written in (tp.py's pins)
+    # it runs, and trains equal to implicit mode (forward in the region)
+    import copy
+    import sys
+    from pathlib import Path
+    torch, P = _setup()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import tp
+    base = tp.GPT(tp.Config(64, 16, 32, 4, 2))
+    B = gt.sbp.broadcast
+    pins = {"stream": B, "heads": gt.sbp.split(1), "features": gt.sbp.split(2)}
+    ids, targets = (gt.tensor(torch.randint(64, (4, 16)), placement=P, sbp=B) for _ in range(2))
+    runs = []
+    for mode in ("implicit", "explicit"):
+        model = gt.nn.to_global(copy.deepcopy(base), P, lambda name, t: tp._megatron_sbp(name))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if mode == "explicit":
+            with gt.explicit(), pytest.raises(gt.LayoutError) as caught:
+                model(ids, targets)            # nothing written: the first boxing raises
+            assert "native_layer_norm" in str(caught.value) and "tp.py:" in str(caught.value)
+        losses = []
+        for _ in range(3):
+            with gt.explicit() if mode == "explicit" else _nothing():
+                loss = model(ids, targets, pins)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        runs.append((losses, [p.detach().full() for p in model.parameters()]))
+    assert runs[0][0] == pytest.approx(runs[1][0], rel=1e-6), runs
+    for a, b in zip(runs[0][1], runs[1][1]):
+        torch.testing.assert_close(a, b)
+
+
 def check_compiled_code_raises_while_tracing():
     torch, P = _setup()
     y = gt.randn(8, 6, placement=P, sbp=gt.sbp.split(0))
@@ -204,4 +244,5 @@ test_world2 = world_test(__name__, 2, [
     "check_a_planned_step_in_the_region_boxes_only_where_the_program_does",
     "check_compiled_code_raises_while_tracing",
     "check_the_librarys_own_boxing_inside_an_op_raises_too",
+    "check_nanogpt_tensor_parallel_raises_then_trains_equal_with_its_boxings_written",
 ])
