@@ -18,6 +18,8 @@ from .explicit_mode import LayoutError, explicit
 from .factory import arange, empty, from_local, full, normal, ones, rand, randint, randn, tensor, to_global, zeros
 from .gradsync import no_sync
 from .interop import torch_patches as _torch_patches
+from .layout import Layout
+from .layout_spec import layout
 from .placement import Placement, placement
 from .random import manual_seed
 from .tensor import GlobalTensor, is_global
@@ -41,4 +43,4 @@ __all__ = ["init", "get_rank", "get_world_size", "get_local_rank", "manual_seed"
            "Placement", "sbp", "GlobalTensor", "is_global", "tensor", "from_local", "to_global",
            "randn", "rand", "randint", "normal", "zeros", "ones", "full", "empty", "arange",
            "matmul", "debug", "nn", "no_sync", "utils", "checkpoint", "from_dtensor",
-           "pipeline", "ps", "implicit_broadcast", "explicit", "LayoutError"]
+           "pipeline", "ps", "implicit_broadcast", "explicit", "LayoutError", "layout", "Layout"]

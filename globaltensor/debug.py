@@ -23,6 +23,7 @@ from .boxing import Plan, plan_route
 from .comm import CollectiveError, DivergenceError, stats
 from .comm.stats import CommCounter
 from .layout import Layout
+from .layout_spec import notation as _notation
 from .pictures import draw_layout, plot_layout, plot_step
 from .placement import Placement
 from .planner.explain import StepReport, explain_step
@@ -30,7 +31,7 @@ from .rules.registry import FallbackWarning
 from .step_check import StepCheck, check_step
 from .tensor import GlobalTensor
 
-__all__ = ["explain", "explain_step", "StepReport", "check_step", "StepCheck", "comm_stats", "show_layout",
+__all__ = ["notation", "explain", "explain_step", "StepReport", "check_step", "StepCheck", "comm_stats", "show_layout",
            "plot_layout", "plot_step", "check_consistency", "CommCounter", "CollectiveError", "DivergenceError",
            "FallbackWarning"]
 
@@ -99,3 +100,16 @@ def show_layout(x: GlobalTensor, file=None) -> str:
     text = "\n".join(lines)
     print(text, file=file)
     return text
+
+
+def notation(x: "GlobalTensor | Layout") -> str:
+    """``x``'s layout in the short notation of ``layout_spec``: ``f32[8@0, 4]`` is a
+    float32 (8, 4) tensor split on dim 0 by placement axis 0.
+
+    >>> gt.debug.notation(gt.randn(8, 4, placement=p, sbp=gt.sbp.split(0)))  # doctest: +SKIP
+    'f32[8@0, 4]'
+    """
+    if isinstance(x, GlobalTensor):
+        return _notation(x.global_layout, x.dtype)
+    return _notation(x)
+

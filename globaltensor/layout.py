@@ -85,9 +85,12 @@ class Layout:
         return self._hash
 
     def __eq__(self, other) -> bool:
-        return self is other or (isinstance(other, Layout) and self._hash == other._hash
-                                 and self.shape == other.shape and self.sbp == other.sbp
-                                 and self.placement == other.placement)
+        if self is other:
+            return True
+        if not isinstance(other, Layout):
+            return NotImplemented   # a gt.layout("S(0), B") spec compares itself
+        return (self._hash == other._hash and self.shape == other.shape
+                and self.sbp == other.sbp and self.placement == other.placement)
 
     def __reduce__(self):
         # Rebuilt through make (see Placement.__reduce__): interned, hashed here.
