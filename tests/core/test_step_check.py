@@ -47,6 +47,34 @@ def check_check_step_lists_the_collectives_a_real_step_runs():
     gt.debug.check_step(lambda: (x * 2).relu()).raise_if_any()
 
 
+def check_nanogpt_tensor_parallel_step_is_listed_exactly():
+    # benchmarks/tp.py's GPT with Megatron's layout: forward, loss and backward
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    import globaltensor as gt
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import tp
+    P = gt.placement.all("cpu")
+    torch.manual_seed(0)
+    model = gt.nn.to_global(tp.GPT(tp.Config(64, 16, 32, 4, 2)), P,
+                            lambda name, t: tp._megatron_sbp(name))
+    ids, targets = (gt.tensor(torch.randint(64, (4, 16)), placement=P, sbp=gt.sbp.broadcast)
+                    for _ in range(2))
+
+    def step():
+        model(ids, targets).backward()
+    report = gt.debug.check_step(step)
+    assert all(p.grad is None for p in model.parameters())
+    with gt.debug.comm_stats() as real:
+        step()
+    assert dict(report.counted.calls) == dict(real.calls), (report.counted, real)
+    assert dict(report.counted.bytes) == dict(real.bytes), (report.counted, real)
+    assert report.boxings, report
+
+
 def check_one_rank_checks_alone():
     # nothing is sent: rank 0 checks while the others do not, and nobody waits
     import time
@@ -66,6 +94,7 @@ def check_a_read_in_the_step_is_refused_clearly():
 
 
 CHECKS = ["check_check_step_lists_the_collectives_a_real_step_runs",
+          "check_nanogpt_tensor_parallel_step_is_listed_exactly",
           "check_one_rank_checks_alone",
           "check_a_read_in_the_step_is_refused_clearly"]
 test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
