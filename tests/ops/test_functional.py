@@ -1,0 +1,84 @@
+"""Composites written with global ops (rules/functional.py; issue #10 items 4 and 15):
+F.one_hot, F.embedding_bag (sum, mean, max; offsets, padding_idx, per-sample weights)
+and F.scaled_dot_product_attention with dropout. Values and gradients are compared
+with plain torch on the whole tensors, in worlds of 2 and 4 processes.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from check_helpers import B, S, _close, _g, _gen, _line
+from mp import checks_in_worlds
+
+import globaltensor as gt
+
+
+def check_one_hot_and_embedding_bag():
+    idx = torch.tensor([0, 3, 2, 1, 4, 4])
+    for sbp in (S(0), B):
+        out = F.one_hot(_g(idx, sbp), 5)
+        assert out.sbp == (S(0) if sbp == S(0) else B,)
+        _close(out, F.one_hot(idx, 5), f"one_hot {sbp}")
+        _close(F.one_hot(_g(idx, sbp)), F.one_hot(idx), f"one_hot {sbp}, classes counted")
+    with pytest.raises(RuntimeError):
+        F.one_hot(_g(idx, S(0)), 3)
+    w = torch.randn(10, 4, generator=_gen(3))
+    bags2d = torch.tensor([[0, 3, 9], [2, 1, 1], [5, 5, 7], [8, 0, 6]])
+    flat = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9])
+    offsets = torch.tensor([0, 2, 2, 5])
+    psw = torch.rand(8, generator=_gen(4))
+    for mode in ("sum", "mean", "max"):
+        for w_sbp in (S(0), S(1), B):
+            cases = [(lambda i, t, **k: F.embedding_bag(i, t, mode=mode, **k), bags2d, S(0), {}),
+                     (lambda i, t, **k: F.embedding_bag(i, t, offsets, mode=mode, **k), flat,
+                      S(0), {"padding_idx": 4})]
+            if mode == "sum":
+                cases.append((lambda i, t, **k: F.embedding_bag(
+                    i, t, offsets, mode="sum", per_sample_weights=psw, **k), flat, B, {}))
+            for fn, ind, ind_sbp, kw in cases:
+                want_w = w.clone().requires_grad_()
+                ref = fn(ind, want_w, **kw)
+                ref.square().sum().backward()
+                gw = _g(w, w_sbp, grad=True)
+                what = f"embedding_bag {mode} table {w_sbp} {tuple(ind.shape)} {kw}"
+                out = fn(_g(ind, ind_sbp), gw, **kw)
+                _close(out, ref.detach(), what)
+                out.square().sum().backward()
+                _close(gw.grad, want_w.grad, what + " gradient")
+
+
+def _attention_reference(q, k, v, keep, causal):
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+        scores = scores.masked_fill(~mask, -math.inf)
+    return (torch.softmax(scores, -1) * keep) @ v
+
+
+def check_attention_with_dropout():
+    gen = _gen(9)
+    q, k, v = (torch.randn(2, 4, 6, 8, generator=gen) for _ in range(3))
+    p = 0.25
+    for causal in (True, False):
+        ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+        gt.manual_seed(11)
+        keep = F.dropout(gt.ones(2, 4, 6, 6, placement=_line(), sbp=B), p).full()
+        ref = _attention_reference(*ref_in, keep, causal)
+        ref.square().sum().backward()
+        for sbp in (S(1), S(0), B):
+            ins = [_g(t, sbp, grad=True) for t in (q, k, v)]
+            gt.manual_seed(11)
+            out = F.scaled_dot_product_attention(*ins, dropout_p=p, is_causal=causal)
+            what = f"attention dropout causal={causal} {sbp}"
+            assert out.sbp == (sbp,), f"{what}: output {out.sbp}"
+            _close(out, ref.detach(), what)
+            out.square().sum().backward()
+            for x, want in zip(ins, ref_in):
+                _close(x.grad, want.grad, what + " gradient")
+
+
+CHECKS = ["check_one_hot_and_embedding_bag", "check_attention_with_dropout"]
+test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
