@@ -26,12 +26,13 @@ import re
 from .layout import Layout
 from .sbp import Broadcast, Partial, SbpParallel, Split, StridedSplit, broadcast, split
 
-_SPLIT = re.compile(r"^(?:S|split)\s*\(?\s*(?:dim\s*=\s*)?(-?\d+)\s*(?:,\s*blocks\s*=\s*(\d+)\s*)?\)?$")
+_SPLIT = re.compile(r"^(?:S|split)\s*\(?\s*(?:dim\s*=\s*)?(-?\d+)\s*(?:,\s*(?:blocks\s*=\s*)?(\d+)\s*)?\)?$")
 _NAMES = {"b": broadcast, "broadcast": broadcast, "p": Partial("sum"), "p(sum)": Partial("sum"),
           "partial_sum": Partial("sum"), "p(max)": Partial("max"), "partial_max": Partial("max")}
 
 
-def _parse_one(token: str) -> SbpParallel:
+def sbp_from_text(token: str) -> SbpParallel:
+    """One sbp written as text (``sbp_text``'s, or any spelling ``gt.layout`` reads)."""
     token = token.strip()
     found = _NAMES.get(token.lower().replace(" ", ""))
     if found is not None:
@@ -56,7 +57,9 @@ def _split_axes(text: str) -> list:
     return parts + [current]
 
 
-def _short(s: SbpParallel) -> str:
+def sbp_text(s: SbpParallel) -> str:
+    """One sbp as ``gt.layout`` writes it: ``S(0)``, ``S(0, blocks=2)``, ``B``, ``P``,
+    ``P(max)``."""
     if isinstance(s, StridedSplit):
         return f"S({s.dim}, blocks={s.blocks})"
     if isinstance(s, Split):
@@ -88,7 +91,7 @@ class LayoutSpec:
         return hash(self.sbp)
 
     def __repr__(self) -> str:
-        return f'layout("{", ".join(_short(s) for s in self.sbp)}")'
+        return f'layout("{", ".join(sbp_text(s) for s in self.sbp)}")'
 
 
 def layout(spec: str) -> LayoutSpec:
@@ -99,7 +102,7 @@ def layout(spec: str) -> LayoutSpec:
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"gt.layout takes a text like \"S(0), B\", not {spec!r}")
-    return LayoutSpec(tuple(_parse_one(t) for t in _split_axes(spec)))
+    return LayoutSpec(tuple(sbp_from_text(t) for t in _split_axes(spec)))
 
 
 _DTYPES = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16",

@@ -35,9 +35,10 @@ from .. import comm
 from ..cost import max_local_bytes
 from ..factory import from_local
 from ..layout import Layout
+from ..layout_spec import sbp_from_text, sbp_text
 from ..placement import Placement, check_placement
 from ..planner.record import RECORD_AT
-from ..sbp import Broadcast, Partial, SbpParallel, Split, StridedSplit, broadcast, partial_max, partial_sum, split
+from ..sbp import Split, broadcast, partial_max, partial_sum, split
 from ..tensor import GlobalTensor
 from .module import to_global
 
@@ -362,32 +363,14 @@ def _slowest_medians(times: dict, placement: Placement) -> dict:
 
 
 def _encode(sbp) -> list:
-    return [_encode_one(s) for s in sbp]
-
-
-def _encode_one(s: SbpParallel) -> str:
-    if isinstance(s, StridedSplit):
-        return f"split({s.dim},{s.blocks})"
-    if isinstance(s, Split):
-        return f"split({s.dim})"
-    if isinstance(s, Partial):
-        return f"partial_{s.reduce}"
-    assert isinstance(s, Broadcast)
-    return "broadcast"
+    return [sbp_text(s) for s in sbp]
 
 
 def _decode(items: list) -> tuple:
-    out = []
-    for item in items:
-        if item.startswith("split("):
-            out.append(split(*(int(v) for v in item[6:-1].split(","))))
-        elif item.startswith("partial_"):
-            out.append(Partial(item.removeprefix("partial_")))
-        elif item == "broadcast":
-            out.append(broadcast)
-        else:
-            raise ValueError(f"not an sbp in a saved plan: {item!r}")
-    return tuple(out)
+    try:   # (plans saved before wrote split(0,2), partial_sum: read as well)
+        return tuple(sbp_from_text(item) for item in items)
+    except ValueError as e:
+        raise ValueError(f"not an sbp in a saved plan: {items!r} ({e})") from None
 
 
 def _show(sbp) -> str:

@@ -48,3 +48,12 @@ def test_a_tensors_notation_and_spec_in_one_process():
     assert gt.debug.notation(x) == "f32[8@0, 4]"
     assert x.global_layout == gt.layout("S(0)") and x.sbp == gt.layout("S(0)")
     assert x.layout == torch.strided     # torch's memory layout, as torch reads it
+
+
+def test_an_sbp_round_trips_through_its_text_and_old_plan_files_read():
+    from globaltensor.layout_spec import sbp_from_text, sbp_text
+    for s in (S(0), S(2, blocks=4), B, gt.sbp.partial_sum, gt.sbp.partial_max):
+        assert sbp_from_text(sbp_text(s)) == s
+    # auto_parallel's plan files before this version wrote these
+    assert [sbp_from_text(t) for t in ("split(1,2)", "split(0)", "partial_sum", "broadcast")] == \
+        [S(1, blocks=2), S(0), gt.sbp.partial_sum, B]
