@@ -24,7 +24,11 @@ from typing import Any
 import torch
 
 from .. import comm
+from ..factory import from_local
 from ..layout import balanced_split
+from ..placement import placement
+from ..sbp import split
+from ..tensor import is_global
 from . import server
 from .hashed import HashedRows, part_of, server_of
 from .runtime import state, wait_calls
@@ -45,8 +49,7 @@ def workers_meet() -> None:
 
 
 def _workers_placement():  # type: ignore[no-untyped-def]
-    import globaltensor as gt
-    return gt.placement("cpu", ranks=list(range(state.workers)))
+    return placement("cpu", ranks=list(range(state.workers)))
 
 
 def _block(rows: Rows) -> torch.Tensor:
@@ -57,22 +60,20 @@ def _block(rows: Rows) -> torch.Tensor:
 
 def row_state(rows: Rows) -> dict:
     """{"weight": ..., "optimizer.<name>": ...}: GlobalTensors split by rows over the workers."""
-    import globaltensor as gt
     ids = _block(rows)
     values, opt_state = rows.read(ids)
-    return {name: gt.from_local(t, placement=_workers_placement(), sbp=gt.sbp.split(0),
+    return {name: from_local(t, placement=_workers_placement(), sbp=split(0),
                                 shape=(rows.num_rows, t.shape[1]))
             for name, t in [("weight", values), *((f"optimizer.{n}", t) for n, t in opt_state.items())]}
 
 
 def load_row_state(rows: Rows, saved: dict) -> None:
     """Push ``row_state``'s form (filled by ``dcp.load``; plain whole tensors work too)."""
-    import globaltensor as gt
     ids = _block(rows)
 
     def block(t: torch.Tensor) -> torch.Tensor:
-        if gt.is_global(t):
-            return t.to_global(placement=_workers_placement(), sbp=gt.sbp.split(0)).to_local()
+        if is_global(t):
+            return t.to_global(placement=_workers_placement(), sbp=split(0)).to_local()
         return t[ids[0]:ids[0] + ids.numel()] if ids.numel() else t[:0]
 
     weight = saved.get("weight")

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 from torch._subclasses.fake_tensor import DynamicOutputShapeException
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import comm
-from ..dispatch.call import flatten_args, unflatten_args
 from ..factory import members_metadata
 from ..layout import Layout
 from ..local_parts import device_of, empty_local
@@ -54,7 +54,7 @@ def run_on_whole_values(func, args, kwargs):
         # What fake tensors raise for such an op in plain torch: dynamo breaks the
         # graph there and the op runs eagerly.
         raise DynamicOutputShapeException(func)
-    leaves, spec = flatten_args(args, kwargs)
+    leaves, spec = tree_flatten((args, kwargs))   # (a rare op: torch's pytree will do)
     placement = common_placement((x.placement for x in leaves if isinstance(x, GlobalTensor)),
                                  func)
     everywhere = (broadcast,) * placement.ndim
@@ -69,7 +69,7 @@ def run_on_whole_values(func, args, kwargs):
     n_out = len(func._schema.returns)
     outs = None
     if inside:
-        local_args, local_kwargs = unflatten_args(leaves, spec)
+        local_args, local_kwargs = tree_unflatten(leaves, spec)
         out = func(*local_args, **local_kwargs)
         outs = [out] if n_out == 1 else list(out)
     if placement.size < comm.get_world_size():
