@@ -241,4 +241,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    spawn(main, 2)
+    from _docs import docs_section
+    with docs_section("boxing"):   # --write-docs: its table into docs/benchmarks.md
+        spawn(main, 2)

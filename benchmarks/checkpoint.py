@@ -145,4 +145,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    spawn(main, int(os.environ.get("NPROC", 4)))
+    from _docs import docs_section
+    with docs_section("checkpoint"):   # --write-docs: its table into docs/benchmarks.md
+        spawn(main, int(os.environ.get("NPROC", 4)))

@@ -161,4 +161,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    spawn(main, _parser().parse_args().nproc)
+    from _docs import docs_section
+    with docs_section("ddp"):   # --write-docs: its table into docs/benchmarks.md
+        spawn(main, _parser().parse_args().nproc)

@@ -172,4 +172,6 @@ def print_table(rows: list) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _docs import docs_section
+    with docs_section("faults"):   # --write-docs: its table into docs/benchmarks.md
+        sys.exit(main())

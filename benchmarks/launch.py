@@ -95,4 +95,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _docs import docs_section
+    with docs_section("launch"):   # --write-docs: its table into docs/benchmarks.md
+        main()

@@ -508,4 +508,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _docs import docs_section
+    with docs_section("memory"):   # --write-docs: its table into docs/benchmarks.md
+        main()

@@ -529,7 +529,9 @@ def run_worlds(argv: list) -> None:
 
 
 if __name__ == "__main__":
-    if "RANK" in os.environ:     # started by a launcher: this world's rows only
-        main()
-    else:
-        run_worlds(sys.argv[1:])
+    from _docs import docs_section
+    with docs_section("overhead"):   # --write-docs: its table into docs/benchmarks.md
+        if "RANK" in os.environ:     # started by a launcher: this world's rows only
+            main()
+        else:
+            run_worlds(sys.argv[1:])

@@ -236,10 +236,12 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    if "RANK" in os.environ:  # under a launcher: one world, the malloc settings it has
-        spawn(main, 0)
-    else:
-        args, argv = _parser().parse_args(), sys.argv[1:]
-        spawn(main, args.nproc, argv + ["--phase", "time"])
-        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # freed tensors leave RSS
-        spawn(main, args.nproc, argv + ["--phase", "memory"])
+    from _docs import docs_section
+    with docs_section("pipeline"):   # --write-docs: its table into docs/benchmarks.md
+        if "RANK" in os.environ:  # under a launcher: one world, the malloc settings it has
+            spawn(main, 0)
+        else:
+            args, argv = _parser().parse_args(), sys.argv[1:]
+            spawn(main, args.nproc, argv + ["--phase", "time"])
+            os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # freed tensors leave RSS
+            spawn(main, args.nproc, argv + ["--phase", "memory"])

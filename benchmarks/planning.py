@@ -147,15 +147,17 @@ def _header(args) -> None:
 
 
 if __name__ == "__main__":
-    import os
-    args = _parser().parse_args()
-    if "RANK" in os.environ:
-        main(sys.argv[1:])
-    else:
-        # 8 ranks planning at once on a 2-core machine reach a scalar's read minutes
-        # apart: give it time (only this benchmark's worlds)
-        os.environ.setdefault("GLOBALTENSOR_READ_TIMEOUT", "900")
-        _header(args)
-        for mesh in args.meshes.split(","):
-            rows, cols = (int(k) for k in mesh.split("x"))
-            spawn(main, rows * cols, sys.argv[1:] + ["--mesh", mesh])
+    from _docs import docs_section
+    with docs_section("planning"):   # --write-docs: its table into docs/benchmarks.md
+        import os
+        args = _parser().parse_args()
+        if "RANK" in os.environ:
+            main(sys.argv[1:])
+        else:
+            # 8 ranks planning at once on a 2-core machine reach a scalar's read minutes
+            # apart: give it time (only this benchmark's worlds)
+            os.environ.setdefault("GLOBALTENSOR_READ_TIMEOUT", "900")
+            _header(args)
+            for mesh in args.meshes.split(","):
+                rows, cols = (int(k) for k in mesh.split("x"))
+                spawn(main, rows * cols, sys.argv[1:] + ["--mesh", mesh])
