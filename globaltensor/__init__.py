@@ -19,7 +19,7 @@ from .factory import arange, empty, from_local, full, normal, ones, rand, randin
 from .gradsync import no_sync
 from .interop import torch_patches as _torch_patches
 from .layout import Layout
-from .layout_spec import layout
+from .layout_spec import layout  # hides the module globaltensor.layout as an attribute
 from .placement import Placement, placement
 from .random import manual_seed
 from .tensor import GlobalTensor, is_global

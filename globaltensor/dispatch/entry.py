@@ -27,12 +27,12 @@ from ..layout import Layout
 from ..local_parts import device_of, empty_local
 from ..partials import identity_value
 from ..planner import pins, record, traced  # noqa: F401  (pins: watches to_global)
+from ..propagation import plain
+from ..propagation.cache import cached_decision, direct_call
+from ..propagation.call import flatten_args, unflatten_args
+from ..propagation.decide import Decision, options
 from ..rules.registry import lookup_decomposition
 from ..tensor import GlobalTensor, install_dispatcher, wrap_part
-from . import plain
-from .cache import cached_decision, direct_call
-from .call import flatten_args, unflatten_args
-from .decide import Decision, options
 
 aten = torch.ops.aten
 _PLAIN = torch.Tensor

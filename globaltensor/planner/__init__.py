@@ -1,6 +1,6 @@
 """The whole-step planner: a step's calls recorded, planned together, replayed.
 
-Per-op choice (``dispatch/decide.py``) picks each call's signature from its operands'
+Per-op choice (``propagation/decide.py``) picks each call's signature from its operands'
 layouts alone; the planner sees a whole training step and picks every call's signature
 at once, so that a layout costly for one call but cheap for the calls after it can win
 (a residual stream kept batch-split, a Megatron block's activation gathered once).
@@ -15,8 +15,8 @@ at once, so that a layout costly for one call but cheap for the calls after it c
 - ``solve.py``, ``walks.py``: the solver (pure: lists of floats in, a choice out).
 - ``explain.py``: ``gt.debug.explain_step``.
 
-It sits between per-op choice (which it imports: ``dispatch/decide.py``,
-``dispatch/cache.py``) and ``__torch_dispatch__`` (``dispatch/entry.py``, which hands
+It sits between per-op choice (which it imports: ``propagation/decide.py``,
+``propagation/cache.py``) and ``__torch_dispatch__`` (``dispatch/entry.py``, which hands
 a call to ``record`` or ``traced`` while a step is recorded, replayed or traced).
 
 >>> import globaltensor as gt

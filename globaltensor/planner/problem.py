@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from ..boxing.plan import forget_searches, route_cost
 from ..cost import GLOO, costs_of, max_local_bytes
-from ..dispatch.decide import Decision, Options, _reduced_scalars
+from ..propagation.decide import Decision, Options, _reduced_scalars
 from ..sbp import Broadcast, Partial
 from . import solve
 

@@ -38,8 +38,8 @@ from torch.utils._pytree import tree_flatten
 
 from .. import env, explicit_mode, gradsync, retrace
 from ..cost import PARAMETER_WEIGHT
-from ..dispatch.cache import cached_decision, key_of_call
-from ..dispatch.decide import Decision, options
+from ..propagation.cache import cached_decision, key_of_call
+from ..propagation.decide import Decision, options
 from ..sbp import StridedSplit
 from ..tensor import GlobalTensor
 from .problem import Node, StepPlan, plan_step

@@ -33,7 +33,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from .. import retrace
-from ..dispatch.cache import cached_decision, key_of_call
+from ..propagation.cache import cached_decision, key_of_call
 from ..tensor import GlobalTensor
 from . import record
 from .problem import plan_step

@@ -1,7 +1,7 @@
 """sbp signature rules, one file per op family: this index imports every family file,
 whose registrations (``registry.py``) the dispatcher looks up.
 
-A rule takes a ``Call`` (``dispatch/call.py``) and returns the 1-D signatures valid on
+A rule takes a ``Call`` (``propagation/call.py``) and returns the 1-D signatures valid on
 one placement axis: a list of ``(input sbps, output sbps)``, one sbp per GlobalTensor
 input and one per tensor output; the dispatcher asks once per axis. The few rules whose
 signatures differ by axis are registered with ``per_axis=True`` and take the axis too

@@ -14,7 +14,7 @@ def check_cache_bounded_over_long_run():
     import torch
 
     import globaltensor as gt
-    from globaltensor.dispatch import cache
+    from globaltensor.propagation import cache
     P = gt.placement("cpu", [0, 1])
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
@@ -36,10 +36,11 @@ def check_cache_bounded_over_long_run():
 
 def check_cache_and_layouts_bounded_over_many_shapes():
     import gc
+    import importlib
 
     import globaltensor as gt
-    from globaltensor import layout
-    from globaltensor.dispatch import cache
+    layout = importlib.import_module("globaltensor.layout")   # gt.layout is the text form
+    from globaltensor.propagation import cache
     P = gt.placement("cpu", [0, 1])
     saved = cache.CACHE_SIZE
     cache.CACHE_SIZE = 64
@@ -183,7 +184,7 @@ def test_an_op_without_a_rule_warns_a_fallback_warning_once():
     import torch
 
     import globaltensor as gt
-    from globaltensor.dispatch import decide
+    from globaltensor.propagation import decide
     decide._warned.discard(torch.ops.aten._linalg_det.default)
     plain = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
     x = gt.tensor(plain, placement=gt.placement("cpu", [0]), sbp=gt.sbp.split(0))

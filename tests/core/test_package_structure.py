@@ -99,6 +99,20 @@ def test_no_module_imports_one_that_imports_it_back():
     assert _cycles(graph) == []
 
 
+# The op path's rooms, lowest first: each imports only rooms before it (and the core
+# modules), so per-op choice is usable without the planner, and the planner without
+# the entry that hands it calls.
+LAYERS = ["comm", "boxing", "rules", "propagation", "planner", "dispatch"]
+
+
+def test_the_op_path_imports_downward_only():
+    def room(module: str) -> str:
+        return module.split(".")[1] if module.count(".") else ""
+    upward = [f"{m} -> {t}" for m, targets in _import_graph().items() if room(m) in LAYERS
+              for t in targets if room(t) in LAYERS and LAYERS.index(room(t)) > LAYERS.index(room(m))]
+    assert not upward, f"imports up the op path ({' < '.join(LAYERS)}): {upward}"
+
+
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 

@@ -35,7 +35,7 @@ def check_attention_kernels_keep_head_split():
 def _kernel_signatures(func, *args):
     """The rule's signatures for a kernel, its tensors given on the meta device (the
     CUDA kernels have meta implementations, so their output shapes are real)."""
-    from globaltensor.dispatch.call import Call, flatten_args
+    from globaltensor.propagation.call import Call, flatten_args
     from globaltensor.rules.registry import lookup
     p = gt.placement("cpu", [0])
     leaves = [gt.from_local(torch.empty(a.shape), placement=p, sbp=B)

@@ -14,10 +14,10 @@ import torch
 
 import globaltensor as gt
 from globaltensor import sbp as S
-from globaltensor.dispatch import decide
-from globaltensor.dispatch.call import Call, flatten_args
 from globaltensor.layout import Layout
 from globaltensor.placement import Placement
+from globaltensor.propagation import decide
+from globaltensor.propagation.call import Call, flatten_args
 from globaltensor.rules import registry
 from globaltensor.rules._dims import normalize_dim
 from globaltensor.rules.einsum import einsum_pair, einsum_rule

@@ -15,10 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from globaltensor import sbp as S
-from globaltensor.dispatch import decide
-from globaltensor.dispatch.call import Call, flatten_args
 from globaltensor.layout import Layout
 from globaltensor.placement import Placement
+from globaltensor.propagation import decide
+from globaltensor.propagation.call import Call, flatten_args
 from globaltensor.rules.registry import lookup
 from globaltensor.sbp import StridedSplit
 from globaltensor.tensor import GlobalTensor
