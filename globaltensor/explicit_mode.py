@@ -14,7 +14,8 @@ partial gradient reduced into its own layout) is what the parameter's layout say
 is not an implicit boxing; nor is the backward of a ``to_global`` the program wrote.
 
 The same check runs while torch.compile traces (it raises during tracing), in
-backward (naming the autograd node whose backward boxes), and with whole-step
+backward (naming the autograd node whose backward boxes and the forward line that made
+it: nodes made in a region keep the program's line), and with whole-step
 planning (a step recorded in an explicit region keeps every call's own decision, so
 its plan boxes only where the program does).
 
@@ -30,6 +31,7 @@ import sys
 from typing import Callable, Iterator
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .layout import Layout
 from .sbp import Partial
@@ -78,11 +80,32 @@ class explicit(contextlib.ContextDecorator):
 
     def __enter__(self) -> "explicit":
         _regions.append(self.allow_partial)
+        _lines.append(_ForwardLines())
+        _lines[-1].__enter__()
         return self
 
     def __exit__(self, *exc) -> bool:
+        _lines.pop().__exit__(*exc)
         _regions.pop()
         return False
+
+
+class _ForwardLines(TorchFunctionMode):
+    """While a region is open: each autograd node made by a call of the program's
+    keeps the program's line (``node.metadata``), so a boxing its backward would do is
+    named at the forward line that caused it (``backward_node``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            node = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
+            if node is not None and _LINE not in node.metadata:
+                node.metadata[_LINE] = program_line()
+        return out
+
+
+_LINE = "globaltensor_forward_line"
+_lines: list = []   # the open regions' _ForwardLines, innermost last
 
 
 @contextlib.contextmanager
@@ -131,14 +154,15 @@ def program_line() -> str:
 
 def backward_node() -> str:
     """" in backward (MmBackward0, forward at train.py:12)" inside backward, else "". The
-    forward's line is known under ``torch.autograd.set_detect_anomaly(True)``, which
-    keeps each node's forward traceback."""
+    forward's line is known for a node made in an explicit region (``_ForwardLines``),
+    or under ``torch.autograd.set_detect_anomaly(True)``, which keeps each node's
+    forward traceback."""
     node = torch._C._current_autograd_node()
     if node is None:
         return ""
     stack = node.metadata.get("traceback_") if hasattr(node, "metadata") else None
-    forward = ""
-    for line in reversed(stack or []):   # formatted frames: '  File "x.py", line 3, in f\n...'
+    forward = f", forward at {node.metadata[_LINE]}" if node.metadata.get(_LINE) else ""
+    for line in reversed(stack or [] if not forward else []):   # formatted frames: '  File "x.py", line 3, in f\n...'
         if "/globaltensor/" not in line and "/torch/" not in line and 'File "' in line:
             file, _, rest = line.split('File "', 1)[1].partition('", line ')
             forward = f", forward at {file}:{rest.split(',')[0]}"

@@ -28,6 +28,11 @@ def test_explicit_is_a_context_manager_and_a_decorator():
     def g():
         return ex.allows_partial()
     assert f(3) == (True, 3) and f.__name__ == "f" and g() is False and not ex.active()
+
+    @gt.explicit
+    def down(n):   # one decorated function entered again inside itself
+        return ex.active() if n == 0 else down(n - 1)
+    assert down(3) and not ex.active() and not ex._lines
     with pytest.raises(ValueError):
         with gt.explicit():
             raise ValueError("inside")
@@ -151,6 +156,22 @@ def check_backward_boxing_names_its_autograd_node():
         with gt.explicit(), pytest.raises(gt.LayoutError) as caught:
             loss.backward()
     assert "forward at " in str(caught.value) and "test_explicit.py" in str(caught.value)
+    # a forward run in the region: each node keeps the program's line, which a boxing
+    # of its backward is named at (without anomaly detection)
+    from globaltensor import explicit_mode
+    x = gt.randn(8, 4, placement=P, sbp=gt.sbp.split(0), requires_grad=True)
+    with gt.explicit():
+        z = (x * 2).sum(0)                        # this line
+    line = z.grad_fn.metadata[explicit_mode._LINE]
+    assert line.endswith(f"test_explicit.py:{_line_of('(x * 2).sum(0)')}"), line
+
+
+def _line_of(text: str) -> int:
+    """The first line of this file holding ``text``."""
+    from pathlib import Path
+    lines = Path(__file__).read_text().splitlines()
+    found = [k + 1 for k, line in enumerate(lines) if text in line]
+    return found[0]
 
 
 def check_a_planned_step_in_the_region_boxes_only_where_the_program_does():
