@@ -217,3 +217,19 @@ def run_examples_together(runs: list, tmp_path, timeout: float = 150) -> list:
     for run, out in zip(runs, outs):
         assert out.returncode == 0, f"{run}:\n{out.stdout}{out.stderr}"
     return [out.stdout for out in outs]
+
+
+def benchmark_module(name: str):
+    """``benchmarks/<name>.py`` imported (with the benchmarks it imports) without leaving
+    benchmarks/ on ``sys.path``, where its scripts would hide test helpers of the same
+    name (``boxing``)."""
+    import importlib
+    import sys
+    from pathlib import Path
+    folder = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(folder)
+

@@ -5,10 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
+from mp import benchmark_module
 
-import _docs  # noqa: E402
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+_docs = benchmark_module("_docs")
 
 
 def test_a_section_is_appended_then_replaced_in_place(tmp_path):

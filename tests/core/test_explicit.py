@@ -207,11 +207,10 @@ def check_nanogpt_tensor_parallel_raises_then_trains_equal_with_its_boxings_writ
     # first implicit boxing; with Megatron's to_global calls written in (tp.py's pins)
     # it runs, and trains equal to implicit mode (forward in the region)
     import copy
-    import sys
-    from pathlib import Path
+
+    from mp import benchmark_module
     torch, P = _setup()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import tp
+    tp = benchmark_module("tp")
     base = tp.GPT(tp.Config(64, 16, 32, 4, 2))
     B = gt.sbp.broadcast
     pins = {"stream": B, "heads": gt.sbp.split(1), "features": gt.sbp.split(2)}

@@ -49,14 +49,11 @@ def check_check_step_lists_the_collectives_a_real_step_runs():
 
 def check_nanogpt_tensor_parallel_step_is_listed_exactly():
     # benchmarks/tp.py's GPT with Megatron's layout: forward, loss and backward
-    import sys
-    from pathlib import Path
-
     import torch
+    from mp import benchmark_module
 
     import globaltensor as gt
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import tp
+    tp = benchmark_module("tp")
     P = gt.placement.all("cpu")
     torch.manual_seed(0)
     model = gt.nn.to_global(tp.GPT(tp.Config(64, 16, 32, 4, 2)), P,
