@@ -8,7 +8,7 @@ registered class is also exported under its own name (``steps.AllGather``).
 import importlib
 import pkgutil
 
-from .base import AxisStep, Handle, Step
+from .base import AxisStep, Handle, SbpChange, Step
 from .registry import ALL_STEPS, AXIS_STEPS
 from .transfer import Move, transfer_moves
 
@@ -18,5 +18,5 @@ for _module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{_module.name}")
 globals().update({kind.__name__: kind for kind in ALL_STEPS})
 
-__all__ = ["AxisStep", "Handle", "Step", "ALL_STEPS", "AXIS_STEPS", "Move",
+__all__ = ["AxisStep", "Handle", "SbpChange", "Step", "ALL_STEPS", "AXIS_STEPS", "Move",
            "transfer_moves"] + [kind.__name__ for kind in ALL_STEPS]

@@ -176,6 +176,29 @@ class AxisStep(Step, abstract=True):
                 f"{self.dst.sbp[self.axis]})")
 
 
+@dataclass(frozen=True)
+class SbpChange(AxisStep, abstract=True):
+    """An axis step serving one kind of change: from an sbp of class ``takes[0]`` to one
+    of class ``takes[1]``; ``fields(a, b)`` gives the step's own fields (after axis, src,
+    dst) for the two sbp, or None where it does not serve that pair. The built-in steps
+    say what they serve this way; a step may write ``for_axis`` itself instead."""
+
+    takes: ClassVar[tuple] = ()
+
+    @staticmethod
+    def fields(a, b) -> "tuple | None":
+        return ()
+
+    @classmethod
+    def for_axis(cls, axis: int, src: Layout, dst: Layout) -> "AxisStep | None":
+        a, b = src.sbp[axis], dst.sbp[axis]
+        if isinstance(a, cls.takes[0]) and isinstance(b, cls.takes[1]):
+            extra = cls.fields(a, b)
+            if extra is not None:
+                return cls(axis, src, dst, *extra)
+        return None
+
+
 def reduce_of(reduce: str, dtype: torch.dtype) -> str:
     """The collective's reduction: a sum of bools is their "or" (as torch adds bools),
     which is their max."""

@@ -9,7 +9,7 @@ import torch
 from ... import comm
 from ...partials import reduce_values
 from ...sbp import Broadcast, Partial, Split
-from .base import AxisStep, Handle, Locals, reduce_of
+from .base import Handle, Locals, SbpChange, reduce_of
 
 
 def _padded(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -22,17 +22,16 @@ def _padded(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class AllGather(AxisStep):
+class AllGather(SbpChange):
     """split(dim) -> broadcast: concatenate the members' parts along ``dim``."""
     dim: int
     widens = True
 
-    @classmethod
-    def for_axis(cls, axis, src, dst):
-        a, b = src.sbp[axis], dst.sbp[axis]
-        if isinstance(a, Split) and isinstance(b, Broadcast):
-            return cls(axis, src, dst, a.dim)
-        return None
+    takes = (Split, Broadcast)
+
+    @staticmethod
+    def fields(a, b):
+        return (a.dim,)
 
     def sent_bytes(self, itemsize):
         return self.bytes_in(itemsize) * (self.group_size - 1)
@@ -62,17 +61,16 @@ class AllGather(AxisStep):
 
 
 @dataclass(frozen=True)
-class AllReduce(AxisStep):
+class AllReduce(SbpChange):
     """partial -> broadcast: reduce the members' addends."""
     reduce: str
     widens = True
 
-    @classmethod
-    def for_axis(cls, axis, src, dst):
-        a, b = src.sbp[axis], dst.sbp[axis]
-        if isinstance(a, Partial) and isinstance(b, Broadcast):
-            return cls(axis, src, dst, a.reduce)
-        return None
+    takes = (Partial, Broadcast)
+
+    @staticmethod
+    def fields(a, b):
+        return (a.reduce,)
 
     def sent_bytes(self, itemsize):
         return 2 * self.bytes_in(itemsize) * (self.group_size - 1) // self.group_size
@@ -96,18 +94,17 @@ class AllReduce(AxisStep):
 
 
 @dataclass(frozen=True)
-class ReduceScatter(AxisStep):
+class ReduceScatter(SbpChange):
     """partial -> split(dim): member k gets the reduction of everyone's part k."""
     dim: int
     reduce: str
     widens = True
 
-    @classmethod
-    def for_axis(cls, axis, src, dst):
-        a, b = src.sbp[axis], dst.sbp[axis]
-        if isinstance(a, Partial) and isinstance(b, Split):
-            return cls(axis, src, dst, b.dim, a.reduce)
-        return None
+    takes = (Partial, Split)
+
+    @staticmethod
+    def fields(a, b):
+        return (b.dim, a.reduce)
 
     def sent_bytes(self, itemsize):
         return self.bytes_in(itemsize) * (self.group_size - 1) // self.group_size
@@ -195,18 +192,17 @@ class ReduceScatter(AxisStep):
 
 
 @dataclass(frozen=True)
-class AllToAll(AxisStep):
+class AllToAll(SbpChange):
     """split(src_dim) -> split(dst_dim): member k gets part k along ``dst_dim`` of
     every member's local, concatenated along ``src_dim``."""
     src_dim: int
     dst_dim: int
 
-    @classmethod
-    def for_axis(cls, axis, src, dst):
-        a, b = src.sbp[axis], dst.sbp[axis]
-        if isinstance(a, Split) and isinstance(b, Split):
-            return cls(axis, src, dst, a.dim, b.dim)
-        return None
+    takes = (Split, Split)
+
+    @staticmethod
+    def fields(a, b):
+        return (a.dim, b.dim)
 
     def sent_bytes(self, itemsize):
         return self.bytes_in(itemsize) * (self.group_size - 1) // self.group_size

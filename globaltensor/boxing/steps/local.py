@@ -8,22 +8,21 @@ import torch
 
 from ...partials import identity_value
 from ...sbp import Broadcast, Partial, Split
-from .base import AxisStep, Handle, Locals
+from .base import Handle, Locals, SbpChange
 
 
 @dataclass(frozen=True)
-class LocalSlice(AxisStep):
+class LocalSlice(SbpChange):
     """broadcast -> split(dim): keep this member's part; no communication."""
 
     sends = False
     dim: int
 
-    @classmethod
-    def for_axis(cls, axis, src, dst):
-        a, b = src.sbp[axis], dst.sbp[axis]
-        if isinstance(a, Broadcast) and isinstance(b, Split):
-            return cls(axis, src, dst, b.dim)
-        return None
+    takes = (Broadcast, Split)
+
+    @staticmethod
+    def fields(a, b):
+        return (b.dim,)
 
     def cost(self, itemsize):
         return self.costs.gamma * self.bytes_out(itemsize)
@@ -41,17 +40,16 @@ class LocalSlice(AxisStep):
 
 
 @dataclass(frozen=True)
-class ZeroNonRoot(AxisStep):
+class ZeroNonRoot(SbpChange):
     """broadcast -> partial_sum: the axis' first member keeps the value, others zeros."""
 
     sends = False
 
-    @classmethod
-    def for_axis(cls, axis, src, dst):
-        a, b = src.sbp[axis], dst.sbp[axis]
-        if isinstance(a, Broadcast) and isinstance(b, Partial) and b.reduce == "sum":
-            return cls(axis, src, dst)
-        return None
+    takes = (Broadcast, Partial)
+
+    @staticmethod
+    def fields(a, b):
+        return () if b.reduce == "sum" else None
 
     def cost(self, itemsize):
         return self.costs.gamma * self.bytes_out(itemsize)
@@ -67,17 +65,16 @@ class ZeroNonRoot(AxisStep):
 
 
 @dataclass(frozen=True)
-class Relabel(AxisStep):
+class Relabel(SbpChange):
     """broadcast -> partial_max: every member keeps the value (max of equal values)."""
 
     sends = False
 
-    @classmethod
-    def for_axis(cls, axis, src, dst):
-        a, b = src.sbp[axis], dst.sbp[axis]
-        if isinstance(a, Broadcast) and isinstance(b, Partial) and b.reduce == "max":
-            return cls(axis, src, dst)
-        return None
+    takes = (Broadcast, Partial)
+
+    @staticmethod
+    def fields(a, b):
+        return () if b.reduce == "max" else None
 
     def cost(self, itemsize):
         return 0.0
@@ -90,7 +87,7 @@ class Relabel(AxisStep):
 
 
 @dataclass(frozen=True)
-class PadToPartial(AxisStep):
+class PadToPartial(SbpChange):
     """split(dim) -> partial: put the part into a tensor of the whole axis region
     filled with the reduction's identity; no communication."""
 
@@ -98,12 +95,11 @@ class PadToPartial(AxisStep):
     dim: int
     reduce: str
 
-    @classmethod
-    def for_axis(cls, axis, src, dst):
-        a, b = src.sbp[axis], dst.sbp[axis]
-        if isinstance(a, Split) and isinstance(b, Partial):
-            return cls(axis, src, dst, a.dim, b.reduce)
-        return None
+    takes = (Split, Partial)
+
+    @staticmethod
+    def fields(a, b):
+        return (a.dim, b.reduce)
 
     def cost(self, itemsize):
         return self.costs.gamma * self.bytes_out(itemsize)
