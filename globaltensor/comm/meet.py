@@ -131,7 +131,7 @@ def meet_once(members: tuple[int, ...], key: object, what: str, read: str, advic
     True from now on. Not in check mode: there keys hold the tensors' origins (new each
     time), and every one meets anyway."""
     meet(members, what, read, advice, same)
-    if not guard.check_mode():
+    if not guard.check_mode() and not stats.dry():   # a dry run (check_step) met no one
         met = _met.setdefault(members, set())
         if len(met) >= _MAX_MET:
             met.clear()

@@ -29,7 +29,11 @@ def _megatron_mlp():
 def check_check_step_lists_the_collectives_a_real_step_runs():
     gt, torch, step, params = _megatron_mlp()
     before = [p.detach().full().clone() for p in params]
+    import importlib
+    meet = importlib.import_module("globaltensor.comm.meet")   # (comm.meet is also a function)
+    met = {k: set(v) for k, v in meet._met.items()}
     report = gt.debug.check_step(step)
+    assert {k: set(v) for k, v in meet._met.items()} == met   # a dry run meets no one
     assert all(p.grad is None for p in params), [p.grad for p in params]
     for p, b in zip(params, before):
         torch.testing.assert_close(p.detach().full(), b)
