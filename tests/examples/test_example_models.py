@@ -96,7 +96,7 @@ def test_llama_on_a_2x2_placement_trains_equal_to_one_process(tmp_path):
     fully_shard on 2x2, and the whole train step compiled (2 ranks, compile time), each
     against one plain process (the example raises on a mismatch). auto_parallel on 2x2
     is tests/nn/test_auto_parallel.py's (its timed candidates take minutes here)."""
-    runs = [("llama_2d.py", 4, "--parts", "megatron,fully_shard", "--steps", "5"),
+    runs = [("llama_2d.py", 4, "--parts", "megatron,fully_shard", "--steps", "3"),
             ("llama_2d.py", 2, "--parts", "compiled", "--steps", "2")]
     eager, compiled = launch_examples_together(runs, tmp_path, timeout=190)
     assert eager.returncode == 0, _output(eager)
