@@ -172,7 +172,8 @@ def backward_node() -> str:
     return f" in backward ({node.name()}{forward})"
 
 
-def _sbp_text(layout: Layout) -> str:
+def sbp_text(layout: Layout) -> str:
+    """``layout``'s nd-sbp as messages show it: ``split(dim=0)``, or ``(split(dim=0), broadcast)``."""
     sbp = layout.sbp
     return str(sbp[0]) if len(sbp) == 1 else "(" + ", ".join(str(s) for s in sbp) + ")"
 
@@ -185,14 +186,14 @@ def op_boxing_error(func, moves: list) -> LayoutError:
              f"would box {len(moves)} operand(s) in an explicit region (gt.explicit()):"]
     total = 0
     for i, src, dst, plan in moves:
-        moved = sum(step.bytes_out(plan.itemsize) for step in plan.steps)
+        moved = plan.sent_bytes()
         total += moved
         steps = " + ".join(type(s).__name__ for s in plan.steps) or "nothing"
-        lines.append(f"  operand {i}: {tuple(src.shape)} {src.placement} {_sbp_text(src)} -> "
-                     f"{_sbp_text(dst)} ({steps}: {moved} B per rank, ~{plan.cost * 1e6:.0f} us)")
+        lines.append(f"  operand {i}: {tuple(src.shape)} {src.placement} {sbp_text(src)} -> "
+                     f"{sbp_text(dst)} ({steps}: {moved} B per rank, ~{plan.cost * 1e6:.0f} us)")
     lines.append("  the op takes its operands in the layouts after '->' (the cheapest of the "
                  "signatures its rule accepts, from these inputs)")
-    fixes = "; ".join(f"operand {i} .to_global(sbp={_sbp_text(dst)})" for i, _, dst, _ in moves)
+    fixes = "; ".join(f"operand {i} .to_global(sbp={sbp_text(dst)})" for i, _, dst, _ in moves)
     lines.append(f"  to box explicitly, write before the op: {fixes}")
     return LayoutError("\n".join(lines))
 
@@ -202,14 +203,14 @@ def boxing_error(why: object, src: Layout, dst: Layout) -> LayoutError:
     decomposition) in an explicit region."""
     return LayoutError(
         f"globaltensor: {why} at {program_line() or '(no program line)'}{backward_node()} "
-        f"would box {tuple(src.shape)} {src.placement} {_sbp_text(src)} -> {_sbp_text(dst)} "
+        f"would box {tuple(src.shape)} {src.placement} {sbp_text(src)} -> {sbp_text(dst)} "
         f"in an explicit region (gt.explicit()); box the operands first with "
         f"x.to_global(...), or run this op outside the region")
 
 
 def partial_error(func, outs: list) -> LayoutError:
     """The error of an op that makes a partial result where ``allow_partial=False``."""
-    made = ", ".join(_sbp_text(o) for o in outs)
+    made = ", ".join(sbp_text(o) for o in outs)
     return LayoutError(
         f"globaltensor: {func} at {program_line() or '(no program line)'}{backward_node()} "
         f"makes a partial result ({made}) in an explicit region with allow_partial=False; "

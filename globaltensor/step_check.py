@@ -43,9 +43,9 @@ class Boxing:
     sent_bytes: int
 
     def __str__(self) -> str:
-        sbp = (lambda layout: ", ".join(map(str, layout.sbp)))
-        return (f"{self.why} at {self.line}: {tuple(self.src.shape)} ({sbp(self.src)}) -> "
-                f"({sbp(self.dst)}) by {' + '.join(self.steps) or 'nothing'}, "
+        sbp = explicit_mode.sbp_text
+        return (f"{self.why} at {self.line}: {tuple(self.src.shape)} {sbp(self.src)} -> "
+                f"{sbp(self.dst)} by {' + '.join(self.steps) or 'nothing'}, "
                 f"{self.sent_bytes} B")
 
 
@@ -90,12 +90,12 @@ def check_step(fn: Callable, *args, **kwargs) -> StepCheck:
     found: list = []
 
     def note(why: object, src: Layout, dst: Layout, plan) -> None:
-        if any(step.sends for step in plan.steps):
+        if plan.sends:
             found.append(Boxing(
                 why if isinstance(why, str) else str(why),
                 explicit_mode.program_line() + explicit_mode.backward_node(), src, dst,
                 tuple(type(s).__name__ for s in plan.steps),
-                sum(s.sent_bytes(plan.itemsize) for s in plan.steps)))
+                plan.sent_bytes()))
     with gradsync.grads_kept(), record.paused(), stats.dry_run() as counted, observed(note), \
             fake_parts(FakeTensorMode(allow_non_fake_inputs=True)):
         try:

@@ -61,6 +61,16 @@ class Plan:
         the handle gives its part of ``dst``."""
         return start(self, local, rank, donate)
 
+    @property
+    def sends(self) -> bool:
+        """Whether running it sends data between ranks (a local slice or a view does not:
+        explicit mode allows those, and they need no meeting)."""
+        return any(step.sends for step in self.steps)
+
+    def sent_bytes(self) -> int:
+        """Bytes the busiest rank sends, counted as ``gt.debug.comm_stats`` counts them."""
+        return sum(step.sent_bytes(self.itemsize) for step in self.steps)
+
     def __str__(self) -> str:
         return format_plan(self)
 

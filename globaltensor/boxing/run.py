@@ -53,7 +53,7 @@ def box(local: torch.Tensor, src: Layout, dst: Layout, donate: bool = False,
     if not plan.steps:
         return local
     if explicit_mode._regions and call is None and not meet and not explicit_mode.boxing_written() \
-            and any(step.sends for step in plan.steps):
+            and plan.sends:
         # a boxing the library would do on its own (inside an op's decomposition): the
         # op's own operands were checked before it ran (dispatch/entry.py)
         raise explicit_mode.boxing_error(why, src, dst)
@@ -142,11 +142,6 @@ BOXING_ADVICE = {
         "rank's own part, use x.to_local() (no communication)."),
 }
 
-# Steps that only compute on this rank's part (no communication): a boxing of those alone
-# cannot wait for another rank, so it does not meet. (A local kind missing here would
-# only meet once per call path, needlessly.)
-_LOCAL_STEPS = frozenset({"LocalSlice", "ZeroNonRoot", "Relabel", "PadToPartial", "ViewAs"})
-
 
 def boxing_meets(plan: Plan, dtype: torch.dtype, call: str) -> None:
     """Before a boxing the program asked for (``call``: "x.to_global()", "x.full()") first
@@ -161,7 +156,7 @@ def boxing_meets(plan: Plan, dtype: torch.dtype, call: str) -> None:
     broadcast tensor sliced to a split) does not meet: it cannot wait for anyone."""
     src, dst = plan.src, plan.dst
     ranks = _ranks_of(plan)
-    if comm.get_rank() not in ranks or all(s.kind in _LOCAL_STEPS for s in plan.steps):
+    if comm.get_rank() not in ranks or not plan.sends:
         return
     path = call_path()
     key = ("boxing", call, src.placement, src.sbp, dst.placement, dst.sbp, dtype, path)

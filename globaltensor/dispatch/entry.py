@@ -197,7 +197,7 @@ def _sending_moves(gidx: tuple, targets: tuple, leaves) -> list:
         layout = leaves[i]._layout
         if layout is not target and layout != target:
             plan = plan_route(layout, target, leaves[i].element_size())
-            if any(step.sends for step in plan.steps):
+            if plan.sends:
                 moves.append((i, layout, target, plan))
     return moves
 

@@ -154,11 +154,10 @@ def _boxed_bytes(nodes, v: int, pick) -> int:
             if len(producer) > 2:    # through a to_global's backward: partials broadcast
                 layout = layout.without_partials()
         if target is not None and layout != target:
-            total += sum(step.sent_bytes(size) for step in plan_route(layout, target, size).steps)
+            total += plan_route(layout, target, size).sent_bytes()
     dtypes = [d for d in node.greedy.out_dtypes if d is not None]
     size = dtypes[0].itemsize if dtypes else 4
     for reduced in node.reductions()[pick(node)]:   # 0-d results reduced at once (a loss)
-        total += sum(step.sent_bytes(size)
-                     for step in plan_route(reduced, reduced.without_partials(), size).steps)
+        total += plan_route(reduced, reduced.without_partials(), size).sent_bytes()
     return total
 

@@ -60,10 +60,12 @@ def check_an_op_that_would_box_raises_before_sending():
             with pytest.raises(gt.LayoutError) as caught:
                 y @ v                              # v would be gathered
         assert stats.total_calls == 0, stats
-        z = y @ v.to_global(sbp=gt.sbp.broadcast)  # written: runs
+        with gt.debug.comm_stats() as written:
+            z = y @ v.to_global(sbp=gt.sbp.broadcast)  # written: runs
     message = str(caught.value)
+    # the bytes named are those the written boxing sends, as comm_stats counts them
     for part in ("aten.mm.default", "test_explicit.py:", "operand 1: (6, 3)", "split(dim=0) -> broadcast",
-                 "AllGather", "72 B per rank", ".to_global(sbp=broadcast)"):
+                 "AllGather", f"{written.total_bytes} B per rank", ".to_global(sbp=broadcast)"):
         assert part in message, (part, message)
     ref = y.full() @ v.full()
     torch.testing.assert_close(z.full(), ref)
