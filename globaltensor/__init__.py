@@ -6,7 +6,7 @@
 >>> y = x.to_global(sbp=gt.sbp.broadcast)
 """
 __version__ = "0.1.0"  # the one place: pyproject.toml reads it (tool.setuptools.dynamic)
-from . import checkpoint, debug, nn, pipeline, ps, sbp, utils
+from . import checkpoint, debug, nn, pipeline, ps, sbp, testing, utils
 from .checkpoint import from_dtensor
 from .comm import get_rank as _comm_rank
 from .comm import get_world_size as _comm_world
@@ -43,4 +43,5 @@ __all__ = ["init", "get_rank", "get_world_size", "get_local_rank", "manual_seed"
            "Placement", "sbp", "GlobalTensor", "is_global", "tensor", "from_local", "to_global",
            "randn", "rand", "randint", "normal", "zeros", "ones", "full", "empty", "arange",
            "matmul", "debug", "nn", "no_sync", "utils", "checkpoint", "from_dtensor",
-           "pipeline", "ps", "implicit_broadcast", "explicit", "LayoutError", "layout", "Layout"]
+           "pipeline", "ps", "implicit_broadcast", "explicit", "LayoutError", "layout", "Layout",
+           "testing"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from . import comm
+from . import origins
 from .boxing import Plan, plan_route
 from .comm import CollectiveError, DivergenceError, stats
 from .comm.stats import CommCounter
@@ -48,7 +48,7 @@ def check_consistency() -> Iterator[None]:
     >>> with gt.debug.check_consistency():      # doctest: +SKIP
     ...     loss = model(x).sum()
     """
-    with comm.checking():
+    with origins.Checking():
         yield
 
 

@@ -33,6 +33,7 @@ from typing import Callable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import modes
 from .layout import Layout
 from .sbp import Partial
 
@@ -42,18 +43,33 @@ class LayoutError(ValueError):
     partial result where ``allow_partial=False``."""
 
 
-_regions: list = []   # allow_partial of each open explicit region, innermost last
 _written = 0          # open boxings the program wrote (to_global, full)
 
 
+class Region(modes.Mode):
+    """The mode of an open explicit region: the innermost one checks every decision
+    before it is carried out (``check``, installed by ``dispatch/entry.py``, which
+    knows the ops' rules)."""
+
+    check: "Callable | None" = None   # (region, func, decision, leaves, spec) -> decision
+
+    def __init__(self, allow_partial: bool):
+        self.allow_partial = allow_partial
+
+    def run(self, func, decision, leaves: list, spec, why):
+        if modes.innermost(Region) is self:
+            decision = Region.check(self, func, decision, leaves, spec)
+        return self.below.run(func, decision, leaves, spec, why)
+
+
 def active() -> bool:
-    """Whether an explicit region is open (read on an op's general path)."""
-    return bool(_regions)
+    """Whether an explicit region is open."""
+    return modes.innermost(Region) is not None
 
 
 def allows_partial() -> bool:
     """Whether the innermost explicit region lets partial results flow."""
-    return _regions[-1]
+    return modes.innermost(Region).allow_partial
 
 
 class explicit(contextlib.ContextDecorator):
@@ -79,14 +95,18 @@ class explicit(contextlib.ContextDecorator):
         pass
 
     def __enter__(self) -> "explicit":
-        _regions.append(self.allow_partial)
-        _lines.append(_ForwardLines())
-        _lines[-1].__enter__()
+        region = Region(self.allow_partial)
+        modes.enter(region)
+        _lines.append((region, _ForwardLines()))
+        _lines[-1][1].__enter__()
         return self
 
     def __exit__(self, *exc) -> bool:
-        _lines.pop().__exit__(*exc)
-        _regions.pop()
+        if not _lines:   # gt.testing.reset() closed it
+            return False
+        region, lines = _lines.pop()
+        lines.__exit__(*exc)
+        modes.leave(region)
         return False
 
 
@@ -105,7 +125,18 @@ class _ForwardLines(TorchFunctionMode):
 
 
 _LINE = "globaltensor_forward_line"
-_lines: list = []   # the open regions' _ForwardLines, innermost last
+_lines: list = []   # (Region, _ForwardLines) of the open regions, innermost last
+
+
+def _close_regions() -> None:
+    """End the regions left open (``modes.reset``)."""
+    global _written
+    while _lines:
+        _lines.pop()[1].__exit__(None, None, None)
+    _written = 0
+
+
+modes.on_reset(_close_regions)
 
 
 @contextlib.contextmanager

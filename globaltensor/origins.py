@@ -18,26 +18,60 @@ from __future__ import annotations
 
 import zlib
 
+from torch.utils._pytree import tree_flatten
+
+from . import env, modes
 from .boxing.run import call_site
 
-__all__ = ["of", "made_by_program", "made_by_op", "OpOnInputs"]
+__all__ = ["of", "made_by_program", "made_by_op", "OpOnInputs", "Checking"]
+
+
+class Checking(modes.Mode):
+    """Check mode, on while entered (``gt.debug.check_consistency()``; for the whole
+    program under GLOBALTENSOR_DEBUG=1): ``comm.check_mode()`` is true, each call's
+    boxing is named (and fingerprinted) with its inputs' origins, and its outputs take
+    the origin of the op on those inputs."""
+
+    checks = True
+
+    def run(self, func, decision, leaves: list, spec, why):
+        if why is not None or modes.innermost(Checking) is not self:
+            return self.below.run(func, decision, leaves, spec, why)
+        why = OpOnInputs(func, leaves)
+        out = self.below.run(func, decision, leaves, spec, why)
+        made_by_op(why, tree_flatten(out)[0])
+        return out
+
+
+_DEBUG = Checking()   # on for the whole program under GLOBALTENSOR_DEBUG=1
+
+
+def _debug_mode_from_start() -> None:
+    if not env.debug_enabled():
+        modes.leave(_DEBUG)
+    elif not modes.is_on(_DEBUG):
+        modes.enter(_DEBUG)
+
+
+env.read_at_import(_debug_mode_from_start)
+modes.on_reset(lambda: None, _debug_mode_from_start)
 
 
 def of(x) -> int:
     """``x``'s origin (0: made outside the check mode, or not a GlobalTensor)."""
-    return getattr(x, "_origin", 0)
+    return getattr(x, "_digest", 0)
 
 
 def made_by_program(t) -> None:
     """Stamp a tensor the program made: the digest of the line that made it."""
-    t._origin = zlib.crc32(call_site().encode())
+    t._digest = zlib.crc32(call_site().encode())
 
 
 def made_by_op(why: "OpOnInputs", outputs) -> None:
     """Stamp an op's output tensors with the digest of the op and its inputs."""
     for o in outputs:
         if hasattr(o, "_layout"):
-            o._origin = why.digest
+            o._digest = why.digest
 
 
 class OpOnInputs:

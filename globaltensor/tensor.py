@@ -116,7 +116,9 @@ class GlobalTensor(torch.Tensor):
 
     _local: torch.Tensor
     _layout: Layout
-    __slots__ = ("_local", "_layout", "_key", "_origin")  # _origin: see planner/record.py
+    # _origin: the recorded call that made it (planner/record.py); _digest: its origin
+    # in check mode (origins.py)
+    __slots__ = ("_local", "_layout", "_key", "_origin", "_digest")
 
     # Construction and the conversions are hidden from dynamo (as DTensor's constructor
     # is): dynamo inlining them baked shape-dependent decisions into graphs reused for
@@ -315,7 +317,7 @@ def _moved(x: GlobalTensor, dst: Layout, call: str) -> GlobalTensor:
         if _pin_watch is not None:
             _pin_watch[2](x, dst)
         return x
-    if explicit_mode._regions and not explicit_mode.called_by_program():
+    if explicit_mode.active() and not explicit_mode.called_by_program():
         call = None   # the library's own to_global (an op's decomposition): not written
     return _ToGlobal.apply(x, dst, call)
 

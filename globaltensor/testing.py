@@ -32,7 +32,22 @@ import traceback
 import warnings
 from typing import Callable
 
-__all__ = ["World", "free_port", "spawn", "peak_rise", "Peak", "no_fallback", "boxing_log"]
+__all__ = ["World", "free_port", "spawn", "peak_rise", "Peak", "no_fallback", "boxing_log",
+           "reset"]
+
+
+def reset() -> None:
+    """End every mode of the per-op path and forget what each kept (``modes.py``):
+    whole-step plans and recordings, check mode, explicit regions and implicit
+    broadcast left open, fake parts; the modes a program starts with (check mode under
+    GLOBALTENSOR_DEBUG=1, the watch for functional steps) are on again. Test worlds run
+    it after every check, so no check's plans or modes reach the next.
+
+    >>> import globaltensor as gt
+    >>> gt.testing.reset()
+    """
+    from . import modes
+    modes.reset()
 
 
 def free_port() -> int:
@@ -81,6 +96,8 @@ def _child(rank: int, world: int, port: int, module: str, names: list, results,
             except BaseException:
                 results.put((rank, name, traceback.format_exc()))
                 return
+            if "globaltensor.modes" in sys.modules:   # nothing a check left on reaches the next
+                reset()
             if times and rank == 0:
                 with open(times, "a") as f:
                     f.write(f"{time.perf_counter() - start:.2f} {world} {name}\n")

@@ -52,7 +52,7 @@ def box(local: torch.Tensor, src: Layout, dst: Layout, donate: bool = False,
     plan = plan_route(src, dst, local.element_size())
     if not plan.steps:
         return local
-    if explicit_mode._regions and call is None and not meet and not explicit_mode.boxing_written() \
+    if explicit_mode.active() and call is None and not meet and not explicit_mode.boxing_written() \
             and plan.sends:
         # a boxing the library would do on its own (inside an op's decomposition): the
         # op's own operands were checked before it ran (dispatch/entry.py)

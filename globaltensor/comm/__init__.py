@@ -23,7 +23,6 @@ from .guard import (
                           activity,
                           agree,
                           check_mode,
-                          checking,
                           claim,
                           claims_pending,
                           settle,
@@ -36,5 +35,5 @@ __all__ = ["all_gather_async", "all_gather_into", "all_gather_p2p", "all_gather_
            "reduce_scatter_into", "batched_p2p", "broadcast_", "start_p2p", "tracing",
            "get_rank", "get_world_size", "backend_of", "bind_gloo_to_address", "finish",
            "get_group", "init", "local_device", "CommCounter", "CollectiveError",
-           "DivergenceError", "activity", "agree", "check_mode", "checking", "claim",
+           "DivergenceError", "activity", "agree", "check_mode", "claim",
            "claims_pending", "settle", "meet"]

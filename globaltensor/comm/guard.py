@@ -18,37 +18,19 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .. import env
+from .. import env, modes
 
 # Renamed in recent torch; the old name still works but warns (once per process, in
 # the program's output).
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _doing: list = []  # descriptions (str or objects with __str__), innermost last
-_checking = 0      # open check_consistency() contexts
-_DEBUG = False  # GLOBALTENSOR_DEBUG
-
-
-@env.read_at_import  # once: check_mode() runs on every tensor made (origins.py)
-def _read_debug_variable() -> None:
-    global _DEBUG
-    _DEBUG = env.debug_enabled()
 
 
 def check_mode() -> bool:
-    """True under GLOBALTENSOR_DEBUG=1 (read when globaltensor is imported) or inside
-    ``gt.debug.check_consistency()``."""
-    return _checking > 0 or _DEBUG
-
-
-@contextlib.contextmanager
-def checking():
-    global _checking
-    _checking += 1
-    try:
-        yield
-    finally:
-        _checking -= 1
+    """True while check mode is on (origins.Checking: under GLOBALTENSOR_DEBUG=1, read
+    when globaltensor is imported, or inside ``gt.debug.check_consistency()``)."""
+    return modes.checking
 
 
 class CollectiveError(RuntimeError):

@@ -14,13 +14,10 @@ per-op hot path, where a property call per operand is measurable.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .. import comm, explicit_mode, gradsync, origins, rules  # noqa: F401  (rules: every family registers)
+from .. import comm, explicit_mode, gradsync, modes, rules  # noqa: F401  (rules: every family registers)
 from ..boxing.plan import plan_route
 from ..boxing.run import box
 from ..layout import Layout
@@ -41,16 +38,18 @@ _PLAIN = torch.Tensor
 def dispatch(func, types, args, kwargs):
     """``__torch_dispatch__`` of GlobalTensor: ``func`` on global operands.
 
-    Decompositions go first (which may decline). Otherwise: plain tensor operands
-    become broadcast where allowed (``implicit_broadcast()``, backward formulas), the
-    decision is looked up or made, and a call that needs no boxing runs its local op
-    directly; the rest goes through ``_run``. Leaves that require grad are watched for
-    gradient sync.
+    The active mode (``modes.py``), read once, sees the call first: with none on, a
+    repeated call takes the warm path. Decompositions go first (which may decline).
+    Otherwise plain tensor operands become broadcast where allowed
+    (``implicit_broadcast()``, backward formulas), leaves that require grad are
+    watched for gradient sync, and the call goes down the modes' chain to the plain
+    path: its decision looked up or made, and carried out.
 
     >>> (x @ w).relu()      # each op enters here once     # doctest: +SKIP
     """
-    if _fake_parts:   # gt.debug.check_step: the op runs on fake parts
-        args, kwargs = _on_fake_parts(args, kwargs)
+    mode = modes.active
+    if mode is not None and mode.fakes:    # gt.debug.check_step: ops run on fake parts
+        args, kwargs = mode.operands(args, kwargs)
     special = _special.get(func)
     if special is None:
         special = _special[func] = _special_handler(func)
@@ -58,7 +57,7 @@ def dispatch(func, types, args, kwargs):
         out = special(*args, **kwargs)
         if out is not NotImplemented:
             return out
-    elif not (record.active or record.functional or comm.check_mode() or explicit_mode._regions):
+    elif mode is None:
         out = _repeated(func, args, kwargs)
         if out is not None:
             return out
@@ -71,54 +70,65 @@ def dispatch(func, types, args, kwargs):
             if x._local.__class__ is not _PLAIN:
                 fake = True
         elif isinstance(x, torch.Tensor) and x.numel() > 1 and (
-                plain.implicit_depth or _in_backward() or comm.tracing()):
+                modes.implicit or _in_backward() or comm.tracing()):
             # While torch.compile traces, converted modules' scopes are skipped (dynamo
             # would apply the counter's change after the trace that reads it): a plain
             # tensor the traced code built (positions, masks, rotary tables) is taken
             # as broadcast there, as the scope takes it eagerly.
             leaves[i] = plain.as_broadcast(x, leaves, func)
-    if record.functional:   # no module marks steps: one begins at the first call after a backward
-        if _in_backward():
-            record.after_backward = True
-        elif record.after_backward:
-            record.functional_step_begins()
-    # torch.compile traces with parts that are no plain tensors (fake, functional)
-    if record.active:
-        return _in_step(func, leaves, spec, fake and comm.tracing())
-    if fake and (record.ENABLED or record.state.plans) and comm.tracing():
-        return _in_step(func, leaves, spec, True)   # may replay a plan, or be recorded
-    if comm.check_mode():
-        return _checked(func, leaves, spec)
+    tracing = fake and comm.tracing()   # torch.compile traces with fake or functional parts
+    if mode is not None:
+        return mode.call(func, leaves, spec, tracing)
+    if tracing:
+        return PLAIN_PATH.call(func, leaves, spec, tracing)
     return _carry_out(func, cached_decision(func, leaves, spec), leaves, spec)
 
 
-_fake_parts: list = []   # open fake_parts(): their FakeTensorModes, innermost last
+class PlainPath(modes.Mode):
+    """The bottom of the modes' chain: the op's decision looked up or made per op (or,
+    while torch.compile traces, the plan a traced graph follows), and carried out."""
+
+    def operands(self, args: tuple, kwargs: dict) -> tuple:
+        return args, kwargs
+
+    def call(self, func, leaves: list, spec, tracing: bool):
+        if tracing and (record.ENABLED or record.state.plans):
+            return record.STEP.call(func, leaves, spec, True)   # may replay a plan, or be recorded
+        return modes.top().run(func, cached_decision(func, leaves, spec), leaves, spec, None)
+
+    def run(self, func, decision: Decision, leaves: list, spec, why):
+        return _carry_out(func, decision, leaves, spec, why)
 
 
-@contextlib.contextmanager
-def fake_parts(mode) -> Iterator[None]:
-    """Run every op inside on fake local parts made by ``mode`` (a ``FakeTensorMode``
-    that allows real inputs): no values, no compute (``gt.debug.check_step``)."""
-    _fake_parts.append(mode)
-    try:
-        yield
-    finally:
-        _fake_parts.remove(mode)
+PLAIN_PATH = PlainPath()
+modes.install_plain_path(PLAIN_PATH)
 
 
-def _on_fake_parts(args: tuple, kwargs: dict) -> tuple:
-    """``args`` and ``kwargs`` with each GlobalTensor's part made fake (a twin of the
-    same layout: the program's tensors keep their real parts)."""
-    mode = _fake_parts[-1]
+class FakeParts(modes.Mode):
+    """Every op inside runs on fake local parts made by ``mode`` (a ``FakeTensorMode``
+    that allows real inputs): no values, no compute (``gt.debug.check_step``). Each
+    GlobalTensor operand gets a twin of the same layout; the program's tensors keep
+    their real parts."""
 
-    def fake(x):
-        if type(x) is not GlobalTensor or x._local.__class__ is not _PLAIN:
-            return x
-        if x.requires_grad and x.is_leaf:
-            gradsync.watch(x)   # as a real step would (the twin is no leaf)
-        return GlobalTensor(mode.from_tensor(x._local), x._layout)
-    leaves, spec = tree_flatten((args, kwargs))
-    return tree_unflatten([fake(x) for x in leaves], spec)
+    def __init__(self, mode):
+        self.mode = mode
+
+    def operands(self, args: tuple, kwargs: dict) -> tuple:
+        args, kwargs = self.below.operands(args, kwargs)
+
+        def fake(x):
+            if type(x) is not GlobalTensor or x._local.__class__ is not _PLAIN:
+                return x
+            if x.requires_grad and x.is_leaf:
+                gradsync.watch(x)   # as a real step would (the twin is no leaf)
+            return GlobalTensor(self.mode.from_tensor(x._local), x._layout)
+        leaves, spec = tree_flatten((args, kwargs))
+        return tree_unflatten([fake(x) for x in leaves], spec)
+
+
+def fake_parts(mode) -> FakeParts:
+    """Run every op inside on fake local parts made by ``mode`` (``FakeParts``)."""
+    return FakeParts(mode)
 
 
 def _repeated(func, args: tuple, kwargs: dict):
@@ -139,20 +149,9 @@ def _repeated(func, args: tuple, kwargs: dict):
     return wrap_part(out, decision.out_layouts[0], decision.out_strides[0])
 
 
-def _checked(func, leaves, spec):
-    """A call in check mode: its boxing is named (and fingerprinted) with its inputs'
-    origins, and its outputs take the origin of the op on those inputs (origins.py)."""
-    why = origins.OpOnInputs(func, leaves)
-    out = _carry_out(func, cached_decision(func, leaves, spec), leaves, spec, why)
-    origins.made_by_op(why, tree_flatten(out)[0])
-    return out
-
-
 def _carry_out(func, decision: Decision, leaves, spec, why=None):
     """Run ``decision``: a call that needs no boxing runs its local op directly, the
     rest goes through ``_run`` (``why`` names its boxing: by default ``func``)."""
-    if explicit_mode._regions:
-        decision = _explicit_check(func, decision, leaves, spec)
     op = decision.direct
     if op is not None:
         local = [x._local if x.__class__ is GlobalTensor else x for x in leaves]
@@ -164,7 +163,7 @@ def _carry_out(func, decision: Decision, leaves, spec, why=None):
     return _run(func, decision, leaves, spec, why)
 
 
-def _explicit_check(func, decision: Decision, leaves, spec) -> Decision:
+def _explicit_check(region, func, decision: Decision, leaves, spec) -> Decision:
     """In an explicit region (``gt.explicit()``): ``decision``, or where it would send
     data to box an operand, the first signature the op's rule allows that sends none (a
     broadcast operand made a partial addend locally, say); else ``LayoutError`` before
@@ -180,7 +179,7 @@ def _explicit_check(func, decision: Decision, leaves, spec) -> Decision:
         if not quiet:
             raise explicit_mode.op_boxing_error(func, moves)
         decision = opts.decision(quiet[0], tuple(leaves[i]._layout for i in decision.gidx))
-    if not explicit_mode.allows_partial():
+    if not region.allow_partial:
         outs = [o if r is None else r for o, r in
                 zip(decision.out_layouts, decision.reduced or (None,) * len(decision.out_layouts))]
         made = explicit_mode.makes_partial(list(decision.targets), outs)
@@ -200,15 +199,6 @@ def _sending_moves(gidx: tuple, targets: tuple, leaves) -> list:
             if plan.sends:
                 moves.append((i, layout, target, plan))
     return moves
-
-
-def _in_step(func, leaves, spec, tracing: bool):
-    """A call while a step is recorded or replayed (``planner/record.py``), or traced."""
-    decision, node = (traced.decision if tracing else record.decision)(func, leaves, spec)
-    out = _carry_out(func, decision, leaves, spec)
-    if node is not None:
-        record.made(node, out)
-    return out
 
 
 _NORMAL = object()  # in ``_special``: the op takes the rule path
@@ -312,7 +302,7 @@ def _wrap_reduced(func, decision: Decision, out, inside: bool, like):
     else:
         out_leaves = [None] * len(decision.out_layouts)
     layouts = list(decision.out_layouts)
-    if _in_backward() or explicit_mode._regions:   # explicit: the program reduces them
+    if _in_backward() or explicit_mode.active():   # explicit: the program reduces them
         layouts = [layout if r is None else r for layout, r in zip(layouts, decision.reduced)]
     elif inside:
         together: dict = {}
@@ -354,4 +344,5 @@ def _inplace_via_functional(func, leaves, spec):
     return target
 
 
+explicit_mode.Region.check = _explicit_check
 install_dispatcher(dispatch)

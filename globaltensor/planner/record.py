@@ -31,18 +31,19 @@ import itertools
 import logging
 import time
 import weakref
-from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch.utils._pytree import tree_flatten
 
-from .. import env, explicit_mode, gradsync, retrace
+from .. import env, explicit_mode, gradsync, modes, retrace
 from ..cost import PARAMETER_WEIGHT
 from ..propagation.cache import cached_decision, key_of_call
 from ..propagation.decide import Decision, options
 from ..sbp import StridedSplit
 from ..tensor import GlobalTensor
 from .problem import Node, StepPlan, plan_step
+from .state import StepState
 
 log = logging.getLogger("globaltensor")
 
@@ -56,41 +57,26 @@ MAX_KEYS = 256      # step starts remembered
 MAX_CALLS = 20000   # a recording longer than this is dropped
 
 
-@dataclass
-class _State:
-    mode: str = "idle"         # "armed" | "recording" | "replaying" | "idle"
-    record: list = field(default_factory=list)
-    sinks: list = field(default_factory=list)   # problem.plan_step's sinks
-    pin_grads: list = field(default_factory=list)   # problem.plan_step's pin_grads
-    serial: int = 0            # tells this recording's outputs from older ones
-    plan: "StepPlan | None" = None
-    cursor: int = 0
-    misses: int = 0            # calls in a row that the plan did not expect
-    owner: int = 0                                 # token of the module the step is of
-    hold: bool = False                             # explain_step is recording
-    also: "int | None" = None                      # its step's module, if it has one
-    sent: object = None                            # explain_step's CommCounter
-    plans: dict = field(default_factory=dict)      # (owner, first key) -> StepPlan
-    recorded: dict = field(default_factory=dict)   # (owner, first key) -> times seen
-    last: "StepPlan | None" = None                 # the latest plan made
-    traced: "list | None" = None                   # [plan, next call] followed while tracing
-    session: object = None        # weak reference to the make_fx session traced last
-    trace: object = None          # that session's recording (traced.Trace)
-    pending: list = field(default_factory=list)    # traces recorded, not yet planned
-    traced_firsts: set = field(default_factory=set)   # first keys of graphs recorded
-    # A traced graph that leaves the plan it began with (another program's: its first
-    # call is alike) is traced again, once, recorded (traced.py)
-    follows: "tuple | None" = None   # (first key, mark) of the graph tracing a plan now
-    record_next: set = field(default_factory=set)   # first keys to record when traced again
-    rerecorded: set = field(default_factory=set)    # first keys recorded so, once each
-    diverged: set = field(default_factory=set)      # marks of graphs to trace again for it
-    traced_misses: int = 0    # calls in a row the plan followed by a trace did not expect
-    strided_blocks: tuple = (0, set())   # (serial, strided block counts its calls held)
-    functional_first: object = None      # the key of the last functional step's first call
+state = StepState()
 
 
-state = _State()
-active = False   # read by entry.dispatch on every call: not in ``state`` for speed
+class StepMode(modes.Mode):
+    """On while a step is armed, recorded or replayed (``state.mode``): each call
+    takes the plan's decision, or is recorded (``decision``; while torch.compile
+    traces, ``traced.decision``, which planner/traced.py installs)."""
+
+    traced_decision: "Callable | None" = None
+
+    def call(self, func, leaves: list, spec, tracing: bool):
+        decide = StepMode.traced_decision if tracing else decision
+        chosen, node = decide(func, leaves, spec)
+        out = modes.top().run(func, chosen, leaves, spec, None)
+        if node is not None:
+            made(node, out)
+        return out
+
+
+STEP = StepMode()
 
 
 class _Functional:
@@ -99,39 +85,62 @@ class _Functional:
 
 
 FUNCTIONAL = _Functional()
-functional = True       # until a module's forward marks a step (read on every call;
-                        # off with planning)
-after_backward = False  # a call ran inside backward since the last functional step began
 
 
-def functional_step_begins() -> None:
-    """The first call after a backward, in a program whose steps no module marks
-    (``entry.dispatch`` watches for it while ``functional``)."""
-    global after_backward
-    after_backward = False
-    step_boundary(FUNCTIONAL)
+class FunctionalSteps(modes.Mode):
+    """On from the start (with planning) until a module's forward marks a step: in a
+    program whose steps no module marks, a step begins at the first call after a
+    backward. It sees every call first (``sees_first``): the step it begins (``STEP``,
+    on from then) takes the call below it."""
+
+    sees_first = True
+
+    def __init__(self):
+        self.after_backward = False  # a call ran in backward since the last step began
+
+    def call(self, func, leaves: list, spec, tracing: bool):
+        if torch._C._current_graph_task_id() != -1:
+            self.after_backward = True
+        elif self.after_backward:
+            self.after_backward = False
+            step_boundary(FUNCTIONAL)
+        return self.below.call(func, leaves, spec, tracing)
+
+
+WATCH = FunctionalSteps()
+
+
+def _watch_from_start() -> None:
+    """Watch for functional steps from the start, with planning."""
+    WATCH.after_backward = False
+    if ENABLED and not modes.is_on(WATCH):
+        modes.enter(WATCH)
+    elif not ENABLED:
+        modes.leave(WATCH)
 
 
 @env.read_at_import
 def _read_plan_steps_variable() -> None:
-    global ENABLED, functional
+    global ENABLED
     ENABLED = env.plan_steps_enabled()
-    functional = ENABLED
     retrace.planning = ENABLED
+    _watch_from_start()
 
 
 def _set(mode: str) -> None:
-    global active
     state.mode = mode
-    active = mode in ("armed", "recording", "replaying")
+    if mode in ("armed", "recording", "replaying"):
+        if not modes.is_on(STEP):
+            modes.enter(STEP)
+    else:
+        modes.leave(STEP)
 
 
 def step_boundary(owner: object = None) -> None:
     """A step of ``owner`` (the module whose forward begins) begins: plan what was
     recorded, and watch the next call."""
-    global functional
     if owner is not FUNCTIONAL:
-        functional = False    # steps are marked by modules: no functional ones
+        modes.leave(WATCH)    # steps are marked by modules: no functional ones
     if state.hold:      # explain_step records its function whole; a module whose
         if not state.record and state.also is None:   # forward starts it also keys
             state.also = _token(owner)                 # the plan (steps replay it)
@@ -172,9 +181,9 @@ _FUNCTIONAL_TOKEN = _token(FUNCTIONAL)
 def paused():
     """No step boundary, recording or replay inside (a pipeline runs its stages per
     micro-batch and needs each stage's outputs in one layout)."""
-    global active
     saved = (state.mode, state.hold)
-    state.mode, state.hold, active = "idle", True, False
+    state.hold = True
+    _set("idle")
     try:
         yield
     finally:
@@ -183,11 +192,15 @@ def paused():
 
 
 def clear() -> None:
-    """Forget every plan and recording (tests; a program never needs it)."""
-    global state, functional, after_backward
-    state = _State()
-    functional, after_backward = ENABLED, False
+    """Forget every plan and recording (``gt.testing.reset()``; a program never needs
+    it)."""
+    global state
+    state = StepState()
     _set("idle")
+    _watch_from_start()
+
+
+modes.on_reset(clear)
 
 
 def start_recording(owner: object, hold: bool = True) -> None:

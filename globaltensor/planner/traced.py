@@ -210,3 +210,6 @@ def _follow(func, leaves: list, spec, key):
             traced[1] = ahead + 1
             return found
     return None
+
+
+record.StepMode.traced_decision = staticmethod(decision)

@@ -13,14 +13,19 @@ from typing import Iterator
 
 import torch
 
-from .. import comm
+from .. import comm, modes
 from ..advice import dtensor_operand_error, is_dtensor
 from ..layout import Layout
 from ..local_parts import device_of, empty_local
 from ..sbp import broadcast
 from ..tensor import GlobalTensor
 
-implicit_depth = 0  # open implicit_broadcast() contexts
+
+class ImplicitBroadcast(modes.Mode):
+    """The mode of an open ``implicit_broadcast()``: plain tensor operands are taken
+    as broadcast (the dispatcher reads ``modes.implicit``; the warm path stays open)."""
+
+    takes_plain = True
 
 
 @contextlib.contextmanager
@@ -34,12 +39,8 @@ def implicit_broadcast() -> Iterator[None]:
     >>> with gt.implicit_broadcast():         # doctest: +SKIP
     ...     h = emb(pos)                      # emb's weight is a GlobalTensor
     """
-    global implicit_depth
-    implicit_depth += 1
-    try:
+    with ImplicitBroadcast():
         yield
-    finally:
-        implicit_depth -= 1
 
 
 def as_broadcast(t: torch.Tensor, leaves, func) -> GlobalTensor:
@@ -53,7 +54,7 @@ def as_broadcast(t: torch.Tensor, leaves, func) -> GlobalTensor:
     rank = comm.get_rank()
     if rank not in placement:
         return GlobalTensor(empty_local(layout, t.dtype), layout)
-    if implicit_depth and comm.check_mode() and not comm.tracing():
+    if modes.implicit and comm.check_mode() and not comm.tracing():
         value = t.detach().cpu().contiguous().reshape(-1)
         comm.agree(zlib.crc32(value.view(torch.uint8).numpy().tobytes()), tuple(placement),
                    f"{func}: a plain operand of shape {tuple(t.shape)} taken as broadcast "

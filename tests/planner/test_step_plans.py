@@ -119,6 +119,7 @@ def check_functional_steps_are_planned_too():
     import torch
 
     import globaltensor as gt
+    from globaltensor import modes
     from globaltensor.planner import record as step
     P, plain, model = _fresh()        # ``model``: only its parameters, as laid out
     params = {n: p.detach().requires_grad_() for n, p in model.named_parameters()}
@@ -140,7 +141,7 @@ def check_functional_steps_are_planned_too():
                 p.grad = None
         losses.append(loss.full().item())
         sent.append(stats.total_bytes)
-    assert step.functional and step.state.last is not None
+    assert modes.is_on(step.WATCH) and step.state.last is not None
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)
     # recorded in the 6th forward and backward (the 5th step begins after the first
     # backward), replayed in the last two
