@@ -43,6 +43,10 @@ VARIABLES = {
     "GLOBALTENSOR_PLAN_STEPS": (
         "1", "0: turn whole-step planning (record and replay of a step's decisions) off; "
         "read at import"),
+    "GLOBALTENSOR_FINGERPRINTS": (
+        "1", "0: collectives carry no fingerprint (their op, program line and number in "
+        "the group, compared on arrival: ranks at different collectives raise "
+        "DivergenceError instead of mixing values); the same on every rank; read at import"),
     "GLOBALTENSOR_TRIM_HEAP": (
         "1", "0: fully_shard leaves malloc's mmap threshold and MKL's buffers alone"),
     "GLOBALTENSOR_CHECK_TIMES": (
@@ -164,6 +168,12 @@ def torch_advice_enabled() -> bool:
 def plan_steps_enabled() -> bool:
     """Whole-step planning: ``GLOBALTENSOR_PLAN_STEPS``, default on."""
     return _flag("GLOBALTENSOR_PLAN_STEPS", True)
+
+
+def fingerprints_enabled() -> bool:
+    """Whether every collective carries a fingerprint checked on arrival
+    (``GLOBALTENSOR_FINGERPRINTS``, default on; comm/fingerprint.py)."""
+    return _flag("GLOBALTENSOR_FINGERPRINTS", True)
 
 
 def trim_heap_enabled() -> bool:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from . import groups, stats
+from . import fingerprint, groups, stats, tagged
 from .groups import get_group, init
 from .guard import Waiting, guarded
 from .guard import all_gather_single as _all_gather_single
@@ -54,6 +54,22 @@ def _traced_on_host(kind: str, t: torch.Tensor):
         return t, (lambda r: r)
     device = t.device
     return t.cpu(), (lambda r: r.to(device))
+
+
+def _gather(dst: torch.Tensor, src: torch.Tensor, ranks: tuple[int, ...], async_op=False):
+    """``all_gather_single`` among ``ranks``, with its tag unless fingerprints are off."""
+    if fingerprint.ON:
+        return tagged.all_gather(dst, src, ranks, async_op)
+    return guarded("all_gather", ranks, lambda: _all_gather_single(
+        dst, src, group=get_group(ranks), async_op=async_op))
+
+
+def _reduce(buf: torch.Tensor, reduce: str, ranks: tuple[int, ...], async_op=False):
+    """In-place ``all_reduce`` among ``ranks``, with its tag unless fingerprints are off."""
+    if fingerprint.ON:
+        return tagged.all_reduce(buf, reduce, ranks, async_op)
+    return guarded("all_reduce", ranks, lambda: dist.all_reduce(
+        buf, op=_REDUCE_OPS[reduce], group=get_group(ranks), async_op=async_op))
 
 
 class _HostCopies:
@@ -114,7 +130,7 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...]
     host = _HostCopies() if _staged("all_gather", out.device) else None
     if host is not None:
         dst, src = host.receive(dst), host.send(src)
-    guarded("all_gather", ranks, lambda: _all_gather_single(dst, src, group=get_group(ranks)))
+    _gather(dst, src, ranks)
     if host is not None:
         host.finish()
 
@@ -132,8 +148,7 @@ def all_reduce_(t: torch.Tensor, reduce: str, ranks: tuple[int, ...]) -> None:
     host = _HostCopies() if _staged("all_reduce" if reduce == "sum" else "all_reduce:max",
                                     t.device) else None
     buf = t if host is None else host.both(t)
-    guarded("all_reduce", ranks,
-            lambda: dist.all_reduce(buf, op=_REDUCE_OPS[reduce], group=get_group(ranks)))
+    _reduce(buf, reduce, ranks)
     if host is not None:
         host.finish()
 
@@ -157,8 +172,11 @@ def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, reduce: str,
     host = _HostCopies() if _staged("reduce_scatter", out.device) else None
     if host is not None:
         dst, src = host.receive(out), host.send(src)
-    guarded("reduce_scatter", ranks, lambda: dist.reduce_scatter_tensor(
-        dst, src, op=_REDUCE_OPS[reduce], group=get_group(ranks)))
+    if fingerprint.ON:
+        tagged.reduce_scatter(dst, src, reduce, ranks)
+    else:
+        guarded("reduce_scatter", ranks, lambda: dist.reduce_scatter_tensor(
+            dst, src, op=_REDUCE_OPS[reduce], group=get_group(ranks)))
     if host is not None:
         host.finish()
 
@@ -180,8 +198,7 @@ def all_reduce_async(t: torch.Tensor, ranks: tuple[int, ...], what: str = "all_r
         return _Done()
     host = _HostCopies() if _staged("all_reduce", t.device) else None
     buf = t if host is None else host.both(t)
-    work = guarded("all_reduce", ranks, lambda: dist.all_reduce(
-        buf, op=dist.ReduceOp.SUM, group=get_group(ranks), async_op=True))
+    work = _reduce(buf, "sum", ranks, async_op=True)
     waiting = Waiting("all_reduce", ranks, work, what)
     return waiting if host is None else _CopiedBack(waiting, host)
 
@@ -202,8 +219,7 @@ def all_gather_async(out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...
     host = _HostCopies() if _staged("all_gather", out.device) else None
     if host is not None:
         dst, src = host.receive(dst), host.send(src)
-    work = guarded("all_gather", ranks, lambda: _all_gather_single(
-        dst, src, group=get_group(ranks), async_op=True))
+    work = _gather(dst, src, ranks, async_op=True)
     waiting = Waiting("all_gather", ranks, work, what)
     return waiting if host is None else _CopiedBack(waiting, host)
 
@@ -227,8 +243,11 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence
     host = _HostCopies() if _staged("all_to_all", out.device) else None
     if host is not None:
         dst, src = host.receive(out), host.send(inp)
-    guarded("all_to_all", ranks, lambda: dist.all_to_all_single(
-        dst, src, list(out_splits), list(in_splits), group=get_group(ranks)))
+    if fingerprint.ON:
+        tagged.all_to_all(dst, src, out_splits, in_splits, ranks)
+    else:
+        guarded("all_to_all", ranks, lambda: dist.all_to_all_single(
+            dst, src, list(out_splits), list(in_splits), group=get_group(ranks)))
     if host is not None:
         host.finish()
 
@@ -246,19 +265,25 @@ def broadcast_(t: torch.Tensor, src: int, ranks: tuple[int, ...]) -> None:
         return
     host = _HostCopies() if _staged("broadcast", t.device) else None
     buf = t if host is None else host.both(t)
-    guarded("broadcast", ranks, lambda: dist.broadcast(buf, src=src, group=get_group(ranks)))
+    if fingerprint.ON:
+        tagged.broadcast(buf, src, ranks)
+    else:
+        guarded("broadcast", ranks, lambda: dist.broadcast(buf, src=src, group=get_group(ranks)))
     if host is not None:
         host.finish()
 
 
 class P2PWork:
     """Posted sends and receives; ``wait()`` blocks until all are done (and copies
-    receives made on host copies back: ``host``)."""
+    receives made on host copies back: ``host``), first comparing their tags (``tags``:
+    ``tagged.post_p2p``'s, None when fingerprints are off)."""
 
-    def __init__(self, works, peers=(), host: _HostCopies | None = None):
-        self._works, self._peers, self._host = works, peers, host
+    def __init__(self, works, peers=(), host: _HostCopies | None = None, tags=None):
+        self._works, self._peers, self._host, self._tags = works, peers, host, tags
 
     def wait(self) -> None:
+        if self._tags is not None:
+            self._tags.wait()   # a mismatch raises before the payloads are waited for
         for work in self._works:
             guarded("point-to-point transfer", self._peers, work.wait)
         if self._host is not None:
@@ -266,7 +291,8 @@ class P2PWork:
 
     def is_completed(self) -> bool:
         """True when every message is done (never blocks)."""
-        return all(work.is_completed() for work in self._works)
+        return all(work.is_completed() for work in self._works) and (
+            self._tags is None or self._tags.is_completed())
 
 
 def start_p2p(sends: Sequence[tuple[torch.Tensor, int]],
@@ -289,6 +315,7 @@ def start_p2p(sends: Sequence[tuple[torch.Tensor, int]],
     host = _HostCopies()
     sends = [(host.send(t) if _staged("send", t.device) else t, peer) for t, peer in sends]
     recvs = [(host.receive(t) if _staged("recv", t.device) else t, peer) for t, peer in recvs]
+    tags = tagged.post_p2p(sends, recvs, dist.get_rank()) if fingerprint.ON else None
     if len(sends) + len(recvs) == 1:
         # One message (a hand-off between single ranks): batch_isend_irecv's coalescing
         # adds nothing to one message but its own cost.
@@ -298,14 +325,14 @@ def start_p2p(sends: Sequence[tuple[torch.Tensor, int]],
         t = t.contiguous() if sends else t
         peers = sorted({dist.get_rank(), peer})
         return P2PWork([guarded("point-to-point transfer", peers, lambda: post(t, peer))],
-                       peers, host)
+                       peers, host, tags)
     ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
     for t, _ in sends if kind is not None else ():
         stats.record(kind, _nbytes(t))
     peers = sorted({dist.get_rank()} | {p for _, p in sends} | {p for _, p in recvs})
     return P2PWork(guarded("point-to-point transfer", peers,
-                           lambda: dist.batch_isend_irecv(ops)), peers, host)
+                           lambda: dist.batch_isend_irecv(ops)), peers, host, tags)
 
 
 def all_gather_p2p(pieces: Sequence[torch.Tensor], mine: torch.Tensor,
@@ -343,19 +370,17 @@ def all_gather_ints(values: Sequence[int], ranks: tuple[int, ...] | None = None,
         return [list(values)]
     if stats.record("all_gather", 8 * (len(values) + (not same_length)) * (len(ranks) - 1)):
         return [list(values)] * len(ranks)   # a dry run: as if every member agreed
-    group = get_group(ranks)
     n = len(ranks)
     if same_length:
         lengths = torch.full((n,), len(values), dtype=torch.int64)
     else:
         lengths = torch.empty(n, dtype=torch.int64)
-        guarded("all_gather", ranks, lambda: _all_gather_single(
-            lengths, torch.tensor([len(values)], dtype=torch.int64), group=group))
+        _gather(lengths, torch.tensor([len(values)], dtype=torch.int64), ranks)
     width = max(int(lengths.max()), 1)
     mine = torch.zeros(width, dtype=torch.int64)
     mine[:len(values)] = torch.tensor(list(values), dtype=torch.int64)
     out = torch.empty(n * width, dtype=torch.int64)
-    guarded("all_gather", ranks, lambda: _all_gather_single(out, mine, group=group))
+    _gather(out, mine, ranks)
     rows = out.view(n, width).tolist()
     return [row[:k] for row, k in zip(rows, lengths.tolist())]
 

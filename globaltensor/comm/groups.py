@@ -390,6 +390,15 @@ def _member_group(ranks: tuple[int, ...]):
     return group
 
 
+store_view = None   # the simulated world's wrapper of the store (comm/simulated.py)
+
+
+def default_store():
+    """The default group's store, for meetings outside collectives (``meet.py``)."""
+    store = c10d._get_default_store()
+    return store if store_view is None else store_view(store)
+
+
 def get_group(ranks: tuple[int, ...]):
     """The process group whose group rank ``i`` is ``ranks[i]``; made on first use by
     its members (the caller must be one)."""

@@ -33,10 +33,9 @@ from __future__ import annotations
 import datetime
 
 import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d
 
 from .. import env
-from . import guard, stats
+from . import groups, guard, stats
 from .groups import init
 from .guard import CollectiveError, DivergenceError
 
@@ -63,11 +62,12 @@ def meet(ranks: tuple[int, ...], what: str, read: str, advice: str, same: str = 
     >>> meet((0, 1), "x.item()", "x.item() of ... at train.py:12", "...")  # doctest: +SKIP
     """
     members = tuple(sorted(ranks))
-    if len(members) == 1 or stats.dry():   # a dry run meets no one (check_step)
-        return
     init()
-    store = c10d._get_default_store()
     rank = dist.get_rank()
+    # a dry run (check_step) meets no one, nor does a rank outside the placement
+    if len(members) == 1 or stats.dry() or rank not in members:
+        return
+    store = groups.default_store()
     timeout = env.read_timeout_seconds()
     mine = f"{_CANCEL}{rank}|{read}"
     mark = f"{rank}|{same}"
@@ -163,11 +163,11 @@ def missed(ranks: tuple[int, ...]) -> str:
     if not dist.is_initialized():
         return ""
     rank = dist.get_rank()
-    groups = set(_round) | {tuple(sorted(ranks)), tuple(range(dist.get_world_size()))}
+    met = set(_round) | {tuple(sorted(ranks)), tuple(range(dist.get_world_size()))}
     found = []
     try:
-        store = c10d._get_default_store()
-        for members in sorted(groups):
+        store = groups.default_store()
+        for members in sorted(met):
             if rank not in members or len(members) == 1:
                 continue
             key = _key(members, _round.get(members, 0)) + "/state"

@@ -1,0 +1,151 @@
+"""Every collective carries a fingerprint (its op, size, program call path and number
+in its group: comm/fingerprint.py), compared on arrival with check mode off: a rank
+that issues one more collective of the same size raises DivergenceError on every rank,
+naming each rank's op and line, where the values used to mix silently."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from mp import world_test
+
+BOUND = 10  # seconds: a mismatch is seen as the collective arrives (the world's timeout: 60 s)
+
+
+def test_a_word_cut_into_slots_survives_a_sum_and_a_max_in_every_dtype():
+    # all_reduce and reduce_scatter carry the word in per-rank slots: zero but in the
+    # rank's own, where its chunks must be exact in the payload's dtype
+    from globaltensor.comm import fingerprint as fp
+    words = [(0x7FFFFFFF << 32) | 0xFFFFFFFF, (0x1234567 << 32) | 5, 0]
+    for dtype, bits in fp._SLOT_BITS.items():
+        k = 64 // bits
+        slots = torch.zeros(len(words), len(words) * k, dtype=dtype)
+        for r, word in enumerate(words):
+            slots[r, r * k:(r + 1) * k] = torch.tensor(fp._chunks(word, bits), dtype=dtype)
+        assert fp._words(slots.sum(0).tolist(), len(words), bits) == words, dtype
+        if not dtype.is_complex:
+            assert fp._words(slots.amax(0).tolist(), len(words), bits) == words, dtype
+
+
+def _log(t):
+    return t.sum().item()  # a logging helper: its line is the same for every tensor logged
+
+
+LOG_LINE = _log.__code__.co_firstlineno + 1
+
+
+def _move(t, placement):
+    return t.to_global(placement=placement)  # from rank 0 to rank 1: point-to-point
+
+
+def check_one_more_collective_of_the_same_size_on_one_rank():
+    # Step 0 meets at each call path (their first time); at step 1 rank 0 logs `a` once
+    # more: its all-reduce of one float met rank 1's of `b` and both got 33 + 66 = 99
+    # (`a` sums to 66, `b` to 132). Check mode is off.
+    import globaltensor as gt
+    from globaltensor import comm
+    assert not comm.check_mode()
+    r = gt.get_rank()
+    p = gt.placement("cpu", [0, 1])
+    a = gt.tensor([11.0, 22.0, 33.0], placement=p, sbp=gt.sbp.split(0))
+    b = gt.tensor([22.0, 44.0, 66.0], placement=p, sbp=gt.sbp.split(0))
+    for step in range(2):
+        start = time.monotonic()
+        try:
+            if step == 0 or r == 0:
+                assert _log(a) == 66.0  # EXTRA
+            assert _log(b) == 132.0     # EVERY
+        except gt.debug.DivergenceError as error:
+            assert step == 1 and time.monotonic() - start < BOUND
+            text = str(error)
+            for words in ("rank 0: all_reduce sum of 1 torch.float32", "rank 1: all_reduce sum of 1",
+                          "aten.sum.default", f"{__file__}:{LOG_LINE} <- {__file__}:{EXTRA}",
+                          f"{__file__}:{LOG_LINE} <- {__file__}:{EVERY}", "would have mixed"):
+                assert words in text, (words, text)
+        else:
+            assert step == 0, "no DivergenceError"
+    assert _log(b) == 132.0 and _log(a) == 66.0   # the world goes on, with right values
+    # A direct boxing: rank 0 moves `x` to rank 1 once more (a send that met rank 1's
+    # receive of `y`, of the same size): both raise, naming both lines.
+    q = gt.placement("cpu", [1])
+    x = gt.tensor([1.0, 2.0], placement=gt.placement("cpu", [0]), sbp=gt.sbp.broadcast)
+    y = gt.tensor([3.0, 4.0], placement=gt.placement("cpu", [0]), sbp=gt.sbp.broadcast)
+    for step in range(2):
+        try:
+            if step == 0 or r == 0:
+                _move(x, q)  # MOVE_X
+            moved = _move(y, q)  # MOVE_Y
+        except gt.debug.DivergenceError as error:
+            assert step == 1
+            for words in (f"{__file__}:{MOVE_LINE} <- {__file__}:{MOVE_X}",
+                          f"{__file__}:{MOVE_LINE} <- {__file__}:{MOVE_Y}", "point-to-point"):
+                assert words in str(error), (words, str(error))
+        else:
+            assert step == 0, "no DivergenceError"
+    moved = _move(y, q)
+    assert r == 0 or moved.to_local().tolist() == [3.0, 4.0]
+
+
+def _lines(function, *marks):
+    import inspect
+    lines, first = inspect.getsourcelines(function)
+    return [first + next(i for i, text in enumerate(lines) if text.rstrip().endswith(f"# {m}"))
+            for m in marks]
+
+
+EXTRA, EVERY, MOVE_X, MOVE_Y = _lines(check_one_more_collective_of_the_same_size_on_one_rank,
+                                      "EXTRA", "EVERY", "MOVE_X", "MOVE_Y")
+MOVE_LINE = _move.__code__.co_firstlineno + 1
+
+
+def _one_of(run):
+    run()  # every kind below, issued from here: the call path tells them apart
+
+
+def check_every_kind_of_collective_carries_it():
+    # Each kind of collective comm issues, packed in the payload (1 KiB) and in an
+    # all-gather of its own before it (128 KiB): rank 0 issues one more, both raise.
+    import globaltensor as gt
+    from globaltensor import comm
+    r, ranks = gt.get_rank(), (0, 1)
+    for n in (256, 32768):
+        x = torch.full((n,), 1.0 + r)
+        kinds = {
+            "all_gather": lambda: comm.all_gather_into(torch.empty(2 * n), x, ranks),
+            "all_reduce sum": lambda: comm.all_reduce_(x.clone(), "sum", ranks),
+            "all_reduce max": lambda: comm.all_reduce_(x.bfloat16(), "max", ranks),
+            "reduce_scatter sum": lambda: comm.reduce_scatter_into(torch.empty(n // 2), x, "sum", ranks),
+            "all_to_all": lambda: comm.all_to_all_single(torch.empty(n), x, [n // 2] * 2, [n // 2] * 2, ranks),
+            "broadcast from rank 0": lambda: comm.broadcast_(x.clone(), 0, ranks),
+            "point-to-point": lambda: _exchange(x, 1 - r),
+        }
+        for kind, run in kinds.items():
+            with pytest.raises(gt.debug.DivergenceError, match=kind) as info:
+                if r == 0:
+                    _one_of(run)  # ONE_MORE
+                _one_of(run)  # EVERY_RANK
+            for line in (ONE_MORE, EVERY_RANK):
+                where = f"{__file__}:{ONE_OF_LINE} <- {__file__}:{line}"
+                assert where in str(info.value), (where, str(info.value))
+            y = torch.full((3,), 1.0 + r)
+            comm.all_reduce_(y, "sum", ranks)   # and the next collective is right
+            assert y.tolist() == [3.0] * 3
+
+
+def _exchange(x, peer):
+    # Point-to-point messages count the program's line inside a named work (a boxing's
+    # sender and receiver run one line); outside one, each side's own code sends or
+    # receives (comm.start_p2p from two lines, as tests/core/test_comm_backend.py does).
+    from globaltensor import comm
+    with comm.activity("an exchange"):
+        comm.batched_p2p([(x, peer)], [(torch.empty_like(x), peer)])
+
+
+ONE_OF_LINE = _one_of.__code__.co_firstlineno + 1
+ONE_MORE, EVERY_RANK = _lines(check_every_kind_of_collective_carries_it, "ONE_MORE", "EVERY_RANK")
+
+CHECKS = ["check_one_more_collective_of_the_same_size_on_one_rank",
+          "check_every_kind_of_collective_carries_it"]
+
+test_world2 = world_test(__name__, 2, CHECKS)   # in the session's world of 2
