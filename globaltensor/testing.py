@@ -33,7 +33,20 @@ import warnings
 from typing import Callable
 
 __all__ = ["World", "free_port", "spawn", "peak_rise", "Peak", "no_fallback", "boxing_log",
-           "reset"]
+           "reset", "simulated_world"]
+
+
+def simulated_world(n: int, timeout: float | None = None) -> Callable:
+    """``simulated_world(n)(fn, *args)``: ``fn`` run as ``n`` ranks in this one process
+    (threads taking turns, collectives in memory), through the same dispatch, boxing,
+    autograd and gradient sync as a world of processes; returns the ranks' results as a
+    list. A debugger steps through any rank. Limits: ``globaltensor/simulated.py``.
+
+    >>> gt.testing.simulated_world(2)(lambda: gt.get_rank())   # doctest: +SKIP
+    [0, 1]
+    """
+    from .simulated import simulated_world as world
+    return world(n, timeout)
 
 
 def reset() -> None:

@@ -1,0 +1,202 @@
+"""Simulated worlds: an SPMD function run as n ranks in this one process
+(``gt.testing.simulated_world``).
+
+Each rank is a thread with its own default process group, on which collectives run in
+memory (``comm/simulated.py``). The ranks take turns: one runs at a time and hands the
+turn on only where it waits for the others (a collective, a receive, a store wait).
+At every turn the rank's own state is put in place: what globaltensor keeps per rank
+(``PER_RANK``: the modes and the planner's steps, comm's groups, meetings and
+counters, the decision cache, gradient sync, the random counters), torch's default
+generator and the RANK variables. So a program runs through the same dispatch,
+boxing, autograd, gradient sync and checkpoint code as in a world of processes, the
+same way every time, and a debugger steps through any rank in one Python process.
+Caches that do not depend on the rank (boxing plans, layouts, rules) are shared.
+
+Limits (what needs real processes): the launcher, faults and restarts, gloo and NCCL
+themselves, timeouts inside a collective (a rank that never comes ends the world after
+``timeout`` seconds), CUDA placements, ``torch.compile`` (dynamo's cache is shared by
+the threads, so a graph compiled on one rank would serve another), the parameter
+servers (RPC), and anything a program does with its process (``os.getpid``, files
+named by rank are fine).
+
+>>> import globaltensor as gt                                        # doctest: +SKIP
+>>> def step():
+...     p = gt.placement("cpu", ranks=[0, 1])
+...     x = gt.ones(4, 2, placement=p, sbp=gt.sbp.split(0))
+...     return x.to_global(sbp=gt.sbp.broadcast).to_local().sum().item()
+>>> gt.testing.simulated_world(2)(step)
+[8.0, 8.0]
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from . import comm, env, modes
+from .comm import simulated as sim
+
+# What globaltensor keeps per rank: module -> {name: fresh value (made from the module)}.
+PER_RANK: dict[str, dict[str, Callable]] = {
+    "globaltensor.comm.collectives": {"_rank": lambda m: None},
+    "globaltensor.comm.groups": {"_groups": lambda m: {}, "_ready": lambda m: False,
+                                 "_device_backends": lambda m: {},
+                                 "_local_devices": lambda m: {},
+                                 "_cuda_via_gloo_why": lambda m: ""},
+    "globaltensor.comm.guard": {"_doing": lambda m: [], "_claims": lambda m: {}},
+    "globaltensor.comm.meet": {"_round": lambda m: {}, "_cleaned": lambda m: {},
+                               "_met": lambda m: {}},
+    "globaltensor.comm.stats": {"_active": lambda m: [], "_dry": lambda m: 0},
+    "globaltensor.modes": {"_stack": lambda m: [], "active": lambda m: None,
+                           "checking": lambda m: False, "implicit": lambda m: False},
+    "globaltensor.planner.record": {"state": lambda m: m.StepState(),
+                                    "STEP": lambda m: m.StepMode(),
+                                    "WATCH": lambda m: m.FunctionalSteps()},
+    "globaltensor.origins": {"_DEBUG": lambda m: m.Checking()},
+    "globaltensor.gradsync": {"_sync": lambda m: True, "_serial": lambda m: 0,
+                              "_pending": lambda m: None, "_kept_grads": lambda m: [],
+                              "_last_order": lambda m: [], "_decided_task": lambda m: -1},
+    "globaltensor.random": {"_seed": lambda m: m._DEFAULT_SEED, "_draw": lambda m: 0},
+    "globaltensor.propagation.cache": {"_cache": lambda m: {}, "_by_value": lambda m: {}},
+    "globaltensor.explicit_mode": {"_lines": lambda m: [], "_written": lambda m: 0},
+    "globaltensor.nn.module": {"_scopes": lambda m: []},
+    "globaltensor.rules.losses": {"_targets_checked": lambda m: False},
+    "globaltensor.interop.dtensor": {"_meshes": lambda m: {}},
+    "globaltensor.boxing.run": {"_observers": lambda m: []},
+    "globaltensor.retrace": {"_pending": lambda m: None},
+    "globaltensor.comm.fingerprint": {"_seq": lambda m: {}, "_pairs": lambda m: {},
+                                      "_rank": lambda m: None},
+}
+_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
+def _modules() -> dict:
+    found = {}
+    for name in PER_RANK:
+        try:
+            found[name] = importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+    return found
+
+
+class _Ranks:
+    """Each rank's saved state (and the caller's, as rank -1), swapped at every turn."""
+
+    def __init__(self, n: int):
+        self.mods = _modules()
+        self.saved: dict[int, tuple] = {-1: self._current()}
+        rng = torch.get_rng_state()
+        for rank in range(n):   # every rank starts as a process would: fresh state
+            fresh = {(name, attr): make(self.mods[name]) for name, attrs in PER_RANK.items()
+                     if name in self.mods for attr, make in attrs.items()}
+            self.saved[rank] = (fresh, rng.clone(), {"RANK": str(rank), "LOCAL_RANK": str(rank),
+                                                    "GROUP_RANK": "0"})
+
+    def _current(self) -> tuple:
+        values = {(name, attr): getattr(self.mods[name], attr) for name, attrs in PER_RANK.items()
+                  if name in self.mods for attr in attrs}
+        return values, torch.get_rng_state(), {k: os.environ.get(k) for k in _ENV}
+
+    def swap_out(self, rank: int) -> None:
+        self.saved[rank] = self._current()
+
+    def swap_in(self, rank: int) -> None:
+        values, rng, environ = self.saved[rank]
+        for (name, attr), value in values.items():
+            setattr(self.mods[name], attr, value)
+        torch.set_rng_state(rng)
+        for key, value in environ.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def simulated_world(n: int, timeout: float | None = None) -> Callable:
+    """``simulated_world(n)(fn, *args, **kwargs)`` runs ``fn`` as ``n`` ranks in this
+    one process (module docstring) and returns their results as a list, rank by rank.
+    A rank that raises ends the world: its exception is raised here, with a note naming
+    the rank; a world still running after ``timeout`` seconds (default
+    GLOBALTENSOR_TIMEOUT) raises ``TimeoutError`` naming what each rank was doing.
+
+    >>> gt.testing.simulated_world(4)(train_step, batch)     # doctest: +SKIP
+    """
+    if n < 1:
+        raise ValueError(f"simulated_world needs at least one rank, not {n}")
+    limit = env.timeout_seconds() if timeout is None else float(timeout)
+
+    def run(fn: Callable, *args, **kwargs) -> list:
+        ranks = _Ranks(n)
+        turns = sim.Turns(n, ranks.swap_in, ranks.swap_out, limit)
+        results, errors = [None] * n, {}
+        store = sim.new_store(limit)
+        ranks.swap_out(-1)     # the caller's state (and variables) come back at the end
+        os.environ.update({"WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n)})
+        try:
+            with sim.world(turns):
+                threads = [threading.Thread(target=_rank_main, name=f"simulated rank {r}",
+                                            args=(r, n, turns, store, limit, fn, args, kwargs,
+                                                  results, errors), daemon=True)
+                           for r in range(n)]
+                for t in threads:
+                    t.start()
+                _join(threads, turns, ranks, limit)
+        finally:
+            ranks.swap_in(-1)
+        if not errors and turns.stopped is not None:   # past the timeout
+            raise turns.stopped
+        if errors:
+            rank = min(errors)
+            error = errors[rank]
+            error.add_note(f"(rank {rank} of a simulated world of {n})")
+            raise error
+        return results
+
+    return run
+
+
+def _rank_main(rank: int, n: int, turns, store, limit: float, fn, args, kwargs, results,
+               errors) -> None:
+    try:
+        turns.take(rank)
+    except sim.WorldStopped:
+        return
+    try:
+        modes.reset()          # the modes a program starts with, this rank's own
+        torch.set_num_threads(1)
+        sim.init_rank(rank, n, store, limit)
+        results[rank] = fn(*args, **kwargs)
+        comm.finish()          # every rank gets here before the groups go
+    except BaseException as e:  # noqa: BLE001  (the first is raised by the caller)
+        if turns.stopped is None:   # the error that ends the world (the others follow it)
+            errors[rank] = e if isinstance(e, Exception) else RuntimeError(str(e))
+            turns.stop(e)
+    finally:
+        try:
+            sim.end_rank()
+        finally:
+            if turns.holder == rank:   # (a rank stopped while waiting holds no turn)
+                turns.give(rank)
+
+
+def _join(threads: list, turns, ranks: _Ranks, limit: float) -> None:
+    """Wait for every rank; past ``limit`` seconds, stop the world naming each rank's
+    work (its saved ``comm.guard._doing``)."""
+    deadline = time.monotonic() + limit
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in threads):
+        doing = []
+        for rank in range(len(threads)):
+            values = ranks.saved[rank][0]
+            work = values.get(("globaltensor.comm.guard", "_doing")) or []
+            doing.append(f"rank {rank}: {' <- '.join(map(str, reversed(work))) or 'its own code'}")
+        turns.stop(TimeoutError(f"a simulated world of {len(threads)} ranks ran past "
+                                f"{limit:g} s; " + "; ".join(doing)))
+        for t in threads:
+            t.join(5)

@@ -1,0 +1,120 @@
+"""Simulated worlds (``gt.testing.simulated_world``): n ranks as threads of this one
+process, through the same dispatch, boxing, autograd and gradient sync as a world of
+processes; collectives in memory; one rank runs at a time."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import globaltensor as gt
+
+simulated_world = gt.testing.simulated_world
+
+
+def _gather_sum():
+    p = gt.placement("cpu", ranks=[0, 1])
+    x = gt.arange(8, placement=p, sbp=gt.sbp.split(0)).float()
+    whole = x.to_global(sbp=gt.sbp.broadcast).to_local()
+    return gt.get_rank(), gt.get_world_size(), x.to_local().tolist(), whole.sum().item(), os.getpid()
+
+
+def test_each_rank_runs_the_program_in_this_process():
+    gt.init()                                          # a world of one here, put aside
+    out = simulated_world(2)(_gather_sum)
+    assert [o[:4] for o in out] == [(0, 2, [0.0, 1.0, 2.0, 3.0], 28.0),
+                                    (1, 2, [4.0, 5.0, 6.0, 7.0], 28.0)]
+    assert {o[4] for o in out} == {os.getpid()}
+    assert torch.distributed.get_world_size() == 1     # the caller's world is as it was
+    assert simulated_world(2)(_gather_sum) == out      # the same every time
+
+
+def _train(steps: int):
+    """A data-parallel linear model with gradients kept across steps, on ranks [0, 1]
+    of the world (a third rank holds nothing)."""
+    p = gt.placement("cpu", ranks=[0, 1])
+    gt.manual_seed(0)
+    w = gt.randn(8, 4, placement=p, sbp=gt.sbp.broadcast).requires_grad_()
+    x = gt.randn(6, 8, placement=p, sbp=gt.sbp.split(0))
+    for _ in range(steps):
+        loss = (x @ w).relu().sum()
+        loss.backward()
+    return loss.item(), w.grad.to_local().clone(), w.full(), x.full()
+
+
+def test_training_equals_one_process_also_for_a_rank_outside():
+    out = simulated_world(3)(_train, 3)
+    _, _, w, x = out[0]
+    w = w.detach().clone().requires_grad_()
+    for _ in range(3):
+        loss = (x @ w).relu().sum()
+        loss.backward()
+    for rank in (0, 1):
+        assert out[rank][0] == pytest.approx(loss.item())
+        torch.testing.assert_close(out[rank][1], w.grad)
+    assert out[2][1].numel() == 0 or not out[2][1].any()   # the rank outside holds nothing
+    assert out[2][0] == pytest.approx(loss.item())          # but reads the broadcast loss
+
+
+def _raises_on_one(rank_that_fails: int):
+    p = gt.placement("cpu", ranks=[0, 1])
+    x = gt.ones(4, 2, placement=p, sbp=gt.sbp.split(0))
+    if gt.get_rank() == rank_that_fails:
+        raise ValueError("bad batch")
+    return x.to_global(sbp=gt.sbp.broadcast).to_local().sum().item()
+
+
+def test_a_rank_that_raises_ends_the_world_with_its_error():
+    with pytest.raises(ValueError, match="bad batch") as info:
+        simulated_world(2, timeout=30)(_raises_on_one, 1)
+    assert "rank 1 of a simulated world of 2" in "".join(info.value.__notes__)
+
+
+def _one_more_to_global():
+    p = gt.placement("cpu", ranks=[0, 1])
+    x = gt.ones(4, 2, placement=p, sbp=gt.sbp.split(0))
+    if gt.get_rank() == 0:
+        x.to_global(sbp=gt.sbp.broadcast)        # rank 0 alone gathers
+    return 0
+
+
+def test_a_rank_that_runs_one_more_to_global_is_named_as_in_processes(monkeypatch):
+    monkeypatch.setenv("GLOBALTENSOR_READ_TIMEOUT", "2")
+    with pytest.raises(gt.debug.CollectiveError, match=r"x.to_global\(\) on rank 0 needs every rank"):
+        simulated_world(2, timeout=20)(_one_more_to_global)
+
+
+def _different_collectives():
+    t = torch.ones(2)
+    if torch.distributed.get_rank() == 0:
+        torch.distributed.all_reduce(t)
+    else:
+        torch.distributed.broadcast(t, 0)
+
+
+def test_ranks_at_different_collectives_are_told_apart_not_paired():
+    """torch's threaded group alone would pair them (values mixed silently)."""
+    with pytest.raises(gt.debug.DivergenceError, match="reached collective (Broadcast|AllReduce) where other "
+                       "ranks of its group are in (AllReduce|Broadcast)"):
+        simulated_world(2, timeout=20)(_different_collectives)
+
+
+def test_the_op_battery_checks_run_unchanged():
+    """The checks the session's worlds of processes run (``tests/ops``) run in a
+    simulated world: the same program, the same comparisons with plain torch."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ops"))
+    try:
+        import test_matmul
+        import test_pointwise
+    finally:
+        sys.path.pop(0)
+    simulated_world(2)(test_pointwise.check_pointwise)
+    simulated_world(4)(test_matmul.check_matmul)
+
+
+def test_bad_world_sizes_are_refused():
+    with pytest.raises(ValueError, match="at least one rank"):
+        simulated_world(0)
