@@ -18,6 +18,7 @@ import collections
 import contextlib
 import datetime
 import threading
+import time
 from typing import Callable, Iterator
 
 import torch
@@ -184,21 +185,27 @@ def _create_group(prefix_store, rank: int, world_size: int, timeout):
 
 
 class WaitingStore:
-    """A view of a store whose blocking calls hand the turn on while they wait
-    (``groups.default_store``: meetings outside collectives)."""
+    """A view of a store whose blocking calls hand the turn on while they wait, and
+    end when the world stops (``groups.default_store``: meetings outside collectives)."""
 
     def __init__(self, store):
         self.store = store
 
     def get(self, key):
-        if self.store.check([key]):
-            return self.store.get(key)
-        with _waiting():
-            return self.store.get(key)
+        if not self.store.check([key]):
+            self.wait([key])
+        return self.store.get(key)
 
-    def wait(self, keys, *timeout):
+    def wait(self, keys, timeout: datetime.timedelta | None = None):
+        limit = timeout.total_seconds() if timeout is not None else self.store.timeout.total_seconds()
+        deadline = time.monotonic() + limit
         with _waiting():
-            return self.store.wait(keys, *timeout)
+            while not self.store.check(list(keys)):
+                if _turns is not None and _turns.stopped is not None:
+                    raise WorldStopped(f"the world stopped ({_turns.stopped})")
+                if time.monotonic() > deadline:   # as the store's own wait says it
+                    raise dist.DistStoreError(f"wait timeout after {limit * 1000:.0f}ms, keys: {keys}")
+                time.sleep(0.002)
 
     def __getattr__(self, name: str):
         return getattr(self.store, name)
