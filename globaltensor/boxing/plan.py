@@ -14,14 +14,12 @@ priced twice: the search from a source is kept and resumed for its next target (
 settles states in the order a search of its own would: the same path and cost), a
 general route is skipped where a lower bound of its transfer cannot win
 (``transfer_price.py``) and priced without making its moves, and ``route_cost`` gives
-a plan's cost without making the plan: per source, against every layout of its shape
-and placement at once (``_routes_from``: every source's routes on the graph as arrays,
-``_all_pairs``; the general routes' transfers as arrays; the same costs as pair by
-pair).
+a plan's cost without making the plan, read from a table of every pair of layouts
+of its shape and placement, made at once as arrays (``search.route_table``;
+``route_costs`` reads a block of pairs at once); the same costs as pair by pair.
 """
 from __future__ import annotations
 
-import heapq
 import itertools
 from dataclasses import dataclass
 from functools import lru_cache
@@ -29,12 +27,12 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from ..layout import Layout
+from ..layout import Layout, _whole_blocks
 from ..sbp import Partial, Split, StridedSplit, broadcast
-from . import transfer_price
+from . import search, transfer_price
 from .execute import start
 from .explain import format_plan
-from .search import Graph, candidates, edge_of, graph_of, holds_max, search_from
+from .search import holds_max, route_table, search_from, state_of
 from .steps import Handle
 from .steps.reshape import ViewAs
 from .steps.transfer import Transfer
@@ -115,140 +113,156 @@ def route_cost(src: Layout, dst: Layout, itemsize: int = 4) -> float:
         whole = _whole(src)
         return route_cost(src, whole, itemsize) + route_cost(whole, dst, itemsize)
     if src.placement == dst.placement:
-        found = _routes_from(src, itemsize, holds_max(src) or holds_max(dst))
-        j = found[1].get(dst.sbp)
-        if j is not None and found[0][j] < float("inf"):
-            return found[0][j].item()
+        found = _table_cost(src, dst, itemsize)
+        if found is not None:
+            return found
     same = _boxing_cost(src, dst, itemsize)
     general = _general(src, dst, itemsize, same if same is not None else float("inf"))
     return same if general is None else general[0]
 
 
-# --- a source priced against every layout of its shape and placement at once ------------
-# Step planning prices nearly every pair of layouts of a shape (tens of thousands on a
-# 2-D placement). Per source: one Dijkstra search run to its end (every state's cost, in
-# the order and with the sums the kept search gives), and the general routes of every
-# target from the source's reductions as arrays (``transfer_price.transfer_costs``): the
-# cost of each target is min(same placement, cheapest general route), which is what
-# ``_general``'s pruning returns (its floors are lower bounds of the transfers).
+def route_costs(srcs: tuple, dsts: tuple, itemsize: int = 4, through: bool = True
+                ) -> np.ndarray:
+    """``[[route_cost(s, d, itemsize) for d in dsts] for s in srcs]`` as an array,
+    read from the universes' tables a block at a time (the layouts of one shape,
+    placement and strided blocks each, on the refined view the two blocks share;
+    ``through``: the pairs that share none through broadcast, as arrays too)."""
+    froms, intos = _by_view(srcs), _by_view(dsts)
+    if len(froms) == len(intos) == 1:   # one block: the whole
+        return _block(froms[0][2], intos[0][2], froms[0][0], intos[0][0], itemsize, through)
+    out = np.empty((len(srcs), len(dsts)))
+    for key, rows, group in froms:
+        for other, cols, targets in intos:
+            out[np.ix_(rows, cols)] = _block(group, targets, key, other, itemsize, through)
+    return out
+
+
+def _block(group: tuple, targets: tuple, key: tuple, other: tuple, itemsize: int,
+           through: bool) -> np.ndarray:
+    """``route_costs`` of layouts of one shape, placement and strided blocks each (NaN
+    in a table: no route there, priced pair by pair)."""
+    (blocks, placement, shape), (theirs, where, their_shape) = key, other
+    found, alike = None, where == placement and shape == their_shape
+    view = _joined(blocks, theirs) if alike else None
+    unrefined = view is None and alike   # no refined view for any pair, or some: -1
+    if view is not None:
+        fine, a, a_all, a_fine = _group_states(group, view)
+        _, b, b_all, b_fine = _group_states(targets, view)
+        if not (a_fine and b_fine):
+            unrefined = (a == -1)[:, None] | (b == -1)[None, :]
+        if fine is not None:
+            found = route_table(fine, placement, itemsize)[a[:, None], b[None, :]]
+            if not (a_all and b_all):
+                found[(a < 0)[:, None] | (b < 0)[None, :]] = np.nan
+    if found is None:
+        found = np.full((len(group), len(targets)), np.nan)
+    if through and 1 not in placement.shape and np.any(unrefined):
+        # boxed through broadcast (``route_cost``): the two halves' costs, summed
+        found = np.where(unrefined, _through(group, itemsize, True)[:, None]
+                         + _through(targets, itemsize, False)[None, :], found)
+    for i, j in zip(*np.nonzero(np.isnan(found))):   # pair by pair where no table
+        found[i, j] = route_cost(group[i], targets[j], itemsize)
+    return found
+
+
+@lru_cache(maxsize=4096)
+def _through(group: tuple, itemsize: int, into: bool) -> np.ndarray:
+    """``route_cost`` from each layout of ``group`` to broadcast (``into``), or from
+    broadcast to each."""
+    whole = (_whole(group[0]),)
+    return route_costs(group, whole, itemsize, False)[:, 0] if into else \
+        route_costs(whole, group, itemsize, False)[0]
+
+
+@lru_cache(maxsize=4096)
+def _by_view(layouts: tuple) -> list:
+    """[((strided blocks, placement, shape), their indices in ``layouts``, those
+    layouts)]: the layouts of each shape, placement and strided blocks."""
+    groups: dict = {}
+    for i, layout in enumerate(layouts):
+        groups.setdefault((_blocks(layout), layout.placement, layout.shape), []).append(i)
+    return [(key, rows, tuple(layouts[i] for i in rows)) for key, rows in groups.items()]
+
+
+@lru_cache(maxsize=16384)
+def _blocks(layout: Layout) -> tuple:
+    return tuple(sorted({(s.dim, s.blocks) for s in layout.sbp if isinstance(s, StridedSplit)}))
+
+
+def _joined(a: tuple, b: tuple):
+    """The refined view of two layouts' strided blocks (``_refined_pair``), or None."""
+    view = dict(a)
+    for d, k in b:
+        if view.setdefault(d, k) != k:
+            return None
+    return tuple(sorted(view.items()))
+
+
+@lru_cache(maxsize=16384)
+def _group_states(group: tuple, view: tuple) -> tuple:
+    """(the universe of ``group``'s layouts (one shape) refined on ``view``, or None;
+    the number of each one's refined state there: -1 where it has no refined layout,
+    -2 where that has no state; whether all have a state; whether all refine)."""
+    found = [_fine_state(layout, view) for layout in group]
+    shapes = {f[0] for f in found if f}
+    shape = shapes.pop() if len(shapes) == 1 else None
+    numbers = np.array([-1 if f is False else -2 if f is None or f[0] != shape else f[1]
+                        for f in found])
+    return shape, numbers, bool(numbers.min() >= 0), False not in found
+
+
+@lru_cache(maxsize=65536)
+def _fine_state(layout: Layout, view: tuple):
+    """``state_of(layout.refined(dict(view)))`` (of ``layout`` itself for no view),
+    made without making the refined layout; False where that is None."""
+    if not view:
+        return state_of(layout.shape, layout.placement.ndim, layout.sbp)
+    blocks = dict(view)
+    shape, where = _refined_shape(layout.shape, view)
+    dims = []   # per axis: the dim of the refined shape it splits, or its sbp
+    plain = [s.dim for s in layout.sbp if isinstance(s, Split)]
+    for axis, s in enumerate(layout.sbp):
+        if isinstance(s, StridedSplit):
+            if blocks.get(s.dim) != s.blocks:
+                return False
+            dims.append(where[s.dim] + 1)
+        elif isinstance(s, Split):
+            if s.dim in blocks and (plain.count(s.dim) > 1 or not _whole_blocks(
+                    layout.shape[s.dim], blocks[s.dim], layout.placement.shape[axis])):
+                return False   # nested splits of a dim, or parts that are no whole blocks
+            dims.append(where[s.dim])
+        else:
+            dims.append(s)
+    return state_of(shape, layout.placement.ndim, tuple(_split(d) if type(d) is int else d
+                                                      for d in dims))
+
 
 @lru_cache(maxsize=1024)
-def _universe(shape: tuple, placement) -> tuple:
-    """(every layout of the shape and placement over the per-axis candidates, with
-    partial_max, as ``transfer_price.Targets`` (``plain``: those without partial_max);
-    {nd-sbp: index}; whether each holds partial_max)."""
-    cands = candidates(len(shape), (Partial("max"),))
-    sbps = list(itertools.product(cands, repeat=placement.ndim))
-    layouts = tuple(Layout.interned(shape, placement, nd) for nd in sbps)
-    targets = transfer_price.Targets(layouts)
-    maxes = np.array([Partial("max") in nd for nd in sbps], dtype=bool)
-    targets.plain = tuple(l for l, m in zip(layouts, maxes) if not m)
-    return targets, {nd: j for j, nd in enumerate(sbps)}, maxes
+def _refined_shape(shape: tuple, view: tuple) -> tuple:
+    """(``shape`` with each dim d of ``view`` ((d, k), ...) as (k, length // k), the
+    place of each of its dims there)."""
+    blocks, out, where = dict(view), [], []
+    for d, length in enumerate(shape):
+        where.append(len(out))
+        k = blocks.get(d)
+        out += [length] if k is None else [k, length // k]
+    return tuple(out), tuple(where)
 
 
-@lru_cache(maxsize=16384)
-def _costs_to_all(src: Layout, itemsize: int, with_max: bool):
-    """The cost of the cheapest route from ``src`` to each state of its graph, by state
-    number (inf where none; a sequence, or a dict for a source off the candidates)."""
-    graph = graph_of(src.shape, src.placement, itemsize, with_max)
-    begin = graph.number(graph.state(src.sbp))
-    table = _all_pairs(graph)
-    if begin < len(table):
-        return table[begin]
-    return _searched_to_all(graph, begin)
+@lru_cache(maxsize=256)
+def _split(dim: int) -> Split:
+    return Split(dim)
 
 
-@lru_cache(maxsize=1024)
-def _all_pairs(graph: "Graph") -> np.ndarray:
-    """[source state][state]: the cheapest route's cost between every two states made of
-    candidate sbp (inf where none), numbered first: every source of a universe at once,
-    by Bellman-Ford rounds as arrays (a round extends every route by one step; each
-    route summed from its source on, as a search sums it). Equal to a search's costs
-    but where two routes cost within 1e-15 of each other (its tie margin)."""
-    n = graph.moves ** graph.placement.ndim
-    step = np.full((n, n), np.inf)
-    for k in range(n):
-        for nxt, cost in graph.linked(k):
-            step[k, nxt] = min(step[k, nxt], cost)
-    costs = np.full((n, n), np.inf)
-    np.fill_diagonal(costs, 0.0)
-    for _ in range(n):
-        longer = np.minimum(costs, (costs[:, :, None] + step[None, :, :]).min(axis=1))
-        if np.array_equal(longer, costs):
-            break
-        costs = longer
-    return costs
-
-
-def _looked_up(reached, numbers: list) -> np.ndarray:
-    """``_costs_to_all``'s costs of the states ``numbers`` (inf: not reached)."""
-    if isinstance(reached, np.ndarray):
-        return reached[numbers]
-    inf = float("inf")
-    return np.array([reached.get(k, inf) for k in numbers])
-
-
-def _searched_to_all(graph: "Graph", begin: int) -> dict:
-    """{state number: cost} of every state the search from state ``begin`` reaches."""
-    heap, best, settled, linked, counter = [(0.0, 0, begin)], {begin: 0.0}, {}, graph.linked, 1
-    pop, push, inf, get = heapq.heappop, heapq.heappush, float("inf"), best.get
-    while heap:
-        cost, _, state = pop(heap)
-        if state in settled:
-            continue
-        settled[state] = cost
-        for nxt, step_cost in linked(state):
-            c = cost + step_cost
-            if c < get(nxt, inf) - 1e-15:
-                best[nxt] = c
-                push(heap, (c, counter, nxt))
-                counter += 1
-    return settled
-
-
-def _numbers(graph: "Graph", layouts: tuple) -> list:
-    """The state numbers of ``layouts`` (one universe) on ``graph``."""
-    found = graph.layouts.get(id(layouts))
-    if found is None or found[0] is not layouts:
-        found = graph.layouts[id(layouts)] = (layouts, [graph.number(graph.state(l.sbp))
-                                                         for l in layouts])
-    return found[1]
-
-
-@lru_cache(maxsize=16384)
-def _routes_from(src: Layout, itemsize: int, with_max: bool) -> tuple:
-    """(route_cost from ``src`` (no strided split) to every layout of its universe that
-    is searched ``with_max`` (``_boxing``: when either end holds partial_max), as an
-    array, NaN or inf elsewhere (priced alone); the universe's {nd-sbp: index})."""
-    targets, index, maxes = _universe(src.shape, src.placement)
-    holds = holds_max(src)
-    graph = graph_of(src.shape, src.placement, itemsize, with_max)
-    reached = _costs_to_all(src, itemsize, with_max)
-    if holds or with_max:
-        same = _looked_up(reached, _numbers(graph, targets.layouts))
-        if not holds:
-            same[~maxes] = np.nan
-    else:   # no partial_max anywhere: searched without it
-        same = np.full(len(targets.layouts), np.nan)
-        same[~maxes] = _looked_up(reached, _numbers(graph, targets.plain))
-    graph = graph_of(src.shape, src.placement, itemsize, holds)
-    reached = _costs_to_all(src, itemsize, holds)   # the reductions: searched as _general's
-    best = same
-    for mid in _reduced_sources(src):
-        pre = 0.0 if mid == src else \
-            _looked_up(reached, [graph.number(graph.state(mid.sbp))])[0]
-        if pre == float("inf"):
-            continue
-        best = np.minimum(best, pre + _transfers_from(mid, itemsize))
-    return best, index
-
-
-@lru_cache(maxsize=16384)
-def _transfers_from(mid: Layout, itemsize: int) -> np.ndarray:
-    """``transfer_cost(mid, t, itemsize)`` per layout t of mid's universe (a reduced
-    source: every source that reduces to it shares them)."""
-    return transfer_price.transfer_costs(mid, _universe(mid.shape, mid.placement)[0],
-                                         itemsize)
+def _table_cost(src: Layout, dst: Layout, itemsize: int):
+    """``route_cost`` of two layouts of one placement from their universe's table, or
+    None where it has none."""
+    a = state_of(src.shape, src.placement.ndim, src.sbp)
+    b = state_of(dst.shape, dst.placement.ndim, dst.sbp)
+    if a is None or b is None:
+        return None
+    found = route_table(a[0], src.placement, itemsize)[a[1], b[1]]
+    return found.item() if found < float("inf") else None
 
 
 def _strided_route(src: Layout, dst: Layout, itemsize: int) -> Plan:
@@ -332,11 +346,10 @@ def forget_searches() -> None:
     """Forget the searches and prices kept for pricing many pairs, not the plans
     (step planning's working set: a 12-layer GPT on 2 x 4 keeps about 150 MiB of them;
     what runs later needs only its plans)."""
-    for cached in (route_cost, _refined_pair, _refined, _strided, search_from, graph_of,
-                   holds_max, edge_of, _reduced_sources, _routes_from, _transfers_from, _costs_to_all,
-                   _all_pairs,
-                   _universe):
+    for cached in (route_cost, _refined_pair, _refined, _strided, _blocks, _by_view,
+                   _group_states, _fine_state, _refined_shape, _through, _reduced_sources):
         cached.cache_clear()
+    search.clear_caches()
     transfer_price.clear_caches()
 
 

@@ -9,12 +9,13 @@ formula, counted on arrays of the regions instead of one move at a time.
 """
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import numpy as np
 
-from ..cost import costs_of
-from ..layout import Layout
+from ..cost import costs_for, costs_of
+from ..layout import Layout, balanced_split
 from ..partials import identity_fill
 
 
@@ -117,64 +118,174 @@ def _receivers(layout: Layout) -> tuple:
 
 def clear_caches() -> None:
     for cached in (transfer_floor, transfer_cost, _sources, _wanted,
-                   _regions, _receivers):
+                   _regions, _receivers, _intervals, _holder_table, _overlaps):
         cached.cache_clear()
+    _priced.clear()
 
 
-# --- every target at once --------------------------------------------------------------
-# Step planning prices a source against nearly every layout of its shape and placement;
-# the general route's transfers from one reduced source are priced against all of them
-# in one pass over arrays [target][receiving rank][source region]: the integers of
-# ``transfer_cost`` per target, then its formula on arrays (the same float operations,
-# in the same order, so each entry equals ``transfer_cost`` to the last bit).
+# --- every (source, target) pair of a universe at once ----------------------------------
+# Step planning prices the general route from every source's reductions to nearly every
+# layout of the shape and placement: ``transfer_table`` counts the integers of
+# ``transfer_cost`` for every pair of states (``search.py``'s codes: 0 broadcast,
+# 1 partial_sum, 2 partial_max, 3 + d split(d)) on arrays [source][target][receiving
+# rank][region], then applies its formula (the same float operations, in the same
+# order, so each entry equals ``transfer_cost`` to the last bit). A pair's elements are
+# a product over dims, of which at most two per axis are split (by either end): the
+# others each give their whole length.
 
-class Targets:
-    """Layouts of one shape on one placement, none strided, as arrays: per layout and
-    rank of the placement (in its order) the region's offsets and sizes, and whether
-    the rank receives (``_receivers``)."""
-
-    def __init__(self, layouts: tuple):
-        self.layouts = layouts
-        first = layouts[0]
-        self.placement, self.ndim = first.placement, first.ndim
-        self.ranks = np.array(list(first.placement), dtype=np.int64)
-        n, ndim = len(self.ranks), first.ndim
-        lo = np.zeros((len(layouts), n, ndim), dtype=np.int64)
-        size = np.zeros((len(layouts), n, ndim), dtype=np.int64)
-        receives = np.zeros((len(layouts), n), dtype=bool)
-        for j, layout in enumerate(layouts):
-            for i, r in enumerate(first.placement):
-                region = layout.region(r)
-                lo[j, i], size[j, i] = region.offsets, region.sizes
-                receives[j, i] = identity_fill(layout, r) is None
-        self.lo, self.hi, self.receives = lo, lo + size, receives
-        self.size = size
+@lru_cache(maxsize=1024)
+def _intervals(length: int, placement) -> tuple:
+    """(offsets, sizes) [pattern][rank]: the interval of a dim of ``length`` that each
+    rank (in placement order) holds when the axes of the bit mask ``pattern`` split it,
+    nested in axis order."""
+    pshape = placement.shape
+    lo = np.zeros((1 << len(pshape), placement.size), dtype=np.int64)
+    size = np.zeros_like(lo)
+    for q in range(1 << len(pshape)):
+        for i, r in enumerate(placement):
+            offset, part = 0, length
+            for a, c in enumerate(placement.coord(r)):
+                if q >> a & 1:
+                    begin, part = balanced_split(part, pshape[a])[c]
+                    offset += begin
+            lo[q, i], size[q, i] = offset, part
+    return lo, size
 
 
-def transfer_costs(src: Layout, targets: Targets, itemsize: int) -> np.ndarray:
-    """``[transfer_cost(src, t, itemsize) for t in targets.layouts]`` as an array
-    (``src``: no strided split, on the targets' placement)."""
-    lo, size, groups = _sources(src)                  # [1, region, dim]
-    ranks = targets.ranks
-    ends = np.minimum(targets.hi[:, :, None, :], lo + size)
-    elements = np.clip(ends - np.maximum(targets.lo[:, :, None, :], lo), 0, None).prod(axis=3)
-    elements *= targets.receives[:, :, None]          # [target][rank][region]
-    holder = np.array([[d if d in group else group[d % len(group)] for group in groups]
-                       for d in ranks.tolist()], dtype=np.int64)   # [rank][region]
-    here = holder == ranks[:, None]
+@lru_cache(maxsize=64)
+def _holder_table(placement, split: int) -> tuple:
+    """For a source whose axes in the bit mask ``split`` split it: ([receiver][region]
+    the holder each receiver takes each region from, as ``_holders`` picks it: itself
+    where it holds it, else its holders in turn; [region] whether that rank is the
+    region's first holder, which stands for it), by placement order."""
+    ranks = list(placement)
+    coords = [placement.coord(r) for r in ranks]
+    axes = [a for a in range(placement.ndim) if split >> a & 1]
+    groups = {}
+    for i, c in enumerate(coords):
+        groups.setdefault(tuple(c[a] for a in axes), []).append(i)
+    holder = np.zeros((len(ranks), len(ranks)), dtype=np.int64)
+    first = np.zeros(len(ranks), dtype=bool)
+    for s, c in enumerate(coords):
+        group = groups[tuple(c[a] for a in axes)]
+        first[s] = group[0] == s
+        for r in range(len(ranks)):
+            holder[r, s] = r if r in group else group[ranks[r] % len(group)]
+    return holder, first
+
+
+@lru_cache(maxsize=1024)
+def _overlaps(length: int, placement) -> np.ndarray:
+    """[source pattern * patterns + target pattern][receiver][region]: how much of a
+    dim of ``length`` the two intervals share (``_intervals``)."""
+    lo, size = _intervals(length, placement)
+    hi = lo + size
+    ends = np.minimum(hi[None, :, :, None], hi[:, None, None, :])
+    begins = np.maximum(lo[None, :, :, None], lo[:, None, None, :])
+    return np.clip(ends - begins, 0, None).reshape(len(lo) ** 2, *lo.shape[1:], -1)
+
+
+def _pair_keys(shape: tuple, pndim: int, mids: np.ndarray, targets: np.ndarray) -> tuple:
+    """(per pair (source * target): what its transfer cost depends on, as a row: per
+    axis of the source the label of the dim it splits (-1: none), per axis of the
+    target that label (-1: none, -2: partial), per label its dim's length, and the
+    elements of the dims no axis splits; the same as one integer per pair, equal
+    for equal rows of this shape). Labels number the split dims in order of
+    appearance, so that pairs alike but for the place of their dims (in one shape or
+    in two) share a row."""
+    m, t = len(mids), len(targets)
+    slots = [np.broadcast_to(mids[:, a, None] - 3, (m, t)) for a in range(pndim)]
+    slots += [np.broadcast_to(targets[None, :, a] - 3, (m, t)) for a in range(pndim)]
+    lengths = np.array(shape + (0,), dtype=np.int64)        # one more: no dim
+    labels, count = [], np.zeros((m, t), dtype=np.int64)
+    length = np.full((m, t, 2 * pndim), len(shape))       # per label: its dim
+    for k, dim in enumerate(slots):
+        new, label = dim >= 0, np.where(dim >= 0, count, -1)
+        for j in range(k):
+            same = new & (dim == slots[j])
+            label, new = np.where(same, labels[j], label), new & ~same
+        for c in range(k + 1):   # a new label's dim goes to its place
+            length[..., c] = np.where(new & (count == c), dim, length[..., c])
+        count = count + new
+        labels.append(label)
+    partial = (targets == 1) | (targets == 2)
+    for a in range(pndim):
+        labels[pndim + a] = np.where(partial[None, :, a], -2, labels[pndim + a])
+    length = lengths[length]
+    counted = np.where(np.arange(2 * pndim) < count[..., None], length, 1).prod(axis=2)
+    numel = math.prod(shape)
+    rest = np.where(counted > 0, numel // np.maximum(counted, 1), 0)
+    code = np.zeros((m, t), dtype=np.int64)
+    for label in labels:
+        code = code * (2 * pndim + 2) + label + 2
+    distinct = np.unique(lengths)
+    for c in range(2 * pndim):   # the rest follows from the lengths
+        code = code * len(distinct) + np.searchsorted(distinct, length[..., c])
+    rows = np.concatenate([np.stack(labels, axis=2), length, rest[..., None]], axis=2)
+    return rows.reshape(m * t, -1), code.reshape(-1)
+
+
+_priced: dict = {}   # (placement, itemsize) -> {a pair's key row: its transfer cost}
+
+
+def transfer_table(shape: tuple, placement, itemsize: int, mids: np.ndarray,
+                   targets: np.ndarray) -> np.ndarray:
+    """[source][target]: ``transfer_cost`` between the states ``mids`` (codes, no
+    partial axis) and ``targets`` of the shape and placement; each distinct pair
+    (``_pair_keys``) priced once while planning."""
+    keys, code = _pair_keys(shape, placement.ndim, mids, targets)
+    _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+    unique = keys[first]
+    known = _priced.setdefault((placement, itemsize), {})
+    rows = [tuple(row) for row in unique.tolist()]
+    values = np.array([known.get(row, np.nan) for row in rows])
+    missing = np.flatnonzero(np.isnan(values))
+    if len(missing):
+        values[missing] = _key_costs(unique[missing], placement, itemsize)
+        known.update((rows[i], values[i]) for i in missing.tolist())
+    return values[inverse.reshape(-1)].reshape(len(mids), len(targets))
+
+
+def _key_costs(keys: np.ndarray, placement, itemsize: int) -> np.ndarray:
+    """``transfer_cost`` of each pair key (``_pair_keys``): the integers of
+    ``transfer_cost`` on arrays [pair][receiving rank][region], then its formula."""
+    p, q, n = placement.ndim, 1 << placement.ndim, placement.size
+    source, target = keys[:, :p], keys[:, p:2 * p]
+    length, rest = keys[:, 2 * p:4 * p], keys[:, 4 * p]
+    distinct = sorted(set(length.ravel().tolist()))
+    overlaps = np.concatenate([_overlaps(x, placement) for x in distinct]
+                              + [np.ones((1, n, n), dtype=np.int64)])
+    where = np.searchsorted(np.array(distinct), length)
+    axes = np.arange(p)
+    elements = rest[:, None, None]
+    for i in range(2 * p):
+        qm = ((source == i) << axes).sum(axis=1)
+        qt = ((target == i) << axes).sum(axis=1)
+        used = ((source == i) | (target == i)).any(axis=1)
+        index = np.where(used, (where[:, i] * q + qm) * q + qt, len(overlaps) - 1)
+        elements = elements * overlaps[index]
+    coords = np.array([placement.coord(r) for r in placement], dtype=np.int64)
+    receives = ~((target == -2)[:, None, :] & (coords[None, :, :] != 0)).any(axis=2)
+    split = ((source >= 0) << axes).sum(axis=1)
+    holder = np.empty((len(keys), n, n), dtype=np.int64)
+    first = np.empty((len(keys), n), dtype=bool)
+    for mask in np.unique(split).tolist():
+        holder[split == mask], first[split == mask] = _holder_table(placement, mask)
+    elements = elements * (receives[:, :, None] & first[:, None, :])
+    here = holder == np.arange(n)[None, :, None]
     moved = elements > 0
     away = moved & ~here
-    world = int(max(ranks.max(), holder.max())) + 1
-    onto = np.zeros((holder.size, world), dtype=np.int64)   # (rank, region) -> its holder
-    onto[np.arange(holder.size), holder.ravel()] = 1
-    count = len(targets.layouts)
-    messages = away.reshape(count, -1).astype(np.int64) @ onto
-    messages[:, ranks] += away.sum(axis=2)
+    onto = np.zeros((len(keys), n * n, n))                    # (rank, region) -> holder
+    onto[np.arange(len(keys))[:, None], np.arange(n * n)[None, :],
+         holder.reshape(len(keys), -1)] = 1
     shipped = elements * away
-    sent = shipped.reshape(count, -1) @ onto
+    flat = (len(keys), 1, n * n)
+    messages = (np.matmul(away.reshape(flat).astype(np.float64), onto)[:, 0]
+                + away.sum(axis=2)).astype(np.int64)
+    sent = np.matmul(shipped.reshape(flat).astype(np.float64), onto)[:, 0]
     received = shipped.sum(axis=2)
     copied = (elements * (moved & here)).sum(axis=2)
-    worst_bytes = np.maximum(sent.max(axis=1), received.max(axis=1)) * itemsize
-    k = costs_of(src, targets.layouts[0])
+    worst_bytes = np.maximum(sent.max(axis=1).astype(np.int64), received.max(axis=1)) * itemsize
+    k = costs_for(placement.type)
     return (k.launch * away.any(axis=(1, 2)) + k.alpha * messages.max(axis=1)
             + k.p2p_beta * worst_bytes + k.gamma * (copied.max(axis=1) * itemsize))

@@ -17,8 +17,12 @@ import functools
 import gc
 import math
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import itemgetter
 
-from ..boxing.plan import forget_searches, route_cost
+import numpy as np
+
+from ..boxing.plan import forget_searches, route_cost, route_costs
 from ..cost import GLOO, costs_of, max_local_bytes
 from ..propagation.decide import Decision, Options, _reduced_scalars
 from ..sbp import Broadcast, Partial
@@ -64,10 +68,12 @@ class Node:
         layout, ``entry._reduce_together``), or () when it reduces none."""
         if self.opts is None or self.in_backward:
             return ((),) * len(self.signatures())
-        return tuple(tuple(sorted({r for r in _reduced_scalars(self.func, list(outs),
-                                                               self.greedy.inplace)
-                                   if r is not None}, key=repr))
-                     for _, outs in self.opts.signatures)
+        out = []
+        for _, outs in self.opts.signatures:
+            reduced = _reduced_scalars(self.func, list(outs), self.greedy.inplace)
+            out.append(tuple(sorted({r for r in reduced if r is not None}, key=repr))
+                       if reduced else ())
+        return tuple(out)
 
 
 def _as_made(node: Node, outs: tuple) -> tuple:
@@ -124,8 +130,8 @@ def _plan(record: list, sinks: tuple, pin_grads: tuple) -> StepPlan:
     # Communication alone (compute free) gives a second start: the layouts that move
     # the fewest bytes (Megatron's, on a transformer) differ from per-op choice in long
     # chains that no local move flips at once.
-    talk = solve.Problem([[c - w for c, w in zip(costs, work)]
-                          for costs, work in zip(problem.unary, compute)], problem.edges)
+    talk = problem.with_unary([[c - w for c, w in zip(costs, work)]
+                               for costs, work in zip(problem.unary, compute)])
     seed = solve.propagate(talk, solve.improve(talk, solve.forward_dp(talk)), sweeps=1)
     choice = solve.solve(problem, start, seeds=(seed,))
     total = _with_bucket_launch(problem, bucketed, launch)
@@ -133,9 +139,8 @@ def _plan(record: list, sinks: tuple, pin_grads: tuple) -> StepPlan:
         # The gradient bucket was priced as launched anyway. Where no other gradient
         # needs it (a tensor-parallel step), the choices that fill it pay its launch
         # alone: the same problem with every bucketed reduction paying a launch.
-        alone = solve.Problem([[c + launch * bucketed.get((v, o), 0) for o, c in
-                                enumerate(costs)] for v, costs in enumerate(problem.unary)],
-                              problem.edges)
+        alone = problem.with_unary([[c + launch * bucketed.get((v, o), 0) for o, c in
+                                     enumerate(costs)] for v, costs in enumerate(problem.unary)])
         other = solve.refine(alone, choice)
         choice = min(choice, other, key=total)
     for node, k in zip(record, choice):
@@ -236,8 +241,8 @@ def _problem(record: list, sinks: tuple = (), pin_grads: tuple = ()) -> tuple:
         sigs = node.signatures()
         costs = prices.compute(node.func, sigs)
         compute.append(list(costs))
-        costs = [c + sum(route_cost(r, r.without_partials()) for r in reduced)
-                 for c, reduced in zip(costs, node.reductions())]
+        costs = [c + sum(route_cost(r, r.without_partials()) for r in reduced) if reduced
+                 else c for c, reduced in zip(costs, node.reductions())]
         inplace = node.greedy.inplace
         greedy = node.opts.greedy if node.opts is not None else 0
         fixed = _INFEASIBLE if v in written else 0.0
@@ -280,7 +285,16 @@ def _problem(record: list, sinks: tuple = (), pin_grads: tuple = ()) -> tuple:
                 if in_bucket:
                     bucketed[u, o] = bucketed.get((u, o), 0) + 1
                     launch = max(launch, costs_of(outs[k]).launch)
-    return solve.Problem(unary, edges), compute, bucketed, launch
+    problem = solve.Problem(unary, edges)
+    for matrix, array in prices.arrays:
+        problem.know(matrix, array)
+    return problem, compute, bucketed, launch
+
+
+def _ids(layouts) -> tuple:
+    """Layouts by identity, a key cheap to hash: equal layouts are one object
+    (``Layout.make`` interns them), and the record holds them while it is planned."""
+    return tuple(map(id, layouts))
 
 
 class _Prices:
@@ -290,13 +304,17 @@ class _Prices:
 
     def __init__(self):
         self.routes: dict = {}     # (src, dst, itemsize) -> boxing cost
-        self.computes: dict = {}   # (func, signatures) -> compute cost per option
+        self.computes: dict = {}   # (func, signatures by ids) -> compute cost per option
         self.columns: dict = {}    # id(signatures) -> (signatures, {(i, outs): layouts})
         self.outputs: dict = {}    # (node, k, through) -> its output layout per option
-        self.matrices: dict = {}   # what a matrix depends on -> the matrix
+        self.matrices: dict = {}   # what a matrix depends on (by ids) -> the matrix
+        self.blocks: dict = {}     # (made_as, into, itemsize) -> route costs, an array
+        self.equal: dict = {}      # (made_as, into) -> which pairs are equal layouts
+        self.arrays: list = []     # (matrix, the same as an array): the solver's arrays
 
     def compute(self, func, sigs: tuple) -> list:
-        key = (func, sigs)
+        key = (func, tuple(map(len, sigs[0])) if sigs else (),
+               _ids(chain.from_iterable(chain.from_iterable(sigs))))
         costs = self.computes.get(key)
         if costs is None:
             costs = self.computes[key] = [_compute_seconds(func, *sig) for sig in sigs]
@@ -309,7 +327,8 @@ class _Prices:
             held = self.columns[id(sigs)] = (sigs, {})
         found = held[1].get((i, outs))
         if found is None:
-            found = held[1][i, outs] = tuple(sig[1 if outs else 0][i] for sig in sigs)
+            found = held[1][i, outs] = tuple(map(itemgetter(i), map(itemgetter(
+                1 if outs else 0), sigs)))
         return found
 
     def made_as(self, node: Node, k: int, through: bool) -> tuple:
@@ -324,15 +343,39 @@ class _Prices:
         """[producer option][consumer option]: boxing ``made_as`` into ``into`` (times
         ``weight``); infeasible where an in-place call's first operand would not stay
         its output (``outs``); ``fixed`` where an option other than ``greedy`` boxes."""
-        key = (made_as, into, outs, size, weight, fixed, greedy if fixed else None)
+        key = (_ids(made_as), _ids(into), None if outs is None else _ids(outs), size, weight,
+               fixed, greedy if fixed else None)
         found = self.matrices.get(key)
         if found is None:
-            routes = self.routes
-            found = self.matrices[key] = [
-                [_route_cost(src, dst, size, routes) * weight
-                 + (_INFEASIBLE if outs is not None and src != outs[o] else 0.0)
-                 + (fixed if o != greedy and src != dst else 0.0)
-                 for o, dst in enumerate(into)] for src in made_as]
+            # ``_route_cost`` of every pair from the universes' tables at once, then the
+            # same float operations in the same order as pair by pair
+            same = self.same(made_as, into)
+            cost = np.where(same, 0.0, self.costs(made_as, into, size) + 1e-9) * weight
+            if outs is not None:
+                cost = cost + np.where(self.same(made_as, outs), 0.0, _INFEASIBLE)
+            if fixed:
+                moves = ~same & (np.arange(len(into)) != greedy)[None, :]
+                cost = cost + np.where(moves, fixed, 0.0)
+            found = self.matrices[key] = cost.tolist()
+            self.arrays.append((found, cost))
+        return found
+
+    def costs(self, made_as: tuple, into: tuple, size: int) -> np.ndarray:
+        key = (made_as, into, size)
+        found = self.blocks.get(key)
+        if found is None:
+            found = self.blocks[key] = route_costs(made_as, into, size)
+        return found
+
+    def same(self, made_as: tuple, into: tuple) -> np.ndarray:
+        """[producer option][consumer option]: whether the two layouts are equal."""
+        key = (made_as, into)
+        found = self.equal.get(key)
+        if found is None:
+            number: dict = {}
+            a = np.array([number.setdefault(x, len(number)) for x in made_as])
+            b = np.array([number.setdefault(x, len(number)) for x in into])
+            found = self.equal[key] = a[:, None] == b[None, :]
         return found
 
 

@@ -20,6 +20,7 @@ the consumers that follow it: never worse than per-op choice.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from heapq import nsmallest
 from operator import itemgetter
 
 import numpy as np
@@ -41,6 +42,11 @@ class Problem:
     out_of: list = field(init=False)  # per node: indices of edges out of it
     _columns: dict = field(init=False, repr=False, compare=False)
     _arrays: dict = field(init=False, repr=False, compare=False)
+    _by_edge: list = field(init=False, repr=False, compare=False)
+    _cols_by_edge: list = field(init=False, repr=False, compare=False)
+    _unaries: list = field(init=False, repr=False, compare=False)
+    _neighbours: list = field(init=False, repr=False, compare=False)
+    sums: list = field(init=False, repr=False, compare=False)
     before: list = field(init=False, repr=False, compare=False)
     after: list = field(init=False, repr=False, compare=False)
     seeing: list = field(init=False, repr=False, compare=False)
@@ -53,6 +59,11 @@ class Problem:
             self.out_of[u].append(k)
         self._columns = {}   # id of an edge's matrix (edges may share one): its columns
         self._arrays = {}    # the same: the matrix as an array
+        self._by_edge = [None] * len(self.edges)       # per edge: its matrix's array
+        self._cols_by_edge = [None] * len(self.edges)  # per edge: its matrix's columns
+        self._unaries = [None] * len(self.unary)       # per node: unary as an array
+        self._neighbours = [None] * len(self.unary)    # per node: ``neighbours``
+        self.sums = [None] * len(self.unary)           # per node: ``summed``
         # per node: its producers and its consumers, each in call order, and what reads
         # the options of the nodes its scores depend on (``_follow``'s memo key)
         self.before = [sorted({self.edges[k][0] for k in ks}) for ks in self.into]
@@ -61,20 +72,63 @@ class Problem:
                                + [self.edges[k][1] for k in self.out_of[v]])
                        for v in range(len(self.unary))]
 
+    def with_unary(self, unary: list) -> "Problem":
+        """The same edges with other costs of their own: the graph and the edges'
+        arrays and columns are shared, not made again."""
+        other = object.__new__(type(self))
+        other.__dict__.update(self.__dict__)
+        other.unary = unary
+        other._unaries = [None] * len(unary)
+        other.sums = [None] * len(unary)
+        return other
+
+    def know(self, cost: list, array: "np.ndarray") -> None:
+        """A matrix of the edges (``cost``) is ``array``: no need to make it again."""
+        self._arrays[id(cost)] = array
+
     def array(self, k: int) -> "np.ndarray":
         """Edge k's matrix as an array (edges may share one)."""
-        cost = self.edges[k][2]
-        found = self._arrays.get(id(cost))
+        found = self._by_edge[k]
         if found is None:
-            found = self._arrays[id(cost)] = np.asarray(cost, dtype=np.float64)
+            cost = self.edges[k][2]
+            found = self._arrays.get(id(cost))
+            if found is None:
+                found = self._arrays[id(cost)] = np.asarray(cost, dtype=np.float64)
+            self._by_edge[k] = found
+        return found
+
+    def neighbours(self, v: int) -> tuple:
+        """([(producer, edge's array)], [(consumer, edge's array)]) of node v, in the
+        order of ``into`` and ``out_of``."""
+        found = self._neighbours[v]
+        if found is None:
+            found = self._neighbours[v] = (
+                [(self.edges[k][0], self.array(k)) for k in self.into[v]],
+                [(self.edges[k][1], self.array(k)) for k in self.out_of[v]])
+        return found
+
+    def summed(self, v: int) -> tuple:
+        """(``unary_array(v)``, ``neighbours(v)``...), kept in ``sums[v]``: what
+        ``walks.pick`` reads."""
+        found = self.sums[v] = (self.unary_array(v), *self.neighbours(v))
+        return found
+
+    def unary_array(self, v: int) -> "np.ndarray":
+        """Node v's costs of its own as an array."""
+        found = self._unaries[v]
+        if found is None:
+            found = self._unaries[v] = np.asarray(self.unary[v], dtype=np.float64)
         return found
 
     def columns(self, k: int) -> list:
         """Edge k's matrix by consumer option: ``columns(k)[ov][ou] == cost[ou][ov]``."""
-        cost = self.edges[k][2]
-        found = self._columns.get(id(cost))
+        found = self._cols_by_edge[k]
         if found is None:
-            found = self._columns[id(cost)] = list(zip(*cost))
+            cost = self.edges[k][2]
+            found = self._columns.get(id(cost))
+            if found is None:
+                found = self._columns[id(cost)] = list(zip(*cost))
+            self._cols_by_edge[k] = found
         return found
 
     def total(self, choice: list) -> float:
@@ -126,7 +180,7 @@ def tree_dp(problem: Problem, choice: list) -> list:
     for v in range(n):
         if held[v]:
             continue
-        table = np.asarray(problem.unary[v], dtype=np.float64)
+        table = problem.unary_array(v)
         for k in problem.into[v]:
             u = edges[k][0]
             if held[u]:
@@ -195,8 +249,8 @@ def forward_dp(problem: Problem) -> list:
     """Dynamic programming in node order (producers first), then choices from the last
     node back, each node taking its best option given its consumers' choices."""
     best = []   # per node: its cheapest subtotal per option (numpy: the same sums)
-    for v, unary in enumerate(problem.unary):
-        table = np.asarray(unary, dtype=np.float64)
+    for v in range(len(problem.unary)):
+        table = problem.unary_array(v)
         for k in problem.into[v]:
             bu = best[problem.edges[k][0]]
             table = table + ((bu[:, None] + problem.array(k)).min(axis=0) - bu.min())
@@ -233,7 +287,7 @@ def propagate(problem: Problem, choice: list, window: int = 24, sweeps: int = 2)
                     continue
                 if here is None:
                     here = _scores(problem, v, choice)
-                start, best = here[choice[v]] - here[o], None
+                start, best = float(here[choice[v]] - here[o]), None
                 for alone, up in ((0, False), (2, False), (2, True)):   # the three ways
                     gain, steps = start, trails.trail(choice, v, o, alone, up)
                     for fall, _, _ in steps:   # in the order the nodes change: equal sums
@@ -256,14 +310,18 @@ def propagate(problem: Problem, choice: list, window: int = 24, sweeps: int = 2)
     return choice
 
 
-def _candidates(scores: list, now: int) -> list:
+def _candidates(scores, now: int) -> list:
     """The ``TRIED`` options other than ``now`` that cost least where they stand (ties:
     the lower option first), cheapest first: a move's followers recover what its first
     node loses, and on a 2-D placement (up to 109 options a call) the options far above
     the current one are never worth their trails. Best first also moves to the better
     of two improving options first (a 12-layer GPT on 2 x 4 plans 13 % cheaper than
-    trying every option in order, in a third of the time)."""
-    order = sorted(range(len(scores)), key=scores.__getitem__)
+    trying every option in order, in a third of the time). ``scores``: a list or an
+    array (``walks.scores``), ordered alike."""
+    if isinstance(scores, list):
+        order = nsmallest(TRIED + 1, range(len(scores)), key=scores.__getitem__)   # = sorted()[:]
+    else:
+        order = np.argsort(scores, kind="stable")[:TRIED + 1].tolist()
     return [o for o in order if o != now][:TRIED]
 
 
@@ -273,7 +331,7 @@ def _follow(problem: Problem, choice: list, v: int, o: int, window: int, way: st
     its producers; "neighbours": given all its neighbours) or its producers backwards
     ("producers"), at most ``window`` nodes changed (what ``propagate`` tries)."""
     scores = _scores(problem, v, choice)
-    gain, changed = scores[choice[v]] - scores[o], {v: o}
+    gain, changed = float(scores[choice[v]] - scores[o]), {v: o}
     for fall, w, c in Trails(problem, window).trail(
             choice, v, o, 0 if way == "consumers" else 2, way == "producers"):
         gain += fall

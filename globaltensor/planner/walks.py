@@ -5,37 +5,48 @@ re-choosing, kept while the choice stays (``Trails``). Pure: no tensors, no proc
 """
 from __future__ import annotations
 
-import heapq
+from heapq import heapify, heappop, heappush
 from operator import add
 
-import numpy as np
+# Options above which a node's scores are summed as arrays (fewer: as lists, which add
+# a few numbers faster); both sum in the same order, so the floats are equal.
+SHORT = 24
 
 
 def argmin(xs) -> int:
-    """The first index of the least element (what ``min(range(len(xs)), key=xs.
-    __getitem__)`` gives, in C)."""
-    return xs.index(min(xs))
+    """The first index of the least element (of a list or an array)."""
+    return xs.index(min(xs)) if isinstance(xs, list) else int(xs.argmin())
 
 
-def scores(problem, v: int, choice, consumers: bool = True) -> list:
+def scores(problem, v: int, choice, consumers: bool = True):
     """Node v's cost in each of its options, its neighbours as ``choice`` has them
     (its producers only, unless ``consumers``); the sums in the order unary, edges
-    in, edges out, so that equal options tie exactly. Not to be changed in place (it
-    may be ``unary[v]`` itself)."""
-    out = problem.unary[v]
+    in, edges out, so that equal options tie exactly. A list, or an array for a node
+    of more than ``SHORT`` options. Not to be changed in place (it may be ``unary[v]``
+    itself)."""
     edges = problem.edges
-    for k in problem.into[v]:
-        u, _, cost = edges[k]
-        out = list(map(add, out, cost[choice[u]]))
+    if len(problem.unary[v]) > SHORT:
+        out = problem.unary_array(v)
+        for k in problem.into[v]:
+            out = out + problem.array(k)[choice[edges[k][0]]]
+    else:
+        out = problem.unary[v]
+        for k in problem.into[v]:
+            u, _, cost = edges[k]
+            out = list(map(add, out, cost[choice[u]]))
     return add_consumers(problem, v, choice, out) if consumers else out
 
 
-def add_consumers(problem, v: int, choice, sums: list) -> list:
-    """``sums`` plus node v's edges to its consumers as ``choice`` has them (a new
-    list where there are any)."""
+def add_consumers(problem, v: int, choice, sums):
+    """``sums`` (from ``scores``) plus node v's edges to its consumers as ``choice``
+    has them (a new list or array where there are any)."""
     edges = problem.edges
-    for k in problem.out_of[v]:
-        sums = list(map(add, sums, problem.columns(k)[choice[edges[k][1]]]))
+    if isinstance(sums, list):
+        for k in problem.out_of[v]:
+            sums = list(map(add, sums, problem.columns(k)[choice[edges[k][1]]]))
+    else:
+        for k in problem.out_of[v]:
+            sums = sums + problem.array(k)[:, choice[edges[k][1]]]
     return sums
 
 
@@ -49,19 +60,19 @@ class Trails:
     choice stays. A node that feeds one call (or, walking to producers, is fed by
     one) hands its change to that call alone, and the calls after that one read no
     node before it: so a try's trail is a chain of links (what that one call picks
-    when the node takes an option), kept per node and option, up to a node with
-    several such neighbours, from which a ``walk`` is kept per node and option (the
-    longest a try may need: a shorter one is its beginning)."""
+    when the node takes an option: a ``pick`` with the node at that option, kept by
+    what the call sees, as a walk keeps its picks), up to a node with several such
+    neighbours, from which a ``walk`` is kept per node and option (the longest a try
+    may need: a shorter one is its beginning)."""
 
     def __init__(self, problem, window: int):
         self.problem, self.window = problem, window
         self.picks: dict = {}   # what a node picks, by the options it sees (``pick``)
-        self.links: dict = {}   # (node, up) -> ``_links``
         self.walks: dict = {}   # (node, option, alone, up) -> ``walk``'s steps
 
     def moved(self) -> None:
-        """The choice changed: forget what depended on it."""
-        self.links.clear()
+        """The choice changed: forget what depended on it (picks are kept by every
+        option they read)."""
         self.walks.clear()
         if len(self.picks) > MAX_PICKS:
             self.picks.clear()
@@ -69,50 +80,30 @@ class Trails:
     def trail(self, choice: list, v: int, o: int, alone: int, up: bool) -> list:
         """[(how much the total falls, node, its option)] after v takes option o, in
         the order ``walk`` changes them (``choice`` is left as it is)."""
-        next_to = self.problem.before if up else self.problem.after
+        problem = self.problem
+        next_to = problem.before if up else problem.after
+        seeing, picks, window = problem.seeing, self.picks, self.window
         steps, z, p, count = [], v, o, 1
-        while count < self.window:
+        while count < window:
             beside = next_to[z]
             if len(beside) != 1:
                 if beside:
-                    steps += self._walk(choice, z, p, alone, up)[:self.window - count]
+                    steps += self._walk(choice, z, p, alone, up)[:window - count]
                 return steps
-            links = self.links.get((z, up))
-            if links is None:
-                links = self.links[z, up] = self._links(choice, z, beside[0])
-            link = links[alone >> 1][p]
-            if link is None:
+            x = beside[0]
+            saved, choice[z] = choice[z], p
+            now = choice[x]
+            key = (x, now, seeing[x](choice))
+            found = picks.get(key)
+            if found is None:
+                found = picks[key] = pick(problem, choice, x)
+            choice[z] = saved
+            q = found[alone]
+            if q == now:
                 return steps
-            steps.append(link)
-            z, p, count = link[1], link[2], count + 1
+            steps.append((found[alone + 1], x, q))
+            z, p, count = x, q, count + 1
         return steps
-
-    def _links(self, choice: list, z: int, x: int) -> tuple:
-        """Per way of picking (given producers, given all neighbours), per option p
-        of z: (how much the total falls, x, its pick) when z takes p and x, its one
-        neighbour on the side followed, re-chooses, or None when x keeps its option.
-        Every p at once: x's scores as rows, summed in ``scores``' order (equal
-        floats), the first least of each row as ``argmin`` takes it."""
-        problem = self.problem
-        edges, now = problem.edges, choice[x]
-        sums = np.asarray(problem.unary[x], dtype=np.float64)
-        for k in problem.into[x]:
-            u = edges[k][0]
-            sums = sums + (problem.array(k) if u == z else
-                           np.asarray(edges[k][2][choice[u]], dtype=np.float64))
-        mine = sums
-        for k in problem.out_of[x]:
-            w = edges[k][1]
-            sums = sums + (problem.array(k).T if w == z else problem.array(k)[:, choice[w]])
-        rows = len(problem.unary[z])
-        mine = np.broadcast_to(mine, (rows, mine.shape[-1]))
-        full = np.broadcast_to(sums, (rows, sums.shape[-1]))
-        out = []
-        for picked in (mine.argmin(axis=1), full.argmin(axis=1)):
-            falls = (full[:, now] - full[np.arange(rows), picked]).tolist()
-            out.append([None if q == now else (fall, x, q)
-                        for fall, q in zip(falls, picked.tolist())])
-        return tuple(out)
 
     def _walk(self, choice: list, z: int, p: int, alone: int, up: bool) -> list:
         key = (z, p, alone, up)
@@ -134,16 +125,16 @@ def walk(problem, choice: list, v: int, window: int, alone: int, up: bool,
     neighbours on the side followed come after it, so taking the least of a heap is
     taking the first of a sorted list. ``choice`` is restored."""
     next_to = problem.before if up else problem.after
-    sign = -1 if up else 1
-    todo = [sign * x for x in next_to[v]]
-    heapq.heapify(todo)
+    todo = [-x for x in next_to[v]] if up else list(next_to[v])
+    heapify(todo)
     seen = set(next_to[v])
     seeing, steps, old, count = problem.seeing, [], [], 1
+    known = picks.get
     while todo and count < window:
-        w = sign * heapq.heappop(todo)
+        w = -heappop(todo) if up else heappop(todo)
         now = choice[w]
         key = (w, now, seeing[w](choice))
-        found = picks.get(key)
+        found = known(key)
         if found is None:
             found = picks[key] = pick(problem, choice, w)
         best = found[alone]
@@ -155,7 +146,7 @@ def walk(problem, choice: list, v: int, window: int, alone: int, up: bool,
             for x in next_to[w]:
                 if x not in seen:
                     seen.add(x)
-                    heapq.heappush(todo, sign * x)
+                    heappush(todo, -x if up else x)
     for w, now in old:
         choice[w] = now
     return steps
@@ -167,6 +158,15 @@ def pick(problem, choice: list, w: int) -> tuple:
     given all its neighbours): what ``walk`` looks up by w, its option and its
     neighbours' (``Problem.seeing``)."""
     now = choice[w]
+    if len(problem.unary[w]) > SHORT:   # ``scores`` as arrays, inline: the hot path
+        mine, ins, outs = problem.sums[w] or problem.summed(w)
+        for u, cost in ins:
+            mine = mine + cost[choice[u]]
+        full = mine
+        for x, cost in outs:
+            full = full + cost[:, choice[x]]
+        first, best = int(mine.argmin()), int(full.argmin())
+        return first, float(full[now] - full[first]), best, float(full[now] - full[best])
     mine = scores(problem, w, choice, consumers=False)
     full = add_consumers(problem, w, choice, mine)
     first, best = argmin(mine), argmin(full)

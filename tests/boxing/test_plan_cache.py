@@ -144,9 +144,10 @@ def test_route_cost_is_the_plans_cost():
 @pytest.mark.parametrize("mesh", [[[0, 1], [2, 3]], [[0, 1, 2, 3], [4, 5, 6, 7]], [0, 1, 2]],
                          ids=str)
 def test_batched_route_costs_equal_pair_by_pair(mesh, monkeypatch):
-    """``route_cost`` prices a source against its whole universe at once (one search
-    run to its end, the general routes' transfers as arrays): the very floats of the
-    search and pruned general routes of each pair, partial_max and strided ends too."""
+    """``route_cost`` prices a shape's whole universe at once (every route on the
+    placement as arrays, the general routes' transfers as arrays), and ``route_costs``
+    reads a block of pairs from those tables: the very floats of the search and pruned
+    general routes of each pair, partial_max and strided ends too."""
     p = Placement("cpu", mesh)
     sbps = SBPS + [S.split(2), S.split(0, blocks=2)]
     every = []
@@ -159,8 +160,13 @@ def test_batched_route_costs_equal_pair_by_pair(mesh, monkeypatch):
     planning.clear_caches()
     batched = [planning.route_cost(src, dst, 4) for src, dst in pairs]
     planning.clear_caches()
-    monkeypatch.setattr(planning, "_routes_from", lambda src, itemsize, with_max: ((), {}))
+    block = planning.route_costs(tuple(every), tuple(every[::-1]), 4).tolist()
+    planning.clear_caches()
+    monkeypatch.setattr(planning, "_table_cost", lambda src, dst, itemsize: None)
     alone = [planning.route_cost(src, dst, 4) for src, dst in pairs]
     monkeypatch.undo()
     planning.clear_caches()
     assert batched == alone
+    assert [row[::-1] for row in block] == [alone[k:k + len(every)]
+                                            for k in range(0, len(alone), len(every))]
+

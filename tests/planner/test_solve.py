@@ -3,6 +3,8 @@ against brute force on random ones (no processes)."""
 import itertools
 import random
 
+import pytest
+
 from globaltensor.planner.solve import Problem, forward_dp, fuse, improve, propagate, solve, tree_dp
 
 
@@ -199,17 +201,24 @@ def _tied_problem(rng: random.Random) -> tuple:
     return p, [rng.randrange(s) for s in sizes]
 
 
-def test_fast_solver_chooses_as_the_plain_one():
+@pytest.mark.parametrize("short", [None, 0], ids=["lists", "arrays"])
+def test_fast_solver_chooses_as_the_plain_one(short, monkeypatch):
     # planner/solve.py keeps what a node picks for the options it sees, walks chains
-    # of one-consumer calls as cached links, sums options as arrays and in C: every
-    # choice equals that of the plain loops it replaced (solve_reference.py), ties
-    # included (equal sums in the same order)
+    # of one-consumer calls as picks, sums options as arrays (nodes of many options)
+    # and in C: every choice equals that of the plain loops it replaced
+    # (solve_reference.py), ties included (equal sums in the same order)
     import solve_reference as plain
 
     from globaltensor.planner import solve as fast
+    from globaltensor.planner import walks
+    if short is not None:   # every node's scores as arrays
+        monkeypatch.setattr(walks, "SHORT", short)
     rng = random.Random(5)
-    for trial in range(400):
+    for trial in range(400 if short is None else 200):
         p, start = _tied_problem(rng)
+        if trial % 2:   # a problem sharing another's edges and arrays
+            p = Problem([list(u) for u in p.unary], p.edges).with_unary(
+                [[c + 1.0 * (o % 2) for o, c in enumerate(u)] for u in p.unary])
         assert fast.forward_dp(p) == plain.forward_dp(p), trial
         assert fast.tree_dp(p, start) == plain.tree_dp(p, start), trial
         assert fast.improve(p, list(start)) == plain.improve(p, list(start)), trial

@@ -180,14 +180,34 @@ class AxisStep(Step, abstract=True):
 class SbpChange(AxisStep, abstract=True):
     """An axis step serving one kind of change: from an sbp of class ``takes[0]`` to one
     of class ``takes[1]``; ``fields(a, b)`` gives the step's own fields (after axis, src,
-    dst) for the two sbp, or None where it does not serve that pair. The built-in steps
-    say what they serve this way; a step may write ``for_axis`` itself instead."""
+    dst) for the two sbp, or None where it does not serve that pair. Its cost is
+    ``cost_for(group size, backend constants, bytes in, bytes out)`` (the largest local
+    tensor before and after): what it serves and what it costs depend on nothing else,
+    so step planning prices each (kind, group size, bytes) once for every layout graph
+    (``search.py``). The built-in steps say what they serve this way; a step may write
+    ``for_axis`` (and ``cost``) itself instead."""
 
     takes: ClassVar[tuple] = ()
 
     @staticmethod
     def fields(a, b) -> "tuple | None":
         return ()
+
+    @staticmethod
+    @abstractmethod
+    def cost_for(n: int, k: Costs, bytes_in: int, bytes_out: int) -> float:
+        """Estimated seconds of the step on a group of ``n`` ranks with constants ``k``,
+        the largest local tensor ``bytes_in`` before it and ``bytes_out`` after."""
+
+    def cost(self, itemsize: int) -> float:
+        return self.cost_for(self.group_size, self.costs, self.bytes_in(itemsize),
+                             self.bytes_out(itemsize))
+
+    @classmethod
+    def serves(cls, a, b) -> bool:
+        """Whether this kind changes an axis from sbp ``a`` to sbp ``b``."""
+        return isinstance(a, cls.takes[0]) and isinstance(b, cls.takes[1]) \
+            and cls.fields(a, b) is not None
 
     @classmethod
     def for_axis(cls, axis: int, src: Layout, dst: Layout) -> "AxisStep | None":
@@ -197,6 +217,13 @@ class SbpChange(AxisStep, abstract=True):
             if extra is not None:
                 return cls(axis, src, dst, *extra)
         return None
+
+
+def priced_by_bytes(kind: type) -> bool:
+    """Whether ``kind`` says what it serves and costs as ``SbpChange`` does (not by a
+    ``for_axis`` or ``cost`` of its own): then ``serves`` and ``cost_for`` price it."""
+    return issubclass(kind, SbpChange) and kind.cost is SbpChange.cost \
+        and kind.for_axis.__func__ is SbpChange.for_axis.__func__
 
 
 def reduce_of(reduce: str, dtype: torch.dtype) -> str:

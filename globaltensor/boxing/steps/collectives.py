@@ -36,9 +36,9 @@ class AllGather(SbpChange):
     def sent_bytes(self, itemsize):
         return self.bytes_in(itemsize) * (self.group_size - 1)
 
-    def cost(self, itemsize):
-        n, k = self.group_size, self.costs
-        return k.launch + k.alpha * (n - 1) + k.beta * self.bytes_out(itemsize) * (n - 1) / n
+    @staticmethod
+    def cost_for(n, k, bytes_in, bytes_out):
+        return k.launch + k.alpha * (n - 1) + k.beta * bytes_out * (n - 1) / n
 
     def start(self, x, rank, own=False):
         members, d = self.members(rank), self.dim
@@ -75,10 +75,9 @@ class AllReduce(SbpChange):
     def sent_bytes(self, itemsize):
         return 2 * self.bytes_in(itemsize) * (self.group_size - 1) // self.group_size
 
-    def cost(self, itemsize):
-        n, k = self.group_size, self.costs
-        return (k.launch + 2 * k.alpha * (n - 1)
-                + 2 * k.beta * self.bytes_in(itemsize) * (n - 1) / n)
+    @staticmethod
+    def cost_for(n, k, bytes_in, bytes_out):
+        return k.launch + 2 * k.alpha * (n - 1) + 2 * k.beta * bytes_in * (n - 1) / n
 
     def start(self, x, rank, own=False):
         # one copy at most (contiguous() then clone() copied a strided part twice)
@@ -109,8 +108,8 @@ class ReduceScatter(SbpChange):
     def sent_bytes(self, itemsize):
         return self.bytes_in(itemsize) * (self.group_size - 1) // self.group_size
 
-    def cost(self, itemsize):
-        n, b_in, k = self.group_size, self.bytes_in(itemsize), self.costs
+    @staticmethod
+    def cost_for(n, k, b_in, bytes_out):
         moved = k.launch + k.alpha * (n - 1) + k.beta * b_in * (n - 1) / n
         # the exchange's local sum reads every part once more; a native reduce_scatter
         # reduces as the bytes arrive
@@ -207,8 +206,8 @@ class AllToAll(SbpChange):
     def sent_bytes(self, itemsize):
         return self.bytes_in(itemsize) * (self.group_size - 1) // self.group_size
 
-    def cost(self, itemsize):
-        n, b_in, k = self.group_size, self.bytes_in(itemsize), self.costs
+    @staticmethod
+    def cost_for(n, k, b_in, bytes_out):
         return k.launch + k.alpha * (n - 1) + k.beta * b_in * (n - 1) / n + k.gamma * b_in
 
     def start(self, x, rank, own=False):

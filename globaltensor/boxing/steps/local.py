@@ -24,8 +24,9 @@ class LocalSlice(SbpChange):
     def fields(a, b):
         return (b.dim,)
 
-    def cost(self, itemsize):
-        return self.costs.gamma * self.bytes_out(itemsize)
+    @staticmethod
+    def cost_for(n, k, bytes_in, bytes_out):
+        return k.gamma * bytes_out
 
     def start(self, x, rank, own=False):
         c = self.src.placement.coord(rank)[self.axis]
@@ -51,8 +52,9 @@ class ZeroNonRoot(SbpChange):
     def fields(a, b):
         return () if b.reduce == "sum" else None
 
-    def cost(self, itemsize):
-        return self.costs.gamma * self.bytes_out(itemsize)
+    @staticmethod
+    def cost_for(n, k, bytes_in, bytes_out):
+        return k.gamma * bytes_out
 
     def start(self, x, rank, own=False):
         if self.src.placement.coord(rank)[self.axis] == 0:
@@ -76,7 +78,8 @@ class Relabel(SbpChange):
     def fields(a, b):
         return () if b.reduce == "max" else None
 
-    def cost(self, itemsize):
+    @staticmethod
+    def cost_for(n, k, bytes_in, bytes_out):
         return 0.0
 
     def start(self, x, rank, own=False):
@@ -101,8 +104,9 @@ class PadToPartial(SbpChange):
     def fields(a, b):
         return (a.dim, b.reduce)
 
-    def cost(self, itemsize):
-        return self.costs.gamma * self.bytes_out(itemsize)
+    @staticmethod
+    def cost_for(n, k, bytes_in, bytes_out):
+        return k.gamma * bytes_out
 
     def _pad(self, x: torch.Tensor, rank: int, index: int) -> torch.Tensor:
         shape = self.dst.local_shape(rank)
