@@ -216,16 +216,17 @@ def _after_accumulate(leaf: GlobalTensor) -> None:
         # Buckets need the engine's end-of-backward callback, which compiled autograd
         # lacks: the gradient is boxed right away instead.
         return _box_now(leaf)
-    grad = leaf.grad
-    if not isinstance(grad, GlobalTensor) or grad.global_layout == leaf.global_layout or not _sync:
+    grad = leaf.grad   # (fields read directly: this runs for every parameter)
+    if not isinstance(grad, GlobalTensor) or not _sync or grad._layout == leaf._layout:
         return
+    src, dst = grad._layout, leaf._layout
     if _grad_arrived is not None:
-        _grad_arrived(grad, leaf.global_layout)
-    if grad.global_layout.same_parts(leaf.global_layout):
+        _grad_arrived(grad, dst)
+    if src.same_parts(dst):
         # differs only on axes of one rank (a world of one): nothing to reduce or move
-        _settle(leaf, grad, wrap_part(grad.local_part, leaf.global_layout))
+        _settle(leaf, grad, wrap_part(grad._local, dst))
         return
-    axes = _reducible_axes(grad.global_layout, leaf.global_layout)
+    axes = _reducible_axes(src, dst)
     if axes is None:  # anything but a plain partial-sum reduction: box right away
         _settle(leaf, grad, to_layout(grad, leaf.global_layout))
         return
@@ -289,7 +290,6 @@ def _flat_buffer(items, serials: tuple) -> torch.Tensor:
         flat[offset:offset + n].view(g.local_part.shape).copy_(g.local_part)
         offset += n
     return flat
-
 
 
 # The order in which the last backward pass produced its gradients, as (leaf serial, kind,

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import comm, explicit_mode, origins, retrace
+from . import comm, explicit_mode, modes, origins, retrace
 from .boxing.run import box
 from .layout import Layout
 from .local_parts import device_of, empty_local
@@ -41,6 +41,7 @@ _dispatcher = None  # set by dispatch.py
 _watch_leaf = None  # gradsync.watch, set by gradsync.py
 
 __all__ = ["GlobalTensor", "is_global", "hidden_from_dynamo", "skipped_by_dynamo", "wrap_part",
+           "wrapping", "wrap_as",
            "from_local_part", "from_full", "to_layout", "install_dispatcher", "install_leaf_watch",
            "install_methods"]
 
@@ -267,19 +268,46 @@ class GlobalTensor(torch.Tensor):
         return _dispatcher(func, types, args, kwargs or {})
 
 
+_STRIDED = torch.strided
+
+
 def _wrap(cls, local: torch.Tensor, layout: Layout, requires_grad: bool = False,
           strides: tuple | None = None) -> GlobalTensor:
     """``GlobalTensor(local, layout)`` without the constructor's dynamo guard (about a
     microsecond per call): dispatch, itself hidden from dynamo, builds every op's outputs
     with it."""
     dtype = local.dtype
-    r = _make_wrapper(cls, layout.shape,
-                      strides=layout.strides if strides is None else strides, dtype=dtype,
-                      device=device_of(layout.placement), requires_grad=requires_grad)
+    # Positional (size, strides, storage_offset, memory_format, dtype, layout, device,
+    # pin_memory, requires_grad), no strides where contiguous (torch computes
+    # layout.strides itself): keywords cost a third more.
+    r = _make_wrapper(cls, layout.shape, strides, None, None, dtype, _STRIDED,
+                      device_of(layout.placement), False, requires_grad)
     r._local = local
     r._layout = layout
     r._key = (layout, dtype) if strides is None else (layout, dtype, strides)  # cache key
-    if comm.check_mode():  # where it was made (dispatch re-stamps an op's outputs)
+    if modes.checking:  # check mode: where it was made (dispatch re-stamps an op's outputs)
+        origins.made_by_program(r)
+    return r
+
+
+def wrapping(layout: Layout, dtype: torch.dtype, strides: tuple | None = None) -> tuple:
+    """What ``wrap_as`` needs to wrap a part of ``layout`` and ``dtype`` (``strides``:
+    global, None when contiguous), looked up once: a cached decision keeps one per
+    output, so that a repeated call's wrapping reads no layout."""
+    return (layout.shape, strides, dtype, device_of(layout.placement), layout,
+            (layout, dtype) if strides is None else (layout, dtype, strides))
+
+
+def wrap_as(local: torch.Tensor, how: tuple) -> GlobalTensor:
+    """``wrap_part`` with ``how = wrapping(layout, dtype, strides)`` (dispatch's)."""
+    shape, strides, dtype, device, layout, key = how
+    if local.dtype is not dtype:   # (the default dtype changed since the decision)
+        return _wrap(GlobalTensor, local, layout, False, strides)
+    r = _make_wrapper(GlobalTensor, shape, strides, None, None, dtype, _STRIDED, device)
+    r._local = local
+    r._layout = layout
+    r._key = key
+    if modes.checking:
         origins.made_by_program(r)
     return r
 

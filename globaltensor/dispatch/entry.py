@@ -29,7 +29,7 @@ from ..propagation.cache import cached_decision, direct_call
 from ..propagation.call import flatten_args, unflatten_args
 from ..propagation.decide import Decision, options
 from ..rules.registry import lookup_decomposition
-from ..tensor import GlobalTensor, install_dispatcher, wrap_part
+from ..tensor import GlobalTensor, install_dispatcher, wrap_as, wrap_part
 
 aten = torch.ops.aten
 _PLAIN = torch.Tensor
@@ -38,8 +38,9 @@ _PLAIN = torch.Tensor
 def dispatch(func, types, args, kwargs):
     """``__torch_dispatch__`` of GlobalTensor: ``func`` on global operands.
 
-    The active mode (``modes.py``), read once, sees the call first: with none on, a
-    repeated call takes the warm path. Decompositions go first (which may decline).
+    The active mode (``modes.py``), read once, sees the call first: with none on (or
+    none that changes this call, ``_passed``), a repeated call takes the warm path.
+    Decompositions go first (which may decline).
     Otherwise plain tensor operands become broadcast where allowed
     (``implicit_broadcast()``, backward formulas), leaves that require grad are
     watched for gradient sync, and the call goes down the modes' chain to the plain
@@ -50,17 +51,21 @@ def dispatch(func, types, args, kwargs):
     mode = modes.active
     if mode is not None and mode.fakes:    # gt.debug.check_step: ops run on fake parts
         args, kwargs = mode.operands(args, kwargs)
-    special = _special.get(func)
+    special = _special.get(func._op)   # (keyed so: an OpOverload's hash is Python's)
     if special is None:
-        special = _special[func] = _special_handler(func)
+        special = _special[func._op] = _special_handler(func)
     if special is not _NORMAL:
         out = special(*args, **kwargs)
         if out is not NotImplemented:
             return out
-    elif mode is None:
-        out = _repeated(func, args, kwargs)
-        if out is not None:
-            return out
+    # The warm path, also for a call whose decomposition declined (an index checked)
+    found = direct_call(func, args, kwargs, gradsync.watch) if mode is None else \
+        _passed(mode, func, args, kwargs)
+    if found is not None:
+        if found[0].direct is not None:
+            return _direct(found[0], found[1], args, kwargs)
+        return _carry_out(func, found[0], [*args, *kwargs.values()] if kwargs else list(args),
+                          (len(args), tuple(kwargs)))   # (its boxing: no flattening, no modes)
     leaves, spec = flatten_args(args, kwargs)
     fake = False    # a part that is no plain tensor: torch.compile may be tracing
     for i, x in enumerate(leaves):
@@ -131,35 +136,46 @@ def fake_parts(mode) -> FakeParts:
     return FakeParts(mode)
 
 
-def _repeated(func, args: tuple, kwargs: dict):
-    """The warm path of a repeated call (most calls of a training step): its decision
-    cached and direct (``cache.direct_call``), run on the local parts; None sends the
-    call down the general path, which gives the same result."""
-    found = direct_call(func, args, kwargs, gradsync.watch)
-    if found is None:
-        return None
-    decision, local = found
-    if kwargs:
+def _passed(mode, func, args: tuple, kwargs: dict):
+    """The warm path's (decision, local parts) of a call that the modes on leave as it
+    is: the functional steps' watch where no step begins here, and the replay of a step
+    where this is the call planned next (by index: ``record.replay_by_index``); else
+    None (the modes' chain takes it)."""
+    if mode is record.WATCH:
+        if not mode.passes():
+            return None
+        mode = mode.below
+        if mode is PLAIN_PATH:
+            return direct_call(func, args, kwargs, gradsync.watch)
+    if mode is record.STEP and mode.below is PLAIN_PATH:
+        return record.replay_by_index(func, args, kwargs)
+    return None
+
+
+def _direct(decision: Decision, local: list, args, names):
+    """The warm path of a repeated (or replayed) call: its decision runs directly
+    (``propagation/direct.py``) on the arguments' local parts (``cache.call_key``: the
+    positional ones, then those named ``names``), and its outputs are wrapped as the
+    decision precomputed; the general path gives the same result."""
+    if names:
         n = len(args)
-        out = decision.direct(*local[:n], **dict(zip(kwargs, local[n:])))
+        out = decision.direct(*local[:n], **dict(zip(names, local[n:])))
     else:
         out = decision.direct(*local)
     if decision.inplace:
         return args[0]
-    return wrap_part(out, decision.out_layouts[0], decision.out_strides[0])
+    if decision.multi is None:
+        return wrap_as(out, decision.wraps[0])
+    return decision.multi([wrap_as(o, how) for o, how in zip(out, decision.wraps)])
 
 
 def _carry_out(func, decision: Decision, leaves, spec, why=None):
     """Run ``decision``: a call that needs no boxing runs its local op directly, the
     rest goes through ``_run`` (``why`` names its boxing: by default ``func``)."""
-    op = decision.direct
-    if op is not None:
+    if decision.direct is not None:
         local = [x._local if x.__class__ is GlobalTensor else x for x in leaves]
         n, names = spec
-        out = op(*local[:n], **dict(zip(names, local[n:]))) if names else op(*local)
-        if decision.inplace:
-            return leaves[0]
-        return wrap_part(out, decision.out_layouts[0], decision.out_strides[0])
+        return _direct(decision, local, leaves[:n] if names else leaves, names)
     return _run(func, decision, leaves, spec, why)
 
 
@@ -202,7 +218,7 @@ def _sending_moves(gidx: tuple, targets: tuple, leaves) -> list:
 
 
 _NORMAL = object()  # in ``_special``: the op takes the rule path
-_special: dict = {}  # per op: its decomposition, or _NORMAL
+_special: dict = {}  # per op (its C++ callable): its decomposition, or _NORMAL
 
 
 def _special_handler(func):

@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_flatten
 
 from .. import env, explicit_mode, gradsync, modes, retrace
 from ..cost import PARAMETER_WEIGHT
-from ..propagation.cache import cached_decision, key_of_call
+from ..propagation.cache import cached_decision, call_key, key_of_call
 from ..propagation.decide import Decision, options
 from ..sbp import StridedSplit
 from ..tensor import GlobalTensor
@@ -89,19 +89,21 @@ FUNCTIONAL = _Functional()
 
 class FunctionalSteps(modes.Mode):
     """On from the start (with planning) until a module's forward marks a step: in a
-    program whose steps no module marks, a step begins at the first call after a
-    backward. It sees every call first (``sees_first``): the step it begins (``STEP``,
-    on from then) takes the call below it."""
+    program whose steps no module marks, a step begins at the first call after a backward.
+    It sees every call first (``sees_first``); the step it begins (``STEP``) is below it."""
 
     sees_first = True
+    after_backward = False   # a call ran in backward since the last step began
 
-    def __init__(self):
-        self.after_backward = False  # a call ran in backward since the last step began
+    def passes(self) -> bool:
+        """Whether this call begins no step (one in backward is noted): modes below take it."""
+        if torch._C._current_graph_task_id() == -1:
+            return not self.after_backward
+        self.after_backward = True
+        return True
 
     def call(self, func, leaves: list, spec, tracing: bool):
-        if torch._C._current_graph_task_id() != -1:
-            self.after_backward = True
-        elif self.after_backward:
+        if not self.passes():
             self.after_backward = False
             step_boundary(FUNCTIONAL)
         return self.below.call(func, leaves, spec, tracing)
@@ -192,8 +194,7 @@ def paused():
 
 
 def clear() -> None:
-    """Forget every plan and recording (``gt.testing.reset()``; a program never needs
-    it)."""
+    """Forget every plan and recording (``gt.testing.reset()``; no program needs it)."""
     global state
     state = StepState()
     _set("idle")
@@ -300,6 +301,26 @@ def decision(func, leaves: list, spec):
     if state.mode != "recording":
         return greedy, None
     return greedy, record_call(func, leaves, spec, greedy, state.record, state.serial)
+
+
+def replay_by_index(func, args: tuple, kwargs: dict):
+    """(planned decision, local parts) of the call a replayed step expects next (op,
+    key, floats read by value: ``call_key``), the cursor moved on as ``decision`` moves
+    it; else None (``decision`` takes the call: look-ahead, misses)."""
+    if state.mode != "replaying":
+        return None
+    node = state.plan.nodes[state.cursor]
+    if node.func is not func or node.planned is None:
+        return None
+    found = call_key(func, args, kwargs, gradsync.watch)
+    if found is None or found[0] != node.expected or (node.floats and tuple(
+            x for x in found[1] if x.__class__ is float) != node.floats):
+        return None
+    state.cursor, state.misses = state.cursor + 1, 0
+    if state.cursor == len(state.plan.nodes):
+        state.plan = None
+        _set("idle")
+    return node.planned, found[1]
 
 
 def _worth_recording(key) -> bool:

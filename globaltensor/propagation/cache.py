@@ -1,12 +1,14 @@
 """The decision cache: a repeated call only flattens, looks up and runs.
 
 Decisions are keyed by (op, argument spec, per leaf: a GlobalTensor's layout and dtype,
-a plain tensor's metadata, a constant's value; a float only by its type). Bounded: when
-full, the oldest quarter goes (hits stay a plain dict lookup). Decisions that depend on
+a plain tensor's metadata, a constant's value; a float only by its type); the op by its
+C++ callable (``func._op``), whose hash is C's (an OpOverload's is a Python method).
+Bounded: when full, the oldest quarter goes (hits stay a plain dict lookup). Decisions that depend on
 the value of a float argument (a rule looked at it, or a local implementation reads
 it) are keyed again with the floats' values, in a second table. ``direct_call`` is the
 warm path of a repeated call: its key and local parts made in one pass over the
-arguments, without flattening them.
+arguments, without flattening them (``call_key``, with which a replayed step's warm
+path keys its calls too).
 
 >>> cached_decision(aten.mm.default, [x, w], (2, ()))   # doctest: +SKIP
 Decision(...)
@@ -52,8 +54,8 @@ def _remember(cache: dict, key, decision) -> None:
 def key_of_call(func, leaves: list, spec):
     """The cache key of this call, or None when an argument is unhashable."""
     try:
-        key = (func, spec, tuple([x._key if x.__class__ is GlobalTensor else _key_of(x)
-                                  for x in leaves]))
+        key = (func._op, spec, tuple([x._key if x.__class__ is GlobalTensor else _key_of(x)
+                                      for x in leaves]))
         hash(key)
         return key
     except TypeError:
@@ -63,12 +65,11 @@ def key_of_call(func, leaves: list, spec):
 _CONSTANTS = (str, torch.dtype, torch.device, torch.memory_format, torch.layout)
 
 
-def direct_call(func, args: tuple, kwargs: dict, watch):
-    """(decision, local parts of the arguments) of a repeated call whose cached decision
-    runs directly, keyed in one pass over the arguments as ``key_of_call`` keys the
-    flattened ones; ``watch`` is called with each leaf that requires grad. None for
-    anything else (a plain tensor, a list of tensors, a traced part, a decision not
-    made yet, by value or not direct): the caller takes the general path."""
+def call_key(func, args: tuple, kwargs: dict, watch):
+    """(cache key, local parts of the arguments) of a call, made in one pass over the
+    arguments as ``key_of_call`` keys the flattened ones; ``watch`` is called with each
+    leaf that requires grad. None for anything the warm path leaves to the general one
+    (a plain tensor, a list of tensors, a traced part)."""
     key, local = [], []
     for x in (args if not kwargs else (*args, *kwargs.values())):
         c = x.__class__
@@ -86,15 +87,26 @@ def direct_call(func, args: tuple, kwargs: dict, watch):
         elif c is float:
             key.append(float)
             local.append(x)
-        elif c is list and (not x or x[0].__class__ is int):
+        elif c is list and (not x or x[0].__class__ is int or x[0].__class__ is bool):
             key.append(tuple(x))
             local.append(x)
         else:
             return None
-    decision = _cache.get((func, (len(args), tuple(kwargs) if kwargs else ()), tuple(key)))
-    if decision is None or decision.__class__ is not Decision or decision.direct is None:
+    return (func._op, (len(args), tuple(kwargs) if kwargs else ()), tuple(key)), local
+
+
+def direct_call(func, args: tuple, kwargs: dict, watch):
+    """(decision, local parts of the arguments) of a repeated call whose decision is
+    cached (``call_key``), which the caller runs directly (``decision.direct``) or
+    carries out; None for anything else (a decision not made yet): the general path."""
+    found = call_key(func, args, kwargs, watch)
+    if found is None:
         return None
-    return decision, local
+    key, local = found
+    decision = _cache.get(key)
+    if decision is _BY_VALUE:   # (attention reads its dropout probability)
+        decision = _by_value.get((key, tuple(x for x in local if x.__class__ is float)))
+    return None if decision is None else (decision, local)
 
 
 _PLAIN = torch.Tensor
@@ -103,8 +115,8 @@ _PLAIN = torch.Tensor
 def cached_decision(func, leaves: list, spec) -> Decision:
     """The cached decision for this call, deciding (and caching) it when new."""
     try:
-        key = (func, spec, tuple([x._key if x.__class__ is GlobalTensor else _key_of(x)
-                                  for x in leaves]))
+        key = (func._op, spec, tuple([x._key if x.__class__ is GlobalTensor else _key_of(x)
+                                      for x in leaves]))
         decision = _cache.get(key)
     except TypeError:
         return decide(func, leaves, spec)

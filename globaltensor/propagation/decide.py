@@ -34,6 +34,7 @@ from ..rules.registry import FallbackWarning, lookup, lookup_check
 from ..sbp import Partial, Split, StridedSplit, broadcast
 from ..tensor import GlobalTensor
 from .call import Call, LocalCtx, unflatten_args
+from .direct import flat_outputs, runner, wraps_of
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +61,8 @@ class Decision:
     by_value: bool = False    # depends on the values of float arguments, not only types
     reduced: tuple = ()       # per output leaf: the partial layout a 0-d output is computed
                               # in before it is reduced to broadcast (None: it is not)
+    wraps: tuple = ()         # a direct decision's outputs: ``tensor.wrapping`` of each
+    multi: object = None      # tuple or list: a direct decision's outputs are several
 
 
 @dataclass(frozen=True)
@@ -370,8 +373,10 @@ def _finish(call: Call, meta: _MetaRun, local, gidx: tuple, targets: tuple,
         reduced = ()
     shortcut = not inplace and _empty_shortcut(meta.out_leaves, targets, out_layouts, rank)
     single = len(meta.out_leaves) == 1 and isinstance(meta.out, torch.Tensor)
-    # Direct: no boxing (inputs hold their targets' parts), nothing to reduce, one output.
-    direct = (single and not fallback and not shortcut and not reduced
+    multi = None if single or inplace else flat_outputs(meta.out)
+    # Direct: no boxing (inputs hold their targets' parts), nothing to reduce, one output
+    # or a flat tuple (list) of tensors.
+    direct = ((single or multi is not None) and not fallback and not shortcut and not reduced
               and call.spec.__class__ is tuple and rank in targets[0].placement
               and all(cur == t or cur.same_parts(t) for cur, t in zip(in_layouts, targets)))
     # The context is cached with the decision: it holds meta tensors, not this call's.
@@ -387,17 +392,13 @@ def _finish(call: Call, meta: _MetaRun, local, gidx: tuple, targets: tuple,
         out_dtypes=tuple(getattr(o, "dtype", None) for o in meta.out_leaves),
         out_spec=meta.out_spec, inplace=inplace, fallback=fallback, local=local, ctx=ctx,
         empty_shortcut=shortcut, gidx=gidx, single=single, out_strides=strides,
-        direct=_direct_op(func, local, ctx) if direct else None,
+        direct=runner(func, local, ctx) if direct else None,
+        wraps=wraps_of(meta.out_leaves, out_layouts, strides) if direct else (),
+        multi=multi if direct else None,
         out_consts=_out_consts(meta.out_leaves),
         by_value=any(v.__class__ is float for v in leaves) and (  # floats to key by
             local is not None or any(v.__class__ is float for v in call._named.values())),
         reduced=reduced)
-
-
-def _direct_op(func, local, ctx):
-    # A local implementation (a view's local size) runs as directly as the op itself:
-    # through ``_run`` it would cost a view about as much again.
-    return func._op if local is None else functools.partial(local, ctx)
 
 
 def _empty_shortcut(out_leaves: list, targets: tuple, out_layouts: list, rank: int) -> bool:

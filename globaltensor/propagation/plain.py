@@ -18,7 +18,7 @@ from ..advice import dtensor_operand_error, is_dtensor
 from ..layout import Layout
 from ..local_parts import device_of, empty_local
 from ..sbp import broadcast
-from ..tensor import GlobalTensor
+from ..tensor import GlobalTensor, wrap_part
 
 
 class ImplicitBroadcast(modes.Mode):
@@ -49,15 +49,23 @@ def as_broadcast(t: torch.Tensor, leaves, func) -> GlobalTensor:
     into, an index), which is the same on every rank; a DTensor is refused."""
     if is_dtensor(t):
         raise dtensor_operand_error(func)
-    placement = next(x.placement for x in leaves if type(x) is GlobalTensor)
-    layout = Layout.make(t.shape, placement, (broadcast,) * placement.ndim)
+    placement = next(x._layout.placement for x in leaves if type(x) is GlobalTensor)
+    layout = _layouts.get((t.shape, placement))
+    if layout is None:   # (made per call it costs more than the op: positions, each step)
+        if len(_layouts) >= 64:
+            _layouts.clear()
+        layout = _layouts[t.shape, placement] = Layout.make(
+            t.shape, placement, (broadcast,) * placement.ndim)
     rank = comm.get_rank()
     if rank not in placement:
-        return GlobalTensor(empty_local(layout, t.dtype), layout)
+        return wrap_part(empty_local(layout, t.dtype), layout)
     if modes.implicit and comm.check_mode() and not comm.tracing():
         value = t.detach().cpu().contiguous().reshape(-1)
         comm.agree(zlib.crc32(value.view(torch.uint8).numpy().tobytes()), tuple(placement),
                    f"{func}: a plain operand of shape {tuple(t.shape)} taken as broadcast "
                    f"under gt.implicit_broadcast()",
                    "hold different values: a plain operand must be the same on every rank")
-    return GlobalTensor(t.to(device_of(placement)), layout)
+    return wrap_part(t.to(device_of(placement)), layout)
+
+
+_layouts: dict = {}   # (shape, placement) -> the broadcast layout of a plain operand

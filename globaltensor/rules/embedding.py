@@ -9,12 +9,14 @@ table would otherwise look like a row another rank holds, and give zeros.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..sbp import Split, broadcast, partial_sum
 from ..tensor import GlobalTensor
 from .indices import check_index_range
-from .registry import register
+from .registry import register, with_direct
 
 aten = torch.ops.aten
 B, P = broadcast, partial_sum
@@ -38,6 +40,15 @@ def _row_window(indices, region):
     return mine, (indices - lo).clamp(0, max(rows - 1, 0))
 
 
+def _lookup_direct(ctx):
+    """A decision whose table is whole here (not row-split) runs the lookup itself."""
+    if ctx.in_layouts[0].local_shape(ctx.rank)[0] != ctx.call.in_shapes[0][0]:
+        return functools.partial(_embedding_local, ctx)
+    op = aten.embedding.default._op
+    return lambda weight, indices, *args, **kwargs: op(weight, indices)
+
+
+@with_direct(_lookup_direct)
 def _embedding_local(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False,
                      sparse=False):
     # No branch on index values: torch.compile cannot trace one, and on a GPU reading
@@ -56,7 +67,8 @@ register(aten.embedding, local=_embedding_local)(embedding_rule)
 
 @register(aten.embedding, decompose=True)
 def embedding_checks_indices(weight, indices, *args, **kwargs):
-    if not (isinstance(indices, GlobalTensor) and indices.placement.size == 1):
+    held = indices if isinstance(indices, GlobalTensor) else weight   # (plain: broadcast)
+    if not (isinstance(held, GlobalTensor) and held.placement.size == 1):
         # (on one rank the lookup gets the whole table: torch's kernel checks)
         check_index_range(indices, weight.shape[0], "embedding")
     return NotImplemented
@@ -73,6 +85,15 @@ def embedding_backward_rule(call):
     return cands
 
 
+def _gradient_direct(ctx):
+    """A decision whose table gradient is whole here (not row-split) runs the op itself."""
+    out = ctx.out_layouts[0]
+    if out.local_shape(ctx.rank)[0] == out.shape[0]:
+        return aten.embedding_dense_backward.default._op
+    return functools.partial(_embedding_backward_local, ctx)
+
+
+@with_direct(_gradient_direct)
 def _embedding_backward_local(ctx, grad, indices, num_weights, padding_idx,
                               scale_grad_by_freq):
     region = ctx.out_layouts[0].region(ctx.rank)

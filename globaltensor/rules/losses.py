@@ -10,16 +10,17 @@ count or total weight.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
+from .. import comm
 from ..sbp import Split, broadcast, partial_sum
-from ..tensor import to_layout
+from ..tensor import GlobalTensor, to_layout
 from .indices import check_index_range
 from .pointwise import aligned_sbp
-from .registry import register
-from .softmax import splits_dim
+from .registry import register, with_direct
 
 aten = torch.ops.aten
 B, P = broadcast, partial_sum
@@ -53,16 +54,28 @@ def nll_rule(call):
 _targets_checked = False  # the sum a mean decomposes into comes back here: checked already
 
 
+def _one_rank(t) -> bool:
+    return isinstance(t, GlobalTensor) and t.placement.size == 1
+
+
+def _splits_samples(x) -> bool:
+    """Whether an axis of more than one rank splits a sample dim of the logits (on an
+    axis of one rank a split part is the whole dim)."""
+    samples = _sample_dims(x.dim())
+    return any(isinstance(s, Split) and s.dim in samples and n > 1
+               for s, n in zip(x.sbp, x.placement.shape))
+
+
 def _nll_decomposition(func):
     def decomposition(x, target, weight, reduction, ignore_index):
         """Checks the targets (an out-of-range class would silently count as held by
-        another rank); a mean over split samples is a sum over the global weight."""
+        another rank; on one rank torch's kernel gets them all, and checks them); a
+        mean over split samples is a sum over the global weight."""
         global _targets_checked
-        if not _targets_checked:  # once per loss: the check is a collective
+        if not _targets_checked and not _one_rank(target):  # a collective: once per loss
             check_index_range(target, x.shape[1] if x.dim() > 1 else x.shape[0],
                               "nll_loss target", ignore_index)
-        split = any(splits_dim(x, d) for d in _sample_dims(x.dim()))
-        if reduction != _MEAN or x.dim() < 2 or not split:
+        if reduction != _MEAN or x.dim() < 2 or not _splits_samples(x):
             return NotImplemented
         _targets_checked = True
         try:
@@ -97,8 +110,30 @@ def _nll_parts(ctx, x, target, weight, ignore_index, logits: int = 0):
     return picked, w, mine, index
 
 
+def _whole(ctx, logits: int = 0) -> bool:
+    """Whether this rank holds the whole logits and targets (the ``logits``-th input
+    and the next; one rank, or broadcast): outside a trace, torch's kernel then
+    computes exactly plain torch's values, and checks the targets. (A traced graph
+    keeps the ops below, as before: the kernel's two outputs would add getitem nodes.)"""
+    return all(ctx.in_layouts[i].local_shape(ctx.rank) == tuple(ctx.call.in_shapes[i])
+               for i in (logits, logits + 1))
+
+
+def _kernel_if_whole(logits: int):
+    """``with_direct``'s maker: the op itself where ``_whole`` (outside a trace), else
+    the local implementation."""
+    def make(ctx):
+        local = functools.partial(_nll_backward_local if logits else _nll_forward_local, ctx)
+        if not _whole(ctx, logits):
+            return local
+        op = ctx.call.func._op
+        return lambda *args: local(*args) if comm.tracing() else op(*args)
+    return make
+
+
+@with_direct(_kernel_if_whole(0))
 def _nll_forward_local(ctx, x, target, weight=None, reduction=_MEAN, ignore_index=-100):
-    if x.dim() < 2:
+    if x.dim() < 2 or (_whole(ctx) and not comm.tracing()):
         return ctx.call.func(x, target, weight, reduction, ignore_index)
     picked, w, _, _ = _nll_parts(ctx, x, target, weight, ignore_index)
     loss = -(picked * w)
@@ -128,8 +163,9 @@ def nll_backward_rule(call):
     return cands
 
 
+@with_direct(_kernel_if_whole(1))
 def _nll_backward_local(ctx, grad, x, target, weight, reduction, ignore_index, total_weight):
-    if x.dim() < 2:
+    if x.dim() < 2 or (_whole(ctx, 1) and not comm.tracing()):
         return ctx.call.func(grad, x, target, weight, reduction, ignore_index, total_weight)
     _, w, mine, index = _nll_parts(ctx, x, target, weight, ignore_index, logits=1)
     scale = -w * grad if reduction == _NONE else -w * grad.reshape(())

@@ -43,15 +43,21 @@ def _local(t, layout: Layout | None = None):
     return (t if layout is None else to_layout(t, layout)).local_part
 
 
+def _parts(tensors, layouts: list) -> list:
+    """Each tensor's part in its parameter's layout (a gradient or moment boxed there
+    first): one look at a tensor already in it (every optimizer step has hundreds)."""
+    return [t._local if t.__class__ is GlobalTensor and t._layout is layout else _local(t, layout)
+            for t, layout in zip(tensors, layouts)]
+
+
 def _fused_on_parts(packet):
     def step(*args, **kwargs):
         params = args[0]
         if not all(isinstance(p, GlobalTensor) for p in params):
             return NotImplemented
-        layouts = [p.global_layout for p in params]
-        local_args = [[_local(t, layouts[i]) for i, t in enumerate(a)]
-                      if isinstance(a, (list, tuple)) and len(a) == len(params) else _local(a)
-                      for a in args]
+        layouts = [p._layout for p in params]
+        local_args = [_parts(a, layouts) if isinstance(a, (list, tuple)) and len(a) == len(params)
+                      else _local(a) for a in args]
         packet(*local_args, **{k: _local(v) for k, v in kwargs.items()})
         return None
     return step

@@ -105,6 +105,21 @@ def register_family(predicate: Callable[[object], bool]):
     return wrap
 
 
+def with_direct(make: Callable):
+    """Decorator of a local implementation ``local(ctx, *args, **kwargs)``:
+    ``make(ctx)`` gives what a decision that runs directly calls instead,
+    ``fn(*args, **kwargs)``, with what depends on the decision alone (a view's local
+    size) computed once (``propagation/direct.py``).
+
+    >>> @with_direct(lambda ctx: functools.partial(_to_local_size, ctx))  # doctest: +SKIP
+    ... def _to_local_size(ctx, x, size): ...
+    """
+    def wrap(local):
+        local.direct = make
+        return local
+    return wrap
+
+
 def has_out_arguments(func) -> bool:
     """True for an op with out= arguments (``torch.add(a, b, out=c)``'s overload)."""
     return any(a.is_out for a in func._schema.arguments)

@@ -22,7 +22,7 @@ from ..layout import balanced_split
 from ..sbp import Split, StridedSplit, broadcast, partial_max, partial_sum
 from ..tensor import GlobalTensor
 from ._dims import normalize_dim
-from .registry import register
+from .registry import register, with_direct
 
 aten = torch.ops.aten
 
@@ -375,6 +375,20 @@ def _view_groups(a, b):
 
 
 
+def _local_size_direct(ctx):
+    """``_to_local_size`` for one decision: its local size and op looked up once."""
+    local_size, op = list(ctx.out_layouts[0].local_shape(ctx.rank)), ctx.call.func._op
+    if ctx.call.func is aten.expand.default:
+        return lambda x, size, *args, **kwargs: op(x, local_size, *args, **kwargs)
+
+    def view(x, size, *args, **kwargs):
+        if x.is_contiguous():
+            return op(x, local_size, *args, **kwargs)
+        return x.reshape(local_size)
+    return view
+
+
+@with_direct(_local_size_direct)
 def _to_local_size(ctx, x, size, *args, **kwargs):
     # The size argument is global; locally the op must produce this rank's part. A
     # wrapper can claim contiguity its local part lacks (a transposed part given to
