@@ -57,6 +57,9 @@ class Node:
         outside backward the call reduces a 0-d partial output to broadcast itself
         (``decide._reduced_scalars``: a loss, a count), as it runs."""
         if self.opts is None:
+            if self.greedy.inplace and self.greedy.fallback:   # (``decide``: it takes its
+                ins = tuple(layout for layout, _, _ in self.inputs)   # operands as they
+                return ((ins, ins[:1]),)                       # come, writes the first)
             return ((self.greedy.targets, self.greedy.out_layouts),)
         if self._made is None:
             self._made = tuple((targets, _as_made(self, outs))

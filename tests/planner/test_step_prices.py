@@ -81,3 +81,24 @@ def test_shared_prices_equal_prices_pair_by_pair(mesh):
         assert matrix == want, (u, v)
     # the layers' equal edges share one matrix
     assert problem.edges[2][2] is problem.edges[4][2]
+
+
+def test_an_inplace_fallback_takes_its_operands_as_they_come():
+    """An in-place op with no sbp rule (``decide``: no targets, it gathers and writes
+    back itself) in a recorded step: planned with its operands' layouts as recorded
+    and its output the first operand's (the problem could not be made before: a step
+    holding ``index_put_``'s fallback ran op by op)."""
+    p = Placement("cpu", [[0, 1], [2, 3]])
+    split, whole = (Layout.make((4, 6), p, nd) for nd in ((S.split(0), S.split(1)),
+                                                          (S.broadcast, S.broadcast)))
+    made = NS(targets=(whole,), out_layouts=(split,), inplace=False, gidx=(0,))
+    first = Node(aten.relu.default, None, made, NS(signatures=(((whole,), (split,)),
+                                                                 ((whole,), (whole,))),
+                                                   greedy=0), [None], [(whole, 4, 1.0)], ())
+    fallback = NS(targets=(), out_layouts=(), inplace=True, fallback=True, gidx=(0, 1))
+    node = Node(aten.index_put_.default, None, fallback, None, [(0, 0), None],
+                [(split, 4, 1.0), (whole, 8, 1.0)], ())
+    assert node.signatures() == (((split, whole), (split,)),)
+    problem, *_ = _problem([first, node])
+    (u, v, matrix), = problem.edges
+    assert (u, v) == (0, 1) and matrix[0][0] == 0 and matrix[1][0] > 0
