@@ -35,6 +35,7 @@ import torch
 from . import comm
 from .interop.dcp import DCP_HINT
 from .interop.dtensor import from_dtensor, to_dtensor
+from .planner import record as steps
 from .random import get_draw, set_draw
 
 __all__ = ["Autosave", "from_dtensor", "to_dtensor", "rng_state",
@@ -142,7 +143,10 @@ class Autosave:
     (``VerifyingReader``): a damaged newest checkpoint is skipped with a warning on every
     rank, and the newest intact one is restored. Saves are synchronous: DCP's
     ``async_save`` shares the process group with training's collectives and does not
-    know how to stage GlobalTensors.
+    know how to stage GlobalTensors. A resumed run ends with the bits of the
+    uninterrupted one (same world and layouts): each save and restore starts the
+    whole-step planner over (``planner.record.restart``: the next step is recorded
+    and planned), so both runs replay the same plans from the same step.
 
     >>> saver = gt.checkpoint.Autosave("ckpt", model, optimizer, every=100, keep=2)  # doctest: +SKIP
     >>> saver.state["sched"] = scheduler
@@ -212,6 +216,7 @@ class Autosave:
                         + "; ".join(f"{d} ({why})" for d, why in skipped)
                         + f"; restored {directory} (step {candidate}) instead",
                         RuntimeWarning, stacklevel=2)
+                steps.restart()   # plan as the run that saved it did after the save
                 return self._restored
             if max(verdicts) == 2:
                 if verdict == 2:
@@ -279,6 +284,7 @@ class Autosave:
         # rank, and a rank there first would otherwise see rank 0 remove it
         comm.barrier()
         dcp.save(self._contents(step), storage_writer=ChecksummedWriter(target))
+        steps.restart()   # plan the next steps as a run resumed from here will
         if comm.get_rank() == 0:
             self._remove_old()
         return True

@@ -27,10 +27,8 @@ the recording and replay of this module. Off with ``GLOBALTENSOR_PLAN_STEPS=0``.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import time
-import weakref
 from typing import Callable
 
 import torch
@@ -43,7 +41,7 @@ from ..propagation.decide import Decision, options
 from ..sbp import StridedSplit
 from ..tensor import GlobalTensor
 from .problem import Node, StepPlan, plan_step
-from .state import StepState
+from .state import StepState, token
 
 log = logging.getLogger("globaltensor")
 
@@ -145,7 +143,7 @@ def step_boundary(owner: object = None) -> None:
         modes.leave(WATCH)    # steps are marked by modules: no functional ones
     if state.hold:      # explain_step records its function whole; a module whose
         if not state.record and state.also is None:   # forward starts it also keys
-            state.also = _token(owner)                 # the plan (steps replay it)
+            state.also = token(owner)                 # the plan (steps replay it)
         return
     if torch._C._current_graph_task_id() != -1:
         return          # a forward recomputed in backward (activation checkpointing)
@@ -157,26 +155,11 @@ def step_boundary(owner: object = None) -> None:
     # In a world of one every layout holds the same parts (boxing moves nothing), so
     # a plan would only repeat per-op choice, at the cost of keying every call.
     if ENABLED and env.get_world_size() > 1:
-        state.owner = _token(owner)
+        state.owner = token(owner)
         _set("armed")
 
 
-_tokens: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_next_token = itertools.count(1)
-
-
-def _token(owner) -> int:
-    """A number for ``owner`` that no later object gets (ids are reused)."""
-    try:
-        token = _tokens.get(owner)
-        if token is None:
-            token = _tokens[owner] = next(_next_token)
-        return token
-    except TypeError:   # not weakly referable
-        return id(owner)
-
-
-_FUNCTIONAL_TOKEN = _token(FUNCTIONAL)
+_FUNCTIONAL_TOKEN = token(FUNCTIONAL)
 
 
 @contextlib.contextmanager
@@ -204,6 +187,15 @@ def clear() -> None:
 modes.on_reset(clear)
 
 
+def restart() -> None:
+    """Plan from here as a run resumed here plans: forget every plan and recording and
+    record the next step at its first occurrence (``Autosave`` calls it at each save
+    and restore, so that a resumed run replays what the uninterrupted one replays and
+    ends with the same bits; each save costs one step op by op and its planning)."""
+    clear()
+    state.restarted = True
+
+
 def start_recording(owner: object, hold: bool = True) -> None:
     """Record from the next call on (``explain_step``), whatever was planned; ``hold``:
     step boundaries change nothing until ``finish_recording``."""
@@ -211,7 +203,7 @@ def start_recording(owner: object, hold: bool = True) -> None:
         finish_recording()
     state.serial += 1
     state.record, state.sinks, state.pin_grads = [], [], []
-    state.owner, state.also = _token(owner), None
+    state.owner, state.also = token(owner), None
     state.hold = hold
     _set("recording")
 
@@ -329,6 +321,8 @@ def _worth_recording(key) -> bool:
     program whose shapes change every step never pays for them), at most
     MAX_RECORDINGS times."""
     seen = state.recorded.pop(key, 0) + 1
+    if state.restarted:   # (``restart``)
+        seen, state.restarted = max(seen, RECORD_AT), False
     if len(state.recorded) >= MAX_KEYS:   # oldest first: shapes seen once and gone
         state.recorded.pop(next(iter(state.recorded)))
     state.recorded[key] = seen

@@ -3,6 +3,8 @@ start, and what torch.compile's traces followed (``record.py``, ``traced.py``). 
 object, replaced whole by ``record.clear()`` (``gt.testing.reset()``)."""
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass, field
 
 from .problem import StepPlan
@@ -41,3 +43,19 @@ class StepState:
     traced_misses: int = 0    # calls in a row the plan followed by a trace did not expect
     strided_blocks: tuple = (0, set())   # (serial, strided block counts its calls held)
     functional_first: object = None      # the key of the last functional step's first call
+    restarted: bool = False   # the next step is recorded whatever its count (``restart``)
+
+
+_TOKENS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_NEXT_TOKEN = itertools.count(1)
+
+
+def token(owner) -> int:
+    """A number for ``owner`` that no later object gets (ids are reused)."""
+    try:
+        found = _TOKENS.get(owner)
+        if found is None:
+            found = _TOKENS[owner] = next(_NEXT_TOKEN)
+        return found
+    except TypeError:   # not weakly referable
+        return id(owner)
