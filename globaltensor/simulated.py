@@ -137,6 +137,8 @@ def simulated_world(n: int, timeout: float | None = None) -> Callable:
         store = sim.new_store(limit)
         ranks.swap_out(-1)     # the caller's state (and variables) come back at the end
         os.environ.update({"WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n)})
+        threads_before = torch.get_num_threads()
+        torch.set_num_threads(1)   # one rank runs at a time: its ops need no pool
         try:
             with sim.world(turns):
                 threads = [threading.Thread(target=_rank_main, name=f"simulated rank {r}",
@@ -148,6 +150,7 @@ def simulated_world(n: int, timeout: float | None = None) -> Callable:
                 _join(threads, turns, ranks, limit)
         finally:
             ranks.swap_in(-1)
+            torch.set_num_threads(threads_before)
         if not errors and turns.stopped is not None:   # past the timeout
             raise turns.stopped
         if errors:
@@ -168,7 +171,6 @@ def _rank_main(rank: int, n: int, turns, store, limit: float, fn, args, kwargs, 
         return
     try:
         modes.reset()          # the modes a program starts with, this rank's own
-        torch.set_num_threads(1)
         sim.init_rank(rank, n, store, limit)
         results[rank] = fn(*args, **kwargs)
         comm.finish()          # every rank gets here before the groups go

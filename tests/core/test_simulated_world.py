@@ -118,3 +118,15 @@ def test_the_op_battery_checks_run_unchanged():
 def test_bad_world_sizes_are_refused():
     with pytest.raises(ValueError, match="at least one rank"):
         simulated_world(0)
+
+
+def test_the_callers_thread_count_comes_back():
+    """The ranks run with one intra-op thread (one runs at a time); the caller's own
+    setting, process-wide, is what it was afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = gt.testing.simulated_world(2, 60)(torch.get_num_threads)
+        assert seen == [1, 1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
