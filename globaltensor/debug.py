@@ -29,9 +29,11 @@ from .placement import Placement
 from .planner.explain import StepReport, explain_step
 from .rules.registry import FallbackWarning
 from .step_check import StepCheck, check_step
+from .step_simulation import PROFILES, DeviceProfile, Link, SimulatedStep, simulate_step
 from .tensor import GlobalTensor
 
-__all__ = ["notation", "explain", "explain_step", "StepReport", "check_step", "StepCheck", "comm_stats", "show_layout",
+__all__ = ["notation", "explain", "explain_step", "StepReport", "check_step", "StepCheck", "simulate_step",
+           "SimulatedStep", "DeviceProfile", "Link", "PROFILES", "comm_stats", "show_layout",
            "plot_layout", "plot_step", "check_consistency", "CommCounter", "CollectiveError", "DivergenceError",
            "FallbackWarning"]
 

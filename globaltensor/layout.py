@@ -115,6 +115,7 @@ class Layout:
         key = (shape, placement, nd_sbp)  # not the layout: a weak dict holds keys strongly
         found = _interned.get(key)
         if found is None:
+            placement.check_world()
             _interned[key] = found = Layout(shape, placement, nd_sbp)
         return found
 

@@ -42,6 +42,14 @@ def _flatten(ranks, depth: int = 0) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return flat, (len(items),) + shapes.pop()
 
 
+def _check_world(flat: Sequence[int]) -> None:
+    world = env.get_world_size()
+    if max(flat) >= world:
+        r = next(r for r in flat if r >= world)
+        raise ValueError(f"rank {r} in placement ranks is outside the world "
+                         f"of {world} process(es)")
+
+
 def _nest(flat: Sequence[int], shape: Sequence[int]):
     if not shape:
         return flat[0]
@@ -70,11 +78,14 @@ class Placement:
         flat, shape = _flatten(ranks)
         if not shape:  # a single int
             shape = (1,)
-        world = env.get_world_size()
         for r in flat:
-            if r < 0 or r >= world:
-                raise ValueError(f"rank {r} in placement ranks is outside the world "
-                                 f"of {world} process(es)")
+            if r < 0:
+                raise ValueError(f"rank {r} in placement ranks is negative")
+        # In a launched world a rank past it is a mistake, named at once; a process on
+        # its own may name a bigger world (``gt.debug.simulate_step``): there, laying a
+        # tensor out on it raises (``check_world``)
+        if env.get_world_size() > 1:
+            _check_world(flat)
         if len(set(flat)) != len(flat):
             dup = sorted({r for r in flat if flat.count(r) > 1})
             raise ValueError(f"placement ranks contain duplicates: {dup}")
@@ -83,6 +94,11 @@ class Placement:
         self._shape = shape
         self._coords = {r: c for r, c in zip(flat, itertools.product(*map(range, shape)))}
         self._hash = hash((type, flat, shape))
+
+    def check_world(self) -> None:
+        """Raise unless every rank is one of this world's (when a layout on it is first
+        made: a process on its own may make a placement of a bigger world)."""
+        _check_world(self._flat)
 
     @classmethod
     def all(cls, type: str = "cpu") -> "Placement":

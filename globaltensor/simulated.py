@@ -202,3 +202,42 @@ def _join(threads: list, turns, ranks: _Ranks, limit: float) -> None:
                                 f"{limit:g} s; " + "; ".join(doing)))
         for t in threads:
             t.join(5)
+
+
+def run_as_rank(world: int, rank: int, fn: Callable, *args, local_world: int | None = None):
+    """``fn(*args)`` run as rank ``rank`` of a world of ``world`` processes that do not
+    exist (``gt.debug.simulate_step``): in a thread of its own on torch's fake process
+    group (collectives return at once; run them dry), with fresh globaltensor state and
+    RANK variables as that rank's; the caller's state and world come back after.
+    ``local_world``: ranks per node (LOCAL_WORLD_SIZE; default: all of them)."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not one of a world of {world}")
+    local = world if local_world is None else local_world
+    ranks = _Ranks(1)
+    ranks.saved[0][2].update(RANK=str(rank), LOCAL_RANK=str(rank % local),
+                             GROUP_RANK=str(rank // local))
+    result, errors = [None], []
+
+    def main() -> None:
+        try:
+            sim.init_fake_rank(rank, world)
+            try:
+                result[0] = fn(*args)
+            finally:
+                sim.end_rank()
+        except BaseException as e:  # noqa: BLE001  (raised in the caller's thread)
+            errors.append(e)
+
+    ranks.swap_out(-1)   # (its variables too: WORLD_SIZE comes back with them)
+    os.environ.update({"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(local)})
+    try:
+        ranks.swap_in(0)
+        with sim.thread_worlds():
+            thread = threading.Thread(target=main, name=f"simulated rank {rank} of {world}")
+            thread.start()
+            thread.join()
+    finally:
+        ranks.swap_in(-1)
+    if errors:
+        raise errors[0]
+    return result[0]

@@ -123,7 +123,7 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...]
         src, back = _traced_on_host("all_gather", inp.contiguous().view(-1))
         out.view(-1).copy_(back(funcol.all_gather_tensor(src, 0, get_group(ranks))))
         return
-    if stats.record("all_gather", _nbytes(inp) * (len(ranks) - 1)):
+    if stats.record("all_gather", _nbytes(inp) * (len(ranks) - 1), ranks):
         return
     # Flat views: backends check the output as len(ranks) chunks of the input's shape.
     dst, src = out.view(-1), inp.contiguous().view(-1)
@@ -143,7 +143,7 @@ def all_reduce_(t: torch.Tensor, reduce: str, ranks: tuple[int, ...]) -> None:
         src, back = _traced_on_host("all_reduce" if reduce == "sum" else "all_reduce:max", t)
         t.copy_(back(funcol.all_reduce(src, reduce, get_group(ranks))))
         return
-    if stats.record("all_reduce", 2 * _nbytes(t) * (len(ranks) - 1) // len(ranks)):
+    if stats.record("all_reduce", 2 * _nbytes(t) * (len(ranks) - 1) // len(ranks), ranks):
         return
     host = _HostCopies() if _staged("all_reduce" if reduce == "sum" else "all_reduce:max",
                                     t.device) else None
@@ -166,7 +166,7 @@ def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, reduce: str,
         out.copy_(back(_FUNCTIONAL_REDUCE_SCATTER(src, reduce, 0,
                                                   get_group(ranks))).view(out.shape))
         return
-    if stats.record("reduce_scatter", _nbytes(inp) * (len(ranks) - 1) // len(ranks)):
+    if stats.record("reduce_scatter", _nbytes(inp) * (len(ranks) - 1) // len(ranks), ranks):
         return
     dst, src = out, inp.contiguous()
     host = _HostCopies() if _staged("reduce_scatter", out.device) else None
@@ -194,7 +194,7 @@ def all_reduce_async(t: torch.Tensor, ranks: tuple[int, ...], what: str = "all_r
     if tracing():
         all_reduce_(t, "sum", ranks)
         return _Done()
-    if stats.record("all_reduce", 2 * _nbytes(t) * (len(ranks) - 1) // len(ranks)):
+    if stats.record("all_reduce", 2 * _nbytes(t) * (len(ranks) - 1) // len(ranks), ranks):
         return _Done()
     host = _HostCopies() if _staged("all_reduce", t.device) else None
     buf = t if host is None else host.both(t)
@@ -213,7 +213,7 @@ def all_gather_async(out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...
     if tracing():
         all_gather_into(out, inp, ranks)
         return _Done()
-    if stats.record("all_gather", _nbytes(inp) * (len(ranks) - 1)):
+    if stats.record("all_gather", _nbytes(inp) * (len(ranks) - 1), ranks):
         return _Done()
     dst, src = out.view(-1), inp.contiguous().view(-1)
     host = _HostCopies() if _staged("all_gather", out.device) else None
@@ -237,7 +237,8 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence
                                                 get_group(ranks))))
         return
     me = ranks.index(dist.get_rank())
-    if stats.record("all_to_all", (sum(in_splits) - in_splits[me]) * inp.element_size()):
+    if stats.record("all_to_all", (sum(in_splits) - in_splits[me]) * inp.element_size(),
+                    ranks):
         return
     dst, src = out, inp
     host = _HostCopies() if _staged("all_to_all", out.device) else None
@@ -260,7 +261,7 @@ def broadcast_(t: torch.Tensor, src: int, ranks: tuple[int, ...]) -> None:
         sent, back = _traced_on_host("broadcast", t)
         t.copy_(back(funcol.broadcast(sent, ranks.index(src), get_group(ranks))))
         return
-    if (stats.record("broadcast", _nbytes(t) * (len(ranks) - 1)) if dist.get_rank() == src
+    if (stats.record("broadcast", _nbytes(t) * (len(ranks) - 1), ranks) if dist.get_rank() == src
             else stats.dry()):
         return
     host = _HostCopies() if _staged("broadcast", t.device) else None
@@ -303,8 +304,8 @@ def start_p2p(sends: Sequence[tuple[torch.Tensor, int]],
     if not sends and not recvs:
         return P2PWork([])
     if stats.dry():
-        for t, _ in sends if kind is not None else ():
-            stats.record(kind, _nbytes(t))
+        for t, peer in sends if kind is not None else ():
+            stats.record(kind, _nbytes(t), (peer,))
         return P2PWork([])
     if tracing():
         raise RuntimeError(
@@ -321,15 +322,15 @@ def start_p2p(sends: Sequence[tuple[torch.Tensor, int]],
         # adds nothing to one message but its own cost.
         (t, peer), post = (sends[0], dist.isend) if sends else (recvs[0], dist.irecv)
         if sends and kind is not None:
-            stats.record(kind, _nbytes(t))
+            stats.record(kind, _nbytes(t), (peer,))
         t = t.contiguous() if sends else t
         peers = sorted({dist.get_rank(), peer})
         return P2PWork([guarded("point-to-point transfer", peers, lambda: post(t, peer))],
                        peers, host, tags)
     ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
-    for t, _ in sends if kind is not None else ():
-        stats.record(kind, _nbytes(t))
+    for t, peer in sends if kind is not None else ():
+        stats.record(kind, _nbytes(t), (peer,))
     peers = sorted({dist.get_rank()} | {p for _, p in sends} | {p for _, p in recvs})
     return P2PWork(guarded("point-to-point transfer", peers,
                            lambda: dist.batch_isend_irecv(ops)), peers, host, tags)
@@ -345,7 +346,7 @@ def all_gather_p2p(pieces: Sequence[torch.Tensor], mine: torch.Tensor,
     pieces[me].copy_(mine.view(pieces[me].shape))
     if len(ranks) == 1:
         return P2PWork([])
-    if stats.record("all_gather", _nbytes(mine) * (len(ranks) - 1)):
+    if stats.record("all_gather", _nbytes(mine) * (len(ranks) - 1), ranks):
         return P2PWork([])
     sends = [(mine, m) for j, m in enumerate(ranks) if j != me and mine.numel()]
     recvs = [(p, m) for j, (p, m) in enumerate(zip(pieces, ranks)) if j != me and p.numel()]
@@ -368,7 +369,8 @@ def all_gather_ints(values: Sequence[int], ranks: tuple[int, ...] | None = None,
         ranks = tuple(range(dist.get_world_size()))
     if len(ranks) == 1:
         return [list(values)]
-    if stats.record("all_gather", 8 * (len(values) + (not same_length)) * (len(ranks) - 1)):
+    if stats.record("all_gather", 8 * (len(values) + (not same_length)) * (len(ranks) - 1),
+                    ranks):
         return [list(values)] * len(ranks)   # a dry run: as if every member agreed
     n = len(ranks)
     if same_length:

@@ -258,3 +258,28 @@ def end_rank() -> None:
     """This thread's default group destroyed (each rank in its own thread)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# --- one rank of a world that does not exist (``gt.debug.simulate_step``) -------------
+
+@contextlib.contextmanager
+def thread_worlds() -> Iterator[None]:
+    """Each thread its own default group for the duration (torch's thread-local world),
+    so that a thread may be a rank of another world than the process's own."""
+    if _turns is not None:
+        raise RuntimeError("a step cannot be simulated inside a simulated world")
+    threaded._install_threaded_pg()   # (the process's own world is put aside meanwhile)
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    try:
+        yield
+    finally:
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+        threaded._uninstall_threaded_pg()
+
+
+def init_fake_rank(rank: int, world: int) -> None:
+    """This thread's default group: rank ``rank`` of a world of ``world`` processes on
+    torch's fake backend (every collective returns at once, nothing is sent; group
+    creation needs no peer)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())

@@ -12,11 +12,13 @@ _dry = 0   # open dry runs: collectives are counted, not sent
 
 
 class CommCounter:
-    """Calls and bytes sent by this rank, per kind ("all_gather", "send", ...)."""
+    """Calls and bytes sent by this rank, per kind ("all_gather", "send", ...); with
+    ``events``, also each one as (kind, bytes, the group's ranks or the peer's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, events: bool = False) -> None:
         self.calls: Counter = Counter()
         self.bytes: Counter = Counter()
+        self.events: "list | None" = [] if events else None
 
     @property
     def total_bytes(self) -> int:
@@ -32,11 +34,14 @@ class CommCounter:
         return f"CommCounter({kinds or 'no communication'})"
 
 
-def record(kind: str, nbytes: int) -> bool:
-    """Count a collective; True in a dry run, where the caller sends nothing."""
+def record(kind: str, nbytes: int, ranks: tuple = ()) -> bool:
+    """Count a collective of the group ``ranks`` (a send: its peer's), ``nbytes`` sent
+    by this rank; True in a dry run, where the caller sends nothing."""
     for counter in _active:
         counter.calls[kind] += 1
         counter.bytes[kind] += int(nbytes)
+        if counter.events is not None:
+            counter.events.append((kind, int(nbytes), ranks))
     return _dry > 0
 
 
@@ -46,11 +51,11 @@ def dry() -> bool:
 
 
 @contextlib.contextmanager
-def dry_run() -> Iterator[CommCounter]:
+def dry_run(events: bool = False) -> Iterator[CommCounter]:
     """Count every collective and point-to-point message inside, and send none: their
     outputs keep what they held (``gt.debug.check_step`` runs on fake tensors)."""
     global _dry
-    counter = CommCounter()
+    counter = CommCounter(events)
     push(counter)
     _dry += 1
     try:

@@ -22,9 +22,10 @@ are; other C libraries than glibc are left alone.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -73,9 +74,25 @@ def release_free_heap() -> bool:
 
 def maps_large_blocks(device_type: str) -> bool:
     """Whether fully_shard on ``device_type`` fixes malloc's mmap threshold: host
-    tensors under glibc, unless ``GLOBALTENSOR_TRIM_HEAP=0``."""
-    return (device_type == "cpu" and _MALLOPT is not None
+    tensors under glibc, unless ``GLOBALTENSOR_TRIM_HEAP=0`` (or inside
+    ``left_alone``)."""
+    return (device_type == "cpu" and _MALLOPT is not None and not _left_alone
             and env.trim_heap_enabled())
+
+
+_left_alone = 0   # open ``left_alone`` blocks
+
+
+@contextlib.contextmanager
+def left_alone() -> Iterator[None]:
+    """Inside, fully_shard leaves malloc's settings as they are (``gt.debug.
+    simulate_step``: the simulated program's process is not this one)."""
+    global _left_alone
+    _left_alone += 1
+    try:
+        yield
+    finally:
+        _left_alone -= 1
 
 
 def map_large_blocks() -> bool:

@@ -137,8 +137,9 @@ def globalize(t: torch.Tensor, layout: Layout) -> GlobalTensor:
     local = t.to(device_of(layout.placement)).contiguous() if rank == root \
         else empty_local(source, t.dtype)
     out = to_layout(GlobalTensor(local, source), layout)
-    if rank == root and out.local_part.untyped_storage().data_ptr() == \
-            local.untyped_storage().data_ptr():
+    # (the storages compared, not their data pointers: fake tensors have none)
+    if rank == root and out.local_part.untyped_storage()._cdata == \
+            local.untyped_storage()._cdata:
         # the root's part is a slice of the module's tensor: keep it, not the whole
         out = GlobalTensor(out.local_part.clone(), layout)
     return out

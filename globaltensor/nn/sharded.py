@@ -233,7 +233,7 @@ class _Unit:
             shard = self.shards[name]
             full = _Gathered.apply(shard, local, self.gathered_layout(shard), self.policy)
             if regather is not None and local.numel():
-                _gathered[local.untyped_storage().data_ptr()] = (regather, name)
+                _gathered[local.untyped_storage()._cdata] = (regather, name)
             params[name] = full
         hooks = None
         if regather is not None:
@@ -276,7 +276,7 @@ class _Unit:
         for name, shard in self.shards.items():
             full = params[name]
             if full is not shard and isinstance(full, GlobalTensor) and full.local_part.numel():
-                _gathered.pop(full.local_part.untyped_storage().data_ptr(), None)
+                _gathered.pop(full.local_part.untyped_storage()._cdata, None)
                 if regather is not None and isinstance(self.policy.reshard, int) \
                         and not isinstance(self.policy.reshard, bool):
                     regather.keep_piece(name, full.local_part)
@@ -360,8 +360,8 @@ def _after_forward(module, args, output):
     module._gt_shard_unit.release()
 
 
-# Storage address of each gathered copy alive in some forward -> (its unit's regather,
-# parameter name).
+# The storage (its StorageImpl, ``_cdata``: fake ones have no data pointer) of each
+# gathered copy alive in some forward -> (its unit's regather, parameter name).
 _gathered: dict = {}
 
 
@@ -409,7 +409,7 @@ class _Regather:
 
 def _pack(t):
     if type(t) is GlobalTensor and t.local_part.numel():
-        found = _gathered.get(t.local_part.untyped_storage().data_ptr())
+        found = _gathered.get(t.local_part.untyped_storage()._cdata)
         if found is not None:
             regather, name = found
             regather.saved[name] = regather.saved.get(name, 0) + 1

@@ -22,7 +22,9 @@ DISTRIBUTED_ALLOWED = {
 # Known exceptions, each with its reason: (file, imported name).
 # gt.checkpoint (Autosave) saves through DCP and its state_dict helpers, as interop/ does.
 DISTRIBUTED_EXCEPTIONS: set = {("checkpoint.py", "torch.distributed.checkpoint"),
-                               ("checkpoint.py", "torch.distributed.checkpoint.state_dict")}
+                               ("checkpoint.py", "torch.distributed.checkpoint.state_dict"),
+                               # torch's memory tracker, nothing of its collectives
+                               ("step_simulation.py", "torch.distributed._tools.mem_tracker")}
 MAX_FILE_LINES = 450
 MAX_FUNCTION_LINES = 60
 

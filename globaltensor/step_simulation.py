@@ -1,0 +1,322 @@
+"""``gt.debug.simulate_step``: a training step on a placement of any size (8, 64, 1024
+ranks), run in this process as one of its ranks, before renting those machines.
+
+``fn()`` builds what the step needs (model, optimizer, batch) and returns the step (a
+callable), or is the step. Both run as one rank of a world of processes that do not exist
+(``simulated.run_as_rank``: torch's fake process group, this rank's globaltensor state of
+its own), on fake tensors (``FakeTensorMode``: shapes and dtypes, no values, no
+memory): ``fn`` entirely under fake mode, the step on the fake parts it left, with
+every collective counted and none sent (``comm.stats.dry_run``). So the layouts, the
+per-op decisions, the boxing plans, backward and gradient sync are those of a real
+rank. The step runs ``steps`` times (optimizer state is made at the first); the last
+is measured:
+
+- its collectives: kind, bytes this rank sends, the group (``SimulatedStep.events``);
+- its memory at its peak, by kind: torch's ``MemTracker`` on the local parts
+  (parameters, gradients, optimizer state, activations, other);
+- its compute: multiply-adds of products (mm, bmm, addmm, baddbmm, fused attention) on
+  this rank's parts, and bytes read and written by the other ops;
+- an estimated time from a ``DeviceProfile``: products at the profile's rate for
+  their dtype, other ops at its memory bandwidth, each collective as the latency of its
+  hops plus its bytes over the slowest link its group spans (within a node, across
+  nodes), all in sequence (no overlap counted).
+
+Profiles: ``PROFILES`` (H100 and H200 from their datasheets, dense rates; edit or add
+your own) and ``"cpu"``, this machine measured at first use (gloo's loopback links).
+
+Limits: whole-step planning is off unless ``planned=True`` (then the step is recorded,
+planned and replayed as in a real run, which takes more steps); a value read (``.item()``, a branch on a value) cannot
+run on fake tensors; ``torch.compile`` is not simulated; the time is the model's
+estimate, not a measurement.
+
+>>> def make():                                                 # doctest: +SKIP
+...     P = gt.placement.all("cpu")               # the simulated world's 256 ranks
+...     model = gt.nn.to_global(GPT(cfg), P, gt.sbp.broadcast)
+...     opt = torch.optim.AdamW(model.parameters())
+...     ids = gt.randint(0, cfg.vocab, (256, 1024), placement=P, sbp=gt.sbp.split(0))
+...     def step():
+...         model(ids).loss.backward(); opt.step(); opt.zero_grad()
+...     return step, model, opt                     # (model, opt: memory by kind)
+>>> print(gt.debug.simulate_step(make, placement=gt.placement("cpu", ranks=range(256)),
+...                              device="h100"))     # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from . import cost, modes, simulated
+from .comm import stats
+from .comm.stats import CommCounter
+from .nn import heap
+from .placement import Placement
+from .planner import record
+
+aten = torch.ops.aten
+_PRODUCTS = {"mm": 0, "bmm": 0, "addmm": 1, "baddbmm": 1}   # index of the first factor
+
+
+@dataclass(frozen=True)
+class Link:
+    """One level of the network: ``ranks`` per group of this level (a node's 8; None:
+    every rank), the bytes per second each rank sends on it, and the latency of one
+    message."""
+    ranks: "int | None"
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """A device and its links: FLOP/s of products per dtype name (``matmul_flops``),
+    memory bandwidth in bytes per second, and the links innermost first."""
+    name: str
+    matmul_flops: dict
+    memory_bandwidth: float
+    links: tuple
+
+    def flops(self, dtype: torch.dtype) -> float:
+        name = str(dtype).replace("torch.", "")
+        return self.matmul_flops.get(name, self.matmul_flops["float32"])
+
+    def link(self, ranks: tuple, me: int) -> Link:
+        """The slowest link a group of ``ranks`` (and ``me``) spans."""
+        members = set(ranks) | {me}
+        for level in self.links:
+            if level.ranks is None or len({r // level.ranks for r in members}) == 1:
+                return level
+        return self.links[-1]
+
+
+_NVLINK_IB = (Link(8, 450e9, 3e-6), Link(None, 50e9, 10e-6))   # NVLink 4 in a node; 400 Gb/s IB
+PROFILES: dict = {
+    "h100": DeviceProfile("NVIDIA H100 SXM (datasheet, dense)",
+                          {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12},
+                          3.35e12, _NVLINK_IB),
+    "h200": DeviceProfile("NVIDIA H200 SXM (datasheet, dense)",
+                          {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12},
+                          4.8e12, _NVLINK_IB),
+}
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_profile() -> DeviceProfile:
+    """This machine, measured once: a 512 x 512 float32 product's rate and a 64 MiB
+    copy's bandwidth; links: gloo on loopback (``cost.GLOO``)."""
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    src, dst = torch.empty(16 << 20), torch.empty(16 << 20)
+    a @ b, dst.copy_(src)   # warm
+    t0 = time.perf_counter()
+    for _ in range(8):
+        a @ b
+    flops = 8 * 2 * 512 ** 3 / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    bandwidth = 2 * src.numel() * 4 / (time.perf_counter() - t0)
+    return DeviceProfile("this CPU (measured)", {"float32": flops}, bandwidth,
+                         (Link(None, 1 / cost.GLOO.beta, cost.GLOO.alpha),))
+
+
+def profile_of(device: "str | DeviceProfile") -> DeviceProfile:
+    if isinstance(device, DeviceProfile):
+        return device
+    name = str(device).lower()
+    if name == "cpu":
+        return cpu_profile()
+    if name not in PROFILES:
+        raise ValueError(f"simulate_step: no device profile {device!r}; known: "
+                         f"{['cpu', *PROFILES]}, or pass a DeviceProfile")
+    return PROFILES[name]
+
+
+def _latency_hops(kind: str, n: int) -> int:
+    """Messages in a row a collective of ``n`` members waits for: a ring's n - 1 (an
+    all-reduce's 2(n - 1), or a tree's 2 log2 n where that is fewer, as NCCL picks for
+    small messages); a send's one."""
+    if n <= 1:
+        return 1
+    if kind == "all_reduce":
+        return min(2 * (n - 1), 2 * math.ceil(math.log2(n)))
+    return n - 1 if kind in ("all_gather", "reduce_scatter", "all_to_all", "broadcast") else 1
+
+
+@dataclass(frozen=True)
+class SimulatedStep:
+    """What ``simulate_step`` measured for one rank of the step (module docstring):
+    ``counted`` (collectives by kind), ``events`` ((kind, bytes sent, group) each),
+    ``memory`` (bytes at the step's peak by kind, and "peak"), ``macs`` (multiply-adds
+    of products by dtype), ``other_bytes`` (read and written by the other ops), and the
+    estimate: ``compute_seconds``, ``comm_seconds``, ``seconds``."""
+    world: int
+    rank: int
+    device: DeviceProfile
+    counted: CommCounter
+    events: tuple
+    memory: dict
+    macs: dict
+    other_bytes: int
+    result: object = field(default=None, repr=False)
+
+    @property
+    def compute_seconds(self) -> float:
+        products = sum(2 * n / self.device.flops(dtype) for dtype, n in self.macs.items())
+        return products + self.other_bytes / self.device.memory_bandwidth
+
+    @property
+    def comm_seconds(self) -> float:
+        total = 0.0
+        for kind, nbytes, ranks in self.events:
+            link = self.device.link(ranks, self.rank)
+            total += _latency_hops(kind, len(ranks)) * link.latency + nbytes / link.bandwidth
+        return total
+
+    @property
+    def seconds(self) -> float:
+        """The estimated step: compute, then communication (none overlapped)."""
+        return self.compute_seconds + self.comm_seconds
+
+    step_seconds = seconds
+
+    @property
+    def peak_memory(self) -> int:
+        """Bytes this rank holds at the step's peak."""
+        return self.memory["peak"]
+
+    @property
+    def bytes(self) -> int:
+        """Bytes this rank sends in the step."""
+        return self.counted.total_bytes
+
+    def __str__(self) -> str:
+        mib, ms = 1 << 20, 1e-3
+        rows = [("step, estimated", self.seconds / ms, "ms"),
+                ("  compute", self.compute_seconds / ms, "ms"),
+                ("  communication", self.comm_seconds / ms, "ms"),
+                ("memory at peak", self.peak_memory / mib, "MiB")]
+        rows += [(f"  {k}", self.memory[k] / mib, "MiB") for k in
+                 ("parameters", "gradients", "optimizer", "activations", "other")]
+        rows.append(("sent", self.bytes / mib, "MiB"))
+        rows += [(f"  {k} x{self.counted.calls[k]}", self.counted.bytes[k] / mib, "MiB")
+                 for k in sorted(self.counted.calls)]
+        lines = [f"rank {self.rank} of {self.world} on {self.device.name}"]
+        lines += [f"{what:<28}{value:>12.2f} {unit}" for what, value, unit in rows]
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+class _Costing(modes.Mode):
+    """Counts each op's work on this rank's parts as it is carried out."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.macs: Counter = Counter()
+        self.other_bytes = 0
+
+    def run(self, func, decision, leaves: list, spec, why):
+        if why is None and decision.out_layouts is not None:
+            self._count(func, decision)
+        return self.below.run(func, decision, leaves, spec, why)
+
+    def _count(self, func, decision) -> None:
+        name = func.overloadpacket.__name__
+        ins = [t for t in decision.targets if t is not None]
+        outs = [t for t in decision.out_layouts if t is not None]
+        if not ins + outs or self.rank not in (ins + outs)[0].placement:
+            return   # (this rank holds no part of the op)
+        dtype = decision.out_dtypes[0] if decision.out_dtypes else torch.float32
+        here = self.rank
+        first = _PRODUCTS.get(name)
+        if first is not None and len(ins) >= first + 2:
+            a, b = ins[first].local_shape(here), ins[first + 1].local_shape(here)
+            self.macs[dtype] += math.prod(a) * b[-1]
+        elif "scaled_dot_product" in name and len(ins) >= 3:
+            backward = name.endswith("_backward")   # (grad_out, query, key, ...)
+            q, k = ins[0].local_shape(here), ins[2 if backward else 1].local_shape(here)
+            both = 2 * math.prod(q) * k[-2]           # q @ k^T and p @ v
+            self.macs[dtype] += both * (5 / 2 if backward else 1)
+        elif not any(r.alias_info is not None for r in func._schema.returns):   # not a view
+            self.other_bytes += dtype.itemsize * sum(math.prod(t.local_shape(here))
+                                                     for t in (*ins, *outs))
+
+
+def simulate_step(fn: Callable, *args, placement: Placement,
+                  device: "str | DeviceProfile" = "cpu", rank: "int | None" = None,
+                  ranks_per_node: "int | None" = None, steps: int = 2,
+                  planned: bool = False, **kwargs) -> SimulatedStep:
+    """Run ``fn(*args, **kwargs)`` as one rank of the world ``placement`` spans (its
+    ranks 0..n-1: 8, 64, 1024 ...), on fake tensors, without those processes; report
+    the step's collectives, memory and estimated time (module docstring).
+
+    ``fn`` either builds the model, optimizer and batch on the placements of that world
+    (``gt.placement.all(...)`` inside it) and returns the step to simulate, a callable,
+    or ``(step, *objects)`` whose memory is counted by kind (the model, the
+    optimizer); or is the step itself. The step runs ``steps`` times, the last
+    reported. ``rank``: the rank simulated (default: the placement's first).
+    ``device``: "cpu", "h100", "h200" or a ``DeviceProfile``. ``ranks_per_node``:
+    LOCAL_WORLD_SIZE (default: the profile's innermost link's group). ``planned``: as
+    whole-step planning replays the step (recorded and planned first: at least
+    ``RECORD_AT + 2`` steps run); else each op decided by itself.
+
+    >>> report = gt.debug.simulate_step(make, placement=gt.placement("cpu",   # doctest: +SKIP
+    ...                                 ranks=range(1024)), device="h100")
+    >>> report.peak_memory, report.bytes, report.step_seconds                  # doctest: +SKIP
+    """
+    if not isinstance(placement, Placement):
+        raise TypeError(f"simulate_step: placement must be a gt.placement, got "
+                        f"{type(placement).__name__}")
+    world = max(placement.flat_ranks) + 1
+    rank = placement.flat_ranks[0] if rank is None else rank
+    if steps < 1:
+        raise ValueError(f"simulate_step: steps must be >= 1, got {steps!r}")
+    profile = profile_of(device)
+    local = ranks_per_node or profile.links[0].ranks or world
+    if planned:
+        steps = max(steps, record.RECORD_AT + 2)
+    return simulated.run_as_rank(world, rank, _simulate, fn, args, kwargs, rank, world,
+                                 profile, steps, planned, local_world=min(local, world))
+
+
+def _simulate(fn: Callable, args: tuple, kwargs: dict, rank: int, world: int,
+              profile: DeviceProfile, steps: int, planned: bool) -> SimulatedStep:
+    from torch.distributed._tools.mem_tracker import MemTracker
+    with contextlib.nullcontext() if planned else record.paused(), stats.dry_run(), \
+            heap.left_alone():   # (fully_shard would set this process's malloc)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            made = fn(*args, **kwargs)
+        step, *tracked = made if isinstance(made, tuple) and made else (made,)
+        if not callable(step):   # fn is the step: its first run was the first step
+            step, tracked, steps = functools.partial(fn, *args, **kwargs), [], steps - 1
+        for _ in range(steps - 1):
+            step()
+        tracker, costing = MemTracker(), _Costing(rank)
+        if tracked:
+            tracker.track_external(*tracked)
+        with stats.dry_run(events=True) as counted, tracker, costing:
+            result = step()
+    return SimulatedStep(world, rank, profile, counted, tuple(counted.events),
+                         _by_kind(tracker), dict(costing.macs), costing.other_bytes, result)
+
+
+def _by_kind(tracker) -> dict:
+    """MemTracker's snapshot at its peak, summed over devices, by our kinds."""
+    kinds = {"PARAM": "parameters", "BUFFER": "parameters", "GRAD": "gradients",
+             "OPT": "optimizer", "ACT": "activations", "TEMP": "other", "OTH": "other"}
+    out = dict.fromkeys(("parameters", "gradients", "optimizer", "activations", "other",
+                         "peak"), 0)
+    for per_device in tracker.get_tracker_snapshot("peak").values():
+        for key, nbytes in per_device.items():
+            name = getattr(key, "name", key)
+            if name == "Total":
+                out["peak"] += nbytes
+            elif name in kinds:
+                out[kinds[name]] += nbytes
+    return out

@@ -1,0 +1,145 @@
+"""gt.debug.simulate_step: one step of a placement of 8 to 1024 ranks, run in this
+process as one of its ranks on fake tensors: its collectives, memory by kind and an
+estimated time, against what the layouts imply; the caller's world is left as it was."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import globaltensor as gt
+from globaltensor.debug import PROFILES, DeviceProfile, Link
+
+S, B = gt.sbp.split, gt.sbp.broadcast
+D, H = 64, 256   # an MLP of D -> H -> D: (D * H + H + H * D + D) parameters
+PARAMS = (D * H + H + H * D + D) * 4
+
+
+def _world(n: int):
+    return gt.placement("cpu", ranks=range(n))   # a placement of a bigger world than ours
+
+
+def _make(layout: str, rows_per_rank: int = 4):
+    def make():
+        P = gt.placement.all("cpu")
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(D, H), torch.nn.ReLU(), torch.nn.Linear(H, D))
+        if layout == "tp":
+            model = gt.nn.to_global(model, P, lambda name, t: {
+                "0.weight": S(0), "0.bias": S(0), "2.weight": S(1)}.get(name, B))
+            x = gt.randn(8, D, placement=P, sbp=B)
+        else:
+            model = gt.nn.to_global(model, P, B)
+            if layout == "fs":
+                model = gt.nn.fully_shard(model, P)
+            x = gt.randn(P.size * rows_per_rank, D, placement=P, sbp=S(0))
+        opt = torch.optim.AdamW(model.parameters())
+
+        def step():
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return step, model, opt
+    return make
+
+
+@pytest.mark.parametrize("world", [8, 64])
+def test_data_parallel_reduces_every_gradient_once(world):
+    report = gt.debug.simulate_step(_make("dp"), placement=_world(world))
+    ring = 2 * (world - 1) / world
+    reduced = report.counted.bytes["all_reduce"]
+    assert set(report.counted.calls) == {"all_reduce"}, report
+    assert ring * PARAMS <= reduced <= ring * PARAMS + 64, (reduced, ring * PARAMS)
+    assert report.memory["parameters"] == PARAMS and report.memory["gradients"] == PARAMS
+    assert report.memory["optimizer"] >= 2 * PARAMS, report.memory   # Adam's two moments
+    assert all(len(ranks) == world for _, _, ranks in report.events)
+    assert report.world == world and report.rank == 0
+
+
+def test_fully_shard_keeps_a_part_per_rank_and_gathers_it():
+    world = 64
+    report = gt.debug.simulate_step(_make("fs"), placement=_world(world))
+    assert report.memory["parameters"] <= PARAMS / world + 4 * 4 * world, report.memory
+    assert report.counted.calls["all_gather"] > 0, report
+    # all of it gathered for forward; for backward again what backward reads: the
+    # second layer's weight (the first's gradient needs the input, not the weight)
+    again = H * D * 4
+    assert report.counted.bytes["all_gather"] == (PARAMS + again) * (world - 1) // world
+
+
+def test_megatron_tensor_parallel_keeps_its_parts():
+    world = 8
+    report = gt.debug.simulate_step(_make("tp"), placement=_world(world), planned=True)
+    split = (D * H + H + H * D) * 4    # fc1 weight and bias, fc2 weight
+    assert report.memory["parameters"] == split // world + D * 4, report.memory
+    # planned (recorded, planned, replayed): gradients kept in their parameters' parts
+    assert report.memory["gradients"] == report.memory["parameters"], report.memory
+
+
+def test_a_thousand_ranks_and_the_callers_world_is_untouched():
+    before = (gt.get_world_size(), os.environ.get("WORLD_SIZE"), os.environ.get("RANK"))
+    report = gt.debug.simulate_step(_make("dp", rows_per_rank=1), placement=_world(1024), rank=1000,
+                                    device="h100")
+    assert report.rank == 1000 and report.memory["parameters"] == PARAMS
+    assert (gt.get_world_size(), os.environ.get("WORLD_SIZE"), os.environ.get("RANK")) == before
+    x = gt.ones(4, placement=gt.placement("cpu", [0]), sbp=B)   # this process's world of 1
+    assert float(x.sum()) == 4.0
+
+
+def test_estimated_time_follows_the_profile_and_the_links():
+    make = _make("dp")
+    fast = DeviceProfile("in-node", {"float32": 1e14}, 1e12, (Link(None, 100e9, 1e-6),))
+    slow = DeviceProfile("slow links", {"float32": 1e14}, 1e12, (Link(None, 1e9, 1e-4),))
+    a = gt.debug.simulate_step(make, placement=_world(8), device=fast)
+    b = gt.debug.simulate_step(make, placement=_world(8), device=slow)
+    assert a.compute_seconds == pytest.approx(b.compute_seconds) and a.compute_seconds > 0
+    assert b.comm_seconds > 50 * a.comm_seconds > 0
+    assert a.step_seconds == pytest.approx(a.compute_seconds + a.comm_seconds)
+    # 16 ranks per the H100 profile: 2 nodes of 8, the gradient's all-reduce crosses them
+    h100 = gt.debug.simulate_step(make, placement=_world(16), device="h100")
+    assert h100.device is PROFILES["h100"] and "step, estimated" in str(h100)
+    kind, nbytes, ranks = max(h100.events, key=lambda e: e[1])
+    assert PROFILES["h100"].link(ranks, 0).ranks is None   # the slower, inter-node link
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="no device profile 'A100'"):
+        gt.debug.simulate_step(_make("dp"), placement=_world(8), device="A100")
+    with pytest.raises(TypeError, match="placement must be a gt.placement"):
+        gt.debug.simulate_step(_make("dp"), placement=8)
+    with pytest.raises(ValueError, match="outside the world of 1"):   # ours, not its
+        gt.ones(2, placement=_world(8), sbp=B)
+
+
+def test_a_function_that_is_the_step_and_the_report_as_the_contract_names_it():
+    """``fn`` may be the step itself (building its tensors each time); the report has
+    ``peak_memory``, ``bytes`` and ``step_seconds``, and prints as a table."""
+    def step(rows):
+        P = gt.placement.all("cpu")
+        w = gt.randn(D, D, placement=P, sbp=B, requires_grad=True)
+        x = gt.randn(rows * P.size, D, placement=P, sbp=S(0))
+        (x @ w).sum().backward()
+    report = gt.debug.simulate_step(step, 4, placement=_world(16))
+    grad = D * D * 4
+    assert report.bytes == report.counted.total_bytes >= 2 * grad * 15 // 16
+    assert report.peak_memory >= grad and report.step_seconds > 0
+    assert report.macs[torch.float32] == 2 * 4 * D * D   # forward and weight gradient
+    table = str(report)
+    assert table.splitlines()[0] == f"rank 0 of 16 on {report.device.name}"
+    assert "step, estimated" in table and "all_reduce x" in table
+
+
+def test_attention_is_counted_by_its_products():
+    """Fused attention on this rank's heads: q @ k^T and p @ v forward (2 b h t t d
+    multiply-adds), two and a half times that in backward (it recomputes the scores)."""
+    b, h, t, d, world = 2, 8, 16, 8, 8
+
+    def step():
+        P = gt.placement.all("cpu")
+        q, k, v = (gt.randn(b, h, t, d, placement=P, sbp=S(1), requires_grad=True)
+                   for _ in range(3))
+        torch.nn.functional.scaled_dot_product_attention(q, k, v).sum().backward()
+    report = gt.debug.simulate_step(step, placement=_world(world))
+    local = 2 * b * (h // world) * t * t * d
+    assert report.macs[torch.float32] == local + 5 * local // 2, report.macs
