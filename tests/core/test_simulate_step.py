@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from mp import world_test
 
 import globaltensor as gt
 from globaltensor.debug import PROFILES, DeviceProfile, Link
@@ -143,3 +144,29 @@ def test_attention_is_counted_by_its_products():
     report = gt.debug.simulate_step(step, placement=_world(world))
     local = 2 * b * (h // world) * t * t * d
     assert report.macs[torch.float32] == local + 5 * local // 2, report.macs
+
+
+def check_predictions_equal_a_real_world_of_two():
+    """The same program in a real world of 2 (gloo) and simulated as each of its ranks:
+    the bytes each rank sends in the step and the parameters, gradients and optimizer
+    state it holds are the same, for data parallel, fully_shard and Megatron's layout."""
+    from globaltensor.planner import record
+    for layout in ("dp", "fs", "tp"):
+        with record.paused():   # (the simulation decides op by op, as these first steps)
+            step, model, opt = _make(layout)()
+            step()
+            with gt.debug.comm_stats() as measured:
+                step()
+        mine = {"parameters": sum(p.local_part.nbytes for p in model.parameters()),
+                "optimizer": sum(t.local_part.nbytes for state in opt.state.values()
+                                 for t in state.values() if gt.is_global(t))}
+        report = gt.debug.simulate_step(_make(layout), placement=_world(2),
+                                        rank=gt.get_rank())
+        assert measured.total_bytes > 0
+        assert report.counted.bytes == measured.bytes, (layout, report.counted, measured)
+        assert report.memory["parameters"] == mine["parameters"], (layout, report.memory)
+        assert report.memory["optimizer"] >= mine["optimizer"], (layout, report.memory)
+        gt.testing.reset()
+
+
+test_world2 = world_test(__name__, 2, ["check_predictions_equal_a_real_world_of_two"])
