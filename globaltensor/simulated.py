@@ -46,7 +46,8 @@ PER_RANK: dict[str, dict[str, Callable]] = {
     "globaltensor.comm.groups": {"_groups": lambda m: {}, "_ready": lambda m: False,
                                  "_device_backends": lambda m: {},
                                  "_local_devices": lambda m: {},
-                                 "_cuda_via_gloo_why": lambda m: ""},
+                                 "_cuda_via_gloo_why": lambda m: "",
+                                 "_priced_as": lambda m: {}},
     "globaltensor.comm.guard": {"_doing": lambda m: [], "_claims": lambda m: {}},
     "globaltensor.comm.meet": {"_round": lambda m: {}, "_cleaned": lambda m: {},
                                "_met": lambda m: {}},
@@ -204,12 +205,14 @@ def _join(threads: list, turns, ranks: _Ranks, limit: float) -> None:
             t.join(5)
 
 
-def run_as_rank(world: int, rank: int, fn: Callable, *args, local_world: int | None = None):
+def run_as_rank(world: int, rank: int, fn: Callable, *args, local_world: int | None = None,
+                backend: str = "gloo"):
     """``fn(*args)`` run as rank ``rank`` of a world of ``world`` processes that do not
     exist (``gt.debug.simulate_step``): in a thread of its own on torch's fake process
     group (collectives return at once; run them dry), with fresh globaltensor state and
     RANK variables as that rank's; the caller's state and world come back after.
-    ``local_world``: ranks per node (LOCAL_WORLD_SIZE; default: all of them)."""
+    ``local_world``: ranks per node (LOCAL_WORLD_SIZE; default: all of them);
+    ``backend``: what its cpu collectives are priced as (``sim.init_fake_rank``)."""
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not one of a world of {world}")
     local = world if local_world is None else local_world
@@ -220,7 +223,7 @@ def run_as_rank(world: int, rank: int, fn: Callable, *args, local_world: int | N
 
     def main() -> None:
         try:
-            sim.init_fake_rank(rank, world)
+            sim.init_fake_rank(rank, world, backend)
             try:
                 result[0] = fn(*args)
             finally:

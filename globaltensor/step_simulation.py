@@ -54,6 +54,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from . import cost, modes, simulated
+from .boxing import plan as plans
 from .comm import stats
 from .comm.stats import CommCounter
 from .nn import heap
@@ -77,11 +78,13 @@ class Link:
 @dataclass(frozen=True)
 class DeviceProfile:
     """A device and its links: FLOP/s of products per dtype name (``matmul_flops``),
-    memory bandwidth in bytes per second, and the links innermost first."""
+    memory bandwidth in bytes per second, the links innermost first, and the backend
+    whose collectives the program's are chosen and priced as ("nccl" for GPUs)."""
     name: str
     matmul_flops: dict
     memory_bandwidth: float
     links: tuple
+    backend: str = "nccl"
 
     def flops(self, dtype: torch.dtype) -> float:
         name = str(dtype).replace("torch.", "")
@@ -122,7 +125,7 @@ def cpu_profile() -> DeviceProfile:
     dst.copy_(src)
     bandwidth = 2 * src.numel() * 4 / (time.perf_counter() - t0)
     return DeviceProfile("this CPU (measured)", {"float32": flops}, bandwidth,
-                         (Link(None, 1 / cost.GLOO.beta, cost.GLOO.alpha),))
+                         (Link(None, 1 / cost.GLOO.beta, cost.GLOO.alpha),), "gloo")
 
 
 def profile_of(device: "str | DeviceProfile") -> DeviceProfile:
@@ -281,8 +284,15 @@ def simulate_step(fn: Callable, *args, placement: Placement,
     local = ranks_per_node or profile.links[0].ranks or world
     if planned:
         steps = max(steps, record.RECORD_AT + 2)
-    return simulated.run_as_rank(world, rank, _simulate, fn, args, kwargs, rank, world,
-                                 profile, steps, planned, local_world=min(local, world))
+    # Boxing plans are kept by layouts, priced with this process's backend: the
+    # simulated rank's (its profile's) may differ, so neither sees the other's plans
+    plans.clear_caches()
+    try:
+        return simulated.run_as_rank(world, rank, _simulate, fn, args, kwargs, rank, world,
+                                     profile, steps, planned, local_world=min(local, world),
+                                     backend=profile.backend)
+    finally:
+        plans.clear_caches()
 
 
 def _simulate(fn: Callable, args: tuple, kwargs: dict, rank: int, world: int,

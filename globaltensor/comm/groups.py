@@ -54,6 +54,7 @@ GLOO_ON_CUDA = frozenset({"broadcast", "all_reduce"})
 _cuda_via_gloo_why = ""    # why this rank's cuda collectives go through gloo (we chose it)
 _warned_gloo = False       # that warning is given once per process
 _device_backends: dict[str, str] = {}  # device type -> backend of the default group
+_priced_as: dict[str, str] = {}  # device type -> backend priced with (a simulated rank's)
 
 
 def gpu_of(local_rank: int, device_count: int, visible: str | None) -> str:
@@ -201,6 +202,9 @@ def backend_of(device_type: str) -> str:
     >>> backend_of("cpu")
     'gloo'
     """
+    priced = _priced_as.get(device_type)
+    if priced is not None:
+        return priced
     if device_type == "cpu":
         return "gloo"
     known = _device_backends.get(device_type)

@@ -277,9 +277,11 @@ def thread_worlds() -> Iterator[None]:
         threaded._uninstall_threaded_pg()
 
 
-def init_fake_rank(rank: int, world: int) -> None:
+def init_fake_rank(rank: int, world: int, backend: str = "gloo") -> None:
     """This thread's default group: rank ``rank`` of a world of ``world`` processes on
     torch's fake backend (every collective returns at once, nothing is sent; group
-    creation needs no peer)."""
+    creation needs no peer); its cpu collectives priced as ``backend``'s (the cost
+    model, and so per-op choice and boxing, as on that backend)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    groups._priced_as["cpu"] = backend

@@ -170,3 +170,18 @@ def check_predictions_equal_a_real_world_of_two():
 
 
 test_world2 = world_test(__name__, 2, ["check_predictions_equal_a_real_world_of_two"])
+
+
+def test_a_gpu_profile_chooses_and_prices_collectives_as_nccl():
+    """On the H100 profile the program's boxing is chosen as on NCCL (a partial sum to a
+    split: one reduce_scatter); on this CPU's, as on gloo (its all-to-all route, a
+    message per peer). (fully_shard's gradient exchange is its own, the same on both.)"""
+    def step():
+        P = gt.placement.all("cpu")
+        x = gt.randn(64, 256, placement=P, sbp=S(1))
+        w = gt.randn(256, 64, placement=P, sbp=S(0))
+        (x @ w).to_global(sbp=S(0))
+    gpu = gt.debug.simulate_step(step, placement=_world(8), device="h100")
+    cpu = gt.debug.simulate_step(step, placement=_world(8), device="cpu")
+    assert dict(gpu.counted.calls) == {"reduce_scatter": 1}, gpu.counted
+    assert dict(cpu.counted.calls) == {"all_to_all": 7}, cpu.counted
