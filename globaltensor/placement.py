@@ -64,7 +64,7 @@ class Placement:
     whose axis 0 runs down the rows. Immutable, hashable, equal by (type, ranks).
     """
 
-    __slots__ = ("_type", "_flat", "_shape", "_coords", "_hash")
+    __slots__ = ("_type", "_flat", "_shape", "_coords", "_hash", "_unchecked")
 
     def __init__(self, type: str = "cpu", ranks=None):
         if isinstance(type, Placement):  # placement(p) copies
@@ -84,7 +84,8 @@ class Placement:
         # In a launched world a rank past it is a mistake, named at once; a process on
         # its own may name a bigger world (``gt.debug.simulate_step``): there, laying a
         # tensor out on it raises (``check_world``)
-        if env.get_world_size() > 1:
+        launched = env.get_world_size() > 1
+        if launched:
             _check_world(flat)
         if len(set(flat)) != len(flat):
             dup = sorted({r for r in flat if flat.count(r) > 1})
@@ -94,11 +95,13 @@ class Placement:
         self._shape = shape
         self._coords = {r: c for r, c in zip(flat, itertools.product(*map(range, shape)))}
         self._hash = hash((type, flat, shape))
+        self._unchecked = not launched and max(flat) > 0   # (for ``check_world``)
 
     def check_world(self) -> None:
         """Raise unless every rank is one of this world's (when a layout on it is first
         made: a process on its own may make a placement of a bigger world)."""
-        _check_world(self._flat)
+        if self._unchecked:
+            _check_world(self._flat)
 
     @classmethod
     def all(cls, type: str = "cpu") -> "Placement":
