@@ -21,13 +21,15 @@ is measured:
   hops plus its bytes over the slowest link its group spans (within a node, across
   nodes), all in sequence (no overlap counted).
 
-Profiles: ``PROFILES`` (H100 and H200 from their datasheets, dense rates; edit or add
-your own) and ``"cpu"``, this machine measured at first use (gloo's loopback links).
+Profiles: ``PROFILES`` ("h100" and "h200" from their datasheets, dense rates, NCCL;
+edit or add your own) and ``"cpu"``, this machine measured at first use (gloo's
+loopback links). The program's collectives are chosen and priced as the profile's
+backend's (``comm.simulated.init_fake_rank``).
 
 Limits: whole-step planning is off unless ``planned=True`` (then the step is recorded,
-planned and replayed as in a real run, which takes more steps); a value read (``.item()``, a branch on a value) cannot
-run on fake tensors; ``torch.compile`` is not simulated; the time is the model's
-estimate, not a measurement.
+planned and replayed as in a real run, which takes more steps); a value read
+(``.item()``, a branch on a value) cannot run on fake tensors; ``torch.compile`` is not
+simulated; the time is the model's estimate, not a measurement.
 
 >>> def make():                                                 # doctest: +SKIP
 ...     P = gt.placement.all("cpu")               # the simulated world's 256 ranks
