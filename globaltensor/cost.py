@@ -124,3 +124,30 @@ def max_local_bytes(layout: Layout, itemsize: int) -> int:
 @lru_cache(maxsize=16384)   # step planning on 2-D placements prices thousands of layouts
 def _max_local_numel(layout: Layout) -> int:
     return max(math.prod(layout.local_shape(r)) for r in layout.placement)
+
+
+# --- the work of one op on one rank's parts (per-op pricing, the planner, simulate_step) --
+
+_PRODUCTS = {"mm": 0, "bmm": 0, "addmm": 1, "baddbmm": 1}   # op -> index of its first factor
+
+
+def product_macs(func, targets: tuple, rank: int) -> "int | None":
+    """Multiply-adds of a product (mm, bmm, addmm, baddbmm) on ``rank``'s parts of its
+    input layouts ``targets``; None for any other op.
+
+    >>> product_macs(aten.mm.default, (a, b), 0)   # doctest: +SKIP
+    32768
+    """
+    first = _PRODUCTS.get(func.overloadpacket.__name__)
+    if first is None or len(targets) < first + 2:
+        return None
+    a, b = targets[first], targets[first + 1]
+    return math.prod(a.local_shape(rank)) * b.local_shape(rank)[-1]
+
+
+@lru_cache(maxsize=None)
+def writes_nothing(func) -> bool:
+    """Whether ``func`` only makes a view: its schema says so, or it is
+    ``_unsafe_view`` (a view its schema does not declare)."""
+    return func.overloadpacket.__name__ == "_unsafe_view" or any(
+        r.alias_info is not None for r in func._schema.returns)

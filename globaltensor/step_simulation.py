@@ -64,7 +64,6 @@ from .placement import Placement
 from .planner import record
 
 aten = torch.ops.aten
-_PRODUCTS = {"mm": 0, "bmm": 0, "addmm": 1, "baddbmm": 1}   # index of the first factor
 
 
 @dataclass(frozen=True)
@@ -239,16 +238,15 @@ class _Costing(modes.Mode):
             return   # (this rank holds no part of the op)
         dtype = decision.out_dtypes[0] if decision.out_dtypes else torch.float32
         here = self.rank
-        first = _PRODUCTS.get(name)
-        if first is not None and len(ins) >= first + 2:
-            a, b = ins[first].local_shape(here), ins[first + 1].local_shape(here)
-            self.macs[dtype] += math.prod(a) * b[-1]
+        macs = cost.product_macs(func, tuple(ins), here)
+        if macs is not None:
+            self.macs[dtype] += macs
         elif "scaled_dot_product" in name and len(ins) >= 3:
             backward = name.endswith("_backward")   # (grad_out, query, key, ...)
             q, k = ins[0].local_shape(here), ins[2 if backward else 1].local_shape(here)
             both = 2 * math.prod(q) * k[-2]           # q @ k^T and p @ v
             self.macs[dtype] += both * (5 / 2 if backward else 1)
-        elif not any(r.alias_info is not None for r in func._schema.returns):   # not a view
+        elif not cost.writes_nothing(func):
             self.other_bytes += dtype.itemsize * sum(math.prod(t.local_shape(here))
                                                      for t in (*ins, *outs))
 

@@ -13,9 +13,7 @@ True
 """
 from __future__ import annotations
 
-import functools
 import gc
-import math
 from dataclasses import dataclass, field
 from itertools import chain
 from operator import itemgetter
@@ -23,12 +21,11 @@ from operator import itemgetter
 import numpy as np
 
 from ..boxing.plan import forget_searches, route_cost, route_costs
-from ..cost import GLOO, costs_of, max_local_bytes
+from ..cost import GLOO, costs_of, max_local_bytes, product_macs, writes_nothing
 from ..propagation.decide import Decision, Options, _reduced_scalars
 from ..sbp import Broadcast, Partial
 from . import solve
 
-_PRODUCTS = {"mm": 0, "bmm": 0, "addmm": 1, "baddbmm": 1}
 _INFEASIBLE = 1e9
 
 
@@ -167,27 +164,18 @@ def _compute_seconds(func, targets: tuple, outs: tuple) -> float:
     ``element``: duplicated work is not free). A view writes nothing: priced by its
     elements, a chain of views on a split tensor would look cheaper than the same chain
     on a broadcast one."""
-    if _writes_nothing(func):
+    if writes_nothing(func):
         return 0.0
     layouts = [t for t in (*targets, *outs) if t is not None]
     rates = costs_of(*layouts) if layouts else GLOO
-    first = _PRODUCTS.get(func.overloadpacket.__name__)
-    if first is not None and len(targets) >= first + 2:
-        a, b = targets[first], targets[first + 1]
-        return rates.mac * max(math.prod(a.local_shape(r)) * b.local_shape(r)[-1]
-                               for r in a.placement)
+    ranks = targets[0].placement.flat_ranks if targets else ()
+    if ranks and product_macs(func, targets, ranks[0]) is not None:
+        return rates.mac * max(product_macs(func, targets, r) for r in ranks)
     return rates.element * sum(max_local_bytes(o, 1) for o in outs if o is not None)
 
 
 def _returns_view(func) -> bool:
     return any(r.alias_info is not None for r in func._schema.returns)
-
-
-@functools.lru_cache(maxsize=None)
-def _writes_nothing(func) -> bool:
-    """Whether ``func`` only makes a view: its schema says so, or it is
-    ``_unsafe_view`` (a view its schema does not declare)."""
-    return func.overloadpacket.__name__ == "_unsafe_view" or _returns_view(func)
 
 
 def _route_cost(src, dst, itemsize: int, cache: dict) -> float:
