@@ -30,7 +30,10 @@ from .walks import argmin as _argmin
 from .walks import scores as _scores
 
 MAX_SWEEPS = 20
-TRIED = 6   # options ``propagate`` tries per node (``_candidates``)
+# Options ``propagate`` tries per node (``_candidates``). A 12-layer GPT on 1x4, 2x2 and
+# 2x4 plans to the same total with 4 as with 6, in 0.80x the solver's time; with 3 the
+# 2x2 plan costs 0.5 % more.
+TRIED = 4
 
 
 @dataclass
