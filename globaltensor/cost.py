@@ -132,17 +132,54 @@ _PRODUCTS = {"mm": 0, "bmm": 0, "addmm": 1, "baddbmm": 1}   # op -> index of its
 
 
 def product_macs(func, targets: tuple, rank: int) -> "int | None":
-    """Multiply-adds of a product (mm, bmm, addmm, baddbmm) on ``rank``'s parts of its
-    input layouts ``targets``; None for any other op.
+    """Multiply-adds of a product (mm, bmm, addmm, baddbmm) or of a fused attention
+    kernel on ``rank``'s parts of its input layouts ``targets``; None for any other op.
+    Attention meets every key: with the sequence split (ring attention) a rank's
+    queries still meet the whole key sequence.
 
     >>> product_macs(aten.mm.default, (a, b), 0)   # doctest: +SKIP
     32768
     """
-    first = _PRODUCTS.get(func.overloadpacket.__name__)
-    if first is None or len(targets) < first + 2:
+    name = func.overloadpacket.__name__
+    first = _PRODUCTS.get(name)
+    if first is None:
+        if "scaled_dot_product" not in name or len(targets) < 3:
+            return None
+        backward = name.endswith("_backward")   # (grad_out, query, key, ...)
+        query, key = targets[1 if backward else 0], targets[2 if backward else 1]
+        both = 2 * math.prod(query.local_shape(rank)) * key.shape[-2]   # q k^T, p v
+        return both * 5 // 2 if backward else both
+    if len(targets) < first + 2:
         return None
     a, b = targets[first], targets[first + 1]
     return math.prod(a.local_shape(rank)) * b.local_shape(rank)[-1]
+
+
+def ring_seconds(func, targets: tuple, itemsize: int = 4) -> float:
+    """The hops of ring attention (``rules/ring_attention.py``) when a fused attention
+    kernel's keys are split on the sequence: forward, n - 1 hops of a key and a value
+    block; backward, those and the blocks' gradients (fp32) travelling with them, one
+    hop more to bring the gradients home. 0.0 for any other op or signature.
+
+    >>> ring_seconds(aten._scaled_dot_product_flash_attention_for_cpu.default, (q, k, v))  # doctest: +SKIP
+    0.00061
+    """
+    name = func.overloadpacket.__name__
+    if "scaled_dot_product" not in name or len(targets) < 3:
+        return 0.0
+    backward = name.endswith("_backward")
+    key, value = targets[2:4] if backward else targets[1:3]
+    n = math.prod(key.placement.shape[a] for a, s in enumerate(key.sbp)
+                  if getattr(s, "dim", None) == key.ndim - 2)
+    if n <= 1:
+        return 0.0
+    rates = costs_of(key, value)
+    blocks = max_local_bytes(key, itemsize) + max_local_bytes(value, itemsize)
+    hop = rates.launch + 2 * rates.alpha + rates.p2p_beta * blocks
+    if not backward:
+        return (n - 1) * hop
+    grads = (hop - rates.launch - 2 * rates.alpha) * 4 / itemsize + 2 * rates.alpha
+    return (n - 1) * (hop + grads) + rates.launch + grads
 
 
 @lru_cache(maxsize=None)

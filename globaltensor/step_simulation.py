@@ -231,7 +231,6 @@ class _Costing(modes.Mode):
         return self.below.run(func, decision, leaves, spec, why)
 
     def _count(self, func, decision) -> None:
-        name = func.overloadpacket.__name__
         ins = [t for t in decision.targets if t is not None]
         outs = [t for t in decision.out_layouts if t is not None]
         if not ins + outs or self.rank not in (ins + outs)[0].placement:
@@ -241,11 +240,6 @@ class _Costing(modes.Mode):
         macs = cost.product_macs(func, tuple(ins), here)
         if macs is not None:
             self.macs[dtype] += macs
-        elif "scaled_dot_product" in name and len(ins) >= 3:
-            backward = name.endswith("_backward")   # (grad_out, query, key, ...)
-            q, k = ins[0].local_shape(here), ins[2 if backward else 1].local_shape(here)
-            both = 2 * math.prod(q) * k[-2]           # q @ k^T and p @ v
-            self.macs[dtype] += both * (5 / 2 if backward else 1)
         elif not cost.writes_nothing(func):
             self.other_bytes += dtype.itemsize * sum(math.prod(t.local_shape(here))
                                                      for t in (*ins, *outs))

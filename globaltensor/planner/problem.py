@@ -21,7 +21,7 @@ from operator import itemgetter
 import numpy as np
 
 from ..boxing.plan import forget_searches, route_cost, route_costs
-from ..cost import GLOO, costs_of, max_local_bytes, product_macs, writes_nothing
+from ..cost import GLOO, costs_of, max_local_bytes, product_macs, ring_seconds, writes_nothing
 from ..propagation.decide import Decision, Options, _reduced_scalars
 from ..sbp import Broadcast, Partial
 from . import solve
@@ -170,7 +170,8 @@ def _compute_seconds(func, targets: tuple, outs: tuple) -> float:
     rates = costs_of(*layouts) if layouts else GLOO
     ranks = targets[0].placement.flat_ranks if targets else ()
     if ranks and product_macs(func, targets, ranks[0]) is not None:
-        return rates.mac * max(product_macs(func, targets, r) for r in ranks)
+        return (rates.mac * max(product_macs(func, targets, r) for r in ranks)
+                + ring_seconds(func, targets))
     return rates.element * sum(max_local_bytes(o, 1) for o in outs if o is not None)
 
 

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten
 from .. import comm
 from ..advice import dtensor_operand_error, is_dtensor
 from ..boxing import plan_route
-from ..cost import PARAMETER_WEIGHT
+from ..cost import PARAMETER_WEIGHT, ring_seconds
 from ..layout import Layout
 from ..placement import Placement
 from ..rules.registry import FallbackWarning, lookup, lookup_check
@@ -169,7 +169,8 @@ def _cheapest(call: Call, rule, meta: _MetaRun, gidx: tuple, inplace: bool,
     out_metas = [meta.out_leaves[k] for k in meta.out_tensors]
     best, best_cost = None, None
     for targets, outs in _signatures(call, rule, meta, gidx, inplace, strided_ok):
-        cost = _boxing_cost(current, targets, sizes, weights)
+        cost = _boxing_cost(current, targets, sizes, weights) + ring_seconds(
+            call.func, targets, sizes[0])
         for out, sbp in zip(out_metas, outs):
             cost += _padded_partial_cost(out, placement, sbp, current, targets)
         if best is None or cost < best_cost:

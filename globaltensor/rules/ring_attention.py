@@ -1,0 +1,169 @@
+"""Attention with the sequence split (context parallel), as ring attention: each rank
+keeps its block of queries and passes its block of keys and values around the ranks
+that split the sequence, one hop per step, so no rank ever holds the whole sequence.
+
+Forward: a rank attends its queries to each key/value block as it arrives (the fused
+kernel on the pair of blocks, with its log-sum-exp) and merges the partial results
+by their log-sum-exps (the online softmax). Backward: the same walk with the global
+output and log-sum-exp, which make each block's kernel backward exact: the query
+gradient adds up where it is, and each block's key/value gradient travels with that
+block and arrives home after the last hop. The next block's transfer is posted
+before the current block is computed, so the two overlap.
+
+Causal attention skips the blocks wholly after a rank's queries and runs the kernel's
+own causal mask on the diagonal block (same offsets); any other partial overlap gets
+an explicit mask. An attention mask split on its query rows (a padding mask) is cut
+per key block. Uneven splits are fine: every block's size comes from the layout.
+
+These are the local implementations of the CPU flash kernel and its backward
+(``attention.py`` offers the sequence split for them); with any other signature they
+run the kernel as it is.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from ..sbp import Split
+
+aten = torch.ops.aten
+_FORWARD = aten._scaled_dot_product_flash_attention_for_cpu.default
+_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+SEQ = 2   # (batch, heads, sequence, head dim)
+
+
+def ring_of(layout, rank: int) -> "tuple[list, list] | None":
+    """(the ranks that hold the other blocks of ``layout``'s sequence dim with the same
+    part of every other dim, in sequence order, this rank among them; each one's
+    (start, stop) on the sequence), or None where that dim is not split."""
+    if not any(isinstance(s, Split) and s.dim == SEQ for s in layout.sbp):
+        return None
+    mine = layout.region(rank)
+    ring = []
+    for r in layout.placement.flat_ranks:
+        there = layout.region(r)
+        if there is None or any(there.offsets[d] != mine.offsets[d] or
+                                there.sizes[d] != mine.sizes[d]
+                                for d in range(len(mine.sizes)) if d != SEQ):
+            continue
+        if all((s, z) != (there.offsets[SEQ], there.sizes[SEQ]) for _, (s, z) in ring):
+            ring.append((r, (there.offsets[SEQ], there.sizes[SEQ])))
+    ring.sort(key=lambda item: item[1][0])
+    return [r for r, _ in ring], [(s, s + z) for _, (s, z) in ring]
+
+
+def _block_mask(rows: tuple, cols: tuple, causal: bool, mask, dtype):
+    """(the kernel's is_causal, its attn_mask) for queries ``rows`` against keys
+    ``cols`` (global (start, stop) each), or None where no key is visible. ``mask``:
+    the local rows of the caller's mask, all its columns."""
+    explicit = None if mask is None else mask[..., cols[0]:cols[1]]
+    if not causal:
+        return False, explicit
+    if cols[0] > rows[1] - 1:
+        return None   # every key after every query
+    if cols[1] - 1 <= rows[0]:
+        return False, explicit   # every key at or before every query
+    if rows[0] == cols[0] and explicit is None:
+        return True, None   # the diagonal block: the kernel's mask, top-left aligned
+    i = torch.arange(rows[0], rows[1]).unsqueeze(1)
+    j = torch.arange(cols[0], cols[1]).unsqueeze(0)
+    visible = torch.zeros(i.shape[0], j.shape[1], dtype=dtype).masked_fill_(j > i, float("-inf"))
+    return False, visible if explicit is None else explicit + visible
+
+
+class _Ring:
+    """One rank's walk around its ring: which block it holds at each step, and the
+    transfers that move blocks (and what travels with them) one hop on."""
+
+    def __init__(self, ctx, key_index: int, query_index: int):
+        ranks, self.spans = ring_of(ctx.in_layouts[key_index], ctx.rank)
+        self.n, self.me = len(ranks), ranks.index(ctx.rank)
+        self.next, self.prev = ranks[(self.me + 1) % self.n], ranks[(self.me - 1) % self.n]
+        query = ctx.in_layouts[query_index].region(ctx.rank)
+        self.rows = (query.offsets[SEQ], query.offsets[SEQ] + query.sizes[SEQ])
+
+    def held(self, step: int) -> int:
+        """The block this rank holds at ``step`` (its own at 0)."""
+        return (self.me - step) % self.n
+
+    def pass_on(self, tensors: list, block: int):
+        """Post sending ``tensors`` (of ``block``) on and receiving the previous rank's,
+        of the block before; returns (the receive buffers, the transfer)."""
+        size = self.spans[(block - 1) % self.n]
+        size = size[1] - size[0]
+        recvs = [t.new_empty(t.shape[:SEQ] + (size,) + t.shape[SEQ + 1:]) for t in tensors]
+        work = comm.start_p2p([(t.contiguous(), self.next) for t in tensors],
+                              [(t, self.prev) for t in recvs])
+        return recvs, work
+
+
+def _is_ring(ctx, index: int) -> bool:
+    ring = ring_of(ctx.in_layouts[index], ctx.rank)
+    return ring is not None and len(ring[0]) > 1
+
+
+def flash_forward_local(ctx, query, key, value, dropout_p=0.0, is_causal=False, *,
+                        attn_mask=None, scale=None):
+    """``_scaled_dot_product_flash_attention_for_cpu`` on this rank's parts: the kernel
+    itself, or ring attention where the sequence is split."""
+    if not _is_ring(ctx, 1):
+        return _FORWARD(query, key, value, dropout_p, is_causal, attn_mask=attn_mask,
+                        scale=scale)
+    ring = _Ring(ctx, 1, 0)
+    out = lse = None
+    held = [key, value]
+    for step in range(ring.n):
+        block = ring.held(step)
+        moving = ring.pass_on(held, block) if step < ring.n - 1 else None
+        how = _block_mask(ring.rows, ring.spans[block], is_causal, attn_mask, query.dtype)
+        if how is not None:
+            o, l = _FORWARD(query, held[0], held[1], 0.0, how[0], attn_mask=how[1], scale=scale)
+            if how[1] is not None:   # the kernel gives a row that sees no key lse 0
+                l = l.masked_fill(~(how[1] > float("-inf")).any(-1), float("-inf"))
+            out, lse = _merge(out, lse, o, l)
+        if moving is not None:
+            held, work = moving
+            work.wait()
+    return out.to(query.dtype), lse
+
+
+def _merge(out, lse, o, l):
+    """The online softmax: two partial attentions merged by their log-sum-exps (a row
+    that saw no key has -inf and weighs nothing)."""
+    o = o.float().nan_to_num(0.0)
+    if out is None:
+        return o, l
+    total = torch.logaddexp(lse, l)
+    ahead = torch.exp(lse - total).nan_to_num(0.0).unsqueeze(-1)
+    here = torch.exp(l - total).nan_to_num(0.0).unsqueeze(-1)
+    return out * ahead + o * here, total
+
+
+def flash_backward_local(ctx, grad_out, query, key, value, out, logsumexp, dropout_p,
+                         is_causal, *, attn_mask=None, scale=None):
+    """``_scaled_dot_product_flash_attention_for_cpu_backward`` on this rank's parts:
+    the kernel itself, or ring attention's backward where the sequence is split."""
+    if not _is_ring(ctx, 2):
+        return _BACKWARD(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal,
+                         attn_mask=attn_mask, scale=scale)
+    ring = _Ring(ctx, 2, 1)
+    grad_q = torch.zeros(query.shape, dtype=torch.float32)
+    held = [key, value, torch.zeros(key.shape, dtype=torch.float32),
+            torch.zeros(value.shape, dtype=torch.float32)]
+    for step in range(ring.n):
+        block = ring.held(step)
+        how = _block_mask(ring.rows, ring.spans[block], is_causal, attn_mask, query.dtype)
+        if how is not None:
+            dq, dk, dv = _BACKWARD(grad_out, query, held[0], held[1], out, logsumexp, 0.0,
+                                   how[0], attn_mask=how[1], scale=scale)
+            grad_q += dq
+            held[2] += dk
+            held[3] += dv
+        # the keys and values go on while another rank still needs them; their
+        # gradients go on every time: after the last step, one hop takes them home
+        if step < ring.n - 1:
+            held, work = ring.pass_on(held, block)
+        else:
+            held[2:], work = ring.pass_on(held[2:], block)
+        work.wait()
+    return grad_q.to(query.dtype), held[2].to(key.dtype), held[3].to(value.dtype)

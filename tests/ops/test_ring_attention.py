@@ -1,0 +1,87 @@
+"""Attention with the sequence split (rules/ring_attention.py, issue #48 item 1): q, k
+and v split on the sequence stay split through ``F.scaled_dot_product_attention``,
+computed as ring attention (key/value blocks passed rank to rank, never gathered),
+equal to one process forward and backward; causal, padded, uneven splits, and on a
+2-D placement (data x context, and the sequence split on both axes).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from check_helpers import S, _close, _g, _gen, _line
+from mp import checks_in_worlds
+
+import globaltensor as gt
+from globaltensor.cost import product_macs, ring_seconds
+from globaltensor.layout import Layout
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _against_one_process(shape, causal, mask, placement, sbp, what):
+    gen = _gen(48)
+    q, k, v = (torch.randn(*shape, generator=gen) for _ in range(3))
+    want = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*want, is_causal=causal, attn_mask=mask)
+    grad = torch.randn(ref.shape, generator=gen)
+    ref.backward(grad)
+    ins = [_g(t, sbp, grad=True, placement=placement) for t in (q, k, v)]
+    gmask = None if mask is None else _g(mask, sbp, placement=placement)
+    with gt.debug.comm_stats() as stats:
+        out = F.scaled_dot_product_attention(*ins, is_causal=causal, attn_mask=gmask)
+        out.backward(_g(grad, sbp, placement=placement))
+    assert out.sbp == ins[0].sbp, (what, out.sbp)
+    # never gathered, nor moved to a head split: the blocks go round as messages
+    assert stats.calls["all_gather"] == stats.calls["all_to_all"] == 0, (what, stats)
+    assert stats.calls["send"] > 0, (what, stats)
+    _close(out, ref.detach(), what, **TOL)
+    for name, x, w in zip("qkv", ins, want):
+        _close(x.grad, w.grad, f"{what}: gradient of {name}", **TOL)
+
+
+def check_sequence_split_attention_equals_one_process():
+    n = gt.get_world_size()
+    for length in (4 * n, 4 * n + 3):   # even, and uneven parts
+        for causal in (True, False):
+            _against_one_process((2, 2, length, 8), causal, None, _line(), S(2),
+                                 f"length {length} causal={causal}")
+    length = 3 * n + 1
+    padded = torch.ones(2, 1, length, length, dtype=torch.bool)
+    padded[0, ..., length - 4:] = False   # the first sequence's last 4 keys are padding:
+    # a block of only padding keys on some rank
+    _against_one_process((2, 2, length, 8), False, padded, _line(), S(2), "padding mask")
+    # priced by its hops (per-op choice and the planner), none where nothing is split
+    aten = torch.ops.aten
+    forward = aten._scaled_dot_product_flash_attention_for_cpu.default
+    backward = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    split = Layout.make((2, 4, 64, 16), _line(), (S(2),))
+    whole = Layout.make((2, 4, 64, 16), _line(), (gt.sbp.broadcast,))
+    assert 0.0 < ring_seconds(forward, (split,) * 3) < ring_seconds(backward, (split,) * 6)
+    assert ring_seconds(forward, (whole,) * 3) == 0.0
+    assert product_macs(forward, (split,) * 3, gt.get_rank()) == 2 * 2 * 4 * 64 // n * 64 * 16
+
+
+def check_sequence_split_on_a_2d_placement():
+    grid = gt.placement("cpu", [[0, 1], [2, 3]])
+    for sbp in ((S(0), S(2)), (S(2), S(2))):
+        for causal in (True, False):
+            _against_one_process((2, 2, 10, 8), causal, None, grid, sbp,
+                                 f"2x2 {sbp} causal={causal}")
+
+
+CHECKS = ["check_sequence_split_attention_equals_one_process"]
+test_world2, test_world4 = checks_in_worlds(__name__, CHECKS,
+                                            only_in_4=["check_sequence_split_on_a_2d_placement"])
+
+
+def test_ring_attention_is_priced_by_its_hops_and_its_whole_key_sequence():
+    """Per-op choice and the planner see a ring's messages, and a rank's queries
+    meeting every key (not only its block)."""
+    aten = torch.ops.aten
+    forward = aten._scaled_dot_product_flash_attention_for_cpu.default
+    backward = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    line = gt.placement("cpu", [0])
+    one = Layout.make((2, 4, 64, 16), line, (S(2),))   # a ring of one rank: no hops
+    assert ring_seconds(forward, (one,) * 3) == 0.0
+    assert product_macs(forward, (one,) * 3, 0) == 2 * 2 * 4 * 64 * 64 * 16
+    assert product_macs(backward, (one,) * 6, 0) == 5 * 2 * 4 * 64 * 64 * 16
