@@ -69,7 +69,37 @@ def check_sequence_split_on_a_2d_placement():
                                  f"2x2 {sbp} causal={causal}")
 
 
-CHECKS = ["check_sequence_split_attention_equals_one_process"]
+def _example():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "examples" / "long_context.py"
+    spec = importlib.util.spec_from_file_location("long_context", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_long_context_example_trains_equal_and_keeps_its_share():
+    """examples/long_context.py: a GPT with its sequence split trains equal to one
+    process, no collective gathers the sequence, and what a rank keeps for backward
+    grows with the sequence / the ranks."""
+    import copy
+    ex, n, seq = _example(), gt.get_world_size(), 8 * gt.get_world_size()
+    torch.manual_seed(0)
+    initial = ex.GPT(2 * seq)
+    plain, model = copy.deepcopy(initial), gt.nn.to_global(copy.deepcopy(initial), _line(),
+                                                           gt.sbp.broadcast)
+    with gt.debug.comm_stats() as stats:
+        losses = ex.train(model, seq, 2, _line())
+    assert stats.calls["all_gather"] == stats.calls["all_to_all"] == 0, stats
+    _close(torch.tensor(losses), torch.tensor(ex.train(plain, seq, 2)), "losses", **TOL)
+    one = ex.kept_for_backward(plain, 2 * seq) - ex.kept_for_backward(plain, seq)
+    mine = ex.kept_for_backward(model, 2 * seq, _line()) - ex.kept_for_backward(model, seq, _line())
+    assert 0.9 / n < mine / one < 1.1 / n, (mine, one)
+
+
+CHECKS = ["check_sequence_split_attention_equals_one_process",
+          "check_long_context_example_trains_equal_and_keeps_its_share"]
 test_world2, test_world4 = checks_in_worlds(__name__, CHECKS,
                                             only_in_4=["check_sequence_split_on_a_2d_placement"])
 
