@@ -34,52 +34,63 @@ SEQ = 2   # (batch, heads, sequence, head dim)
 
 def ring_of(layout, rank: int) -> "tuple[list, list] | None":
     """(the ranks that hold the other blocks of ``layout``'s sequence dim with the same
-    part of every other dim, in sequence order, this rank among them; each one's
+    part of every other dim: those that differ from this rank only on the placement
+    axes splitting the sequence, in sequence order, this rank among them; each one's
     (start, stop) on the sequence), or None where that dim is not split."""
-    if not any(isinstance(s, Split) and s.dim == SEQ for s in layout.sbp):
+    axes = [a for a, s in enumerate(layout.sbp) if isinstance(s, Split) and s.dim == SEQ]
+    if not axes:
         return None
-    mine = layout.region(rank)
+    placement, mine = layout.placement, layout.placement.coord(rank)
     ring = []
-    for r in layout.placement.flat_ranks:
-        there = layout.region(r)
-        if there is None or any(there.offsets[d] != mine.offsets[d] or
-                                there.sizes[d] != mine.sizes[d]
-                                for d in range(len(mine.sizes)) if d != SEQ):
-            continue
-        if all((s, z) != (there.offsets[SEQ], there.sizes[SEQ]) for _, (s, z) in ring):
-            ring.append((r, (there.offsets[SEQ], there.sizes[SEQ])))
-    ring.sort(key=lambda item: item[1][0])
-    return [r for r, _ in ring], [(s, s + z) for _, (s, z) in ring]
+    for r in placement.flat_ranks:
+        there = placement.coord(r)
+        if all(there[a] == mine[a] for a in range(placement.ndim) if a not in axes):
+            region = layout.region(r)
+            start = region.offsets[SEQ]
+            ring.append((start, tuple(there[a] for a in axes), r, start + region.sizes[SEQ]))
+    ring.sort()
+    return [r for _, _, r, _ in ring], [(start, stop) for start, _, _, stop in ring]
 
 
-def _block_mask(rows: tuple, cols: tuple, causal: bool, mask, dtype):
+def _block_mask(rows: tuple, cols: tuple, causal: bool, mask, dtype, documents=None):
     """(the kernel's is_causal, its attn_mask) for queries ``rows`` against keys
     ``cols`` (global (start, stop) each), or None where no key is visible. ``mask``:
-    the local rows of the caller's mask, all its columns."""
-    explicit = None if mask is None else mask[..., cols[0]:cols[1]]
-    if not causal:
-        return False, explicit
-    if cols[0] > rows[1] - 1:
+    the local rows of the caller's mask, all its columns; ``documents``: each
+    position's document number (packed sequences: no query sees another document)."""
+    if causal and cols[0] > rows[1] - 1:
         return None   # every key after every query
-    if cols[1] - 1 <= rows[0]:
-        return False, explicit   # every key at or before every query
-    if rows[0] == cols[0] and explicit is None:
-        return True, None   # the diagonal block: the kernel's mask, top-left aligned
+    if documents is not None and (documents[cols[1] - 1] < documents[rows[0]] or
+                                  documents[cols[0]] > documents[rows[1] - 1]):
+        return None   # (numbers rise along the sequence) no document in common
+    explicit = None if mask is None else mask[..., cols[0]:cols[1]]
     i = torch.arange(rows[0], rows[1]).unsqueeze(1)
     j = torch.arange(cols[0], cols[1]).unsqueeze(0)
-    visible = torch.zeros(i.shape[0], j.shape[1], dtype=dtype).masked_fill_(j > i, float("-inf"))
+    hidden = None
+    if documents is not None:
+        hidden = documents[i] != documents[j]
+    if causal and cols[1] - 1 > rows[0]:   # some key after some query
+        if rows[0] == cols[0] and explicit is None and hidden is None:
+            return True, None   # the diagonal block: the kernel's mask, top-left aligned
+        hidden = (j > i) if hidden is None else hidden | (j > i)
+    if hidden is None:
+        return False, explicit
+    visible = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))
     return False, visible if explicit is None else explicit + visible
 
 
 class _Ring:
     """One rank's walk around its ring: which block it holds at each step, and the
-    transfers that move blocks (and what travels with them) one hop on."""
+    transfers that move blocks (and what travels with them) one hop on. Not split
+    (or on one rank): a ring of one, whose one step is the whole attention."""
 
-    def __init__(self, ctx, key_index: int, query_index: int):
-        ranks, self.spans = ring_of(ctx.in_layouts[key_index], ctx.rank)
-        self.n, self.me = len(ranks), ranks.index(ctx.rank)
+    def __init__(self, query_layout, key_layout, rank: int):
+        found = ring_of(key_layout, rank)
+        if found is None:
+            found = [rank], [(0, key_layout.shape[SEQ])]
+        ranks, self.spans = found
+        self.n, self.me = len(ranks), ranks.index(rank)
         self.next, self.prev = ranks[(self.me + 1) % self.n], ranks[(self.me - 1) % self.n]
-        query = ctx.in_layouts[query_index].region(ctx.rank)
+        query = query_layout.region(rank)
         self.rows = (query.offsets[SEQ], query.offsets[SEQ] + query.sizes[SEQ])
 
     def held(self, step: int) -> int:
@@ -107,15 +118,32 @@ def flash_forward_local(ctx, query, key, value, dropout_p=0.0, is_causal=False, 
     """``_scaled_dot_product_flash_attention_for_cpu`` on this rank's parts: the kernel
     itself, or ring attention where the sequence is split."""
     if not _is_ring(ctx, 1):
+        if not query.numel() or not key.numel():   # an empty part (the kernel would trap)
+            return _empty_forward(query, value)
         return _FORWARD(query, key, value, dropout_p, is_causal, attn_mask=attn_mask,
                         scale=scale)
-    ring = _Ring(ctx, 1, 0)
+    ring = _Ring(ctx.in_layouts[0], ctx.in_layouts[1], ctx.rank)
+    return ring_forward(ring, query, key, value, is_causal, attn_mask, scale)
+
+
+def _empty_forward(query, value) -> tuple:
+    """The kernel's (output, log-sum-exp) for no queries or no keys: the CPU kernel
+    traps (SIGFPE) on a part with no heads, which an uneven head split gives a rank."""
+    return (torch.zeros(query.shape[:-1] + value.shape[-1:], dtype=query.dtype),
+            torch.full(query.shape[:-1], float("-inf")))
+
+
+def ring_forward(ring: _Ring, query, key, value, causal: bool, mask, scale, documents=None):
+    """(output, log-sum-exp) of this rank's queries against every key block."""
+    if not query.numel() and ring.n == 1:
+        return _empty_forward(query, value)
     out = lse = None
     held = [key, value]
     for step in range(ring.n):
         block = ring.held(step)
         moving = ring.pass_on(held, block) if step < ring.n - 1 else None
-        how = _block_mask(ring.rows, ring.spans[block], is_causal, attn_mask, query.dtype)
+        how = None if not (query.numel() and held[0].numel()) else _block_mask(
+            ring.rows, ring.spans[block], causal, mask, query.dtype, documents)
         if how is not None:
             o, l = _FORWARD(query, held[0], held[1], 0.0, how[0], attn_mask=how[1], scale=scale)
             if how[1] is not None:   # the kernel gives a row that sees no key lse 0
@@ -124,6 +152,9 @@ def flash_forward_local(ctx, query, key, value, dropout_p=0.0, is_causal=False, 
         if moving is not None:
             held, work = moving
             work.wait()
+    if out is None:   # no key visible at all (only where the caller's mask hides all)
+        out = torch.zeros(query.shape[:-1] + value.shape[-1:])
+        lse = torch.full(query.shape[:-1], float("-inf"))
     return out.to(query.dtype), lse
 
 
@@ -144,21 +175,33 @@ def flash_backward_local(ctx, grad_out, query, key, value, out, logsumexp, dropo
     """``_scaled_dot_product_flash_attention_for_cpu_backward`` on this rank's parts:
     the kernel itself, or ring attention's backward where the sequence is split."""
     if not _is_ring(ctx, 2):
+        if not query.numel() or not key.numel():   # an empty part (the kernel would trap)
+            return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
         return _BACKWARD(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal,
                          attn_mask=attn_mask, scale=scale)
-    ring = _Ring(ctx, 2, 1)
+    ring = _Ring(ctx.in_layouts[1], ctx.in_layouts[2], ctx.rank)
+    return ring_backward(ring, grad_out, query, key, value, out, logsumexp, is_causal,
+                         attn_mask, scale)
+
+
+def ring_backward(ring: _Ring, grad_out, query, key, value, out, logsumexp, causal: bool,
+                  mask, scale, documents=None):
+    """(query, key, value gradients) of this rank's parts: the ring walked again."""
     grad_q = torch.zeros(query.shape, dtype=torch.float32)
     held = [key, value, torch.zeros(key.shape, dtype=torch.float32),
             torch.zeros(value.shape, dtype=torch.float32)]
     for step in range(ring.n):
         block = ring.held(step)
-        how = _block_mask(ring.rows, ring.spans[block], is_causal, attn_mask, query.dtype)
+        how = None if not (query.numel() and held[0].numel()) else _block_mask(
+            ring.rows, ring.spans[block], causal, mask, query.dtype, documents)
         if how is not None:
             dq, dk, dv = _BACKWARD(grad_out, query, held[0], held[1], out, logsumexp, 0.0,
                                    how[0], attn_mask=how[1], scale=scale)
             grad_q += dq
             held[2] += dk
             held[3] += dv
+        if ring.n == 1:
+            break
         # the keys and values go on while another rank still needs them; their
         # gradients go on every time: after the last step, one hop takes them home
         if step < ring.n - 1:

@@ -69,6 +69,63 @@ def check_sequence_split_on_a_2d_placement():
                                  f"2x2 {sbp} causal={causal}")
 
 
+def _packed_reference(q, k, v, offsets, causal):
+    """One process: ``F.scaled_dot_product_attention`` with the block-diagonal mask."""
+    length = q.shape[2]
+    doc = torch.searchsorted(torch.tensor(offsets), torch.arange(length), right=True)
+    mask = doc[:, None] == doc[None, :]
+    if causal:
+        mask &= torch.ones(length, length, dtype=torch.bool).tril()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def check_packed_documents_never_attend_across():
+    n = gt.get_world_size()
+    length = 5 * n + 3   # uneven parts; documents that straddle them
+    offsets = [0, 3, 4, 11, length]
+    gen = _gen(49)
+    q, k, v = (torch.randn(2, 2, length, 8, generator=gen) for _ in range(3))
+    grad = torch.randn(2, 2, length, 8, generator=gen)
+    for causal in (True, False):
+        want = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = _packed_reference(*want, offsets, causal)
+        ref.backward(grad)
+        for sbp in (S(2), S(0), S(1)):   # the ring, and batch or head splits (no ring)
+            ins = [_g(t, sbp, grad=True) for t in (q, k, v)]
+            with gt.debug.comm_stats() as stats:
+                out = gt.nn.packed_attention(*ins, offsets, is_causal=causal)
+                out.backward(_g(grad, sbp))
+            what = f"packed {sbp} causal={causal}"
+            assert out.sbp == (sbp,) and stats.calls["all_gather"] == 0, (what, stats)
+            _close(out, ref.detach(), what, **TOL)
+            for name, x, w in zip("qkv", ins, want):
+                _close(x.grad, w.grad, f"{what}: gradient of {name}", **TOL)
+    # a sequence shorter than the ring: the last rank holds no part, and passes on
+    short = [t[:, :, :n - 1].clone().requires_grad_() for t in (q, k, v)]
+    ins = [_g(t.detach(), S(2), grad=True) for t in short]
+    out = gt.nn.packed_attention(*ins, [0, n - 1])
+    out.sum().backward()
+    ref = _packed_reference(*short, [0, n - 1], True)
+    ref.sum().backward()
+    _close(out, ref.detach(), "a rank with no part", **TOL)
+    _close(ins[1].grad, short[1].grad, "a rank with no part: gradient of k", **TOL)
+
+
+def test_packed_attention_in_one_process_and_its_bad_offsets():
+    import pytest
+    gen = _gen(50)
+    q, k, v = (torch.randn(1, 2, 12, 4, generator=gen, requires_grad=True) for _ in range(3))
+    out = gt.nn.packed_attention(q, k, v, [0, 5, 12])
+    torch.testing.assert_close(out, _packed_reference(q, k, v, [0, 5, 12], True), **TOL)
+    out.sum().backward()
+    assert q.grad is not None and k.grad.abs().sum() > 0
+    for bad in ([0, 5], [1, 12], [0, 7, 7, 12], [0, 13]):
+        with pytest.raises(ValueError, match="offsets must rise from 0 to the sequence length 12"):
+            gt.nn.packed_attention(q, k, v, bad)
+    with pytest.raises(ValueError, match="must be .batch, heads, sequence, head dim. alike"):
+        gt.nn.packed_attention(q, k[:, :, :6], v, [0, 12])
+
+
 def _example():
     import importlib.util
     from pathlib import Path
@@ -99,6 +156,7 @@ def check_long_context_example_trains_equal_and_keeps_its_share():
 
 
 CHECKS = ["check_sequence_split_attention_equals_one_process",
+          "check_packed_documents_never_attend_across",
           "check_long_context_example_trains_equal_and_keeps_its_share"]
 test_world2, test_world4 = checks_in_worlds(__name__, CHECKS,
                                             only_in_4=["check_sequence_split_on_a_2d_placement"])
