@@ -7,7 +7,10 @@ the rest broadcast, inputs broadcast), and fully sharded (parameters split(0), g
 where used, so ZeRO-3; inputs split on the batch); on a 2-D placement data parallel and
 fully sharded span both axes, and two hybrids take the outer axis for the batch (data x
 tensor parallel) or for ZeRO-3 (fully sharded x tensor parallel) and the inner axis for
-Megatron's layout. Each candidate that fits the memory
+Megatron's layout. A sequence model (an attention module, or token ids for inputs) also
+gets the sequence split on the (inner) axis, parameters broadcast: context parallel
+(data x context on 2-D; attention then runs as ring attention). Each candidate that
+fits the memory
 budget (parameters, gradients and two optimizer moments per rank) runs a few training
 steps on the example inputs, whose activation layouts the whole-step planner chooses
 (planner/record.py); the timed ones in turns with the others and with the ranks meeting
@@ -165,7 +168,9 @@ def _candidates(model, placement: Placement, inputs: tuple) -> dict:
     part: data parallel and fully sharded over both axes, and the hybrids of the outer
     axis's batch split with the inner axis's tensor parallelism (data x tensor) or of
     ZeRO-3 on the outer axis with tensor parallelism on the inner (torchtitan's FSDP +
-    TP). Each is {name: sbp per axis} with the batch inputs' sbp."""
+    TP). A sequence model (``_sequence_model``) also gets context parallel on the inner
+    axis (data x context on 2-D). Each is {name: sbp per axis} with the batch inputs'
+    sbp."""
     named = list(_named_tensors(model))
     rows, cols = _megatron_pairs(model)
 
@@ -182,6 +187,8 @@ def _candidates(model, placement: Placement, inputs: tuple) -> dict:
                 if module in rows and name.endswith("weight"):
                     return split(1)
             return broadcast
+        if kind == "context":   # the sequence (dim 1 of a batch input) split
+            return param, lambda x: split(1) if x.dim() >= 2 else broadcast
         batch = lambda x: broadcast if kind in ("tensor", "replicated") else split(0)
         return param, batch
 
@@ -196,6 +203,9 @@ def _candidates(model, placement: Placement, inputs: tuple) -> dict:
         rest = ("replicated",) * (placement.ndim - 1)
         combos = {"data parallel": ("data",) + rest, "tensor parallel": ("tensor",) + rest,
                   "fully sharded": ("sharded",) + rest}
+    if placement.ndim <= 2 and _sequence_model(model, inputs, placement.shape[-1]):
+        combos[("data x " if placement.ndim == 2 else "") + "context parallel"] = \
+            ("data",) * (placement.ndim - 1) + ("context",)
     plans = {}
     for strategy, kinds in combos.items():
         if "tensor" in kinds and not (rows or cols):
@@ -208,17 +218,30 @@ def _candidates(model, placement: Placement, inputs: tuple) -> dict:
 
 
 def _batch_sbp(x, per_axis: list, placement: Placement) -> tuple:
-    """A batch input's sbp: split(0) on the axes that split the batch, while its batch
-    still divides among them (else broadcast there)."""
-    sbp, ranks = [], 1
+    """A batch input's sbp: split(0) on the axes that split the batch (split(1) on an
+    axis that splits the sequence), while that dim still divides among them (else
+    broadcast there)."""
+    sbp, ranks = [], {}
     for batch, size in zip(per_axis, placement.shape):
         s = batch(x)
-        if isinstance(s, Split) and x.dim() and x.shape[0] >= ranks * size:
-            ranks *= size
+        if isinstance(s, Split) and x.dim() > s.dim and \
+                x.shape[s.dim] >= ranks.get(s.dim, 1) * size:
+            ranks[s.dim] = ranks.get(s.dim, 1) * size
             sbp.append(s)
         else:
             sbp.append(broadcast)
     return tuple(sbp)
+
+
+def _sequence_model(model, inputs: tuple, ranks: int) -> bool:
+    """Whether to offer the sequence split (context parallel): the model has an
+    attention module, or takes token ids (integers, batch x sequence), and the
+    sequence has a position for every rank."""
+    tokens = [x for x in inputs if isinstance(x, torch.Tensor) and x.dim() >= 2]
+    if not tokens or min(x.shape[1] for x in tokens) < ranks:
+        return False
+    return any(not x.is_floating_point() for x in tokens) or any(
+        "attention" in type(m).__name__.lower() for m in model.modules())
 
 
 def _megatron_pairs(model) -> tuple[set, set]:

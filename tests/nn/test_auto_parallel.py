@@ -182,6 +182,60 @@ def check_two_d_placements_offer_hybrids_that_train_equal():
     #                all four on 4 oversubscribed ranks costs 10 s of the suite)
 
 
+def check_sequence_models_get_a_context_parallel_candidate():
+    # A model with attention that takes token ids gets the sequence split (inputs
+    # split(1), parameters broadcast: context parallel; data x context on 2-D), which
+    # trains equal to one process, the sequence never gathered; an MLP on features
+    # gets none
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    import globaltensor as gt
+    from globaltensor.nn.auto import _candidates
+    from globaltensor.planner import record as step
+    B, S0, S1 = gt.sbp.broadcast, gt.sbp.split(0), gt.sbp.split(1)
+    n = gt.get_world_size()
+
+    class SelfAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.qkv = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 48)
+            self.head = torch.nn.Linear(16, 32)
+
+        def forward(self, ids):
+            b, t = ids.shape
+            q, k, v = self.qkv(self.embed(ids)).view(b, t, 3, 2, 8).unbind(2)
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                 v.transpose(1, 2), is_causal=True)
+            return self.head(out.transpose(1, 2).reshape(b, t, 16))
+    torch.manual_seed(0)
+    plain = SelfAttention()
+    ids = torch.randint(0, 32, (2, 4 * n + 1), generator=torch.Generator().manual_seed(1))
+    ref = plain(ids)
+    ref.square().mean().backward()
+    for P, name, sbp in ((gt.placement.all("cpu"), "context parallel", (S1,)),
+                         (gt.placement("cpu", [list(range(n))]), "data x context parallel",
+                          (S0, S1))):
+        x = gt.tensor(ids, placement=P, sbp=(B,) * P.ndim)
+        plan = _candidates(plain, P, (x,))[name]
+        assert plan.inputs == (sbp,), plan
+        model = plan.apply(copy.deepcopy(plain))
+        with gt.debug.comm_stats() as stats:
+            out = model(x.to_global(sbp=plan.inputs[0]))
+            out.square().mean().backward()
+        torch.testing.assert_close(out.full(), ref.detach(), rtol=1e-5, atol=1e-6, msg=name)
+        for (k, p), q in zip(model.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad.full(), q.grad, rtol=1e-5, atol=1e-6,
+                                       msg=f"{name}: {k}")
+        # never gathered: ring attention, or all-to-all to a head split
+        assert stats.calls["all_gather"] == 0, (name, stats)
+    assert not any("context" in k for k in _candidates(_mlp(), gt.placement.all("cpu"),
+                                                          (_inputs(),)))
+    step.clear()
+
+
 def check_close_candidates_take_more_turns_and_every_step_starts_together():
     """Candidates within CLOSE of the fastest are timed again, turn by turn, up to
     MAX_TIMED_STEPS; a slow one is not. Rank 1 takes longer on every step: the slowest
@@ -248,6 +302,7 @@ CHECKS = ["check_auto_parallel_chooses_measured_layouts_and_trains_equal",
           "check_a_candidate_that_fails_is_skipped_with_a_warning_naming_it",
           "check_memory_budget_rules_out_data_parallel_or_raises",
           "check_plan_edits_saves_loads_and_applies",
+          "check_sequence_models_get_a_context_parallel_candidate",
           "check_close_candidates_take_more_turns_and_every_step_starts_together"]
 
 test_world2 = world_test(__name__, 2, CHECKS)
