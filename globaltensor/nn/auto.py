@@ -9,7 +9,9 @@ fully sharded span both axes, and two hybrids take the outer axis for the batch 
 tensor parallel) or for ZeRO-3 (fully sharded x tensor parallel) and the inner axis for
 Megatron's layout. A sequence model (an attention module, or token ids for inputs) also
 gets the sequence split on the (inner) axis, parameters broadcast: context parallel
-(data x context on 2-D; attention then runs as ring attention). Each candidate that
+(data x context on 2-D; attention then runs as ring attention); a model with
+``gt.nn.MoE`` layers gets expert parallel (data parallel with the experts split). Each
+candidate that
 fits the memory
 budget (parameters, gradients and two optimizer moments per rank) runs a few training
 steps on the example inputs, whose activation layouts the whole-step planner chooses
@@ -169,14 +171,17 @@ def _candidates(model, placement: Placement, inputs: tuple) -> dict:
     axis's batch split with the inner axis's tensor parallelism (data x tensor) or of
     ZeRO-3 on the outer axis with tensor parallelism on the inner (torchtitan's FSDP +
     TP). A sequence model (``_sequence_model``) also gets context parallel on the inner
-    axis (data x context on 2-D). Each is {name: sbp per axis} with the batch inputs'
-    sbp."""
+    axis (data x context on 2-D), one with ``gt.nn.MoE`` layers expert parallel. Each is
+    {name: sbp per axis} with the batch inputs' sbp."""
     named = list(_named_tensors(model))
     rows, cols = _megatron_pairs(model)
+    experts = _expert_weights(model, placement)
 
     def per_axis(kind: str, size: int):
         """(parameter sbp of name and tensor, batch input sbp) for one placement axis."""
         def param(name, t):
+            if kind == "expert":
+                return split(0) if name in experts else broadcast
             if kind == "sharded":
                 return split(0) if isinstance(t, torch.nn.Parameter) and t.dim() \
                     and t.shape[0] >= size else broadcast
@@ -203,6 +208,8 @@ def _candidates(model, placement: Placement, inputs: tuple) -> dict:
         rest = ("replicated",) * (placement.ndim - 1)
         combos = {"data parallel": ("data",) + rest, "tensor parallel": ("tensor",) + rest,
                   "fully sharded": ("sharded",) + rest}
+    if experts:   # data parallel with every MoE's experts split on the (only) axis
+        combos["expert parallel"] = ("expert",)
     if placement.ndim <= 2 and _sequence_model(model, inputs, placement.shape[-1]):
         combos[("data x " if placement.ndim == 2 else "") + "context parallel"] = \
             ("data",) * (placement.ndim - 1) + ("context",)
@@ -231,6 +238,16 @@ def _batch_sbp(x, per_axis: list, placement: Placement) -> tuple:
         else:
             sbp.append(broadcast)
     return tuple(sbp)
+
+
+def _expert_weights(model, placement: Placement) -> set:
+    """Names of the expert weights of every ``gt.nn.MoE`` in ``model`` whose experts
+    divide over a 1-D ``placement`` (empty otherwise): split(0) in expert parallel."""
+    from .moe import MoE
+    if placement.ndim != 1:
+        return set()
+    return {f"{prefix}.{w}".lstrip(".") for prefix, m in model.named_modules()
+            if isinstance(m, MoE) and m.experts % placement.size == 0 for w in ("w1", "w2")}
 
 
 def _sequence_model(model, inputs: tuple, ranks: int) -> bool:

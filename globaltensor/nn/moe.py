@@ -91,10 +91,18 @@ class MoE(torch.nn.Module):
         self.w1 = torch.nn.Parameter(torch.empty(experts, dim, hidden))
         self.w2 = torch.nn.Parameter(torch.empty(experts, hidden, dim))
         self.reset_parameters()
-        self.aux_loss: torch.Tensor | None = None
+        self._last = _LastForward()
         self.last_dropped = 0
         if placement is not None:
             to_global(self, placement, MoE.expert_sbp(self))
+
+    @property
+    def aux_loss(self) -> "torch.Tensor | None":
+        """The load-balancing loss of the last forward (None before one).
+
+        >>> layer(x); loss = loss + 0.01 * layer.aux_loss    # doctest: +SKIP
+        """
+        return self._last.aux_loss
 
     def reset_parameters(self) -> None:
         """Each expert as ``nn.Linear`` initialises its weights (uniform, +-1/sqrt(fan
@@ -248,7 +256,20 @@ class MoE(torch.nn.Module):
         if is_global:
             share = global_tensor(share, placement=probs.placement, sbp=broadcast)
         mean_prob_times_f = (probs * share).sum() / max(tokens, 1)
-        self.aux_loss = mean_prob_times_f * self.experts
+        self._last.aux_loss = mean_prob_times_f * self.experts
+
+
+class _LastForward:
+    """What the last forward left for the caller (its aux loss, a tensor in that
+    forward's graph). A copy of the layer starts without it: ``copy.deepcopy`` refuses
+    tensors that are not graph leaves, and models are copied (``auto_parallel`` tries
+    candidates on copies)."""
+
+    def __init__(self):
+        self.aux_loss = None
+
+    def __deepcopy__(self, memo) -> "_LastForward":
+        return _LastForward()
 
 
 def _gather_counts(counts: list, ranks: tuple, me: int) -> list:

@@ -236,6 +236,34 @@ def check_sequence_models_get_a_context_parallel_candidate():
     step.clear()
 
 
+def check_moe_models_get_an_expert_parallel_candidate():
+    # A model with gt.nn.MoE layers gets expert parallel: data parallel with the
+    # experts split(0); it trains equal to one process
+    import copy
+
+    import torch
+
+    import globaltensor as gt
+    from globaltensor.nn.auto import _candidates
+    S0 = gt.sbp.split(0)
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 8), gt.nn.MoE(8, 16, experts=4))
+    P = gt.placement.all("cpu")
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    ref = plain(x)
+    ref.square().mean().backward()
+    plan = _candidates(plain, P, (gt.tensor(x, placement=P, sbp=gt.sbp.broadcast),))[
+        "expert parallel"]
+    assert plan["1.w1"] == plan["1.w2"] == (S0,) and plan["0.weight"] == (gt.sbp.broadcast,)
+    assert plan.inputs == ((S0,),)
+    model = plan.apply(copy.deepcopy(plain))
+    out = model(gt.tensor(x, placement=P, sbp=S0))
+    out.square().mean().backward()
+    torch.testing.assert_close(out.full(), ref.detach(), rtol=1e-5, atol=1e-6)
+    for (k, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad.full(), q.grad, rtol=1e-5, atol=1e-6, msg=k)
+
+
 def check_close_candidates_take_more_turns_and_every_step_starts_together():
     """Candidates within CLOSE of the fastest are timed again, turn by turn, up to
     MAX_TIMED_STEPS; a slow one is not. Rank 1 takes longer on every step: the slowest
@@ -303,6 +331,7 @@ CHECKS = ["check_auto_parallel_chooses_measured_layouts_and_trains_equal",
           "check_memory_budget_rules_out_data_parallel_or_raises",
           "check_plan_edits_saves_loads_and_applies",
           "check_sequence_models_get_a_context_parallel_candidate",
+          "check_moe_models_get_an_expert_parallel_candidate",
           "check_close_candidates_take_more_turns_and_every_step_starts_together"]
 
 test_world2 = world_test(__name__, 2, CHECKS)
