@@ -1,0 +1,126 @@
+"""Long sequences and mixtures of experts as layouts, against one process: a training
+step of ``examples/long_context.py``'s GPT with its sequence split (ring attention), and
+of ``examples/moe.py``'s MoE GPT with its experts split, side by side with the same
+step on one process's whole tensors.
+
+    python benchmarks/long_context.py                  # 2 processes, sequences 2048 and 8192
+    python benchmarks/long_context.py --nproc 4 --seqs 2048,8192
+
+Each round times every row on every rank in a shuffled order (the one-process rows run
+on each rank alone, one thread each, as the split rows do); medians of the slowest
+rank. "kept MiB": what one forward keeps for backward on a rank (each storage once),
+the memory that grows with the sequence. DTensor's context parallel
+(``torch.distributed.tensor.experimental.context_parallel``) patches only the CUDA
+attention kernels, so it has no row on CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+from _common import round_robin_median
+
+from globaltensor.testing import spawn
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--seqs", default="2048,8192", help="sequence lengths of the GPT rows")
+    ap.add_argument("--moe-tokens", type=int, default=4096, help="tokens per rank, MoE rows")
+    ap.add_argument("--iters", type=int, default=7)
+    return ap
+
+
+def _example(name: str):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _gpt_rows(seq: int, P, iters: int) -> tuple:
+    import globaltensor as gt
+    ex = _example("long_context")
+    torch.manual_seed(0)
+    plain = ex.GPT(seq)
+    split = gt.nn.to_global(copy.deepcopy(plain), P, gt.sbp.broadcast)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (plain, split)]
+    ids, targets = ex.batch(seq, 0)
+    whole = (ids, targets)
+    parts = tuple(gt.tensor(t, placement=P, sbp=gt.sbp.split(1)) for t in whole)
+
+    def step(model, opt, batch):
+        def run():
+            ex.loss_of(model, *batch).backward()
+            opt.step()
+            opt.zero_grad()
+        return run
+    times = round_robin_median([step(plain, opts[0], whole), step(split, opts[1], parts)],
+                               iters, warmup=2)
+    kept = (ex.kept_for_backward(plain, seq), ex.kept_for_backward(split, seq, P))
+    return times, kept
+
+
+def _moe_rows(tokens: int, P, iters: int) -> tuple:
+    import torch.nn.functional as F
+
+    import globaltensor as gt
+    ex = _example("moe")
+    n = P.size
+    torch.manual_seed(0)
+    plain = ex.GPT()
+    split = gt.nn.to_global(copy.deepcopy(plain), P, gt.nn.MoE.expert_sbp(plain))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (plain, split)]
+    rows = max(n, tokens * n // ex.SEQ)
+    ids = torch.randint(0, ex.VOCAB, (rows, ex.SEQ + 1), generator=torch.Generator().manual_seed(1))
+    whole = (ids[:, :-1], ids[:, 1:])
+    parts = tuple(gt.tensor(t, placement=P, sbp=gt.sbp.split(0)) for t in whole)
+    mine = tuple(t.tensor_split(n)[gt.get_rank()] for t in whole)   # one rank's share
+
+    def step(model, opt, batch):
+        def run():
+            x, y = batch
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) + ex.AUX * model.aux_loss()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return run
+    return round_robin_median([step(plain, opts[0], whole), step(split, opts[1], parts),
+                               step(plain, opts[0], mine)], iters, warmup=2), rows * ex.SEQ
+
+
+def main(argv=None) -> None:
+    args = _parser().parse_args(argv)
+    import globaltensor as gt
+    gt.init()
+    torch.set_num_threads(1)
+    n, P = gt.get_world_size(), gt.placement.all("cpu")
+    lines = [f"{n} processes, one thread each; ms per training step (AdamW), medians of "
+             f"{args.iters} rounds, slowest rank",
+             f"{'row':<34}{'one process':>12}{'split':>9}{'ratio':>7}{'kept MiB 1':>11}"
+             f"{'per rank':>9}", "-" * 82]
+    for seq in (int(s) for s in args.seqs.split(",")):
+        (one, split), (kept_one, kept) = _gpt_rows(seq, P, args.iters)
+        lines.append(f"{f'GPT sequence {seq}, split on {n} ranks':<34}{one * 1e3:>12.1f}"
+                     f"{split * 1e3:>9.1f}{split / one:>7.2f}{kept_one / 2**20:>11.2f}"
+                     f"{kept / 2**20:>9.2f}")
+    (whole, split, share), tokens = _moe_rows(args.moe_tokens, P, args.iters)
+    lines.append(f"{f'MoE GPT {tokens} tokens, experts split':<34}{whole * 1e3:>12.1f}"
+                 f"{split * 1e3:>9.1f}{split / whole:>7.2f}")
+    lines.append(f"{'  (one process, 1/n of the tokens)':<34}{share * 1e3:>12.1f}")
+    if gt.get_rank() == 0:
+        print("\n".join(lines), flush=True)
+
+
+if __name__ == "__main__":
+    from _docs import docs_section
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    with docs_section("long_context"):   # --write-docs: its table into docs/benchmarks.md
+        spawn(main, _parser().parse_args().nproc)
