@@ -24,9 +24,11 @@ from pathlib import Path
 import torch
 from _common import round_robin_median
 
+from globaltensor.planner.record import RECORD_AT
 from globaltensor.testing import spawn
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+WARMUP = RECORD_AT + 1   # steps before timing: past the one whole-step planning records
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,7 +65,7 @@ def _gpt_rows(seq: int, P, iters: int) -> tuple:
             opt.zero_grad()
         return run
     times = round_robin_median([step(plain, opts[0], whole), step(split, opts[1], parts)],
-                               iters, warmup=2)
+                               iters, warmup=WARMUP)
     kept = (ex.kept_for_backward(plain, seq), ex.kept_for_backward(split, seq, P))
     return times, kept
 
@@ -93,7 +95,7 @@ def _moe_rows(tokens: int, P, iters: int) -> tuple:
             opt.zero_grad()
         return run
     return round_robin_median([step(plain, opts[0], whole), step(split, opts[1], parts),
-                               step(plain, opts[0], mine)], iters, warmup=2), rows * ex.SEQ
+                               step(plain, opts[0], mine)], iters, warmup=WARMUP), rows * ex.SEQ
 
 
 def main(argv=None) -> None:
