@@ -221,7 +221,7 @@ def _warm_up(mode, spec, world, rank, policy, device) -> None:
     allocator's cached blocks, so that the reserved peak starts from the step's own)."""
     import gc
 
-    from globaltensor.nn.heap import release_free_heap
+    from globaltensor.heap import release_free_heap
     tiny = Spec(spec.kind, (64, 64, 64) if spec.kind == "mlp" else (32, 1, 2, 64, 16))
     model, x, y = _build(mode, tiny, *(t.to(device) for t in tiny.batch(2 * world)), rank,
                          world, policy, device)

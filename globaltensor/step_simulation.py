@@ -55,11 +55,10 @@ from typing import Callable
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from . import cost, modes, simulated
+from . import cost, heap, modes, simulated
 from .boxing import plan as plans
 from .comm import stats
 from .comm.stats import CommCounter
-from .nn import heap
 from .placement import Placement
 from .planner import record
 

@@ -279,7 +279,7 @@ def peak_rise():
     """
     import gc
 
-    from .nn.heap import release_free_heap
+    from .heap import release_free_heap
     gc.collect()
     # free heap pages go back to the OS first: in a process that ran other checks, a
     # block could otherwise reuse resident pages and show a rise smaller than it is

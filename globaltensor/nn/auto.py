@@ -45,6 +45,7 @@ from ..placement import Placement, check_placement
 from ..planner.record import RECORD_AT
 from ..sbp import Split, broadcast, partial_max, partial_sum, split
 from ..tensor import GlobalTensor
+from .auto_simulated import propose
 from .module import to_global
 
 __all__ = ["AutoPlan", "auto_parallel", "load_plan"]
@@ -115,8 +116,8 @@ def load_plan(path: str) -> AutoPlan:
 
 
 def auto_parallel(model: torch.nn.Module, placement: Placement, example_inputs: Sequence,
-                  memory_budget: int | None = None,
-                  loss_fn: Callable | None = None) -> AutoPlan:
+                  memory_budget: int | None = None, loss_fn: Callable | None = None,
+                  simulate: Placement | None = None, device="cpu") -> AutoPlan:
     """Choose ``model``'s parameter layouts on ``placement`` (data parallel, Megatron
     tensor parallel, fully sharded, and on 2-D placements their hybrids; see the
     module docstring) by timing a few
@@ -127,12 +128,24 @@ def auto_parallel(model: torch.nn.Module, placement: Placement, example_inputs: 
     it is a scalar, else the mean of its squares). A budget no candidate meets raises
     ValueError with the smallest footprint, before any step runs. Call on every rank.
 
+    ``simulate``: a placement of a world this process does not run (a cluster of 8 to
+    1024 ranks): the candidates are made on it and each training step (forward,
+    backward, AdamW; planned as whole-step planning replays it) is simulated by
+    ``gt.debug.simulate_step`` on ``device`` ("cpu", "h100", "h200" or a profile)
+    instead of timed; the fastest predicted among those whose simulated peak memory
+    fits ``memory_budget`` is returned, not applied (``placement`` is then unused;
+    ``plan.measured`` gives every candidate's predicted step and peak).
+
     >>> plan = gt.nn.auto_parallel(gpt, P, (ids, targets), memory_budget=2**30)  # doctest: +SKIP
+    >>> plan = gt.nn.auto_parallel(gpt, P, (ids, targets),                       # doctest: +SKIP
+    ...                            simulate=gt.placement("cuda", ranks=range(256)), device="h100")
     """
-    check_placement(placement)
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"auto_parallel needs a torch.nn.Module, got {type(model).__name__}")
     example_inputs = tuple(example_inputs)
+    if simulate is not None:
+        return _simulated(model, simulate, example_inputs, memory_budget, loss_fn, device)
+    check_placement(placement)
     plain = copy.deepcopy(model)
     candidates = _candidates(plain, placement, example_inputs)
     footprint = {name: _bytes_per_rank(plain, plan) for name, plan in candidates.items()}
@@ -151,6 +164,22 @@ def auto_parallel(model: torch.nn.Module, placement: Placement, example_inputs: 
     plan.measured = {name: f"{seconds[name] * 1e3:.2f} ms per step, {footprint[name]} "
                      f"bytes per rank" for name in fits}
     plan.apply(model)
+    return plan
+
+
+def _simulated(model, target: Placement, inputs: tuple, memory_budget, loss_fn,
+               device) -> AutoPlan:
+    """``auto_parallel(..., simulate=target)``: the fastest predicted candidate's plan."""
+    if not isinstance(target, Placement):
+        raise TypeError(f"auto_parallel: simulate must be a gt.placement, got "
+                        f"{type(target).__name__}")
+    plain = copy.deepcopy(model)
+    candidates = _candidates(plain, target, inputs)
+    best, reports = propose(plain, candidates, inputs, memory_budget, loss_fn, device)
+    plan = candidates[best]
+    plan.measured = {name: f"predicted {r.seconds * 1e3:.2f} ms per step, peak "
+                     f"{r.peak_memory} bytes per rank on {r.device.name}"
+                     for name, r in reports.items()}
     return plan
 
 

@@ -30,7 +30,7 @@ in ``.grad`` in the parameter's dtype.
 
 On a "cpu" placement every host block of 128 KiB or more is mapped on its own from the
 first ``fully_shard`` on, and the packing buffers MKL keeps after a large product are
-freed where each unit starts (``nn/heap.py``), so resident memory follows what is live,
+freed where each unit starts (``heap.py``), so resident memory follows what is live,
 at the cost of pages faulting in at each allocation.
 """
 from __future__ import annotations
@@ -42,12 +42,11 @@ from typing import Union
 import torch
 from torch.utils._pytree import tree_map_only
 
-from .. import comm
+from .. import comm, heap
 from ..layout import Layout, balanced_split
 from ..placement import Placement, check_placement
 from ..sbp import Split, broadcast
 from ..tensor import GlobalTensor
-from . import heap
 from .module import tensor_slots, to_global
 from .shard_comm import Fetch, concatenates, gather_rows, reduce_to_part
 

@@ -336,3 +336,39 @@ CHECKS = ["check_auto_parallel_chooses_measured_layouts_and_trains_equal",
 
 test_world2 = world_test(__name__, 2, CHECKS)
 test_world4 = world_test(__name__, 4, ["check_two_d_placements_offer_hybrids_that_train_equal"])
+
+
+def test_simulate_proposes_a_layout_for_a_cluster_it_cannot_see():
+    """auto_parallel(..., simulate=placement of 8 ranks) in a world of one: every
+    candidate's step simulated on the device profile, the fastest predicted within the
+    memory budget proposed (not applied); a budget rules out the fastest."""
+    import re
+
+    import pytest
+    import torch
+
+    import globaltensor as gt
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 1024), torch.nn.ReLU(),
+                                torch.nn.Linear(1024, 128))
+    x, cluster = torch.randn(4096, 128), gt.placement("cpu", ranks=range(8))
+
+    def predicted(plan) -> dict:
+        return {name: (float(m[1]), int(m[2])) for name, text in plan.measured.items()
+                for m in [re.search(r"predicted ([\d.]+) ms per step, peak (\d+) bytes", text)]}
+    plan = gt.nn.auto_parallel(model, gt.placement.all("cpu"), (x,), simulate=cluster,
+                               device="h100")
+    seen = predicted(plan)
+    assert plan.placement == cluster and set(seen) == {"data parallel", "tensor parallel",
+                                                       "fully sharded"}, plan.measured
+    assert seen[plan.strategy][0] == min(ms for ms, _ in seen.values()), seen
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())   # not applied
+    budget = seen[plan.strategy][1] - 1
+    other = gt.nn.auto_parallel(model, gt.placement.all("cpu"), (x,), simulate=cluster,
+                                device="h100", memory_budget=budget)
+    assert other.strategy != plan.strategy and predicted(other)[other.strategy][1] <= budget
+    with pytest.raises(ValueError, match="the smallest simulated peak is"):
+        gt.nn.auto_parallel(model, gt.placement.all("cpu"), (x,), simulate=cluster,
+                            device="h100", memory_budget=1000)
+    with pytest.raises(TypeError, match="simulate must be a gt.placement"):
+        gt.nn.auto_parallel(model, gt.placement.all("cpu"), (x,), simulate=[0, 1])

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from mp import checks_in_worlds
 
 import globaltensor as gt
-from globaltensor.nn import heap as fs_heap
+from globaltensor import heap as fs_heap
 from globaltensor.nn import shard_comm as fs_comm
 from globaltensor.nn import sharded as fs_module
 

@@ -1,4 +1,4 @@
-"""``nn/heap.py``: freed heap pages go back to the system (glibc), so fully_shard's
+"""``heap.py``: freed heap pages go back to the system (glibc), so fully_shard's
 resident memory follows what is live."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import gc
 import pytest
 import torch
 
-from globaltensor.nn import heap
+from globaltensor import heap
 from globaltensor.testing import _status_mib
 
 

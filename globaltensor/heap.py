@@ -29,7 +29,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from .. import env
+from . import env
 
 M_MMAP_THRESHOLD = -3          # glibc's mallopt parameter number
 MAPPED_BYTES = 128 << 10    # blocks of this size or more are mapped on their own (glibc's
