@@ -17,7 +17,9 @@ per key block. Uneven splits are fine: every block's size comes from the layout.
 
 These are the local implementations of the CPU flash kernel and its backward
 (``attention.py`` offers the sequence split for them); with any other signature they
-run the kernel as it is.
+run the kernel as it is. ``gt.nn.packed_attention`` walks the same ring on any device:
+off the CPU each block runs as plain ops with its log-sum-exp (``math_forward``,
+``math_backward``), a block's scores at a time.
 """
 from __future__ import annotations
 
@@ -52,7 +54,68 @@ def ring_of(layout, rank: int) -> "tuple[list, list] | None":
     return [r for _, _, r, _ in ring], [(start, stop) for start, _, _, stop in ring]
 
 
-def _block_mask(rows: tuple, cols: tuple, causal: bool, mask, dtype, documents=None):
+def _block_forward(query, key, value, causal: bool, mask, scale):
+    """(output, log-sum-exp) of one block: the CPU flash kernel, or plain ops."""
+    if query.device.type == "cpu":
+        return _FORWARD(query, key, value, 0.0, causal, attn_mask=mask, scale=scale)
+    return math_forward(query, key, value, causal, mask, scale)
+
+
+def _block_backward(grad_out, query, key, value, out, lse, causal: bool, mask, scale):
+    """(query, key, value gradients) of one block, given the whole row's output and
+    log-sum-exp: the CPU flash kernel's backward, or plain ops."""
+    if query.device.type == "cpu":
+        return _BACKWARD(grad_out, query, key, value, out, lse, 0.0, causal,
+                         attn_mask=mask, scale=scale)
+    return math_backward(grad_out, query, key, value, out, lse, causal, mask, scale)
+
+
+def _scores(query, key, causal: bool, mask, scale):
+    """A block's scaled scores in fp32, masked (causal: top-left aligned, as torch)."""
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    scores = (query.float() @ key.float().transpose(-2, -1)) * scale
+    if causal:
+        rows, cols = scores.shape[-2:]
+        hidden = torch.ones(rows, cols, dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool \
+            else scores + mask.float()
+    return scores, scale
+
+
+def math_forward(query, key, value, causal: bool, mask=None, scale=None) -> tuple:
+    """(output, log-sum-exp) of attention on one block, as plain ops (a row that sees no
+    key: output 0, log-sum-exp -inf).
+
+    >>> out, lse = math_forward(q, k, v, causal=True)   # doctest: +SKIP
+    """
+    scores, _ = _scores(query, key, causal, mask, scale)
+    lse = torch.logsumexp(scores, -1)
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+    return (probs @ value.float()).to(query.dtype), lse
+
+
+def math_backward(grad_out, query, key, value, out, lse, causal: bool, mask=None,
+                  scale=None) -> tuple:
+    """(query, key, value gradients) of one block given the whole row's output and
+    log-sum-exp (exact per block: the softmax's normaliser is the row's).
+
+    >>> dq, dk, dv = math_backward(g, q, k, v, out, lse, causal=True)   # doctest: +SKIP
+    """
+    scores, scale = _scores(query, key, causal, mask, scale)
+    probs = torch.exp(scores - lse.float().unsqueeze(-1)).nan_to_num(0.0)
+    grad = grad_out.float()
+    grad_v = probs.transpose(-2, -1) @ grad
+    rows = (grad * out.float()).sum(-1, keepdim=True)
+    grad_s = probs * (grad @ value.float().transpose(-2, -1) - rows)
+    grad_q = (grad_s @ key.float()) * scale
+    grad_k = (grad_s.transpose(-2, -1) @ query.float()) * scale
+    return grad_q.to(query.dtype), grad_k.to(key.dtype), grad_v.to(value.dtype)
+
+
+def _block_mask(rows: tuple, cols: tuple, causal: bool, mask, dtype, documents=None,
+                device=None):
     """(the kernel's is_causal, its attn_mask) for queries ``rows`` against keys
     ``cols`` (global (start, stop) each), or None where no key is visible. ``mask``:
     the local rows of the caller's mask, all its columns; ``documents``: each
@@ -74,7 +137,8 @@ def _block_mask(rows: tuple, cols: tuple, causal: bool, mask, dtype, documents=N
         hidden = (j > i) if hidden is None else hidden | (j > i)
     if hidden is None:
         return False, explicit
-    visible = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))
+    visible = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(
+        hidden.to(device), float("-inf"))
     return False, visible if explicit is None else explicit + visible
 
 
@@ -129,8 +193,9 @@ def flash_forward_local(ctx, query, key, value, dropout_p=0.0, is_causal=False, 
 def _empty_forward(query, value) -> tuple:
     """The kernel's (output, log-sum-exp) for no queries or no keys: the CPU kernel
     traps (SIGFPE) on a part with no heads, which an uneven head split gives a rank."""
-    return (torch.zeros(query.shape[:-1] + value.shape[-1:], dtype=query.dtype),
-            torch.full(query.shape[:-1], float("-inf")))
+    return (torch.zeros(query.shape[:-1] + value.shape[-1:], dtype=query.dtype,
+                        device=query.device),
+            torch.full(query.shape[:-1], float("-inf"), device=query.device))
 
 
 def ring_forward(ring: _Ring, query, key, value, causal: bool, mask, scale, documents=None):
@@ -143,9 +208,9 @@ def ring_forward(ring: _Ring, query, key, value, causal: bool, mask, scale, docu
         block = ring.held(step)
         moving = ring.pass_on(held, block) if step < ring.n - 1 else None
         how = None if not (query.numel() and held[0].numel()) else _block_mask(
-            ring.rows, ring.spans[block], causal, mask, query.dtype, documents)
+            ring.rows, ring.spans[block], causal, mask, query.dtype, documents, query.device)
         if how is not None:
-            o, l = _FORWARD(query, held[0], held[1], 0.0, how[0], attn_mask=how[1], scale=scale)
+            o, l = _block_forward(query, held[0], held[1], how[0], how[1], scale)
             if how[1] is not None:   # the kernel gives a row that sees no key lse 0
                 l = l.masked_fill(~(how[1] > float("-inf")).any(-1), float("-inf"))
             out, lse = _merge(out, lse, o, l)
@@ -153,8 +218,7 @@ def ring_forward(ring: _Ring, query, key, value, causal: bool, mask, scale, docu
             held, work = moving
             work.wait()
     if out is None:   # no key visible at all (only where the caller's mask hides all)
-        out = torch.zeros(query.shape[:-1] + value.shape[-1:])
-        lse = torch.full(query.shape[:-1], float("-inf"))
+        out, lse = _empty_forward(query, value)
     return out.to(query.dtype), lse
 
 
@@ -187,16 +251,16 @@ def flash_backward_local(ctx, grad_out, query, key, value, out, logsumexp, dropo
 def ring_backward(ring: _Ring, grad_out, query, key, value, out, logsumexp, causal: bool,
                   mask, scale, documents=None):
     """(query, key, value gradients) of this rank's parts: the ring walked again."""
-    grad_q = torch.zeros(query.shape, dtype=torch.float32)
-    held = [key, value, torch.zeros(key.shape, dtype=torch.float32),
-            torch.zeros(value.shape, dtype=torch.float32)]
+    grad_q = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+    held = [key, value, torch.zeros(key.shape, dtype=torch.float32, device=key.device),
+            torch.zeros(value.shape, dtype=torch.float32, device=value.device)]
     for step in range(ring.n):
         block = ring.held(step)
         how = None if not (query.numel() and held[0].numel()) else _block_mask(
-            ring.rows, ring.spans[block], causal, mask, query.dtype, documents)
+            ring.rows, ring.spans[block], causal, mask, query.dtype, documents, query.device)
         if how is not None:
-            dq, dk, dv = _BACKWARD(grad_out, query, held[0], held[1], out, logsumexp, 0.0,
-                                   how[0], attn_mask=how[1], scale=scale)
+            dq, dk, dv = _block_backward(grad_out, query, held[0], held[1], out, logsumexp,
+                                         how[0], how[1], scale)
             grad_q += dq
             held[2] += dk
             held[3] += dv

@@ -173,3 +173,40 @@ def test_ring_attention_is_priced_by_its_hops_and_its_whole_key_sequence():
     assert ring_seconds(forward, (one,) * 3) == 0.0
     assert product_macs(forward, (one,) * 3, 0) == 2 * 2 * 4 * 64 * 64 * 16
     assert product_macs(backward, (one,) * 6, 0) == 5 * 2 * 4 * 64 * 64 * 16
+
+
+def test_the_plain_block_kernels_equal_the_cpu_flash_kernel():
+    """Off the CPU the ring's blocks run as plain ops (math_forward, math_backward):
+    on the CPU they equal the fused kernel's, forward and backward with the whole
+    row's output and log-sum-exp, causal, masked and with rows that see no key; and a
+    packed attention walked with them equals F.scaled_dot_product_attention."""
+    from unittest import mock
+
+    from globaltensor.rules import ring_attention as ring
+    aten = torch.ops.aten
+    gen = _gen(51)
+    q, k, v, g = (torch.randn(2, 3, 6, 8, generator=gen) for _ in range(4))
+    mask = torch.zeros(6, 6)
+    mask[1] = float("-inf")   # a row that sees no key
+    mask[3, :2] = float("-inf")
+    for causal, m in ((True, None), (False, None), (False, mask)):
+        out, lse = ring._FORWARD(q, k, v, 0.0, causal, attn_mask=m)
+        mine, my_lse = ring.math_forward(q, k, v, causal, m)
+        seen = torch.isfinite(my_lse)
+        torch.testing.assert_close(mine, out, **TOL)
+        torch.testing.assert_close(my_lse[seen], lse[seen], **TOL)
+        want = ring._BACKWARD(g, q, k, v, out, lse, 0.0, causal, attn_mask=m)
+        for name, a, b in zip("qkv", ring.math_backward(g, q, k, v, out, lse, causal, m), want):
+            torch.testing.assert_close(a, b, **TOL, msg=lambda e: f"{causal} {name}: {e}")
+    offsets = [0, 2, 5, 6]
+    want = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = _packed_reference(*want, offsets, True)
+    ref.backward(g)
+    mine = [t.clone().requires_grad_() for t in (q, k, v)]
+    with mock.patch.object(ring, "_block_forward", lambda *a: ring.math_forward(*a)), \
+            mock.patch.object(ring, "_block_backward", lambda *a: ring.math_backward(*a)):
+        out = gt.nn.packed_attention(*mine, offsets)
+        out.backward(g)
+    torch.testing.assert_close(out, ref, **TOL)
+    for name, a, b in zip("qkv", mine, want):
+        torch.testing.assert_close(a.grad, b.grad, **TOL, msg=lambda e: f"packed {name}: {e}")

@@ -1,0 +1,67 @@
+"""The sequence split and the expert split on cuda placements equal one plain process:
+attention of q, k, v split on the sequence (on cuda the fused kernels move them to a
+head split or gather them; the aten-level ring is the CPU kernel's),
+``gt.nn.packed_attention`` (its ring's blocks as plain ops off the CPU), and
+``gt.nn.MoE`` with its experts split, forward and backward."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from cuda_suite import local_device, place, seeded, world_checks
+
+import globaltensor as gt
+
+S = gt.sbp.split
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def _close(got, want, what):
+    torch.testing.assert_close(got.full().detach().cpu(), want.detach().cpu(), **TOL,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def check_sequence_split_attention():
+    n = gt.get_world_size()
+    P, g = place(list(range(n))), seeded(48)
+    q, k, v = (torch.randn(2, 4, 8 * n + 3, 16, generator=g) for _ in range(3))
+    want = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*want, is_causal=True)
+    ref.square().sum().backward()
+    ins = [gt.tensor(t, placement=P, sbp=S(2)).requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*ins, is_causal=True)
+    out.square().sum().backward()
+    assert out.to_local().device == local_device() or out.to_local().numel() == 0
+    _close(out, ref, "sequence split attention")
+    for name, x, w in zip("qkv", ins, want):
+        _close(x.grad, w.grad, f"sequence split attention: gradient of {name}")
+    ins = [gt.tensor(t, placement=P, sbp=S(2)).requires_grad_() for t in (q, k, v)]
+    offsets = [0, 5, 8 * n, 8 * n + 3]
+    packed = gt.nn.packed_attention(*ins, offsets)
+    packed.square().sum().backward()
+    plain = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = gt.nn.packed_attention(*plain, offsets)
+    ref.square().sum().backward()
+    _close(packed, ref, "packed attention")
+    _close(ins[1].grad, plain[1].grad, "packed attention: gradient of k")
+
+
+def check_experts_split():
+    n = gt.get_world_size()
+    P = place(list(range(n)))
+    torch.manual_seed(0)
+    plain = gt.nn.MoE(16, 32, experts=2 * n, top_k=2, capacity_factor=0.75)
+    layer = gt.nn.to_global(__import__("copy").deepcopy(plain), P,
+                            gt.nn.MoE.expert_sbp(plain))
+    x = torch.randn(6 * n, 16, generator=seeded(3))
+    want = plain(x.clone().requires_grad_())
+    (want.square().sum() + plain.aux_loss).backward()
+    got = layer(gt.tensor(x, placement=P, sbp=S(0)))
+    (got.square().sum() + layer.aux_loss).backward()
+    assert layer.last_dropped == plain.last_dropped > 0
+    _close(got, want, "MoE output")
+    for (name, p), q in zip(layer.named_parameters(), plain.parameters()):
+        _close(p.grad, q.grad, f"MoE gradient of {name}")
+
+
+test_layouts_world2 = world_checks(__name__, 2, ["check_sequence_split_attention",
+                                                 "check_experts_split"])
