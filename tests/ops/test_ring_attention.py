@@ -183,7 +183,6 @@ def test_the_plain_block_kernels_equal_the_cpu_flash_kernel():
     from unittest import mock
 
     from globaltensor.rules import ring_attention as ring
-    aten = torch.ops.aten
     gen = _gen(51)
     q, k, v, g = (torch.randn(2, 3, 6, 8, generator=gen) for _ in range(4))
     mask = torch.zeros(6, 6)
