@@ -23,6 +23,8 @@ off the CPU each block runs as plain ops with its log-sum-exp (``math_forward``,
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import comm
@@ -34,7 +36,8 @@ _BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 SEQ = 2   # (batch, heads, sequence, head dim)
 
 
-def ring_of(layout, rank: int) -> "tuple[list, list] | None":
+@functools.lru_cache(maxsize=1024)   # asked at every call of the kernel
+def ring_of(layout, rank: int) -> "tuple[tuple, tuple] | None":
     """(the ranks that hold the other blocks of ``layout``'s sequence dim with the same
     part of every other dim: those that differ from this rank only on the placement
     axes splitting the sequence, in sequence order, this rank among them; each one's
@@ -51,7 +54,7 @@ def ring_of(layout, rank: int) -> "tuple[list, list] | None":
             start = region.offsets[SEQ]
             ring.append((start, tuple(there[a] for a in axes), r, start + region.sizes[SEQ]))
     ring.sort()
-    return [r for _, _, r, _ in ring], [(start, stop) for start, _, _, stop in ring]
+    return tuple(r for _, _, r, _ in ring), tuple((start, stop) for start, _, _, stop in ring)
 
 
 def _block_forward(query, key, value, causal: bool, mask, scale):
@@ -150,7 +153,7 @@ class _Ring:
     def __init__(self, query_layout, key_layout, rank: int):
         found = ring_of(key_layout, rank)
         if found is None:
-            found = [rank], [(0, key_layout.shape[SEQ])]
+            found = (rank,), ((0, key_layout.shape[SEQ]),)
         ranks, self.spans = found
         self.n, self.me = len(ranks), ranks.index(rank)
         self.next, self.prev = ranks[(self.me + 1) % self.n], ranks[(self.me - 1) % self.n]
