@@ -1,7 +1,8 @@
 """Long sequences and mixtures of experts as layouts, against one process: a training
 step of ``examples/long_context.py``'s GPT with its sequence split (ring attention), and
 of ``examples/moe.py``'s MoE GPT with its experts split, side by side with the same
-step on one process's whole tensors.
+step on one process's whole tensors; the sequence split also in zig-zag order
+(``gt.nn.zigzag_order``: a balanced causal ring).
 
     python benchmarks/long_context.py                  # 2 processes, sequences 2048 and 8192
     python benchmarks/long_context.py --nproc 4 --seqs 2048,8192
@@ -48,26 +49,29 @@ def _example(name: str):
 
 
 def _gpt_rows(seq: int, P, iters: int) -> tuple:
+    """(one process's, in order's, zig-zag order's step; what one process and a rank
+    in order keep for backward)."""
     import globaltensor as gt
     ex = _example("long_context")
     torch.manual_seed(0)
     plain = ex.GPT(seq)
-    split = gt.nn.to_global(copy.deepcopy(plain), P, gt.sbp.broadcast)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (plain, split)]
-    ids, targets = ex.batch(seq, 0)
-    whole = (ids, targets)
-    parts = tuple(gt.tensor(t, placement=P, sbp=gt.sbp.split(1)) for t in whole)
+    split, zigzag = (gt.nn.to_global(copy.deepcopy(plain), P, gt.sbp.broadcast)
+                     for _ in range(2))
+    zigzag.order = gt.nn.zigzag_order(seq, P.size)
+    batch = ex.batch(seq, 0)
 
-    def step(model, opt, batch):
+    def step(model, placement=None):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        taken = ex.laid_out(model, *batch, placement)
+
         def run():
-            ex.loss_of(model, *batch).backward()
+            ex.loss_of(model, *taken).backward()
             opt.step()
             opt.zero_grad()
         return run
-    times = round_robin_median([step(plain, opts[0], whole), step(split, opts[1], parts)],
-                               iters, warmup=WARMUP)
-    kept = (ex.kept_for_backward(plain, seq), ex.kept_for_backward(split, seq, P))
-    return times, kept
+    times = round_robin_median([step(plain), step(split, P), step(zigzag, P)], iters,
+                               warmup=WARMUP)
+    return times, (ex.kept_for_backward(plain, seq), ex.kept_for_backward(split, seq, P))
 
 
 def _moe_rows(tokens: int, P, iters: int) -> tuple:
@@ -109,10 +113,12 @@ def main(argv=None) -> None:
              f"{'row':<34}{'one process':>12}{'split':>9}{'ratio':>7}{'kept MiB 1':>11}"
              f"{'per rank':>9}", "-" * 82]
     for seq in (int(s) for s in args.seqs.split(",")):
-        (one, split), (kept_one, kept) = _gpt_rows(seq, P, args.iters)
+        (one, split, zigzag), (kept_one, kept) = _gpt_rows(seq, P, args.iters)
         lines.append(f"{f'GPT sequence {seq}, split on {n} ranks':<34}{one * 1e3:>12.1f}"
                      f"{split * 1e3:>9.1f}{split / one:>7.2f}{kept_one / 2**20:>11.2f}"
                      f"{kept / 2**20:>9.2f}")
+        lines.append(f"{'  the same in zig-zag order':<34}{'':>12}{zigzag * 1e3:>9.1f}"
+                     f"{zigzag / one:>7.2f}")
     (whole, split, share), tokens = _moe_rows(args.moe_tokens, P, args.iters)
     lines.append(f"{f'MoE GPT {tokens} tokens, experts split':<34}{whole * 1e3:>12.1f}"
                  f"{split * 1e3:>9.1f}{split / whole:>7.2f}")

@@ -11,7 +11,7 @@ modules allocate only their parts), ``fully_shard`` (ZeRO-3 / FSDP as an sbp),
 """
 from __future__ import annotations
 
-from .attention import packed_attention
+from .attention import packed_attention, zigzag_order
 from .auto import AutoPlan, auto_parallel, load_plan
 from .meta import meta_init
 from .module import to_global
@@ -20,4 +20,4 @@ from .sharded import fully_shard
 from .state import full_state_dict
 
 __all__ = ["to_global", "fully_shard", "meta_init", "full_state_dict", "auto_parallel",
-           "load_plan", "AutoPlan", "MoE", "packed_attention"]
+           "load_plan", "AutoPlan", "MoE", "packed_attention", "zigzag_order"]

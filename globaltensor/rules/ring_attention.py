@@ -117,23 +117,23 @@ def math_backward(grad_out, query, key, value, out, lse, causal: bool, mask=None
     return grad_q.to(query.dtype), grad_k.to(key.dtype), grad_v.to(value.dtype)
 
 
-def _block_mask(rows: tuple, cols: tuple, causal: bool, mask, dtype, documents=None,
+def _block_mask(rows: tuple, cols: tuple, causal: bool, explicit, dtype, documents=None,
                 device=None):
-    """(the kernel's is_causal, its attn_mask) for queries ``rows`` against keys
-    ``cols`` (global (start, stop) each), or None where no key is visible. ``mask``:
-    the local rows of the caller's mask, all its columns; ``documents``: each
+    """(the kernel's is_causal, its attn_mask) for queries at positions ``rows`` against
+    keys at ``cols`` ((start, stop) each), or None where no key is visible.
+    ``explicit``: the caller's mask on those rows and columns; ``documents``: each
     position's document number (packed sequences: no query sees another document)."""
     if causal and cols[0] > rows[1] - 1:
         return None   # every key after every query
     if documents is not None and (documents[cols[1] - 1] < documents[rows[0]] or
                                   documents[cols[0]] > documents[rows[1] - 1]):
         return None   # (numbers rise along the sequence) no document in common
-    explicit = None if mask is None else mask[..., cols[0]:cols[1]]
     i = torch.arange(rows[0], rows[1]).unsqueeze(1)
     j = torch.arange(cols[0], cols[1]).unsqueeze(0)
     hidden = None
-    if documents is not None:
-        hidden = documents[i] != documents[j]
+    if documents is not None and not (documents[rows[0]] == documents[rows[1] - 1]
+                                      == documents[cols[0]] == documents[cols[1] - 1]):
+        hidden = documents[i] != documents[j]   # (else one document: nothing hidden)
     if causal and cols[1] - 1 > rows[0]:   # some key after some query
         if rows[0] == cols[0] and explicit is None and hidden is None:
             return True, None   # the diagonal block: the kernel's mask, top-left aligned
@@ -150,7 +150,7 @@ class _Ring:
     transfers that move blocks (and what travels with them) one hop on. Not split
     (or on one rank): a ring of one, whose one step is the whole attention."""
 
-    def __init__(self, query_layout, key_layout, rank: int):
+    def __init__(self, query_layout, key_layout, rank: int, positions=None):
         found = ring_of(key_layout, rank)
         if found is None:
             found = (rank,), ((0, key_layout.shape[SEQ]),)
@@ -158,7 +158,22 @@ class _Ring:
         self.n, self.me = len(ranks), ranks.index(rank)
         self.next, self.prev = ranks[(self.me + 1) % self.n], ranks[(self.me - 1) % self.n]
         query = query_layout.region(rank)
-        self.rows = (query.offsets[SEQ], query.offsets[SEQ] + query.sizes[SEQ])
+        # runs of consecutive positions: (first, last + 1 local index, first position)
+        self.rows = _runs((query.offsets[SEQ], query.offsets[SEQ] + query.sizes[SEQ]),
+                          positions)
+        self.cols = [_runs(span, positions) for span in self.spans]
+
+    def pairs(self, block: int, causal: bool, mask, query, documents):
+        """(query rows, key rows, the kernel's is_causal and attn_mask) of each pair of
+        runs of this rank's queries and ``block``'s keys that sees some key."""
+        start = self.spans[block][0]
+        for r0, r1, at in self.rows:
+            for c0, c1, bt in self.cols[block]:
+                explicit = None if mask is None else mask[..., r0:r1, start + c0:start + c1]
+                how = _block_mask((at, at + r1 - r0), (bt, bt + c1 - c0), causal, explicit,
+                                  query.dtype, documents, query.device)
+                if how is not None:
+                    yield slice(r0, r1), slice(c0, c1), how[0], how[1]
 
     def held(self, step: int) -> int:
         """The block this rank holds at ``step`` (its own at 0)."""
@@ -203,38 +218,49 @@ def _empty_forward(query, value) -> tuple:
 
 def ring_forward(ring: _Ring, query, key, value, causal: bool, mask, scale, documents=None):
     """(output, log-sum-exp) of this rank's queries against every key block."""
-    if not query.numel() and ring.n == 1:
-        return _empty_forward(query, value)
-    out = lse = None
+    out, lse = _empty_forward(query, value)
+    out = out.float()
     held = [key, value]
     for step in range(ring.n):
         block = ring.held(step)
         moving = ring.pass_on(held, block) if step < ring.n - 1 else None
-        how = None if not (query.numel() and held[0].numel()) else _block_mask(
-            ring.rows, ring.spans[block], causal, mask, query.dtype, documents, query.device)
-        if how is not None:
-            o, l = _block_forward(query, held[0], held[1], how[0], how[1], scale)
-            if how[1] is not None:   # the kernel gives a row that sees no key lse 0
-                l = l.masked_fill(~(how[1] > float("-inf")).any(-1), float("-inf"))
-            out, lse = _merge(out, lse, o, l)
+        if query.numel() and held[0].numel():
+            for rows, cols, is_causal, explicit in ring.pairs(block, causal, mask, query,
+                                                              documents):
+                o, l = _block_forward(*_parts(query, held[0], held[1], rows=rows, cols=cols),
+                                      is_causal, explicit, scale)
+                if explicit is not None:   # the kernel gives a row that sees no key lse 0
+                    l = l.masked_fill(~(explicit > float("-inf")).any(-1), float("-inf"))
+                _merge(out, lse, rows, o, l)
         if moving is not None:
             held, work = moving
             work.wait()
-    if out is None:   # no key visible at all (only where the caller's mask hides all)
-        out, lse = _empty_forward(query, value)
     return out.to(query.dtype), lse
 
 
-def _merge(out, lse, o, l):
-    """The online softmax: two partial attentions merged by their log-sum-exps (a row
-    that saw no key has -inf and weighs nothing)."""
+def _parts(*tensors, rows: slice, cols: slice) -> list:
+    """The query-side tensors' ``rows`` and the key-side ones' ``cols`` of the sequence
+    (the first one query-side, the rest key-side; whole tensors where they are the
+    whole, else contiguous copies)."""
+    out = []
+    for k, t in enumerate(tensors):
+        cut = rows if k == 0 else cols
+        whole = cut.start == 0 and cut.stop == t.shape[SEQ]
+        out.append(t if whole else t[..., cut, :].contiguous())
+    return out
+
+
+def _merge(out, lse, rows: slice, o, l) -> None:
+    """The online softmax, in place: the partial attention (o, l) of ``rows`` merged
+    into ``out`` and ``lse`` by their log-sum-exps (a row that saw no key has -inf and
+    weighs nothing)."""
     o = o.float().nan_to_num(0.0)
-    if out is None:
-        return o, l
-    total = torch.logaddexp(lse, l)
-    ahead = torch.exp(lse - total).nan_to_num(0.0).unsqueeze(-1)
+    before = lse[..., rows]
+    total = torch.logaddexp(before, l)
+    ahead = torch.exp(before - total).nan_to_num(0.0).unsqueeze(-1)
     here = torch.exp(l - total).nan_to_num(0.0).unsqueeze(-1)
-    return out * ahead + o * here, total
+    out[..., rows, :] = out[..., rows, :] * ahead + o * here
+    lse[..., rows] = total
 
 
 def flash_backward_local(ctx, grad_out, query, key, value, out, logsumexp, dropout_p,
@@ -259,14 +285,16 @@ def ring_backward(ring: _Ring, grad_out, query, key, value, out, logsumexp, caus
             torch.zeros(value.shape, dtype=torch.float32, device=value.device)]
     for step in range(ring.n):
         block = ring.held(step)
-        how = None if not (query.numel() and held[0].numel()) else _block_mask(
-            ring.rows, ring.spans[block], causal, mask, query.dtype, documents, query.device)
-        if how is not None:
-            dq, dk, dv = _block_backward(grad_out, query, held[0], held[1], out, logsumexp,
-                                         how[0], how[1], scale)
-            grad_q += dq
-            held[2] += dk
-            held[3] += dv
+        if query.numel() and held[0].numel():
+            for rows, cols, is_causal, explicit in ring.pairs(block, causal, mask, query,
+                                                              documents):
+                g, q, o = (_parts(t, rows=rows, cols=cols)[0] for t in (grad_out, query, out))
+                lse = logsumexp[..., rows].contiguous()
+                k, v = _parts(query, held[0], held[1], rows=rows, cols=cols)[1:]
+                dq, dk, dv = _block_backward(g, q, k, v, o, lse, is_causal, explicit, scale)
+                grad_q[..., rows, :] += dq
+                held[2][..., cols, :] += dk
+                held[3][..., cols, :] += dv
         if ring.n == 1:
             break
         # the keys and values go on while another rank still needs them; their
@@ -277,3 +305,21 @@ def ring_backward(ring: _Ring, grad_out, query, key, value, out, logsumexp, caus
             held[2:], work = ring.pass_on(held[2:], block)
         work.wait()
     return grad_q.to(query.dtype), held[2].to(key.dtype), held[3].to(value.dtype)
+
+
+def _runs(span: tuple, positions) -> list:
+    """[(first, last + 1, first position)] of the runs of consecutive positions of the
+    sequence slots ``span`` ((start, stop)) in their order (one run without
+    ``positions``; none for an empty span)."""
+    start, stop = span
+    if stop <= start:
+        return []
+    if positions is None:
+        return [(0, stop - start, start)]
+    at = positions[start:stop].tolist()
+    runs, first = [], 0
+    for k in range(1, len(at) + 1):
+        if k == len(at) or at[k] != at[k - 1] + 1:
+            runs.append((first, k, at[first]))
+            first = k
+    return runs

@@ -111,6 +111,43 @@ def check_packed_documents_never_attend_across():
     _close(ins[1].grad, short[1].grad, "a rank with no part: gradient of k", **TOL)
 
 
+def check_a_zigzag_order_balances_and_equals_one_process():
+    """The sequence reordered by gt.nn.zigzag_order and split: each rank holds a chunk
+    near the start and one near the end; with positions=order the causal mask and the
+    documents follow the original positions, equal to one process in the original
+    order; and every rank runs about as many query-key pairs."""
+    from unittest import mock
+
+    from globaltensor.rules import ring_attention as ring
+    n = gt.get_world_size()
+    length = 4 * 2 * n
+    order = gt.nn.zigzag_order(length, n)
+    gen = _gen(52)
+    q, k, v, grad = (torch.randn(2, 2, length, 8, generator=gen) for _ in range(4))
+    for offsets in ([0, length], [0, 3, 11, length]):
+        want = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = _packed_reference(*want, offsets, True)
+        ref.backward(grad)
+        ins = [_g(t[:, :, order], S(2), grad=True) for t in (q, k, v)]
+        work = []   # query-key pairs this rank computes that are not masked
+
+        def counted(query, key, value, causal, explicit, scale):
+            rows, cols = query.shape[2], key.shape[2]
+            work.append(int((explicit > float("-inf")).sum()) if explicit is not None
+                        else rows * (rows + 1) // 2 if causal else rows * cols)
+            return ring.math_forward(query, key, value, causal, explicit, scale)
+        with mock.patch.object(ring, "_block_forward", counted):
+            out = gt.nn.packed_attention(*ins, offsets, positions=order)
+        out.backward(_g(grad[:, :, order], S(2)))
+        what = f"zigzag offsets={offsets}"
+        _close(out, ref.detach()[:, :, order], what, **TOL)
+        for name, x, w in zip("qkv", ins, want):
+            _close(x.grad, w.grad[:, :, order], f"{what}: gradient of {name}", **TOL)
+        if offsets == [0, length]:   # balanced: every rank's chunks r and 2n - 1 - r
+            c = length // (2 * n)   # see 2n - 1 whole chunks and two diagonal halves
+            assert sum(work) == (2 * n - 1) * c * c + c * (c + 1), (work, n)
+
+
 def test_packed_attention_in_one_process_and_its_bad_offsets():
     import pytest
     gen = _gen(50)
@@ -157,6 +194,7 @@ def check_long_context_example_trains_equal_and_keeps_its_share():
 
 CHECKS = ["check_sequence_split_attention_equals_one_process",
           "check_packed_documents_never_attend_across",
+          "check_a_zigzag_order_balances_and_equals_one_process",
           "check_long_context_example_trains_equal_and_keeps_its_share"]
 test_world2, test_world4 = checks_in_worlds(__name__, CHECKS,
                                             only_in_4=["check_sequence_split_on_a_2d_placement"])
