@@ -240,14 +240,9 @@ def ring_forward(ring: _Ring, query, key, value, causal: bool, mask, scale, docu
 
 def _parts(*tensors, rows: slice, cols: slice) -> list:
     """The query-side tensors' ``rows`` and the key-side ones' ``cols`` of the sequence
-    (the first one query-side, the rest key-side; whole tensors where they are the
-    whole, else contiguous copies)."""
-    out = []
-    for k, t in enumerate(tensors):
-        cut = rows if k == 0 else cols
-        whole = cut.start == 0 and cut.stop == t.shape[SEQ]
-        out.append(t if whole else t[..., cut, :].contiguous())
-    return out
+    (the first one query-side, the rest key-side), views: the kernel takes strided
+    memory (F.scaled_dot_product_attention's transposed layout runs fastest)."""
+    return [t[..., rows if k == 0 else cols, :] for k, t in enumerate(tensors)]
 
 
 def _merge(out, lse, rows: slice, o, l) -> None:
@@ -289,7 +284,7 @@ def ring_backward(ring: _Ring, grad_out, query, key, value, out, logsumexp, caus
             for rows, cols, is_causal, explicit in ring.pairs(block, causal, mask, query,
                                                               documents):
                 g, q, o = (_parts(t, rows=rows, cols=cols)[0] for t in (grad_out, query, out))
-                lse = logsumexp[..., rows].contiguous()
+                lse = logsumexp[..., rows]
                 k, v = _parts(query, held[0], held[1], rows=rows, cols=cols)[1:]
                 dq, dk, dv = _block_backward(g, q, k, v, o, lse, is_causal, explicit, scale)
                 grad_q[..., rows, :] += dq
