@@ -182,9 +182,10 @@ class GlobalTensor(torch.Tensor):
         return _moved(self, Layout.make(self.shape, placement, sbp), "x.to_global()")
 
     @hidden_from_dynamo
-    def to_local(self) -> torch.Tensor:
-        """This rank's part as a plain tensor (no elements outside the placement)."""
-        return _ToLocal.apply(self)
+    def to_local(self, grad_sbp=None) -> torch.Tensor:
+        """This rank's part, plain (none outside the placement); its gradient comes back
+        in ``grad_sbp`` (default: this tensor's sbp; DTensor's ``grad_placements``)."""
+        return _ToLocal.apply(self, grad_sbp)
 
     @hidden_from_dynamo
     def full(self) -> torch.Tensor:
@@ -193,9 +194,8 @@ class GlobalTensor(torch.Tensor):
         return _moved(self, Layout.make(self.shape, everyone, (broadcast,)), "x.full()").to_local()
 
     # Reads (item, tolist, numpy, f"{x:.4f}"), the refusal of raw memory (storage,
-    # data_ptr), pickling (refused), DCP's tensor-subclass protocol and ``to_dtensor``
-    # are installed (``install_methods``) by the modules that implement them, above this
-    # one: reads.py, nn/state.py, interop/dcp.py, interop/dtensor.py.
+    # data_ptr), pickling, DCP's protocol and ``to_dtensor`` are installed
+    # (``install_methods``) by reads.py, nn/state.py, interop/dcp.py, interop/dtensor.py.
 
     # --- traceable-subclass protocol: torch.compile sees the local part as the tensor ----
     @skipped_by_dynamo
@@ -373,14 +373,14 @@ class _ToGlobal(torch.autograd.Function):
 
 class _ToLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: GlobalTensor):
-        ctx.layout = x._layout
+    def forward(ctx, x: GlobalTensor, sbp=None):   # (the gradient's, to_local's grad_sbp)
+        ctx.layout = x._layout if sbp is None else Layout.make(x.shape, x.placement, sbp)
         return x._local.view_as(x._local)
 
     @staticmethod
     @skipped_by_dynamo  # the autograd engine calls it
     def backward(ctx, grad):
-        return GlobalTensor(grad, ctx.layout)
+        return GlobalTensor(grad, ctx.layout), None
 
 
 class _FromLocal(torch.autograd.Function):

@@ -10,7 +10,8 @@ tensor parallel) or for ZeRO-3 (fully sharded x tensor parallel) and the inner a
 Megatron's layout. A sequence model (an attention module, or token ids for inputs) also
 gets the sequence split on the (inner) axis, parameters broadcast: context parallel
 (data x context on 2-D; attention then runs as ring attention); a model with
-``gt.nn.MoE`` layers gets expert parallel (data parallel with the experts split). Each
+``gt.nn.MoE`` layers gets expert parallel (data parallel with the experts split; data x
+expert on 2-D). Each
 candidate that
 fits the memory
 budget (parameters, gradients and two optimizer moments per rank) runs a few training
@@ -43,8 +44,9 @@ from ..layout import Layout
 from ..layout_spec import sbp_from_text, sbp_text
 from ..placement import Placement, check_placement
 from ..planner.record import RECORD_AT
-from ..sbp import Split, broadcast, partial_max, partial_sum, split
+from ..sbp import broadcast, partial_max, partial_sum
 from ..tensor import GlobalTensor
+from .auto_candidates import candidate_layouts, named_tensors
 from .auto_simulated import propose
 from .module import to_global
 
@@ -75,7 +77,7 @@ class AutoPlan(dict):
     def apply(self, model: torch.nn.Module) -> torch.nn.Module:
         """Lay ``model``'s parameters and buffers out as planned (``to_global``) and
         box its batch inputs to ``inputs`` as its forward begins. Returns ``model``."""
-        missing = [n for n, _ in _named_tensors(model) if n not in self]
+        missing = [n for n, _ in named_tensors(model) if n not in self]
         if missing:
             raise ValueError(f"the plan has no sbp for {missing[:5]}: add them "
                              f"(plan[name] = (gt.sbp.broadcast,)) before apply")
@@ -183,147 +185,18 @@ def _simulated(model, target: Placement, inputs: tuple, memory_budget, loss_fn,
     return plan
 
 
-# --- candidates ---------------------------------------------------------------------------
-
-def _named_tensors(model: torch.nn.Module):
-    seen = set()
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if id(t) not in seen:
-            seen.add(id(t))
-            yield name, t
-
+# --- candidates (auto_candidates.py) -------------------------------------------------------
 
 def _candidates(model, placement: Placement, inputs: tuple) -> dict:
-    """Whole-model layouts. On a 1-D placement: data parallel, tensor parallel (when
-    Megatron's pattern is found) and fully sharded. On a 2-D placement every axis takes
-    part: data parallel and fully sharded over both axes, and the hybrids of the outer
-    axis's batch split with the inner axis's tensor parallelism (data x tensor) or of
-    ZeRO-3 on the outer axis with tensor parallelism on the inner (torchtitan's FSDP +
-    TP). A sequence model (``_sequence_model``) also gets context parallel on the inner
-    axis (data x context on 2-D), one with ``gt.nn.MoE`` layers expert parallel. Each is
-    {name: sbp per axis} with the batch inputs' sbp."""
-    named = list(_named_tensors(model))
-    rows, cols = _megatron_pairs(model)
-    experts = _expert_weights(model, placement)
-
-    def per_axis(kind: str, size: int):
-        """(parameter sbp of name and tensor, batch input sbp) for one placement axis."""
-        def param(name, t):
-            if kind == "expert":
-                return split(0) if name in experts else broadcast
-            if kind == "sharded":
-                return split(0) if isinstance(t, torch.nn.Parameter) and t.dim() \
-                    and t.shape[0] >= size else broadcast
-            if kind == "tensor":
-                module = name.rsplit(".", 1)[0]
-                if module in cols and t.dim() >= 1:
-                    return split(0)
-                if module in rows and name.endswith("weight"):
-                    return split(1)
-            return broadcast
-        if kind == "context":   # the sequence (dim 1 of a batch input) split
-            return param, lambda x: split(1) if x.dim() >= 2 else broadcast
-        batch = lambda x: broadcast if kind in ("tensor", "replicated") else split(0)
-        return param, batch
-
-    if placement.ndim == 1:
-        combos = {"data parallel": ("data",), "tensor parallel": ("tensor",),
-                  "fully sharded": ("sharded",)}
-    elif placement.ndim == 2:
-        combos = {"data parallel": ("data", "data"), "fully sharded": ("sharded", "sharded"),
-                  "data x tensor parallel": ("data", "tensor"),
-                  "fully sharded x tensor parallel": ("sharded", "tensor")}
-    else:   # deeper placements: the outer axis only, the others replicate
-        rest = ("replicated",) * (placement.ndim - 1)
-        combos = {"data parallel": ("data",) + rest, "tensor parallel": ("tensor",) + rest,
-                  "fully sharded": ("sharded",) + rest}
-    if experts:   # data parallel with every MoE's experts split on the (only) axis
-        combos["expert parallel"] = ("expert",)
-    if placement.ndim <= 2 and _sequence_model(model, inputs, placement.shape[-1]):
-        combos[("data x " if placement.ndim == 2 else "") + "context parallel"] = \
-            ("data",) * (placement.ndim - 1) + ("context",)
-    plans = {}
-    for strategy, kinds in combos.items():
-        if "tensor" in kinds and not (rows or cols):
-            continue
-        axes = [per_axis(kind, size) for kind, size in zip(kinds, placement.shape)]
-        layouts = {k: tuple(param(k, t) for param, _ in axes) for k, t in named}
-        batch = tuple(_batch_sbp(x, [b for _, b in axes], placement) for x in inputs)
-        plans[strategy] = AutoPlan(layouts, placement, batch, strategy)
-    return plans
-
-
-def _batch_sbp(x, per_axis: list, placement: Placement) -> tuple:
-    """A batch input's sbp: split(0) on the axes that split the batch (split(1) on an
-    axis that splits the sequence), while that dim still divides among them (else
-    broadcast there)."""
-    sbp, ranks = [], {}
-    for batch, size in zip(per_axis, placement.shape):
-        s = batch(x)
-        if isinstance(s, Split) and x.dim() > s.dim and \
-                x.shape[s.dim] >= ranks.get(s.dim, 1) * size:
-            ranks[s.dim] = ranks.get(s.dim, 1) * size
-            sbp.append(s)
-        else:
-            sbp.append(broadcast)
-    return tuple(sbp)
-
-
-def _expert_weights(model, placement: Placement) -> set:
-    """Names of the expert weights of every ``gt.nn.MoE`` in ``model`` whose experts
-    divide over a 1-D ``placement`` (empty otherwise): split(0) in expert parallel."""
-    from .moe import MoE
-    if placement.ndim != 1:
-        return set()
-    return {f"{prefix}.{w}".lstrip(".") for prefix, m in model.named_modules()
-            if isinstance(m, MoE) and m.experts % placement.size == 0 for w in ("w1", "w2")}
-
-
-def _sequence_model(model, inputs: tuple, ranks: int) -> bool:
-    """Whether to offer the sequence split (context parallel): the model has an
-    attention module, or takes token ids (integers, batch x sequence), and the
-    sequence has a position for every rank."""
-    tokens = [x for x in inputs if isinstance(x, torch.Tensor) and x.dim() >= 2]
-    if not tokens or min(x.shape[1] for x in tokens) < ranks:
-        return False
-    return any(not x.is_floating_point() for x in tokens) or any(
-        "attention" in type(m).__name__.lower() for m in model.modules())
-
-
-def _megatron_pairs(model) -> tuple[set, set]:
-    """Linear layers in Megatron's pattern. In a ``Sequential`` the Linears chain: each
-    pair in turn whose widths meet (fc1 -> fc2) is column then row. In another module,
-    the last Linear is row-parallel when earlier ones with one input width feed it (q,
-    k, v into proj), and those are column-parallel."""
-    rows, cols = set(), set()
-    for prefix, module in model.named_modules():
-        linears = [(f"{prefix}.{name}".lstrip("."), m) for name, m in module.named_children()
-                   if isinstance(m, torch.nn.Linear)]
-        if len(linears) < 2:
-            continue
-        if isinstance(module, torch.nn.Sequential):
-            k = 0
-            while k + 1 < len(linears):
-                (a, fa), (b, fb) = linears[k], linears[k + 1]
-                if fa.out_features == fb.in_features:
-                    cols.add(a)
-                    rows.add(b)
-                    k += 2
-                else:
-                    k += 1
-            continue
-        last_name, last = linears[-1]
-        feeds = [(c, m) for c, m in linears[:-1] if m.out_features == last.in_features]
-        if feeds and len({m.in_features for _, m in feeds}) == 1:
-            rows.add(last_name)
-            cols.update(c for c, _ in feeds)
-    return rows, cols
+    """{strategy: AutoPlan} of ``candidate_layouts``."""
+    return {name: AutoPlan(layouts, placement, batch, name) for name, (layouts, batch)
+            in candidate_layouts(model, placement, inputs).items()}
 
 
 def _bytes_per_rank(model, plan: AutoPlan) -> int:
     """Parameter, gradient and optimizer bytes on the rank holding the most."""
     total = 0
-    for name, t in _named_tensors(model):
+    for name, t in named_tensors(model):
         layout = Layout.make(t.shape, plan.placement, plan[name])
         copies = STATE_COPIES if isinstance(t, torch.nn.Parameter) else 1
         total += max_local_bytes(layout, t.element_size()) * copies

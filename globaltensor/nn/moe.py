@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from .. import comm
 from ..factory import tensor as global_tensor
 from ..placement import Placement
-from ..sbp import Split, broadcast, split
+from ..sbp import Split, broadcast, partial_sum, split
 from ..tensor import GlobalTensor, from_local_part
 from .module import to_global
 
@@ -94,7 +94,7 @@ class MoE(torch.nn.Module):
         self._last = _LastForward()
         self.last_dropped = 0
         if placement is not None:
-            to_global(self, placement, MoE.expert_sbp(self))
+            to_global(self, placement, MoE.expert_sbp(self, placement=placement))
 
     @property
     def aux_loss(self) -> "torch.Tensor | None":
@@ -115,18 +115,26 @@ class MoE(torch.nn.Module):
         torch.nn.init.uniform_(self.w2, -self.hidden ** -0.5, self.hidden ** -0.5)
 
     @staticmethod
-    def expert_sbp(model: torch.nn.Module, default=broadcast) -> Callable:
+    def expert_sbp(model: torch.nn.Module, default=broadcast,
+                   placement: Placement | None = None) -> Callable:
         """The ``sbp`` callable for ``gt.nn.to_global(model, ...)``: split(0) for the
         expert weights of every MoE in ``model`` (expert parallel), ``default`` for every
-        other tensor.
+        other tensor. On a 2-D ``placement`` (data x expert) the experts split on its
+        second axis and are copied on its first: ``(broadcast, split(0))``.
 
         >>> gt.nn.to_global(model, p, gt.nn.MoE.expert_sbp(model))     # doctest: +SKIP
+        >>> gt.nn.to_global(model, grid, gt.nn.MoE.expert_sbp(model, placement=grid))  # doctest: +SKIP
         """
         experts = {id(t) for m in model.modules() if isinstance(m, MoE)
                    for t in (m.w1, m.w2)}
+        ndim = 1 if placement is None else placement.ndim
+        split_experts = (broadcast,) * (ndim - 1) + (split(0),)
+        other = default if ndim == 1 or isinstance(default, tuple) else (default,) * ndim
 
         def choose(name: str, t: torch.Tensor):
-            return split(0) if id(t) in experts else default
+            if id(t) in experts:
+                return split_experts if ndim > 1 else split(0)
+            return other
         return choose
 
     def capacity(self, tokens: int) -> int:
@@ -171,28 +179,30 @@ class MoE(torch.nn.Module):
 
     def _global_forward(self, x: GlobalTensor) -> GlobalTensor:
         place = x.placement
-        xs = x if x.sbp == (Split(0),) else x.to_global(sbp=split(0))
+        tokens_sbp = (Split(0),) * place.ndim   # tokens over every rank, in rank order
+        xs = x if x.sbp == tokens_sbp else x.to_global(sbp=tokens_sbp)
         probs = F.softmax(self.router(xs), dim=-1)            # global ops
-        if probs.sbp != (Split(0),):     # the ops' rules may choose another layout
-            probs = probs.to_global(sbp=split(0))
-        # whole experts on each rank: broadcast weights (gt.nn.to_global with one sbp)
-        # are sliced locally, their gradients gathered back by boxing
-        w1 = self.w1 if self.w1.sbp == (Split(0),) else self.w1.to_global(sbp=split(0))
-        w2 = self.w2 if self.w2.sbp == (Split(0),) else self.w2.to_global(sbp=split(0))
+        if probs.sbp != tokens_sbp:     # the ops' rules may choose another layout
+            probs = probs.to_global(sbp=tokens_sbp)
+        w1, w2 = (_local_experts(w, place) for w in (self.w1, self.w2))
         ranks, rank = place.flat_ranks, comm.get_rank()
         member = rank in place
         tokens = math.prod(x.shape[:-1])
         local = xs.to_local()
-        out = self._route(local, probs.to_local(), w1.to_local(), w2.to_local(), ranks,
-                          ranks.index(rank) if member else -1, tokens, probs)
+        group = place.group(rank, place.ndim - 1) if member else ranks   # its expert axis
+        out = self._route(local, probs.to_local(), w1, w2, ranks,
+                          ranks.index(rank) if member else -1, tokens, probs, group)
         y = from_local_part(out, xs._layout)   # (its layout is known: no shape exchange)
-        return y if x.sbp == (Split(0),) else y.to_global(sbp=x.sbp)
+        return y if x.sbp == tokens_sbp else y.to_global(sbp=x.sbp)
 
     def _route(self, x: torch.Tensor, probs: torch.Tensor, w1: torch.Tensor,
                w2: torch.Tensor, ranks: tuple, me: int, tokens: int,
-               global_probs: torch.Tensor | None = None) -> torch.Tensor:
+               global_probs: torch.Tensor | None = None,
+               group: tuple = (0,)) -> torch.Tensor:
         """This rank's output rows: ``x``/``probs`` its local rows, ``w1``/``w2`` its
-        experts, ``me`` its index in ``ranks`` (-1: not a member, nothing to route)."""
+        experts, ``me`` its index in ``ranks`` (every rank holding tokens, in token
+        order; -1: not a member, nothing to route), ``group`` the ranks among which its
+        tokens meet their experts (the expert axis: one copy of every expert)."""
         shape, flat = x.shape, x.reshape(-1, self.dim)
         probs = probs.reshape(-1, self.experts)
         top, chosen = probs.topk(self.top_k, dim=-1)
@@ -201,7 +211,8 @@ class MoE(torch.nn.Module):
         token = torch.arange(flat.shape[0], device=x.device).repeat_interleave(self.top_k)
         counts = torch.bincount(expert, minlength=self.experts)
         rows = _gather_counts(counts.tolist(), ranks, me)
-        plan = _Plan(rows, me, self.capacity(tokens), self.experts)
+        plan = _Plan(rows, me, self.capacity(tokens), self.experts,
+                     [ranks.index(r) for r in group])
         self.last_dropped = plan.dropped
         self._set_aux_loss(plan.totals, tokens, probs if global_probs is None
                            else global_probs, global_probs is not None)
@@ -214,11 +225,11 @@ class MoE(torch.nn.Module):
         offset = torch.tensor(plan.offsets[me], device=x.device)
         kept = order[position + offset[sorted_expert] < plan.capacity]
         sent = flat[token[kept]]
-        if len(ranks) > 1:
-            sent = _Exchange.apply(sent, plan.send_rows(), plan.recv_rows(), ranks)
+        if len(group) > 1:
+            sent = _Exchange.apply(sent, plan.send_rows(), plan.recv_rows(), tuple(group))
         done = self._experts(sent, plan, w1, w2)
-        if len(ranks) > 1:
-            done = _Exchange.apply(done, plan.recv_rows(), plan.send_rows(), ranks)
+        if len(group) > 1:
+            done = _Exchange.apply(done, plan.recv_rows(), plan.send_rows(), tuple(group))
         out = flat.new_zeros(flat.shape).index_add(0, token[kept],
                                                    done * gates[kept].unsqueeze(1))
         return out.reshape(shape)
@@ -230,7 +241,7 @@ class MoE(torch.nn.Module):
         act, device = _ACTIVATIONS[self.activation], received.device
         mine = plan.local_experts()
         starts, at = {}, 0      # (source, expert) -> first row, in the order received
-        for q in range(plan.members):
+        for q in plan.group:
             for e in mine:
                 starts[q, e] = at
                 at += plan.kept[q][e]
@@ -239,7 +250,7 @@ class MoE(torch.nn.Module):
             # one expert's rows from every source in member order: global token order,
             # as the one-process layer sees them (the same matmul rows)
             idx = torch.cat([torch.arange(starts[q, e], starts[q, e] + plan.kept[q][e],
-                                          device=device) for q in range(plan.members)])
+                                          device=device) for q in plan.group])
             perm.append(idx)
             chunks.append(act(received[idx] @ w1[j]) @ w2[j])
         if not chunks:
@@ -254,7 +265,8 @@ class MoE(torch.nn.Module):
         share = torch.tensor(totals, dtype=probs.dtype,
                              device=None if is_global else probs.device) / max(tokens * self.top_k, 1)
         if is_global:
-            share = global_tensor(share, placement=probs.placement, sbp=broadcast)
+            share = global_tensor(share, placement=probs.placement,
+                                  sbp=(broadcast,) * probs.placement.ndim)
         mean_prob_times_f = (probs * share).sum() / max(tokens, 1)
         self._last.aux_loss = mean_prob_times_f * self.experts
 
@@ -281,12 +293,17 @@ def _gather_counts(counts: list, ranks: tuple, me: int) -> list:
 
 class _Plan:
     """Who keeps and sends what, the same on every member: from the per-member counts
-    ``rows`` (members x experts), each expert keeps its first ``capacity`` assignments in
-    global token order (members in order), ``kept[q][e]`` of them from member ``q``."""
+    ``rows`` (members x experts, every rank holding tokens), each expert keeps its first
+    ``capacity`` assignments in global token order (members in order), ``kept[q][e]``
+    of them from member ``q``. Tokens travel within ``group`` (the members, by index,
+    of this rank's expert axis; all of them on a 1-D placement), whose k-th member
+    holds the k-th share of the experts."""
 
-    def __init__(self, rows: list, me: int, capacity: int, experts: int):
+    def __init__(self, rows: list, me: int, capacity: int, experts: int,
+                 group: "list | None" = None):
         self.members, self.me, self.capacity, self.experts = len(rows), me, capacity, experts
-        self.per_member = experts // self.members
+        self.group = list(range(self.members)) if group is None else group
+        self.per_member = experts // len(self.group)
         running = [0] * experts
         self.offsets, self.kept = [], []
         for row in rows:
@@ -298,20 +315,34 @@ class _Plan:
         self.dropped = sum(max(0, t - capacity) for t in running)
 
     def local_experts(self) -> range:
-        return range(self.me * self.per_member, (self.me + 1) * self.per_member)
+        return self._owned(self.group.index(self.me))
 
-    def _owned(self, member: int) -> range:
-        return range(member * self.per_member, (member + 1) * self.per_member)
+    def _owned(self, position: int) -> range:
+        return range(position * self.per_member, (position + 1) * self.per_member)
 
     def send_rows(self) -> list:
-        """Rows this member sends each member (its kept assignments to their experts)."""
-        return [sum(self.kept[self.me][e] for e in self._owned(s))
-                for s in range(self.members)]
+        """Rows this member sends each member of its group (its kept assignments to
+        their experts)."""
+        return [sum(self.kept[self.me][e] for e in self._owned(k))
+                for k in range(len(self.group))]
 
     def recv_rows(self) -> list:
-        """Rows this member receives from each member (for its own experts)."""
-        return [sum(self.kept[q][e] for e in self.local_experts())
-                for q in range(self.members)]
+        """Rows this member receives from each member of its group (for its experts)."""
+        return [sum(self.kept[q][e] for e in self.local_experts()) for q in self.group]
+
+
+def _local_experts(weight, placement: Placement) -> torch.Tensor:
+    """This rank's experts of an expert weight as a plain tensor: split(0) on the
+    expert (last) axis, broadcast on a data axis before it, whose ranks each compute
+    with their own tokens (so the gradient comes back partial there). A weight in
+    another layout is boxed to that one first (broadcast weights: every rank stores
+    every expert; correct, not expert parallel)."""
+    want = (broadcast,) * (placement.ndim - 1) + (Split(0),)
+    if weight.sbp != want:
+        weight = weight.to_global(sbp=want)
+    if placement.ndim == 1:
+        return weight.to_local()
+    return weight.to_local(grad_sbp=(partial_sum,) * (placement.ndim - 1) + (Split(0),))
 
 
 def _check_config(dim, hidden, experts, top_k, capacity_factor, activation) -> None:
@@ -331,10 +362,11 @@ def _check_config(dim, hidden, experts, top_k, capacity_factor, activation) -> N
 def _check_placement(placement: Placement, experts: int) -> None:
     if not isinstance(placement, Placement):
         raise ValueError(f"MoE: placement must be a gt.placement, got {placement!r}")
-    if placement.ndim != 1:
+    if placement.ndim not in (1, 2):
         raise ValueError(f"MoE: needs a 1-D placement (experts and tokens split on one "
-                         f"axis), got {placement} of shape {placement.shape}")
-    n = len(placement.flat_ranks)
+                         f"axis) or a 2-D one (data x expert), got {placement} of shape "
+                         f"{placement.shape}")
+    n = placement.shape[-1]   # the expert axis
     if experts % n:
         raise ValueError(f"MoE: {experts} experts do not divide evenly over the {n} ranks "
-                         f"of {placement}; use a multiple of {n} experts")
+                         f"of {placement}'s expert axis; use a multiple of {n} experts")

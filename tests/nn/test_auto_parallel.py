@@ -264,6 +264,34 @@ def check_moe_models_get_an_expert_parallel_candidate():
         torch.testing.assert_close(p.grad.full(), q.grad, rtol=1e-5, atol=1e-6, msg=k)
 
 
+def check_moe_models_get_data_x_expert_on_2d():
+    # On 2 x 2 a model with gt.nn.MoE layers gets data x expert parallel: the experts
+    # split on the inner axis and copied on the outer, the batch split over both; it
+    # trains equal to one process (the experts' gradients summed over the rows)
+    import copy
+
+    import torch
+
+    import globaltensor as gt
+    from globaltensor.nn.auto import _candidates
+    B, S0 = gt.sbp.broadcast, gt.sbp.split(0)
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 8), gt.nn.MoE(8, 16, experts=4))
+    P = gt.placement("cpu", [[0, 1], [2, 3]])
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    ref = plain(x)
+    ref.square().mean().backward()
+    plan = _candidates(plain, P, (gt.tensor(x, placement=P, sbp=(B, B)),))[
+        "data x expert parallel"]
+    assert plan["1.w1"] == (B, S0) and plan["0.weight"] == (B, B) and plan.inputs == ((S0, S0),)
+    model = plan.apply(copy.deepcopy(plain))
+    out = model(gt.tensor(x, placement=P, sbp=(S0, S0)))
+    out.square().mean().backward()
+    torch.testing.assert_close(out.full(), ref.detach(), rtol=1e-5, atol=1e-6)
+    for (k, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad.full(), q.grad, rtol=1e-5, atol=1e-6, msg=k)
+
+
 def check_close_candidates_take_more_turns_and_every_step_starts_together():
     """Candidates within CLOSE of the fastest are timed again, turn by turn, up to
     MAX_TIMED_STEPS; a slow one is not. Rank 1 takes longer on every step: the slowest
@@ -314,7 +342,7 @@ def check_close_candidates_take_more_turns_and_every_step_starts_together():
 def test_megatron_pairs_in_sequentials_chain_and_in_modules_fan_in():
     from torch import nn
 
-    from globaltensor.nn.auto import _megatron_pairs
+    from globaltensor.nn.auto_candidates import _megatron_pairs
     flat = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(8, 8), nn.ReLU())][:-1])
     assert _megatron_pairs(flat) == ({"2", "6"}, {"0", "4"})
 
@@ -335,7 +363,8 @@ CHECKS = ["check_auto_parallel_chooses_measured_layouts_and_trains_equal",
           "check_close_candidates_take_more_turns_and_every_step_starts_together"]
 
 test_world2 = world_test(__name__, 2, CHECKS)
-test_world4 = world_test(__name__, 4, ["check_two_d_placements_offer_hybrids_that_train_equal"])
+test_world4 = world_test(__name__, 4, ["check_two_d_placements_offer_hybrids_that_train_equal",
+                                       "check_moe_models_get_data_x_expert_on_2d"])
 
 
 def test_simulate_proposes_a_layout_for_a_cluster_it_cannot_see():

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from mp import checks_in_worlds
 
 import globaltensor as gt
+from globaltensor.comm import stats as comm_stats
+from globaltensor.comm.stats import CommCounter
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -145,10 +147,50 @@ def _same_training(how, plain, model, got, want):
                                    msg=lambda m: f"{how}: {name}: {m}")
 
 
+def check_moe_data_x_expert_on_a_2d_placement():
+    """[[0, 1], [2, 3]]: tokens split over every rank, the experts split over the
+    second axis and copied over the first (each copy takes its row's tokens); equal to
+    one process, forward, gradients (the experts' summed over the rows) and 3 AdamW
+    steps."""
+    grid = gt.placement("cpu", [[0, 1], [2, 3]])
+    ref = _layer()
+    layer = copy.deepcopy(ref)
+    gt.nn.to_global(layer, grid, gt.nn.MoE.expert_sbp(layer, placement=grid))
+    assert layer.w1.sbp == (B, S(0)) and layer.router.weight.sbp == (B, B), (
+        layer.w1.sbp, layer.router.weight.sbp)
+    gen = torch.Generator().manual_seed(9)
+    batches = [torch.randn(13, DIM, generator=gen) for _ in range(3)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.02) for m in (ref, layer)]
+    for step, x in enumerate(batches):
+        want = ref(x)
+        (want.square().sum() + 0.3 * ref.aux_loss).backward()
+        stats = CommCounter(events=True)   # (with each collective's group)
+        comm_stats.push(stats)
+        try:
+            got = layer(gt.tensor(x, placement=grid, sbp=(S(0), S(0))))
+            (got.square().sum() + 0.3 * layer.aux_loss).backward()
+        finally:
+            comm_stats.pop(stats)
+        # tokens meet their experts within a row of the grid: all-to-alls of 2 ranks
+        assert stats.calls["all_to_all"] >= 2 and all(
+            len(g) == 2 for k, _, g in stats.events if k == "all_to_all"), stats
+        assert layer.last_dropped == ref.last_dropped, (step, layer.last_dropped)
+        _close(got, want.detach(), f"step {step}: output")
+        for name, p in layer.named_parameters():
+            _close(p.grad, dict(ref.named_parameters())[name].grad,
+                   f"step {step}: gradient of {name}")
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    for name, p in layer.named_parameters():
+        _close(p, dict(ref.named_parameters())[name].detach(), f"after 3 steps: {name}")
+
+
 CHECKS = ["check_moe_forward_backward_equals_one_process",
           "check_moe_other_layouts_equal_one_process",
           "check_moe_training_equals_one_process"]
-test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
+test_world2, test_world4 = checks_in_worlds(
+    __name__, CHECKS, only_in_4=["check_moe_data_x_expert_on_a_2d_placement"])
 
 
 def test_moe_bad_configuration_raises_before_any_communication():
@@ -159,8 +201,8 @@ def test_moe_bad_configuration_raises_before_any_communication():
         gt.nn.MoE(DIM, HIDDEN, 4, top_k=5)
     with pytest.raises(ValueError, match="capacity_factor"):
         gt.nn.MoE(DIM, HIDDEN, 4, capacity_factor=0)
-    with pytest.raises(ValueError, match="1-D placement"):
-        gt.nn.MoE(DIM, HIDDEN, 4, placement=gt.placement("cpu", ranks=[[0]]))
+    with pytest.raises(ValueError, match="1-D placement .* or a 2-D one"):
+        gt.nn.MoE(DIM, HIDDEN, 4, placement=gt.placement("cpu", ranks=[[[0]]]))
     layer = gt.nn.MoE(DIM, HIDDEN, 4)
     with pytest.raises(ValueError, match=r"need \(\.\.\., 8\)"):
         layer(torch.randn(3, 5))

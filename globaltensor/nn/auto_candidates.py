@@ -1,0 +1,159 @@
+"""``auto_parallel``'s candidates: whole-model layouts ({parameter name: sbp per axis}
+and the batch inputs' sbps) for data, Megatron tensor, fully sharded, context and
+expert parallelism and their 2-D hybrids, read from the model's structure (Linear
+layers in Megatron's pattern, attention modules or token inputs, ``gt.nn.MoE``).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..placement import Placement
+from ..sbp import Split, broadcast, split
+from .moe import MoE
+
+
+def named_tensors(model: torch.nn.Module):
+    """(name, tensor) of every parameter and buffer, each tensor once (tied ones).
+
+    >>> [name for name, _ in named_tensors(torch.nn.Linear(2, 2))]
+    ['weight', 'bias']
+    """
+    seen = set()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            yield name, t
+
+
+def candidate_layouts(model, placement: Placement, inputs: tuple) -> dict:
+    """Whole-model layouts. On a 1-D placement: data parallel, tensor parallel (when
+    Megatron's pattern is found) and fully sharded. On a 2-D placement every axis takes
+    part: data parallel and fully sharded over both axes, and the hybrids of the outer
+    axis's batch split with the inner axis's tensor parallelism (data x tensor) or of
+    ZeRO-3 on the outer axis with tensor parallelism on the inner (torchtitan's FSDP +
+    TP). A sequence model (``_sequence_model``) also gets context parallel on the inner
+    axis (data x context on 2-D), one with ``gt.nn.MoE`` layers expert parallel (data x
+    expert on 2-D). {strategy: ({name: sbp per axis}, the batch inputs' sbps)}.
+
+    >>> candidate_layouts(mlp, gt.placement.all("cpu"), (x,))["data parallel"]  # doctest: +SKIP
+    """
+    named = list(named_tensors(model))
+    rows, cols = _megatron_pairs(model)
+    experts = _expert_weights(model, placement)
+    if placement.ndim == 1:
+        combos = {"data parallel": ("data",), "tensor parallel": ("tensor",),
+                  "fully sharded": ("sharded",)}
+    elif placement.ndim == 2:
+        combos = {"data parallel": ("data", "data"), "fully sharded": ("sharded", "sharded"),
+                  "data x tensor parallel": ("data", "tensor"),
+                  "fully sharded x tensor parallel": ("sharded", "tensor")}
+    else:   # deeper placements: the outer axis only, the others replicate
+        rest = ("replicated",) * (placement.ndim - 1)
+        combos = {"data parallel": ("data",) + rest, "tensor parallel": ("tensor",) + rest,
+                  "fully sharded": ("sharded",) + rest}
+    if experts:   # data parallel with every MoE's experts split on the (inner) axis
+        combos[("data x " if placement.ndim == 2 else "") + "expert parallel"] = \
+            ("data",) * (placement.ndim - 1) + ("expert",)
+    if placement.ndim <= 2 and _sequence_model(model, inputs, placement.shape[-1]):
+        combos[("data x " if placement.ndim == 2 else "") + "context parallel"] = \
+            ("data",) * (placement.ndim - 1) + ("context",)
+    plans = {}
+    for strategy, kinds in combos.items():
+        if "tensor" in kinds and not (rows or cols):
+            continue
+        axes = [_per_axis(kind, size, experts, rows, cols)
+                for kind, size in zip(kinds, placement.shape)]
+        layouts = {k: tuple(param(k, t) for param, _ in axes) for k, t in named}
+        batch = tuple(_batch_sbp(x, [b for _, b in axes], placement) for x in inputs)
+        plans[strategy] = (layouts, batch)
+    return plans
+
+
+def _per_axis(kind: str, size: int, experts: set, rows: set, cols: set):
+    """(parameter sbp of name and tensor, batch input sbp) for one placement axis of
+    ``kind`` ("data", "tensor", "sharded", "expert", "context", "replicated")."""
+    def param(name, t):
+        if kind == "expert":
+            return split(0) if name in experts else broadcast
+        if kind == "sharded":
+            return split(0) if isinstance(t, torch.nn.Parameter) and t.dim() \
+                and t.shape[0] >= size else broadcast
+        if kind == "tensor":
+            module = name.rsplit(".", 1)[0]
+            if module in cols and t.dim() >= 1:
+                return split(0)
+            if module in rows and name.endswith("weight"):
+                return split(1)
+        return broadcast
+    if kind == "context":   # the sequence (dim 1 of a batch input) split
+        return param, lambda x: split(1) if x.dim() >= 2 else broadcast
+    batch = lambda x: broadcast if kind in ("tensor", "replicated") else split(0)
+    return param, batch
+
+
+def _batch_sbp(x, per_axis: list, placement: Placement) -> tuple:
+    """A batch input's sbp: split(0) on the axes that split the batch (split(1) on an
+    axis that splits the sequence), while that dim still divides among them (else
+    broadcast there)."""
+    sbp, ranks = [], {}
+    for batch, size in zip(per_axis, placement.shape):
+        s = batch(x)
+        if isinstance(s, Split) and x.dim() > s.dim and \
+                x.shape[s.dim] >= ranks.get(s.dim, 1) * size:
+            ranks[s.dim] = ranks.get(s.dim, 1) * size
+            sbp.append(s)
+        else:
+            sbp.append(broadcast)
+    return tuple(sbp)
+
+
+def _expert_weights(model, placement: Placement) -> set:
+    """Names of the expert weights of every ``gt.nn.MoE`` in ``model`` whose experts
+    divide over the (inner) axis of a 1-D or 2-D ``placement`` (empty otherwise):
+    split(0) there in expert parallel."""
+    if placement.ndim > 2:
+        return set()
+    return {f"{prefix}.{w}".lstrip(".") for prefix, m in model.named_modules()
+            if isinstance(m, MoE) and m.experts % placement.shape[-1] == 0
+            for w in ("w1", "w2")}
+
+
+def _sequence_model(model, inputs: tuple, ranks: int) -> bool:
+    """Whether to offer the sequence split (context parallel): the model has an
+    attention module, or takes token ids (integers, batch x sequence), and the
+    sequence has a position for every rank."""
+    tokens = [x for x in inputs if isinstance(x, torch.Tensor) and x.dim() >= 2]
+    if not tokens or min(x.shape[1] for x in tokens) < ranks:
+        return False
+    return any(not x.is_floating_point() for x in tokens) or any(
+        "attention" in type(m).__name__.lower() for m in model.modules())
+
+
+def _megatron_pairs(model) -> tuple[set, set]:
+    """Linear layers in Megatron's pattern. In a ``Sequential`` the Linears chain: each
+    pair in turn whose widths meet (fc1 -> fc2) is column then row. In another module,
+    the last Linear is row-parallel when earlier ones with one input width feed it (q,
+    k, v into proj), and those are column-parallel."""
+    rows, cols = set(), set()
+    for prefix, module in model.named_modules():
+        linears = [(f"{prefix}.{name}".lstrip("."), m) for name, m in module.named_children()
+                   if isinstance(m, torch.nn.Linear)]
+        if len(linears) < 2:
+            continue
+        if isinstance(module, torch.nn.Sequential):
+            k = 0
+            while k + 1 < len(linears):
+                (a, fa), (b, fb) = linears[k], linears[k + 1]
+                if fa.out_features == fb.in_features:
+                    cols.add(a)
+                    rows.add(b)
+                    k += 2
+                else:
+                    k += 1
+            continue
+        last_name, last = linears[-1]
+        feeds = [(c, m) for c, m in linears[:-1] if m.out_features == last.in_features]
+        if feeds and len({m.in_features for _, m in feeds}) == 1:
+            rows.add(last_name)
+            cols.update(c for c, _ in feeds)
+    return rows, cols
