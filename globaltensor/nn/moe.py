@@ -1,5 +1,6 @@
 """``gt.nn.MoE``: a mixture-of-experts feed-forward layer with its experts split across
-ranks (expert parallel, issue #48 item 2).
+ranks (expert parallel; on a 2-D placement data x expert: the experts split on the
+second axis, copied on the first, tokens routed within each row).
 
 Every expert weight is one parameter with a leading expert dimension (``w1``: experts x
 dim x hidden, ``w2``: experts x hidden x dim) laid out ``split(0)``: each rank of the
