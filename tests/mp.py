@@ -219,6 +219,18 @@ def run_examples_together(runs: list, tmp_path, timeout: float = 150) -> list:
     return [out.stdout for out in outs]
 
 
+def example_module(name: str):
+    """``examples/<name>.py`` imported as a module (its ``main`` not run): checks use its
+    model and training functions in the session's worlds instead of launching it."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def benchmark_module(name: str):
     """``benchmarks/<name>.py`` imported (with the benchmarks it imports) without leaving
     benchmarks/ on ``sys.path``, where its scripts would hide test helpers of the same

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from check_helpers import S, _close, _g, _gen, _line
-from mp import checks_in_worlds
+from mp import checks_in_worlds, example_module
 
 import globaltensor as gt
 from globaltensor.cost import product_macs, ring_seconds
@@ -163,22 +163,12 @@ def test_packed_attention_in_one_process_and_its_bad_offsets():
         gt.nn.packed_attention(q, k[:, :, :6], v, [0, 12])
 
 
-def _example():
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[2] / "examples" / "long_context.py"
-    spec = importlib.util.spec_from_file_location("long_context", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def check_long_context_example_trains_equal_and_keeps_its_share():
     """examples/long_context.py: a GPT with its sequence split trains equal to one
     process, no collective gathers the sequence, and what a rank keeps for backward
     grows with the sequence / the ranks."""
     import copy
-    ex, n, seq = _example(), gt.get_world_size(), 8 * gt.get_world_size()
+    ex, n, seq = example_module("long_context"), gt.get_world_size(), 8 * gt.get_world_size()
     torch.manual_seed(0)
     initial = ex.GPT(2 * seq)
     plain, model = copy.deepcopy(initial), gt.nn.to_global(copy.deepcopy(initial), _line(),

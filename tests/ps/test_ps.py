@@ -6,7 +6,6 @@ input and a failing worker.
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
 import subprocess
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mp import free_port
+from mp import example_module, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "wide_and_deep_ps.py"
@@ -70,7 +69,7 @@ def test_sync_equals_one_process_and_roles_end_cleanly(sync_run) -> None:
     _loss_falls(r.stdout)
 
     # the same training in this process with plain torch (nn.Embedding(sparse=True), SGD)
-    example = _example_module()
+    example = example_module("wide_and_deep_ps")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -315,7 +314,7 @@ def test_example_resumes_from_its_checkpoint_like_one_process(resumed, tmp_path:
     # for 20 more: the 40 steps of one plain-torch process
     code, _, _, text = resumed["resume"]
     assert code == 0 and "resumed from" in text and "(step 20)" in text, text
-    example = _example_module()
+    example = example_module("wide_and_deep_ps")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -325,13 +324,6 @@ def test_example_resumes_from_its_checkpoint_like_one_process(resumed, tmp_path:
     ours, ref = torch.load(resumed["ours"]), torch.load(tmp_path / "ref.pt")
     for name in ref:
         torch.testing.assert_close(ours[name], ref[name], rtol=0, atol=1e-5, msg=name)
-
-
-def _example_module():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("wide_and_deep_ps", EXAMPLE)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    return example
 
 
 def _hashed_shard(capacity: int, **policy):
