@@ -65,9 +65,19 @@ def _world_names(items, n: int) -> list:
 def order_world_tests_last(items: list) -> None:
     """Put the shared worlds' tests after every other test (world 2's, then world 4's),
     in their order otherwise: the worlds then run behind the other tests, which leave
-    cores idle while they wait for launched jobs, and their tests find them done."""
-    items.sort(key=lambda item: getattr(getattr(item, "function", None), "shared_world",
-                                        None) or 0)
+    cores idle while they wait for launched jobs, and their tests find them done. The
+    examples' runs (several processes each, busy the whole time) go just before them:
+    they then fill both cores once the worlds are done, where a test that waits or runs
+    in one process would leave one idle."""
+    def key(item):
+        world = getattr(getattr(item, "function", None), "shared_world", None)
+        return (world or 0, world is None and _runs_examples(item))
+    items.sort(key=key)
+
+
+def _runs_examples(item) -> bool:
+    from pathlib import Path
+    return Path(str(item.fspath)).parent.name == "examples"
 
 
 def start_shared_worlds(items: list) -> None:
