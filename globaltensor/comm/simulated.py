@@ -1,7 +1,8 @@
 """The communication of a simulated world: n ranks as threads of one process.
 
 Collectives run in memory on torch's threaded process group (the one DTensor's tests
-run on), extended with sends and receives; the store is an in-memory ``HashStore``.
+run on), extended with sends and receives and with reduce-scatters by every reduction;
+the store is an in-memory ``HashStore``.
 Ranks take turns (``Turns``): one runs at a time, and a rank hands the turn on only
 where it waits for the others (inside a collective, a receive, a store wait, a
 group's creation), so everything else a rank runs is free of races and repeatable, and
@@ -130,8 +131,35 @@ _KINDS = {"allreduce": "AllReduce", "allreduce_coalesced": "AllReduce", "barrier
           "alltoall": "AllToAll"}
 
 
+class ReduceScatter(threaded.ReduceScatter):
+    """torch's threaded reduce-scatter with every reduction of the other collectives
+    (torch's sums and averages only; a partial_max -> split boxing needs max). Named as
+    torch's: the divergence check below compares collectives by their class name."""
+
+    def __init__(self, op):
+        self.op = op
+
+    @torch.no_grad()
+    def work(self, data):
+        if self.op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            return super().work(data)
+        reduce = threaded._reduce_ops[self.op.op]
+        for rank, (outputs, _) in enumerate(data):
+            parts = [scatter[0][rank].to(outputs[0].device) for _, scatter in data]
+            outputs[0].detach().copy_(reduce(parts))
+        return None
+
+
+def _reduce_scatter(self, output_tensor, scatter_list, opts=dist.ReduceScatterOptions()):
+    coll = threaded.ProcessLocalGroup._start_coll(ReduceScatter(opts.reduceOp), self)
+    res = coll.join(self._rank, (output_tensor, scatter_list))
+    threaded.ProcessLocalGroup._end_coll(coll, self)
+    return res
+
+
 def _waited(name: str):
-    base = getattr(threaded.ProcessLocalGroup, name)
+    base = _reduce_scatter if name == "reduce_scatter" else getattr(threaded.ProcessLocalGroup,
+                                                                     name)
     kind = _KINDS.get(name)
 
     def method(self, *args, **kwargs):

@@ -115,6 +115,26 @@ def test_the_op_battery_checks_run_unchanged():
     simulated_world(4)(test_matmul.check_matmul)
 
 
+def _reduce_scattered() -> list:
+    """A reduce-scatter by max, min and sum on the simulated group (torch's threaded
+    group reduces only sums and averages there; a partial_max -> split boxing needs max)."""
+    import torch.distributed as dist
+    whole = torch.arange(8.0).reshape(4, 2) * (1 + gt.get_rank())
+    out = []
+    for op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.SUM):
+        part = torch.empty(1, 2)
+        getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(part, whole, op=op)
+        out.append(part)
+    return out
+
+
+def test_reduce_scatter_takes_max_and_min_as_well_as_sum():
+    base = torch.arange(8.0).reshape(4, 2)
+    for rank, parts in enumerate(simulated_world(4)(_reduce_scattered)):
+        for part, times in zip(parts, (4, 1, 10)):
+            assert torch.equal(part, times * base[rank:rank + 1]), (rank, times, part)
+
+
 def test_bad_world_sizes_are_refused():
     with pytest.raises(ValueError, match="at least one rank"):
         simulated_world(0)
