@@ -16,8 +16,9 @@ Limits (what needs real processes): the launcher, faults and restarts, gloo and 
 themselves, timeouts inside a collective (a rank that never comes ends the world after
 ``timeout`` seconds), CUDA placements, ``torch.compile`` (dynamo's cache is shared by
 the threads, so a graph compiled on one rank would serve another), the parameter
-servers (RPC), and anything a program does with its process (``os.getpid``, files
-named by rank are fine).
+servers (RPC), the torch profiler (one session per process: a second rank's crashes
+it), DTensor's all-gather of uneven parts, and anything a program does with its process
+(``os.getpid``, files named by rank are fine).
 
 >>> import globaltensor as gt                                        # doctest: +SKIP
 >>> def step():
