@@ -137,7 +137,7 @@ class ReduceScatter(threaded.ReduceScatter):
     torch's: the divergence check below compares collectives by their class name."""
 
     def __init__(self, op):
-        self.op = op
+        self.op = op   # (torch's own refuses every reduction but sum and average)
 
     @torch.no_grad()
     def work(self, data):
@@ -158,8 +158,8 @@ def _reduce_scatter(self, output_tensor, scatter_list, opts=dist.ReduceScatterOp
 
 
 def _waited(name: str):
-    base = _reduce_scatter if name == "reduce_scatter" else getattr(threaded.ProcessLocalGroup,
-                                                                     name)
+    base = _reduce_scatter if name == "reduce_scatter" else \
+        getattr(threaded.ProcessLocalGroup, name)
     kind = _KINDS.get(name)
 
     def method(self, *args, **kwargs):
