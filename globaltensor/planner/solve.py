@@ -45,6 +45,7 @@ class Problem:
     out_of: list = field(init=False)  # per node: indices of edges out of it
     _columns: dict = field(init=False, repr=False, compare=False)
     _arrays: dict = field(init=False, repr=False, compare=False)
+    _transposed: dict = field(init=False, repr=False, compare=False)
     _by_edge: list = field(init=False, repr=False, compare=False)
     _cols_by_edge: list = field(init=False, repr=False, compare=False)
     _unaries: list = field(init=False, repr=False, compare=False)
@@ -62,6 +63,7 @@ class Problem:
             self.out_of[u].append(k)
         self._columns = {}   # id of an edge's matrix (edges may share one): its columns
         self._arrays = {}    # the same: the matrix as an array
+        self._transposed = {}  # the same: its transpose, contiguous (``by_consumer``)
         self._by_edge = [None] * len(self.edges)       # per edge: its matrix's array
         self._cols_by_edge = [None] * len(self.edges)  # per edge: its matrix's columns
         self._unaries = [None] * len(self.unary)       # per node: unary as an array
@@ -100,14 +102,23 @@ class Problem:
             self._by_edge[k] = found
         return found
 
+    def by_consumer(self, k: int) -> "np.ndarray":
+        """Edge k's matrix transposed, [consumer option][producer option], contiguous:
+        a consumer's option picks a row, which adds faster than a column."""
+        cost = self.edges[k][2]
+        found = self._transposed.get(id(cost))
+        if found is None:
+            found = self._transposed[id(cost)] = np.ascontiguousarray(self.array(k).T)
+        return found
+
     def neighbours(self, v: int) -> tuple:
-        """([(producer, edge's array)], [(consumer, edge's array)]) of node v, in the
-        order of ``into`` and ``out_of``."""
+        """([(producer, edge's array)], [(consumer, edge's ``by_consumer`` array)]) of
+        node v, in the order of ``into`` and ``out_of``."""
         found = self._neighbours[v]
         if found is None:
             found = self._neighbours[v] = (
                 [(self.edges[k][0], self.array(k)) for k in self.into[v]],
-                [(self.edges[k][1], self.array(k)) for k in self.out_of[v]])
+                [(self.edges[k][1], self.by_consumer(k)) for k in self.out_of[v]])
         return found
 
     def summed(self, v: int) -> tuple:
@@ -190,12 +201,13 @@ def tree_dp(problem: Problem, choice: list) -> list:
                 table = table + problem.array(k)[choice[u]]
                 continue
             through = best[u][:, None] + problem.array(k)   # [producer][consumer option]
-            back[k] = through.argmin(axis=0).tolist()       # the first cheapest
-            table = table + through.min(axis=0)
+            first = through.argmin(axis=0)                   # the first cheapest
+            back[k] = first.tolist()
+            table = table + through[first, np.arange(len(first))]
         for k in problem.out_of[v]:
             w = edges[k][1]
             if held[w]:
-                table = table + problem.array(k)[:, choice[w]]
+                table = table + problem.by_consumer(k)[choice[w]]
         best[v] = table
     choice = list(choice)
     for v in range(n - 1, -1, -1):
@@ -251,18 +263,20 @@ def _region_cost(problem: Problem, choice: list, nodes: list, edges: set) -> flo
 def forward_dp(problem: Problem) -> list:
     """Dynamic programming in node order (producers first), then choices from the last
     node back, each node taking its best option given its consumers' choices."""
-    best = []   # per node: its cheapest subtotal per option (numpy: the same sums)
+    best, least = [], []   # per node: its cheapest subtotal per option, and the least
+    smallest = np.minimum.reduce   # = ndarray.min, without its Python wrapper
     for v in range(len(problem.unary)):
         table = problem.unary_array(v)
         for k in problem.into[v]:
-            bu = best[problem.edges[k][0]]
-            table = table + ((bu[:, None] + problem.array(k)).min(axis=0) - bu.min())
+            u = problem.edges[k][0]
+            table = table + (smallest(best[u][:, None] + problem.array(k)) - least[u])
         best.append(table)
+        least.append(smallest(table))
     choice: list = [None] * len(best)
     for v in range(len(best) - 1, -1, -1):
         scores = best[v]
         for k in problem.out_of[v]:
-            scores = scores + problem.array(k)[:, choice[problem.edges[k][1]]]
+            scores = scores + problem.by_consumer(k)[choice[problem.edges[k][1]]]
         choice[v] = int(scores.argmin())
     return choice
 

@@ -46,7 +46,7 @@ def add_consumers(problem, v: int, choice, sums):
             sums = list(map(add, sums, problem.columns(k)[choice[edges[k][1]]]))
     else:
         for k in problem.out_of[v]:
-            sums = sums + problem.array(k)[:, choice[edges[k][1]]]
+            sums = sums + problem.by_consumer(k)[choice[edges[k][1]]]
     return sums
 
 
@@ -164,7 +164,7 @@ def pick(problem, choice: list, w: int) -> tuple:
             mine = mine + cost[choice[u]]
         full = mine
         for x, cost in outs:
-            full = full + cost[:, choice[x]]
+            full = full + cost[choice[x]]
         first, best = int(mine.argmin()), int(full.argmin())
         return first, float(full[now] - full[first]), best, float(full[now] - full[best])
     mine = scores(problem, w, choice, consumers=False)
