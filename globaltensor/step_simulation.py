@@ -17,9 +17,11 @@ is measured:
 - its compute: multiply-adds of products (mm, bmm, addmm, baddbmm, fused attention) on
   this rank's parts, and bytes read and written by the other ops;
 - an estimated time from a ``DeviceProfile``: products at the profile's rate for
-  their dtype, other ops at its memory bandwidth, each collective as the latency of its
-  hops plus its bytes over the slowest link its group spans (within a node, across
-  nodes), all in sequence (no overlap counted).
+  their dtype, other ops at its memory bandwidth, each call carried out as the host's
+  ``op_seconds`` (overlapping the kernels on a GPU, added to them on a CPU, whose
+  ``cores`` a node's ranks share), each collective as its link's launch, the latency
+  of its hops and its bytes over the slowest link its group spans (within a node,
+  across nodes), communication in sequence (no overlap counted).
 
 Profiles: ``PROFILES`` ("h100" and "h200" from their datasheets, dense rates, NCCL;
 edit or add your own) and ``"cpu"``, this machine measured at first use (gloo's
@@ -47,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -59,8 +62,11 @@ from . import cost, heap, modes, simulated
 from .boxing import plan as plans
 from .comm import stats
 from .comm.stats import CommCounter
+from .layout import Layout
 from .placement import Placement
 from .planner import record
+from .sbp import broadcast
+from .tensor import from_full
 
 aten = torch.ops.aten
 
@@ -68,11 +74,12 @@ aten = torch.ops.aten
 @dataclass(frozen=True)
 class Link:
     """One level of the network: ``ranks`` per group of this level (a node's 8; None:
-    every rank), the bytes per second each rank sends on it, and the latency of one
-    message."""
+    every rank), the bytes per second each rank sends on it, the latency of one
+    message, and the time to start one collective on it."""
     ranks: "int | None"
     bandwidth: float
     latency: float
+    launch: float = 0.0   # starting one collective (the host's part: gloo's is large)
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,13 @@ class DeviceProfile:
     memory_bandwidth: float
     links: tuple
     backend: str = "nccl"
+    # Host seconds per op this library carries out (deciding, autograd, the kernel's
+    # launch): on a CPU the same core runs them in turn with the kernels; on a GPU
+    # they overlap the kernels, and a step takes the longer of the two. 0: not counted.
+    op_seconds: float = 0.0
+    # Cores a node's ranks share (None: each rank has a device of its own): ranks
+    # beyond them run in turn (``cpu_profile``: ranks of a world on this machine).
+    cores: "int | None" = None
 
     def flops(self, dtype: torch.dtype) -> float:
         name = str(dtype).replace("torch.", "")
@@ -112,20 +126,67 @@ PROFILES: dict = {
 
 @functools.lru_cache(maxsize=1)
 def cpu_profile() -> DeviceProfile:
-    """This machine, measured once: a 512 x 512 float32 product's rate and a 64 MiB
-    copy's bandwidth; links: gloo on loopback (``cost.GLOO``)."""
-    a, b = torch.randn(512, 512), torch.randn(512, 512)
-    src, dst = torch.empty(16 << 20), torch.empty(16 << 20)
-    a @ b, dst.copy_(src)   # warm
-    t0 = time.perf_counter()
-    for _ in range(8):
-        a @ b
-    flops = 8 * 2 * 512 ** 3 / (time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    dst.copy_(src)
-    bandwidth = 2 * src.numel() * 4 / (time.perf_counter() - t0)
+    """This machine, measured once, as one rank of a world here runs (one thread: the
+    launcher's ``OMP_NUM_THREADS``): the rate of a 512 x 256 x 1024 float32 layer's
+    products (forward and backward), the bytes per second of an add, GELU, softmax and
+    layer norm on 2 MiB, and the host time per call of a small training step
+    (``_op_seconds``); links: gloo on loopback (``cost.GLOO``); the ranks share
+    this machine's cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b, c = torch.randn(512, 256), torch.randn(256, 1024), torch.randn(512, 1024)
+        # a layer's three products: forward, and its backward's two (transposed operands)
+        flops = 3 * 2 * 512 * 256 * 1024 / sum(map(_best_seconds, (
+            lambda: a @ b, lambda: c @ b.t(), lambda: a.t() @ c)))
+        # the other ops of a step move their operands at rates as different as these:
+        # bytes over the time of all four
+        F = torch.nn.functional
+        bandwidth = 9 * c.nbytes / sum(map(_best_seconds, (
+            lambda: c + c, lambda: F.gelu(c), lambda: torch.softmax(c, -1),
+            lambda: F.layer_norm(c, (1024,)))))
+        op_seconds = simulated.run_as_rank(1, 0, _op_seconds)
+    finally:
+        torch.set_num_threads(threads)
     return DeviceProfile("this CPU (measured)", {"float32": flops}, bandwidth,
-                         (Link(None, 1 / cost.GLOO.beta, cost.GLOO.alpha),), "gloo")
+                         (Link(None, 1 / cost.GLOO.beta, cost.GLOO.alpha, cost.GLOO.launch),),
+                         "gloo",
+                         op_seconds=op_seconds, cores=os.cpu_count() or 1)
+
+
+def _best_seconds(work: Callable, repeats: int = 5, calls: int = 4) -> float:
+    """The least time of ``calls`` calls of ``work`` (over ``repeats`` tries), per call:
+    what the machine does when nothing else runs."""
+    work()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            work()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best
+
+
+def _op_seconds() -> float:
+    """Host seconds per call of a training step too small for its kernels to count (a
+    16-wide layer with layer norm and GELU, backward, AdamW): deciding each call,
+    autograd, the optimizer's Python and the kernels' launches, per call carried out."""
+    layout = functools.partial(Layout.make, placement=Placement("cpu", [0]), sbp=(broadcast,))
+    w, bias = (from_full(torch.randn(*s) / 4, layout(s), requires_grad=True)
+               for s in ((16, 16), (16,)))
+    x = from_full(torch.randn(8, 16), layout((8, 16)))
+    opt = torch.optim.AdamW([w, bias])
+
+    def step():
+        h = torch.nn.functional.gelu(torch.nn.functional.layer_norm(x @ w + bias, (16,)))
+        h.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    step()
+    costing = _Costing(0)
+    with costing:
+        step()
+    return _best_seconds(step, repeats=3, calls=10) / costing.ops
 
 
 def profile_of(device: "str | DeviceProfile") -> DeviceProfile:
@@ -167,24 +228,41 @@ class SimulatedStep:
     macs: dict
     other_bytes: int
     result: object = field(default=None, repr=False)
+    ops: int = 0                 # calls carried out on this rank
+    ranks_per_node: int = 1      # (the ranks that share a node's ``device.cores``)
+
+    @property
+    def _shared(self) -> float:
+        """How many ranks take turns on each core (1 where each has its own device)."""
+        cores = self.device.cores
+        return 1.0 if cores is None else max(1.0, self.ranks_per_node / cores)
 
     @property
     def compute_seconds(self) -> float:
         products = sum(2 * n / self.device.flops(dtype) for dtype, n in self.macs.items())
-        return products + self.other_bytes / self.device.memory_bandwidth
+        return (products + self.other_bytes / self.device.memory_bandwidth) * self._shared
+
+    @property
+    def host_seconds(self) -> float:
+        """The host's time for the step's calls (``DeviceProfile.op_seconds``)."""
+        return self.ops * self.device.op_seconds * self._shared
 
     @property
     def comm_seconds(self) -> float:
         total = 0.0
         for kind, nbytes, ranks in self.events:
             link = self.device.link(ranks, self.rank)
-            total += _latency_hops(kind, len(ranks)) * link.latency + nbytes / link.bandwidth
+            total += (link.launch + _latency_hops(kind, len(ranks)) * link.latency
+                      + nbytes / link.bandwidth)
         return total
 
     @property
     def seconds(self) -> float:
-        """The estimated step: compute, then communication (none overlapped)."""
-        return self.compute_seconds + self.comm_seconds
+        """The estimated step: compute, then communication (none overlapped); on a CPU
+        the host's time is added to the compute, on a GPU the longer of the two counts."""
+        busy = (self.compute_seconds + self.host_seconds if self.device.cores is not None
+                else max(self.compute_seconds, self.host_seconds))
+        return busy + self.comm_seconds
 
     step_seconds = seconds
 
@@ -203,6 +281,7 @@ class SimulatedStep:
         rows = [("step, estimated", self.seconds / ms, "ms"),
                 ("  compute", self.compute_seconds / ms, "ms"),
                 ("  communication", self.comm_seconds / ms, "ms"),
+                (f"  host ({self.ops} calls)", self.host_seconds / ms, "ms"),
                 ("memory at peak", self.peak_memory / mib, "MiB")]
         rows += [(f"  {k}", self.memory[k] / mib, "MiB") for k in
                  ("parameters", "gradients", "optimizer", "activations", "other")]
@@ -223,8 +302,10 @@ class _Costing(modes.Mode):
         self.rank = rank
         self.macs: Counter = Counter()
         self.other_bytes = 0
+        self.ops = 0   # every call carried out (views, boxing too): each costs host time
 
     def run(self, func, decision, leaves: list, spec, why):
+        self.ops += 1
         if why is None and decision.out_layouts is not None:
             self._count(func, decision)
         return self.below.run(func, decision, leaves, spec, why)
@@ -282,14 +363,15 @@ def simulate_step(fn: Callable, *args, placement: Placement,
     plans.clear_caches()
     try:
         return simulated.run_as_rank(world, rank, _simulate, fn, args, kwargs, rank, world,
-                                     profile, steps, planned, local_world=min(local, world),
+                                     profile, steps, planned, min(local, world),
+                                     local_world=min(local, world),
                                      backend=profile.backend)
     finally:
         plans.clear_caches()
 
 
 def _simulate(fn: Callable, args: tuple, kwargs: dict, rank: int, world: int,
-              profile: DeviceProfile, steps: int, planned: bool) -> SimulatedStep:
+              profile: DeviceProfile, steps: int, planned: bool, local: int) -> SimulatedStep:
     from torch.distributed._tools.mem_tracker import MemTracker
     with contextlib.nullcontext() if planned else record.paused(), stats.dry_run(), \
             heap.left_alone():   # (fully_shard would set this process's malloc)
@@ -306,7 +388,8 @@ def _simulate(fn: Callable, args: tuple, kwargs: dict, rank: int, world: int,
         with stats.dry_run(events=True) as counted, tracker, costing:
             result = step()
     return SimulatedStep(world, rank, profile, counted, tuple(counted.events),
-                         _by_kind(tracker), dict(costing.macs), costing.other_bytes, result)
+                         _by_kind(tracker), dict(costing.macs), costing.other_bytes, result,
+                         costing.ops, local)
 
 
 def _by_kind(tracker) -> dict:

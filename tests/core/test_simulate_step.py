@@ -185,3 +185,39 @@ def test_a_gpu_profile_chooses_and_prices_collectives_as_nccl():
     cpu = gt.debug.simulate_step(step, placement=_world(8), device="cpu")
     assert dict(gpu.counted.calls) == {"reduce_scatter": 1}, gpu.counted
     assert dict(cpu.counted.calls) == {"all_to_all": 7}, cpu.counted
+
+
+def test_host_time_per_call_and_ranks_that_share_cores():
+    """Each call carried out costs the profile's ``op_seconds`` of host time: on a GPU
+    it overlaps the kernels (the longer counts), on a CPU the same core runs both;
+    ranks of a node beyond its ``cores`` take turns (compute and host time scale)."""
+    rates = ({"float32": 1e11}, 1e10, (Link(None, 1e9, 1e-5, launch=1e-3),))
+    gpu = DeviceProfile("gpu", *rates, op_seconds=1e-3)
+    cpu = DeviceProfile("cpu, 2 cores", *rates, "gloo", op_seconds=1e-3, cores=2)
+    a = gt.debug.simulate_step(_make("dp"), placement=_world(4), device=gpu)
+    assert a.ops > 10 and a.host_seconds == pytest.approx(a.ops * 1e-3)
+    assert a.step_seconds == pytest.approx(max(a.compute_seconds, a.host_seconds)
+                                           + a.comm_seconds)
+    # each collective pays the link's launch once, besides its hops and bytes
+    assert a.comm_seconds >= len(a.events) * 1e-3 > 0
+    two = gt.debug.simulate_step(_make("dp"), placement=_world(4), device=cpu, ranks_per_node=2)
+    four = gt.debug.simulate_step(_make("dp"), placement=_world(4), device=cpu, ranks_per_node=4)
+    assert two.ops == a.ops and two.compute_seconds == pytest.approx(a.compute_seconds)
+    assert two.step_seconds == pytest.approx(two.compute_seconds + two.host_seconds
+                                             + two.comm_seconds)
+    assert four.compute_seconds == pytest.approx(2 * two.compute_seconds)
+    assert four.host_seconds == pytest.approx(2 * two.host_seconds)
+    assert f"host ({a.ops} calls)" in str(a)
+
+
+def test_this_cpu_is_measured_as_one_rank_of_a_world_here_runs():
+    """The "cpu" profile: one thread's rates (a launched rank's), a small training
+    step's host time per call, this machine's cores; the caller's threads untouched."""
+    from globaltensor.step_simulation import cpu_profile
+    threads = torch.get_num_threads()
+    profile = cpu_profile()
+    assert torch.get_num_threads() == threads
+    assert profile.cores == os.cpu_count() and profile.backend == "gloo"
+    assert 1e-6 < profile.op_seconds < 1e-2          # microseconds to milliseconds
+    assert profile.matmul_flops["float32"] > 1e9 and profile.memory_bandwidth > 1e8
+    assert profile.links[0].launch > 0               # gloo's start of a collective
