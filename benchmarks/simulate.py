@@ -2,6 +2,8 @@
 
     python benchmarks/simulate.py                       # 8, 64, 256, 1024 ranks, h100
     python benchmarks/simulate.py --worlds 8,64 --layouts dp,fs --device cpu
+    python benchmarks/simulate.py --measure --worlds 2,4 --layouts dp,tp,fs --dim 256 \
+        --heads 8 --layers 2 --seq 128 --vocab 1024      # estimated against real worlds here
 
 For each world size and layout, rank 0 of that world is simulated in this process (no
 other processes): its memory at the step's peak (parameters, gradients, optimizer
@@ -11,6 +13,11 @@ fully_shard (each block a unit), ``tp`` Megatron tensor parallel over the whole 
 (q/k/v/fc1 split(0), proj/fc2 weight split(1)), ``2d`` data x Megatron on (world / 8)
 x 8. The batch holds ``--rows`` sequences per data-parallel rank. Estimates of the
 cost model and the profile: see docs/debugging.md for what they leave out.
+
+``--measure`` (``--device cpu``) also runs each point in a real world of that size on
+this machine (gloo, op by op): the median of ``--steps`` timed steps and the peak of
+the ranks' tensors (torch's ``MemTracker``, as the simulation counts), with the
+estimate's ratio to each.
 """
 from __future__ import annotations
 
@@ -34,6 +41,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=50304)
     ap.add_argument("--rows", type=int, default=4, help="sequences per data-parallel rank")
+    ap.add_argument("--measure", action="store_true",
+                    help="also run each point in a real world here (cpu device)")
+    ap.add_argument("--steps", type=int, default=15, help="timed steps when measuring")
+    ap.add_argument("--layout", default=None, help=argparse.SUPPRESS)   # a measured world's
+    ap.add_argument("--measured-to", default=None, help=argparse.SUPPRESS)   # its rank 0's file
     return ap
 
 
@@ -71,14 +83,65 @@ def _make(cfg: Config, layout: str, rows: int):
     return make
 
 
+def _measured(argv) -> None:
+    """One rank of a real world: the step's peak tensor memory and median time (rank 0
+    writes them for the parent)."""
+    import statistics
+
+    import torch.distributed as dist
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from globaltensor.step_simulation import _by_kind
+    args = _parser().parse_args(argv)
+    gt.init()
+    torch.manual_seed(0)
+    cfg = Config(args.vocab, args.seq, args.dim, args.heads, args.layers)
+    step, model, opt = _make(cfg, args.layout, args.rows)()
+    for _ in range(3):
+        step()
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        step()
+    times = []
+    for _ in range(args.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    if dist.get_rank() == 0:
+        with open(args.measured_to, "w") as f:
+            f.write(f"{_by_kind(tracker)['peak']} {statistics.median(times)}")
+
+
+def _measure(layout: str, world: int) -> tuple:
+    """(peak bytes, median step seconds) of rank 0 of a real world of ``world``."""
+    import sys
+    import tempfile
+
+    from globaltensor.testing import spawn
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/measured"
+        spawn(_measured, world, sys.argv[1:] + ["--layout", layout, "--measured-to", path])
+        with open(path) as f:
+            peak, seconds = f.read().split()
+    return int(peak), float(seconds)
+
+
 def main(argv=None) -> None:
     args = _parser().parse_args(argv)
+    if args.layout is not None:   # a rank of a measured world
+        return _measured(argv)
+    if args.measure and args.device != "cpu":
+        raise SystemExit("--measure compares with this machine: use --device cpu")
     cfg = Config(args.vocab, args.seq, args.dim, args.heads, args.layers)
+    more = f"{'real ms':>9}{'est/real':>9}{'real MiB':>9}{'est/real':>9}" if args.measure else ""
     lines = [f"GPT {args.layers} layers, width {args.dim}, {args.heads} heads, sequence "
              f"{args.seq}, vocabulary {args.vocab}; {args.rows} sequences per data-parallel "
              f"rank; rank 0, device {args.device}, AdamW fp32",
              f"{'layout':<7}{'ranks':>6}{'peak MiB':>10}{'params':>9}{'grads':>9}{'optim':>9}"
-             f"{'sent MiB':>10}{'step ms':>9}{'compute':>9}{'comm':>9}{'sim s':>7}"]
+             f"{'sent MiB':>10}{'step ms':>9}{'compute':>9}{'comm':>9}{'host':>9}{'sim s':>7}"
+             + more]
     lines.append("-" * len(lines[-1]))
     print("\n".join(lines), flush=True)
     for layout in args.layouts.split(","):
@@ -93,7 +156,12 @@ def main(argv=None) -> None:
             line = (f"{layout:<7}{world:>6}{m['peak'] / mib:>10.0f}{m['parameters'] / mib:>9.0f}"
                     f"{m['gradients'] / mib:>9.0f}{m['optimizer'] / mib:>9.0f}"
                     f"{r.bytes / mib:>10.0f}{r.seconds * 1e3:>9.1f}{r.compute_seconds * 1e3:>9.1f}"
-                    f"{r.comm_seconds * 1e3:>9.1f}{time.perf_counter() - t0:>7.1f}")
+                    f"{r.comm_seconds * 1e3:>9.1f}{r.host_seconds * 1e3:>9.1f}"
+                    f"{time.perf_counter() - t0:>7.1f}")
+            if args.measure:
+                peak, seconds = _measure(layout, world)
+                line += (f"{seconds * 1e3:>9.1f}{r.seconds / seconds:>9.2f}{peak / mib:>9.1f}"
+                         f"{m['peak'] / peak:>9.2f}")
             print(line, flush=True)
 
 
