@@ -92,10 +92,11 @@ class DeviceProfile:
     memory_bandwidth: float
     links: tuple
     backend: str = "nccl"
-    # Host seconds per op this library carries out (deciding, autograd, the kernel's
+    # Host seconds per call this library carries out (deciding, autograd, the kernel's
     # launch): on a CPU the same core runs them in turn with the kernels; on a GPU
-    # they overlap the kernels, and a step takes the longer of the two. 0: not counted.
-    op_seconds: float = 0.0
+    # they overlap the kernels, and a step takes the longer of the two. None: this
+    # host's, measured at first use (``host_op_seconds``); 0: not counted.
+    op_seconds: "float | None" = None
     # Cores a node's ranks share (None: each rank has a device of its own): ranks
     # beyond them run in turn (``cpu_profile``: ranks of a world on this machine).
     cores: "int | None" = None
@@ -145,7 +146,7 @@ def cpu_profile() -> DeviceProfile:
         bandwidth = 9 * c.nbytes / sum(map(_best_seconds, (
             lambda: c + c, lambda: F.gelu(c), lambda: torch.softmax(c, -1),
             lambda: F.layer_norm(c, (1024,)))))
-        op_seconds = simulated.run_as_rank(1, 0, _op_seconds)
+        op_seconds = host_op_seconds()
     finally:
         torch.set_num_threads(threads)
     return DeviceProfile("this CPU (measured)", {"float32": flops}, bandwidth,
@@ -165,6 +166,19 @@ def _best_seconds(work: Callable, repeats: int = 5, calls: int = 4) -> float:
             work()
         best = min(best, (time.perf_counter() - t0) / calls)
     return best
+
+
+@functools.lru_cache(maxsize=1)
+def host_op_seconds() -> float:
+    """This host's seconds per call of a training step too small for its kernels to
+    count (``_op_seconds``), measured once: what a profile without ``op_seconds`` takes
+    (a GPU machine's host runs the same Python; its CPU may be faster or slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return simulated.run_as_rank(1, 0, _op_seconds)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _op_seconds() -> float:
@@ -245,7 +259,8 @@ class SimulatedStep:
     @property
     def host_seconds(self) -> float:
         """The host's time for the step's calls (``DeviceProfile.op_seconds``)."""
-        return self.ops * self.device.op_seconds * self._shared
+        each = self.device.op_seconds
+        return self.ops * (host_op_seconds() if each is None else each) * self._shared
 
     @property
     def comm_seconds(self) -> float:

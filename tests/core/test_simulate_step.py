@@ -90,8 +90,11 @@ def test_a_thousand_ranks_and_the_callers_world_is_untouched():
 
 def test_estimated_time_follows_the_profile_and_the_links():
     make = _make("dp")
-    fast = DeviceProfile("in-node", {"float32": 1e14}, 1e12, (Link(None, 100e9, 1e-6),))
-    slow = DeviceProfile("slow links", {"float32": 1e14}, 1e12, (Link(None, 1e9, 1e-4),))
+    # (op_seconds=0: host time not counted, here the links are what is compared)
+    fast = DeviceProfile("in-node", {"float32": 1e14}, 1e12, (Link(None, 100e9, 1e-6),),
+                         op_seconds=0.0)
+    slow = DeviceProfile("slow links", {"float32": 1e14}, 1e12, (Link(None, 1e9, 1e-4),),
+                         op_seconds=0.0)
     a = gt.debug.simulate_step(make, placement=_world(8), device=fast)
     b = gt.debug.simulate_step(make, placement=_world(8), device=slow)
     assert a.compute_seconds == pytest.approx(b.compute_seconds) and a.compute_seconds > 0
@@ -208,6 +211,12 @@ def test_host_time_per_call_and_ranks_that_share_cores():
     assert four.compute_seconds == pytest.approx(2 * two.compute_seconds)
     assert four.host_seconds == pytest.approx(2 * two.host_seconds)
     assert f"host ({a.ops} calls)" in str(a)
+    # a profile that does not say (the H100's) takes this host's time per call, measured
+    from globaltensor.step_simulation import host_op_seconds
+    h100 = gt.debug.simulate_step(_make("dp"), placement=_world(4), device="h100")
+    assert PROFILES["h100"].op_seconds is None and h100.ops == a.ops
+    assert h100.host_seconds == pytest.approx(h100.ops * host_op_seconds())
+    assert h100.host_seconds > 0
 
 
 def test_this_cpu_is_measured_as_one_rank_of_a_world_here_runs():
