@@ -133,9 +133,7 @@ def cpu_profile() -> DeviceProfile:
     layer norm on 2 MiB, and the host time per call of a small training step
     (``_op_seconds``); links: gloo on loopback (``cost.GLOO``); the ranks share
     this machine's cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with _one_thread():
         a, b, c = torch.randn(512, 256), torch.randn(256, 1024), torch.randn(512, 1024)
         # a layer's three products: forward, and its backward's two (transposed operands)
         flops = 3 * 2 * 512 * 256 * 1024 / sum(map(_best_seconds, (
@@ -146,13 +144,20 @@ def cpu_profile() -> DeviceProfile:
         bandwidth = 9 * c.nbytes / sum(map(_best_seconds, (
             lambda: c + c, lambda: F.gelu(c), lambda: torch.softmax(c, -1),
             lambda: F.layer_norm(c, (1024,)))))
-        op_seconds = host_op_seconds()
-    finally:
-        torch.set_num_threads(threads)
     return DeviceProfile("this CPU (measured)", {"float32": flops}, bandwidth,
                          (Link(None, 1 / cost.GLOO.beta, cost.GLOO.alpha, cost.GLOO.launch),),
-                         "gloo",
-                         op_seconds=op_seconds, cores=os.cpu_count() or 1)
+                         "gloo", op_seconds=host_op_seconds(), cores=os.cpu_count() or 1)
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """torch on one thread while measuring (as a launched rank runs), then as it was."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _best_seconds(work: Callable, repeats: int = 5, calls: int = 4) -> float:
@@ -173,12 +178,8 @@ def host_op_seconds() -> float:
     """This host's seconds per call of a training step too small for its kernels to
     count (``_op_seconds``), measured once: what a profile without ``op_seconds`` takes
     (a GPU machine's host runs the same Python; its CPU may be faster or slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with _one_thread():
         return simulated.run_as_rank(1, 0, _op_seconds)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _op_seconds() -> float:
