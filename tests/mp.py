@@ -157,52 +157,53 @@ def checks_in_worlds(module: str, checks, only_in_4=(), only_in_2=()):
 
 
 def _example_command(script: str, nproc: int, log_dir, args) -> tuple:
-    """(command, cwd, env) of running ``examples/<script>`` as the README does, through
-    the launcher on a free port. One OpenMP thread per process, also for a 1-rank run,
-    so runs do not oversubscribe the cores."""
-    import sys
+    """(the launcher's arguments, cwd, env) of running ``examples/<script>`` as the
+    README does, through the launcher on a free port. One OpenMP thread per process, also
+    for a 1-rank run, so runs do not oversubscribe the cores."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "globaltensor.launch", "--nproc_per_node", str(nproc),
-           "--master_port", str(free_port()), "--log_dir", str(log_dir),
-           str(root / "examples" / script), *args]
-    return cmd, root, {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = ["--nproc_per_node", str(nproc), "--master_port", str(free_port()),
+            "--log_dir", str(log_dir), str(root / "examples" / script), *args]
+    return args, root, {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def launch_example(script: str, nproc: int, tmp_path, *args, timeout: float = 150):
     """Run ``examples/<script>`` through the launcher with its logs in ``tmp_path``;
-    returns the CompletedProcess."""
-    import subprocess
+    returns the CompletedProcess. The launcher is forked from the session's launcher
+    server (``forked_launch``: no torch import per launch)."""
+    import forked_launch
 
-    cmd, cwd, env = _example_command(script, nproc, tmp_path / f"log{nproc}", args)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd,
-                          env=env)
+    args, cwd, env = _example_command(script, nproc, tmp_path / f"log{nproc}", args)
+    return forked_launch.run(args, cwd, env, timeout)
 
 
 def launch_examples_together(runs: list, tmp_path, timeout: float = 150) -> list:
     """``launch_example`` for each ``(script, nproc, *args)`` of ``runs``, all started
-    at once (independent runs: a 1-rank run, or a launcher importing torch before its
-    workers start, leaves a core idle that another run can use); returns their
+    at once (independent runs: a 1-rank run, or a launcher starting its workers, leaves
+    a core idle that another run can use); returns their
     CompletedProcesses in order. Output goes to files (a full pipe would stall a run
     while another is waited for)."""
     import subprocess
     import time
 
+    import forked_launch
+
     started = []
     try:
         for k, (script, nproc, *args) in enumerate(runs):
-            cmd, cwd, env = _example_command(script, nproc, tmp_path / f"log{k}-{nproc}", args)
+            args, cwd, env = _example_command(script, nproc, tmp_path / f"log{k}-{nproc}", args)
             out, err = (open(tmp_path / f"run{k}.{name}", "w+") for name in ("out", "err"))
-            started.append((cmd, out, err, subprocess.Popen(cmd, stdout=out, stderr=err,
-                                                             text=True, cwd=cwd, env=env)))
+            started.append((args, out, err, forked_launch.start(args, cwd, env, out.fileno(),
+                                                                err.fileno())))
         deadline = time.monotonic() + timeout
         done = []
-        for cmd, out, err, proc in started:
+        for args, out, err, proc in started:
             proc.wait(max(0.1, deadline - time.monotonic()))
             out.seek(0)
             err.seek(0)
-            done.append(subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read()))
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out.read(),
+                                                    err.read()))
         return done
     finally:
         for _, out, err, proc in started:

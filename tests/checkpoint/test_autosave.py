@@ -4,10 +4,9 @@ SIGKILLed in the middle of a save that resumes to the parameters of an uninterru
 (kills at random steps, under the launcher's restarts: benchmarks/faults.py)."""
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
+import forked_launch
 import pytest
 import torch
 from mp import checks_in_worlds, free_port
@@ -266,14 +265,13 @@ test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
 # --- jobs through the launcher, killed and resumed ---------------------------------------
 
 def launch(tmp_path, name: str, *args):
-    cmd = [sys.executable, "-m", "globaltensor.launch", "--nproc_per_node", "2",
-           "--master_port", str(free_port()),
-           "--log_dir", str(tmp_path / f"log-{name}-{len(list(tmp_path.glob(f'log-{name}-*')))}"),
-           str(JOB),
-           "--ckpt", str(tmp_path / name), "--out", str(tmp_path / f"{name}.pt"), *args]
-    out = open(tmp_path / f"{name}.out", "w+")
-    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}), out
+    args = ["--nproc_per_node", "2", "--master_port", str(free_port()),
+            "--log_dir", str(tmp_path / f"log-{name}-{len(list(tmp_path.glob(f'log-{name}-*')))}"),
+            str(JOB),
+            "--ckpt", str(tmp_path / name), "--out", str(tmp_path / f"{name}.pt"), *args]
+    out = open(tmp_path / f"{name}.out", "w+")     # stdout and stderr, in the order written
+    return forked_launch.start(args, os.getcwd(), {**os.environ, "OMP_NUM_THREADS": "1"},
+                               out.fileno(), out.fileno()), out
 
 
 def finish(runs: dict, timeout: float = 120) -> dict:

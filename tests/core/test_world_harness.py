@@ -1,4 +1,5 @@
-"""The test harness's world fails fast when a process dies without reporting."""
+"""The test harness: its world fails fast when a process dies without reporting, and
+the launcher the suite forks for its jobs runs as `python -m globaltensor.launch`."""
 import os
 
 import pytest
@@ -17,3 +18,60 @@ def test_a_process_that_dies_without_reporting_is_named():
     world = World(2, __name__, ["check_rank_one_dies"], timeout=60)
     with pytest.raises(AssertionError, match="rank 1 exited with code 3 before reporting"):
         world.check("check_rank_one_dies")
+
+
+JOB = """
+import os, sys, time
+print("out", os.environ["RANK"], os.getcwd(), os.environ["MARK"], flush=True)
+print("err", os.environ["RANK"], file=sys.stderr, flush=True)
+with open(f"pid{os.environ['RANK']}", "w") as f:
+    f.write(str(os.getpid()))
+time.sleep(float(sys.argv[1]))
+sys.exit(3 if os.environ["RANK"] == "1" else 0)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_forked_launcher_runs_as_python_m_would_and_its_job_dies_with_a_timeout(tmp_path):
+    """The suite's launches (tests/forked_launch.py): the job's directory, environment,
+    separate stdout and stderr and exit code; at a timeout, no process is left."""
+    import subprocess
+    import time
+
+    import forked_launch
+    from mp import free_port
+
+    (tmp_path / "job.py").write_text(JOB)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MARK": "m1"}
+
+    def args(seconds):
+        return ["--nproc_per_node", "2", "--master_port", str(free_port()), "--log_dir",
+                str(tmp_path / f"log{seconds}"), str(tmp_path / "job.py"), str(seconds)]
+
+    done = forked_launch.run(args(0), tmp_path, env, timeout=60)
+    assert done.returncode == 3, done.stdout + done.stderr          # rank 1's code
+    assert f"out 0 {tmp_path} m1" in done.stdout and "out 1" in done.stdout, done.stdout
+    # the workers' output (stdout and stderr, one log per rank) on the launcher's stdout,
+    # its own report on its stderr
+    assert "[rank1]: err 1" in done.stdout and "world size" not in done.stdout, done.stdout
+    assert "world size      : 2" in done.stderr and "[rank1]" not in done.stderr, done.stderr
+    assert "rank 1 exited with code 3" in done.stderr, done.stderr
+
+    start = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        forked_launch.run(args(60), tmp_path, env, timeout=5)
+    assert time.monotonic() - start < 30          # killed, not waited for (60 s)
+    pids = [int((tmp_path / f"pid{rank}").read_text()) for rank in (0, 1)]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids), pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

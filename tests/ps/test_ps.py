@@ -7,11 +7,12 @@ input and a failing worker.
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
+import forked_launch
 import pytest
 import torch
 from mp import example_module, free_port
@@ -25,10 +26,9 @@ SGD = ("--optimizer", "sgd", "--lr", "0.5", "--dense_lr", "0.1")
 
 
 def ps_launch(log_dir: Path, script: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "globaltensor.launch", "--server_num", "2", "--worker_num", "2",
-           "--master_port", str(free_port()), "--log_dir", str(log_dir), str(script), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    args = ["--server_num", "2", "--worker_num", "2", "--master_port", str(free_port()),
+            "--log_dir", str(log_dir), str(script), *args]
+    return forked_launch.run(args, REPO, {**os.environ, "OMP_NUM_THREADS": "1"}, timeout)
 
 
 def _value(pattern: str, text: str) -> float:
@@ -201,15 +201,16 @@ SYNC_STEPS = "60"  # sync vs one plain-torch process: steps of the example (50+)
 def _start(log_dir: Path, servers: int, script: Path, *args: str, nodes: int = 1):  # type: ignore[no-untyped-def]
     """A job of 2 workers and ``servers`` servers; with ``nodes``, one launcher per node
     (workers on the first, servers on the last), sharing ``log_dir``."""
-    import os
+    import tempfile
     import time
-    port = free_port()
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "globaltensor.launch", "--server_num", str(servers), "--worker_num", "2",
-         "--nnodes", str(nodes), "--node_rank", str(node), "--master_port", str(port),
-         "--log_dir", str(log_dir), str(script), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        for node in range(nodes)]
+    port, procs = free_port(), []
+    for node in range(nodes):
+        out = tempfile.TemporaryFile("w+")      # stdout and stderr, in the order written
+        procs.append((forked_launch.start(
+            ["--server_num", str(servers), "--worker_num", "2", "--nnodes", str(nodes),
+             "--node_rank", str(node), "--master_port", str(port), "--log_dir", str(log_dir),
+             str(script), *args], REPO, {**os.environ, "OMP_NUM_THREADS": "1"},
+            out.fileno(), out.fileno()), out))
     return procs, time.perf_counter(), log_dir
 
 
@@ -218,7 +219,19 @@ def _finish(started) -> tuple:  # type: ignore[no-untyped-def]
     several nodes: the first non-zero code, the outputs one after another)."""
     import time
     procs, start, log_dir = started
-    texts = [p.communicate(timeout=120)[0].decode() for p in procs]
+    texts = []
+    try:
+        for p, out in procs:
+            p.wait(120)
+            out.seek(0)
+            texts.append(out.read())
+    finally:
+        for p, out in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            out.close()
+    procs = [p for p, _ in procs]
     seconds = time.perf_counter() - start
     log = (log_dir / "workerlog.0").read_text()
     checks = dict(line.split(" ", 2)[1:] for line in log.splitlines() if line.startswith("CHECK "))
