@@ -11,8 +11,9 @@ launcher's own start of its workers, its rendezvous and its reports are unchange
 
 What such a launcher does not get that a fresh interpreter would: a library that reads
 an environment variable when it is imported (torch, and what torch imports) read the
-server's. The launcher's tests (``tests/launch/``) start real interpreters: they test
-the launcher as a process, signals included.
+server's. Real interpreters still start the launchers of the tests that run several
+nodes at once, signal a launcher or read its output while it runs (``tests/launch/``),
+so the command itself stays tested as users type it.
 
 >>> proc = start(["--nproc_per_node", "2", "train.py"], cwd, env, out_fd, err_fd)  # doctest: +SKIP
 >>> proc.wait(150)                                                                  # doctest: +SKIP

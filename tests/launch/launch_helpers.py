@@ -37,10 +37,12 @@ def launcher_env(**overrides: str) -> dict[str, str]:
 
 
 def launch(args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 60):
-    return subprocess.run(
-        [sys.executable, "-m", "globaltensor.launch", *args],
-        cwd=cwd, env=env or launcher_env(), capture_output=True, text=True, timeout=timeout,
-    )
+    """``python -m globaltensor.launch *args`` run to its end (a CompletedProcess), the
+    launcher forked from the suite's launcher server (``tests/forked_launch.py``: no
+    torch import per launch); ``launch_nodes`` and the tests that signal a launcher
+    start real interpreters."""
+    import forked_launch
+    return forked_launch.run(args, cwd, env or launcher_env(), timeout)
 
 
 def launch_nodes(per_node: list[list[str]], cwd: Path, timeout: float) -> list[tuple]:
