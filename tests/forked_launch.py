@@ -127,7 +127,7 @@ def run(args: list, cwd, env: dict, timeout: float) -> subprocess.CompletedProce
         proc = start(args, cwd, env, out.fileno(), err.fileno())
         try:
             code = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
+        except BaseException:              # the timeout, or the test's own (as run's)
             proc.kill()
             proc.wait()
             raise
