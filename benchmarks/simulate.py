@@ -1,6 +1,8 @@
-"""A step of the nanoGPT-style GPT at 8 to 1024 ranks, simulated (``gt.debug.simulate_step``).
+"""A step of the nanoGPT-style GPT (or of a Llama) at 8 to 1024 ranks, simulated
+(``gt.debug.simulate_step``).
 
     python benchmarks/simulate.py                       # 8, 64, 256, 1024 ranks, h100
+    python benchmarks/simulate.py --model llama         # a Llama of about 1.2B parameters
     python benchmarks/simulate.py --worlds 8,64 --layouts dp,fs --device cpu
     python benchmarks/simulate.py --measure --worlds 2,4 --layouts dp,tp,fs --dim 256 \
         --heads 8 --layers 2 --seq 128 --vocab 1024      # estimated against real worlds here
@@ -11,7 +13,11 @@ state, all), the bytes it sends per step, and the estimated step time on the dev
 profile. Layouts: ``dp`` data parallel (parameters broadcast, batch split), ``fs``
 fully_shard (each block a unit), ``tp`` Megatron tensor parallel over the whole world
 (q/k/v/fc1 split(0), proj/fc2 weight split(1)), ``2d`` data x Megatron on (world / 8)
-x 8. The batch holds ``--rows`` sequences per data-parallel rank. Estimates of the
+x 8. The batch holds ``--rows`` sequences per data-parallel rank. ``--model llama``:
+the Llama of ``examples/llama_2d.py`` (RMSNorm, rotary positions, grouped-query
+attention, SwiGLU) at the sizes given (defaults: width 2048, 16 layers, 32 heads, 8
+key/value heads, hidden 8192, vocabulary 32000, sequence 2048: about 1.2B parameters),
+Megatron's split on its q/k/v/w1/w3 (outputs) and wo/w2 (inputs). Estimates of the
 cost model and the profile: see docs/debugging.md for what they leave out.
 
 ``--measure`` (``--device cpu``) also runs each point in a real world of that size on
@@ -35,11 +41,14 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--worlds", default="8,64,256,1024")
     ap.add_argument("--layouts", default="dp,fs,tp,2d")
     ap.add_argument("--device", default="h100", help="cpu, h100, h200")
-    ap.add_argument("--dim", type=int, default=768)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--model", default="gpt", choices=("gpt", "llama"))
+    ap.add_argument("--dim", type=int, default=None, help="gpt 768, llama 2048")
+    ap.add_argument("--heads", type=int, default=None, help="gpt 12, llama 32")
+    ap.add_argument("--kv-heads", type=int, default=8, help="llama's key/value heads")
+    ap.add_argument("--hidden", type=int, default=8192, help="llama's feed-forward width")
+    ap.add_argument("--layers", type=int, default=None, help="gpt 12, llama 16")
+    ap.add_argument("--seq", type=int, default=None, help="gpt 1024, llama 2048")
+    ap.add_argument("--vocab", type=int, default=None, help="gpt 50304, llama 32000")
     ap.add_argument("--rows", type=int, default=4, help="sequences per data-parallel rank")
     ap.add_argument("--measure", action="store_true",
                     help="also run each point in a real world here (cpu device)")
@@ -49,33 +58,78 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _make(cfg: Config, layout: str, rows: int):
+_DEFAULTS = {"gpt": dict(dim=768, heads=12, layers=12, seq=1024, vocab=50304),
+             "llama": dict(dim=2048, heads=32, layers=16, seq=2048, vocab=32000)}
+
+
+def _config(args):
+    """The model's sizes: ``args`` with the model's defaults where not given."""
+    for name, value in _DEFAULTS[args.model].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.model == "gpt":
+        return Config(args.vocab, args.seq, args.dim, args.heads, args.layers)
+    return _llama().LlamaConfig(args.dim, args.heads, args.kv_heads, args.hidden, args.vocab,
+                                args.layers), args.seq
+
+
+def _llama():
+    """``examples/llama_2d.py`` as a module (its ``main`` not run)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+    if "llama_2d" not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "examples" / "llama_2d.py"
+        spec = importlib.util.spec_from_file_location("llama_2d", path)
+        sys.modules["llama_2d"] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules["llama_2d"]
+
+
+def _model(cfg):
+    """(the model, its blocks, its Megatron sbp of a parameter name, vocabulary,
+    sequence, loss of a batch of ids)."""
+    if isinstance(cfg, Config):
+        model = GPT(cfg)
+        return model, model.h, _megatron_sbp, cfg.vocab, cfg.block, lambda ids: model(ids, ids)
+    cfg, seq = cfg
+    llama = _llama()
+    model = llama.Llama(cfg)
+
+    def loss(ids):
+        return torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+    return (model, model.layers, lambda name: llama.megatron(name, None)[1], cfg.vocab, seq,
+            loss)
+
+
+def _make(cfg, layout: str, rows: int):
     def make():
         world = gt.get_world_size()
         if layout == "2d":
             P = gt.placement("cpu", [list(range(r * 8, r * 8 + 8)) for r in range(world // 8)])
         else:
             P = gt.placement.all("cpu")
-        model = GPT(cfg)   # (simulate_step makes it of fake tensors: no memory)
+        # (simulate_step makes it of fake tensors: no memory)
+        model, blocks, megatron, vocab, seq, loss_of = _model(cfg)
         if layout == "dp":
-            model = gt.nn.to_global(model, P, gt.sbp.broadcast)
+            gt.nn.to_global(model, P, gt.sbp.broadcast)
         elif layout == "fs":
-            model = gt.nn.to_global(model, P, gt.sbp.broadcast)
-            for block in model.h:
+            gt.nn.to_global(model, P, gt.sbp.broadcast)
+            for block in blocks:
                 gt.nn.fully_shard(block, P)
-            model = gt.nn.fully_shard(model, P)
+            gt.nn.fully_shard(model, P)
         else:   # Megatron over the world, or over axis 1 of the 2-D mesh
-            tp = (lambda name, t: _megatron_sbp(name)) if layout == "tp" else \
-                (lambda name, t: (gt.sbp.broadcast, _megatron_sbp(name)))
-            model = gt.nn.to_global(model, P, tp)
+            tp = (lambda name, t: megatron(name)) if layout == "tp" else \
+                (lambda name, t: (gt.sbp.broadcast, megatron(name)))
+            gt.nn.to_global(model, P, tp)
         data = P.shape[0] if layout != "tp" else 1
         batch = (gt.sbp.split(0),) * (P.ndim - 1) + (gt.sbp.broadcast,) if layout == "2d" \
             else (gt.sbp.broadcast if layout == "tp" else gt.sbp.split(0))
-        idx = gt.randint(0, cfg.vocab, (rows * data, cfg.block), placement=P, sbp=batch)
+        idx = gt.randint(0, vocab, (rows * data, seq), placement=P, sbp=batch)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
         def step():
-            loss = model(idx, idx)
+            loss = loss_of(idx)
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -95,8 +149,7 @@ def _measured(argv) -> None:
     args = _parser().parse_args(argv)
     gt.init()
     torch.manual_seed(0)
-    cfg = Config(args.vocab, args.seq, args.dim, args.heads, args.layers)
-    step, model, opt = _make(cfg, args.layout, args.rows)()
+    step, model, opt = _make(_config(args), args.layout, args.rows)()
     for _ in range(3):
         step()
     tracker = MemTracker()
@@ -134,11 +187,14 @@ def main(argv=None) -> None:
         return _measured(argv)
     if args.measure and args.device != "cpu":
         raise SystemExit("--measure compares with this machine: use --device cpu")
-    cfg = Config(args.vocab, args.seq, args.dim, args.heads, args.layers)
+    cfg = _config(args)
     more = f"{'real ms':>9}{'est/real':>9}{'real MiB':>9}{'est/real':>9}" if args.measure else ""
-    lines = [f"GPT {args.layers} layers, width {args.dim}, {args.heads} heads, sequence "
-             f"{args.seq}, vocabulary {args.vocab}; {args.rows} sequences per data-parallel "
-             f"rank; rank 0, device {args.device}, AdamW fp32",
+    heads = f"{args.heads} heads" + (f" ({args.kv_heads} key/value), hidden {args.hidden}"
+                                     if args.model == "llama" else "")
+    lines = [f"{args.model.upper() if args.model == 'gpt' else 'Llama'} {args.layers} layers, "
+             f"width {args.dim}, {heads}, sequence {args.seq}, vocabulary {args.vocab}; "
+             f"{args.rows} sequences per data-parallel rank; rank 0, device {args.device}, "
+             f"AdamW fp32",
              f"{'layout':<7}{'ranks':>6}{'peak MiB':>10}{'params':>9}{'grads':>9}{'optim':>9}"
              f"{'sent MiB':>10}{'step ms':>9}{'compute':>9}{'comm':>9}{'host':>9}{'sim s':>7}"
              + more]
@@ -167,5 +223,7 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     from _docs import docs_section
-    with docs_section("simulate"):   # --write-docs: its table into docs/benchmarks.md
+    import sys
+    # --write-docs: its table into docs/benchmarks.md, a section per model
+    with docs_section("simulate_llama" if "llama" in sys.argv[1:] else "simulate"):
         main()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +33,21 @@ import torch.nn.functional as F
 import globaltensor as gt
 
 B, S = gt.sbp.broadcast, gt.sbp.split
-DIM, N_HEADS, N_KV_HEADS, HIDDEN, VOCAB, LAYERS = 32, 4, 2, 64, 64, 2
-BATCH, SEQ = 8, 16
+
+
+@dataclass
+class LlamaConfig:
+    """The model's sizes (this example's: a small Llama; ``benchmarks/simulate.py``
+    simulates a large one)."""
+    dim: int = 32
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    hidden: int = 64
+    vocab: int = 64
+    layers: int = 2
+
+
+VOCAB, BATCH, SEQ = LlamaConfig.vocab, 8, 16
 
 
 class RMSNorm(torch.nn.Module):
@@ -60,13 +74,13 @@ def rotate(x, cos, sin):
 
 
 class Attention(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.head_dim = DIM // N_HEADS
-        self.wq = torch.nn.Linear(DIM, N_HEADS * self.head_dim, bias=False)
-        self.wk = torch.nn.Linear(DIM, N_KV_HEADS * self.head_dim, bias=False)
-        self.wv = torch.nn.Linear(DIM, N_KV_HEADS * self.head_dim, bias=False)
-        self.wo = torch.nn.Linear(N_HEADS * self.head_dim, DIM, bias=False)
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = torch.nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = torch.nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wv = torch.nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wo = torch.nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
     def forward(self, x):
         b, t, _ = x.shape
@@ -87,21 +101,21 @@ class Attention(torch.nn.Module):
 
 
 class FeedForward(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.w1 = torch.nn.Linear(DIM, HIDDEN, bias=False)
-        self.w3 = torch.nn.Linear(DIM, HIDDEN, bias=False)
-        self.w2 = torch.nn.Linear(HIDDEN, DIM, bias=False)
+        self.w1 = torch.nn.Linear(cfg.dim, cfg.hidden, bias=False)
+        self.w3 = torch.nn.Linear(cfg.dim, cfg.hidden, bias=False)
+        self.w2 = torch.nn.Linear(cfg.hidden, cfg.dim, bias=False)
 
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class Block(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.attention_norm, self.attention = RMSNorm(DIM), Attention()
-        self.ffn_norm, self.feed_forward = RMSNorm(DIM), FeedForward()
+        self.attention_norm, self.attention = RMSNorm(cfg.dim), Attention(cfg)
+        self.ffn_norm, self.feed_forward = RMSNorm(cfg.dim), FeedForward(cfg)
 
     def forward(self, x):
         x = x + self.attention(self.attention_norm(x))
@@ -109,12 +123,12 @@ class Block(torch.nn.Module):
 
 
 class Llama(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, cfg: LlamaConfig = LlamaConfig()):
         super().__init__()
-        self.tok_embeddings = torch.nn.Embedding(VOCAB, DIM)
-        self.layers = torch.nn.ModuleList(Block() for _ in range(LAYERS))
-        self.norm = RMSNorm(DIM)
-        self.output = torch.nn.Linear(DIM, VOCAB, bias=False)
+        self.tok_embeddings = torch.nn.Embedding(cfg.vocab, cfg.dim)
+        self.layers = torch.nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.dim)
+        self.output = torch.nn.Linear(cfg.dim, cfg.vocab, bias=False)
 
     def forward(self, ids):
         h = self.tok_embeddings(ids)

@@ -236,8 +236,10 @@ def example_module(name: str):
     import importlib.util
     from pathlib import Path
     path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    import sys
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module       # as an import would (a dataclass looks itself up there)
     spec.loader.exec_module(module)
     return module
 

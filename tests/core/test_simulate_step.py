@@ -230,3 +230,27 @@ def test_this_cpu_is_measured_as_one_rank_of_a_world_here_runs():
     assert 1e-6 < profile.op_seconds < 1e-2          # microseconds to milliseconds
     assert profile.matmul_flops["float32"] > 1e9 and profile.memory_bandwidth > 1e8
     assert profile.links[0].launch > 0               # gloo's start of a collective
+
+
+def test_the_benchmarks_llama_simulates_in_every_layout():
+    """``benchmarks/simulate.py --model llama``: the Llama of examples/llama_2d.py
+    (rotary positions, grouped-query attention, SwiGLU) at 8 ranks: every rank holds
+    its parameters whole under data parallelism, an eighth under fully_shard, the
+    Megatron-split weights' eighth under tensor parallelism; data parallelism sends
+    its gradients' all-reduce (2 (n - 1) / n of them), fully_shard more (its gathers
+    in forward and backward, then the reduction)."""
+    from mp import benchmark_module, example_module
+    llama = example_module("llama_2d")
+    simulate = benchmark_module("simulate")
+    cfg = llama.LlamaConfig(dim=64, n_heads=8, n_kv_heads=8, hidden=128, vocab=256, layers=1)
+    whole = sum(p.numel() for p in llama.Llama(cfg).parameters()) * 4
+    split = sum(p.numel() for name, p in llama.Llama(cfg).named_parameters()
+                if name.split(".")[-2] in llama.COLUMN + llama.ROW) * 4
+    got = {layout: gt.debug.simulate_step(simulate._make((cfg, 16), layout, rows=2),
+                                          placement=_world(8))
+           for layout in ("dp", "fs", "tp")}
+    assert got["dp"].memory["parameters"] == whole
+    assert got["fs"].memory["parameters"] == pytest.approx(whole / 8, rel=0.05)
+    assert got["tp"].memory["parameters"] == whole - split + split // 8
+    assert got["dp"].bytes == pytest.approx(2 * 7 / 8 * whole, rel=0.01)
+    assert got["fs"].bytes > got["dp"].bytes
