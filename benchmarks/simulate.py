@@ -222,8 +222,9 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from _docs import docs_section
     import sys
+
+    from _docs import docs_section
     # --write-docs: its table into docs/benchmarks.md, a section per model
     with docs_section("simulate_llama" if "llama" in sys.argv[1:] else "simulate"):
         main()
