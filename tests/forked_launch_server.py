@@ -41,12 +41,21 @@ def _serve(fd: int) -> None:
             data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 2)
             if not data:
                 os._exit(0)                        # the test process is done
+            # The test kills a launcher by its session: it must lead one (setsid) before
+            # its pid is reported
+            ready_r, ready_w = os.pipe()
             pid = os.fork()
             if pid == 0:
+                os.setsid()
+                os.close(ready_r)
+                os.close(ready_w)                  # the server's read returns
                 sock.close()
                 for other in children:
                     os.close(other)
                 os._exit(_run_launcher(json.loads(data), fds))
+            os.close(ready_w)
+            os.read(ready_r, 1)
+            os.close(ready_r)
             for child_fd in fds:
                 os.close(child_fd)
             children[os.pidfd_open(pid)] = pid
@@ -62,7 +71,6 @@ def _run_launcher(request: dict, fds: list) -> int:
     import runpy
     import traceback
 
-    os.setsid()                                    # its own session, as the tests kill it
     _die_with_parent()
     os.dup2(fds[0], 1)
     os.dup2(fds[1], 2)

@@ -234,9 +234,9 @@ def example_module(name: str):
     """``examples/<name>.py`` imported as a module (its ``main`` not run): checks use its
     model and training functions in the session's worlds instead of launching it."""
     import importlib.util
+    import sys
     from pathlib import Path
     path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
-    import sys
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module       # as an import would (a dataclass looks itself up there)
