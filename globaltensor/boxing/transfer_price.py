@@ -275,14 +275,17 @@ def _key_costs(keys: np.ndarray, placement, itemsize: int) -> np.ndarray:
     here = holder == np.arange(n)[None, :, None]
     moved = elements > 0
     away = moved & ~here
-    onto = np.zeros((len(keys), n * n, n))                    # (rank, region) -> holder
-    onto[np.arange(len(keys))[:, None], np.arange(n * n)[None, :],
-         holder.reshape(len(keys), -1)] = 1
     shipped = elements * away
-    flat = (len(keys), 1, n * n)
-    messages = (np.matmul(away.reshape(flat).astype(np.float64), onto)[:, 0]
-                + away.sum(axis=2)).astype(np.int64)
-    sent = np.matmul(shipped.reshape(flat).astype(np.float64), onto)[:, 0]
+    # per pair and holder, the sums over (receiving rank, region) that it holds: counted
+    # by holder (a one-hot (rank, region) -> holder matrix would take pairs x n^3 floats:
+    # 27 GiB at 256 ranks)
+    by_holder = (holder + (np.arange(len(keys)) * n)[:, None, None]).ravel()
+
+    def per_holder(values: np.ndarray) -> np.ndarray:
+        return np.bincount(by_holder, weights=values.ravel().astype(np.float64),
+                           minlength=len(keys) * n).reshape(len(keys), n)
+    messages = (per_holder(away) + away.sum(axis=2)).astype(np.int64)
+    sent = per_holder(shipped)
     received = shipped.sum(axis=2)
     copied = (elements * (moved & here)).sum(axis=2)
     worst_bytes = np.maximum(sent.max(axis=1).astype(np.int64), received.max(axis=1)) * itemsize

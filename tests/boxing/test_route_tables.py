@@ -195,3 +195,22 @@ def test_tables_on_a_3d_placement_equal_the_pairs(monkeypatch):
     # a search keeps the first of two routes within 1e-15 of each other (its tie
     # margin), the tables the least: here some differ in the last bit
     assert all(abs(x - y) <= 1e-15 for x, y in zip(batched, alone))
+
+
+def test_a_transfer_table_of_128_ranks_takes_memory_of_its_pairs_times_n_squared(monkeypatch):
+    # per pair (rank, region, holder) arrays: pairs x n^2, not the pairs x n^3 of a
+    # one-hot (rank, region) -> holder matrix: 2.4 GB here (144 pairs), 19 GB at 256
+    # ranks, where a 2-D Llama step could not be planned (MemoryError)
+    from globaltensor.testing import peak_rise
+    monkeypatch.setenv("WORLD_SIZE", "128")
+    p = Placement("cpu", [list(range(r * 16, r * 16 + 16)) for r in range(8)])
+    shape = (512, 256)
+    states = search.skeleton(len(shape), p.ndim)[0]
+    mids = states[~((states == 1) | (states == 2)).any(axis=1)]
+    planning.clear_caches()
+    with peak_rise() as rise:
+        table = transfer_price.transfer_table(shape, p, 4, mids, states)
+    assert rise.mib < 500, rise.mib
+    layouts, middles = _layouts(shape, p, states), _layouts(shape, p, mids)
+    for i, j in [(0, 0), (1, len(layouts) - 1), (len(middles) - 1, 3)]:
+        assert table[i, j] == transfer_price.transfer_cost(middles[i], layouts[j], 4)
