@@ -1,5 +1,5 @@
-"""What the benchmarks share: time cases round-robin, draw bars (worlds are started
-with ``globaltensor.testing.spawn``)."""
+"""What the benchmarks share: time cases round-robin, draw bars, load an example's
+module (worlds are started with ``globaltensor.testing.spawn``)."""
 from __future__ import annotations
 
 import random
@@ -116,3 +116,16 @@ def bar_plot(path: str, names, series: dict, ylabel: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path)
     print(f"plot written to {path}")
+
+
+def example_module(name: str):
+    """``examples/<name>.py`` imported as the module ``name`` (its ``main`` not run),
+    once per process: a benchmark uses its model and training functions."""
+    import importlib.util
+    from pathlib import Path
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = module = importlib.util.module_from_spec(spec)  # as an import
+        spec.loader.exec_module(module)
+    return sys.modules[name]

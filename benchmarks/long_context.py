@@ -18,17 +18,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import sys
 from pathlib import Path
 
 import torch
-from _common import round_robin_median
+from _common import example_module, round_robin_median
 
 from globaltensor.planner.record import RECORD_AT
 from globaltensor.testing import spawn
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 WARMUP = RECORD_AT + 1   # steps before timing: past the one whole-step planning records
 
 
@@ -41,18 +39,11 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _example(name: str):
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _gpt_rows(seq: int, P, iters: int) -> tuple:
     """(one process's, in order's, zig-zag order's step; what one process and a rank
     in order keep for backward)."""
     import globaltensor as gt
-    ex = _example("long_context")
+    ex = example_module("long_context")
     torch.manual_seed(0)
     plain = ex.GPT(seq)
     split, zigzag = (gt.nn.to_global(copy.deepcopy(plain), P, gt.sbp.broadcast)
@@ -78,7 +69,7 @@ def _moe_rows(tokens: int, P, iters: int) -> tuple:
     import torch.nn.functional as F
 
     import globaltensor as gt
-    ex = _example("moe")
+    ex = example_module("moe")
     n = P.size
     torch.manual_seed(0)
     plain = ex.GPT()

@@ -31,6 +31,7 @@ import argparse
 import time
 
 import torch
+from _common import example_module
 from tp import GPT, Config, _megatron_sbp
 
 import globaltensor as gt
@@ -74,16 +75,8 @@ def _config(args):
 
 
 def _llama():
-    """``examples/llama_2d.py`` as a module (its ``main`` not run)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-    if "llama_2d" not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "examples" / "llama_2d.py"
-        spec = importlib.util.spec_from_file_location("llama_2d", path)
-        sys.modules["llama_2d"] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules["llama_2d"]
+    """``examples/llama_2d.py`` as a module."""
+    return example_module("llama_2d")
 
 
 def _model(cfg):
