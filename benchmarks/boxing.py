@@ -67,7 +67,8 @@ def _torch_collectives(device: torch.device) -> tuple[dict, list]:
     library's ``comm.collectives`` does where gloo serves cuda and lacks it there, the
     same call on host buffers (made once per shape) with the copies in and out."""
     fns = {"all_gather": dist.all_gather_into_tensor, "all_reduce": dist.all_reduce,
-           "reduce_scatter": dist.reduce_scatter_tensor, "all_to_all": dist.all_to_all_single,
+           "reduce_scatter": getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor,
+           "all_to_all": dist.all_to_all_single,
            "send": dist.send, "recv": dist.recv}
     from globaltensor.comm import get_group
     assert get_group(tuple(range(dist.get_world_size()))) is dist.group.WORLD

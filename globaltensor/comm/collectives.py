@@ -22,6 +22,7 @@ from . import fingerprint, groups, stats, tagged
 from .groups import get_group, init
 from .guard import Waiting, guarded
 from .guard import all_gather_single as _all_gather_single
+from .guard import reduce_scatter_single as _reduce_scatter_single
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 # torch 2.13 renamed reduce_scatter_tensor (deprecated there), with the same signature
@@ -175,7 +176,7 @@ def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, reduce: str,
     if fingerprint.ON:
         tagged.reduce_scatter(dst, src, reduce, ranks)
     else:
-        guarded("reduce_scatter", ranks, lambda: dist.reduce_scatter_tensor(
+        guarded("reduce_scatter", ranks, lambda: _reduce_scatter_single(
             dst, src, op=_REDUCE_OPS[reduce], group=get_group(ranks)))
     if host is not None:
         host.finish()

@@ -23,6 +23,7 @@ from .. import env, modes
 # Renamed in recent torch; the old name still works but warns (once per process, in
 # the program's output).
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _doing: list = []  # descriptions (str or objects with __str__), innermost last
 

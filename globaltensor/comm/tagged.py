@@ -16,6 +16,7 @@ from . import guard
 from .groups import get_group
 from .guard import all_gather_single as _all_gather_single
 from .guard import guarded
+from .guard import reduce_scatter_single as _reduce_scatter_single
 
 
 def _slots(ranks: tuple, word: int, bits: int, dtype: torch.dtype) -> torch.Tensor:
@@ -102,14 +103,14 @@ def reduce_scatter(dst: torch.Tensor, src: torch.Tensor, reduce: str, ranks: tup
     bits = fp._SLOT_BITS.get(src.dtype)
     if bits is None or not fp.packs(src, src.numel() * src.element_size()):
         fp.exchange(tag)
-        guarded("reduce_scatter", ranks, lambda: dist.reduce_scatter_tensor(
+        guarded("reduce_scatter", ranks, lambda: _reduce_scatter_single(
             dst, src, op=op, group=group))
         return
     n, m = len(ranks), dst.numel()
     slots = _slots(ranks, tag.word, bits, src.dtype)
     buf = torch.cat([src.view(n, m), slots.expand(n, len(slots))], dim=1)
     recv = torch.empty(buf.shape[1], dtype=src.dtype)
-    guarded("reduce_scatter", ranks, lambda: dist.reduce_scatter_tensor(
+    guarded("reduce_scatter", ranks, lambda: _reduce_scatter_single(
         recv, buf.view(-1), op=op, group=group))
     fp.check_slots(tag, recv[m:].tolist(), n, bits)
     dst.copy_(recv[:m].view(dst.shape))
