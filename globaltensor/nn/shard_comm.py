@@ -7,9 +7,10 @@ order. Large such parameters (``OWN_GATHER_BYTES`` gathered or more) are gathere
 each straight into their gathered storage (point to point: gloo's all_gather would
 stage the whole result in a buffer of its own, one more gathered copy); small ones
 share one all-gather per unit (a bucket) and are cut out of its buffer; the rest are
-boxed. Gradients that come back partial on the data axis go to the parts by an
-exchange of pieces: each member sends the others their rows (cast to the reduction
-dtype piece by piece) and adds what it receives to its own rows in the receive buffer.
+boxed. Gradients that come back partial on the data axis go to the parts by one
+reduce_scatter where the backend has a native one (NCCL), else by an exchange of
+pieces: each member sends the others their rows (cast to the reduction dtype piece by
+piece) and adds what it receives to its own rows in the receive buffer.
 
 >>> fetch = Fetch(shards, layouts, data_axis=0, dtype=torch.bfloat16)   # doctest: +SKIP
 >>> gathered = fetch.finish()      # name -> this rank's local of the gathered parameter
@@ -21,6 +22,7 @@ import math
 import torch
 
 from .. import comm
+from ..cost import costs_of
 from ..layout import Layout, balanced_split
 from ..sbp import Partial, Split
 from ..tensor import GlobalTensor, to_layout
@@ -178,7 +180,10 @@ def reduce_to_part(grad: GlobalTensor, part: Layout, data_axis: int,
     axis) in the layout ``part`` of its stored parameter, reduced in ``reduce_dtype``
     and returned in ``dtype``."""
     layout, rank = grad.global_layout, comm.get_rank()
-    if _exchanges(layout, part, data_axis) and rank in part.placement and not comm.tracing():
+    # Where the backend reduce-scatters natively (NCCL: one kernel, as FSDP2 uses), the
+    # boxing's reduce_scatter serves; gloo's is slower than this exchange of parts.
+    if _exchanges(layout, part, data_axis) and rank in part.placement and not comm.tracing() \
+            and not costs_of(part).native_reduce_scatter:
         return GlobalTensor(_exchange(grad.local_part, part.placement.group(rank, data_axis),
                                       reduce_dtype).to(dtype), part)
     if grad.dtype != reduce_dtype:

@@ -133,6 +133,31 @@ def check_a_plans_sent_bytes_are_what_comm_stats_counts():
         assert busiest == expected, (src_sbp, dst_sbp, busiest, plan)
 
 
+def check_fully_shard_reduces_gradients_by_one_reduce_scatter_where_native():
+    """fully_shard's gradients reach their parts by one reduce_scatter each where the
+    backend has a native one (FSDP2's way on NCCL), by an exchange of parts on gloo;
+    rows uneven over the ranks too; both equal one process's gradients."""
+    n = gt.get_world_size()
+    P = gt.placement.all("cpu")
+
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 2 * n + 1), torch.nn.Tanh(),
+                                   torch.nn.Linear(2 * n + 1, 5))
+    reference, x = mlp(), torch.randn(4 * n, 6)
+    reference(x).square().mean().backward()
+    for priced, scatters in ((contextlib.nullcontext, 0), (_gloo_priced_as_nccl, 4)):
+        with priced():
+            model = gt.nn.fully_shard(mlp(), P)
+            with gt.debug.comm_stats() as counted:
+                model(gt.tensor(x, placement=P, sbp=split(0))).square().mean().backward()
+            assert counted.calls.get("reduce_scatter", 0) == scatters, counted.calls
+            for (name, t), want in zip(model.named_parameters(), reference.parameters()):
+                assert t.grad.sbp == (split(0),), name
+                torch.testing.assert_close(t.grad.full(), want.grad, rtol=1e-5, atol=1e-6)
+
+
 CHECKS = ["check_native_reduce_scatter_values",
-          "check_a_plans_sent_bytes_are_what_comm_stats_counts"]
+          "check_a_plans_sent_bytes_are_what_comm_stats_counts",
+          "check_fully_shard_reduces_gradients_by_one_reduce_scatter_where_native"]
 test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)

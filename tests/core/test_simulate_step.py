@@ -178,7 +178,7 @@ test_world2 = world_test(__name__, 2, ["check_predictions_equal_a_real_world_of_
 def test_a_gpu_profile_chooses_and_prices_collectives_as_nccl():
     """On the H100 profile the program's boxing is chosen as on NCCL (a partial sum to a
     split: one reduce_scatter); on this CPU's, as on gloo (its all-to-all route, a
-    message per peer). (fully_shard's gradient exchange is its own, the same on both.)"""
+    message per peer)."""
     def step():
         P = gt.placement.all("cpu")
         x = gt.randn(64, 256, placement=P, sbp=S(1))
@@ -188,6 +188,20 @@ def test_a_gpu_profile_chooses_and_prices_collectives_as_nccl():
     cpu = gt.debug.simulate_step(step, placement=_world(8), device="cpu")
     assert dict(gpu.counted.calls) == {"reduce_scatter": 1}, gpu.counted
     assert dict(cpu.counted.calls) == {"all_to_all": 7}, cpu.counted
+
+
+def test_fully_shard_reduces_gradients_as_the_backend_does():
+    """fully_shard's gradients, partial over the data axis after backward, go to their
+    parts as FSDP2's do on NCCL: one reduce_scatter each (the H100 profile); on gloo
+    (this CPU's) by an exchange of parts, a message per peer. The same bytes either way."""
+    world, params = 8, 4
+    gpu = gt.debug.simulate_step(_make("fs"), placement=_world(world), device="h100")
+    cpu = gt.debug.simulate_step(_make("fs"), placement=_world(world), device="cpu")
+    reduced = PARAMS * (world - 1) // world
+    assert gpu.counted.calls["reduce_scatter"] == params and "all_to_all" not in gpu.counted.calls
+    assert cpu.counted.calls["all_to_all"] == params * (world - 1), cpu.counted
+    assert "reduce_scatter" not in cpu.counted.calls, cpu.counted
+    assert gpu.counted.bytes["reduce_scatter"] == cpu.counted.bytes["all_to_all"] == reduced
 
 
 def test_host_time_per_call_and_ranks_that_share_cores():
