@@ -57,11 +57,10 @@ def transfer_cost(src: Layout, dst: Layout, itemsize: int) -> float:
     here = holder == ranks[:, None]
     away = moved & ~here
     world = int(max(ranks.max(), holder.max())) + 1
-    messages = np.zeros(world, dtype=np.int64)
-    np.add.at(messages, ranks, away.sum(axis=1))
-    np.add.at(messages, holder[away], 1)
-    sent = np.zeros(world, dtype=np.int64)
-    np.add.at(sent, holder[away], elements[away])
+    senders = holder[away]
+    messages = np.bincount(senders, minlength=world)
+    messages[ranks] += away.sum(axis=1)   # receivers are distinct ranks
+    sent = np.bincount(senders, weights=elements[away], minlength=world)   # exact: < 2**53
     received = (elements * away).sum(axis=1)
     copied = (elements * (moved & here)).sum(axis=1)
     worst_bytes = max(int(sent.max()), int(received.max())) * itemsize
@@ -96,10 +95,32 @@ def _wanted(layout: Layout) -> tuple:
 
 def _holders(src: Layout, dst: Layout) -> np.ndarray:
     """[receiver][source region]: the rank each receiver of ``dst`` takes each region
-    of ``src`` from: itself where it holds it, else its holders in turn."""
-    holders, ranks = _sources(src)[2], [r for r, _ in _receivers(dst)]
-    return np.array([[d if d in group else group[d % len(group)] for group in holders]
-                     for d in ranks], dtype=np.int64).reshape(len(ranks), len(holders))
+    of ``src`` from: itself where it holds it, else its holders in turn (holder
+    ``d % len(holders)`` for rank d), as arrays (a placement of 1024 ranks has a
+    million receiver-region pairs)."""
+    table, count, region_of = _holder_arrays(src)
+    ranks = _wanted(dst)[0]
+    if not len(ranks):
+        return np.zeros((0, len(count)), dtype=np.int64)
+    turn = table[np.arange(len(count))[None, :], ranks[:, None] % count[None, :]]
+    mine = np.full(len(ranks), -1, dtype=np.int64)
+    known = ranks < len(region_of)
+    mine[known] = region_of[ranks[known]]
+    return np.where(mine[:, None] == np.arange(len(count))[None, :], ranks[:, None], turn)
+
+
+@lru_cache(maxsize=4096)
+def _holder_arrays(src: Layout) -> tuple:
+    """(per source region its holders [region][j], padded; how many; per rank the
+    region it holds, -1 for none)."""
+    holders = _sources(src)[2]
+    count = np.array([len(g) for g in holders], dtype=np.int64)
+    table = np.zeros((len(holders), int(count.max())), dtype=np.int64)
+    region_of = np.full(max(max(g) for g in holders) + 1, -1, dtype=np.int64)
+    for i, group in enumerate(holders):
+        table[i, :len(group)] = group
+        region_of[list(group)] = i
+    return table, count, region_of
 
 
 @lru_cache(maxsize=4096)
@@ -117,7 +138,7 @@ def _receivers(layout: Layout) -> tuple:
 
 
 def clear_caches() -> None:
-    for cached in (transfer_floor, transfer_cost, _sources, _wanted,
+    for cached in (transfer_floor, transfer_cost, _sources, _wanted, _holder_arrays,
                    _regions, _receivers, _intervals, _holder_table, _overlaps):
         cached.cache_clear()
     _priced.clear()
