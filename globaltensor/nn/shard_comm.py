@@ -22,8 +22,9 @@ import math
 import torch
 
 from .. import comm
-from ..cost import costs_of
+from ..cost import costs_for, costs_of
 from ..layout import Layout, balanced_split
+from ..local_parts import unpadded_parts
 from ..sbp import Partial, Split
 from ..tensor import GlobalTensor, to_layout
 
@@ -49,6 +50,8 @@ def gather_rows(part: torch.Tensor, group: tuple, shape: tuple, dtype: torch.dty
     send = part.to(dtype).contiguous()
     if comm.tracing():
         return _Ready(_gather_rows_traced(send, group, shape, parts))
+    if costs_for(part.device.type).backend == "nccl":
+        return _gather_padded(send, group, shape, parts)
     out = torch.empty(shape, dtype=dtype, device=part.device)
     work = comm.all_gather_p2p([out.narrow(0, *p) for p in parts], send, group)
 
@@ -60,13 +63,32 @@ def gather_rows(part: torch.Tensor, group: tuple, shape: tuple, dtype: torch.dty
 
 def _gather_rows_traced(send, group, shape, parts) -> torch.Tensor:
     # the form a graph can hold: one all-gather of parts padded to the largest
-    biggest, row = parts[0][1], math.prod(shape[1:])
-    padded = send.new_zeros(biggest * row)
-    padded[:send.numel()].copy_(send.reshape(-1))
-    recv = send.new_empty(len(group) * biggest * row)
+    recv, padded = _padded_buffers(send, group, shape, parts)
     comm.all_gather_into(recv, padded, group)
-    per_member = recv.view(len(group), -1)
-    return torch.cat([per_member[j, :size * row] for j, (_, size) in enumerate(parts)]).view(shape)
+    return unpadded_parts(recv, shape[0])
+
+
+def _gather_padded(send, group, shape, parts):
+    # NCCL: one all-gather (NCCL stages nothing) of parts padded to the largest,
+    # straight into the result where the parts are even, else cut out of the buffer
+    recv, padded = _padded_buffers(send, group, shape, parts)
+    work = comm.all_gather_async(recv, padded, group, what="fully_shard gather")
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        return unpadded_parts(recv, shape[0])
+    return finish
+
+
+def _padded_buffers(send, group, shape, parts) -> tuple:
+    """(the gathered buffer [member][row][...], this rank's rows padded to the
+    largest part's)."""
+    biggest = parts[0][1]
+    padded = send
+    if send.shape[0] < biggest:
+        padded = send.new_zeros((biggest,) + tuple(shape[1:]))
+        padded[:send.shape[0]].copy_(send)
+    return send.new_empty((len(group), biggest) + tuple(shape[1:])), padded
 
 
 class Fetch:
@@ -161,8 +183,9 @@ class _Bucket:
         per_member = self.recv.view(len(self.group), -1)
         out, offset = {}, 0
         for (name, _, shape, _), (row, parts, size) in zip(self.members, self.sizes):
-            pieces = [per_member[j, offset:offset + rows * row] for j, (_, rows) in enumerate(parts)]
-            out[name] = torch.cat(pieces).view(shape)
+            padded = per_member[:, offset:offset + size].view(len(self.group), parts[0][1], row)
+            # each in a storage of its own (the saved-tensor hooks know them by it)
+            out[name] = _dense(unpadded_parts(padded, shape[0]).view(shape))
             offset += size
         self.recv = None
         return out

@@ -14,6 +14,7 @@ from globaltensor import cost
 from globaltensor.boxing import plan as boxing_plan
 from globaltensor.boxing.steps.collectives import ReduceScatter
 from globaltensor.layout import Layout
+from globaltensor.nn import shard_comm
 from globaltensor.placement import Placement
 from globaltensor.sbp import broadcast, partial_sum, split
 
@@ -66,6 +67,25 @@ def test_nccl_prices_reduce_scatter_without_the_local_sum(monkeypatch):
         assert "priced for nccl" in str(boxing_plan.plan_route(src, dst))
     text = str(boxing_plan.plan_route(src, dst))
     assert "priced for gloo" in text and "GB/s" in text, text
+
+
+def test_padded_parts_are_each_part_padded_in_member_order():
+    """What one all-gather or reduce_scatter of uneven parts moves, made and undone in a
+    few ops: equal to padding each balanced part (lengths under, at and over n)."""
+    from globaltensor.layout import balanced_split
+    from globaltensor.local_parts import padded_parts, unpadded_parts
+    for length, n, dim in [(0, 3, 0), (2, 4, 1), (7, 3, 0), (8, 4, 2), (13, 5, 1), (5, 8, 0)]:
+        shape = [3, 4, 2]
+        shape[dim] = length
+        x = torch.randn(shape)
+        parts = balanced_split(length, n)
+        biggest = parts[0][1]
+        want = [torch.cat([p := x.narrow(dim, o, s).movedim(dim, 0),
+                           p.new_zeros((biggest - s,) + tuple(p.shape[1:]))]) for o, s in parts]
+        got = padded_parts(x, dim, n)
+        assert torch.equal(got, torch.cat(want)), (length, n, dim)
+        back = unpadded_parts(got.reshape((n, biggest) + tuple(got.shape[1:])), length)
+        assert torch.equal(back, x.movedim(dim, 0)), (length, n, dim)
 
 
 def test_explain_names_the_backend():
@@ -146,8 +166,11 @@ def check_fully_shard_reduces_gradients_by_one_reduce_scatter_where_native():
                                    torch.nn.Linear(2 * n + 1, 5))
     reference, x = mlp(), torch.randn(4 * n, 6)
     reference(x).square().mean().backward()
-    for priced, scatters in ((contextlib.nullcontext, 0), (_gloo_priced_as_nccl, 4)):
-        with priced():
+    cases = [(priced, scatters, own) for priced, scatters in
+             ((contextlib.nullcontext, 0), (_gloo_priced_as_nccl, 4))
+             for own in (shard_comm.OWN_GATHER_BYTES, 0)]   # gathered in a bucket, alone
+    for priced, scatters, own in cases:
+        with priced(), _own_gathers_from(own):
             model = gt.nn.fully_shard(mlp(), P)
             with gt.debug.comm_stats() as counted:
                 model(gt.tensor(x, placement=P, sbp=split(0))).square().mean().backward()
@@ -155,6 +178,15 @@ def check_fully_shard_reduces_gradients_by_one_reduce_scatter_where_native():
             for (name, t), want in zip(model.named_parameters(), reference.parameters()):
                 assert t.grad.sbp == (split(0),), name
                 torch.testing.assert_close(t.grad.full(), want.grad, rtol=1e-5, atol=1e-6)
+
+
+@contextlib.contextmanager
+def _own_gathers_from(size: int):
+    saved, shard_comm.OWN_GATHER_BYTES = shard_comm.OWN_GATHER_BYTES, size
+    try:
+        yield
+    finally:
+        shard_comm.OWN_GATHER_BYTES = saved
 
 
 CHECKS = ["check_native_reduce_scatter_values",

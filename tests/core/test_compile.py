@@ -515,6 +515,38 @@ def check_compiled_train_step_with_backward_equals_eager():
         torch.testing.assert_close(c.full(), a.detach())
 
 
+def check_fully_shard_compiles_equal_to_eager():
+    # fully_shard's gathers traced: a bucket of small parameters, and each alone (its
+    # parts padded to the largest and cut out again: rows uneven over the ranks)
+    import torch
+
+    import globaltensor as gt
+    from globaltensor.nn import shard_comm
+    n, P = gt.get_world_size(), gt.placement.all("cpu")
+
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 2 * n + 1), torch.nn.Tanh(),
+                                   torch.nn.Linear(2 * n + 1, 5))
+    reference, x = mlp(), torch.randn(4 * n, 6)
+    want = reference(x).square().mean()
+    want.backward()
+    saved = shard_comm.OWN_GATHER_BYTES
+    try:
+        for own in (saved, 0):
+            shard_comm.OWN_GATHER_BYTES = own
+            model = gt.nn.fully_shard(mlp(), P)
+            compiled = torch.compile(model, backend="aot_eager")
+            loss = compiled(gt.tensor(x, placement=P, sbp=gt.sbp.split(0))).square().mean()
+            loss.backward()
+            torch.testing.assert_close(loss.full(), want.detach())
+            for (name, t), w in zip(model.named_parameters(), reference.parameters()):
+                torch.testing.assert_close(t.grad.full(), w.grad, rtol=1e-5, atol=1e-6)
+            torch._dynamo.reset()
+    finally:
+        shard_comm.OWN_GATHER_BYTES = saved
+
+
 def test_compiled_train_step_with_backward_in_one_process():
     check_compiled_train_step_with_backward_equals_eager()
 
@@ -531,7 +563,8 @@ CHECKS = ["check_data_parallel_mlp_graphs_hold_only_local_ops",
           "check_recompile_after_reset_keeps_values",
           "check_gpt_with_embeddings_compiles_whole",
           "check_data_dependent_ops_break_the_graph",
-          "check_compiled_train_step_with_backward_equals_eager"]
+          "check_compiled_train_step_with_backward_equals_eager",
+          "check_fully_shard_compiles_equal_to_eager"]
 
 
 test_world2 = world_test(__name__, 2, CHECKS)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from ... import comm
+from ...layout import balanced_split
+from ...local_parts import padded_parts, unpadded_parts
 from ...partials import reduce_values
 from ...sbp import Broadcast, Partial, Split
 from .base import Handle, Locals, SbpChange, reduce_of
@@ -19,21 +21,6 @@ def _padded(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     pad = list(x.shape)
     pad[dim] = size - x.shape[dim]
     return torch.cat([x, x.new_zeros(pad)], dim=dim)
-
-
-def _even_parts(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
-    """``x``'s ``balanced_split`` parts of ``dim`` into ``n``, each padded with zeros to
-    the largest and laid end to end along dim 0 (``dim`` moved first): the same
-    whatever ``n``, in a few ops (a cat of n padded parts launches n kernels)."""
-    y = x.movedim(dim, 0)
-    base, extra = divmod(y.shape[0], n)
-    if not extra:
-        return y
-    rest = tuple(y.shape[1:])
-    head = y[:extra * (base + 1)]   # the larger parts: whole already
-    tail = y[extra * (base + 1):].reshape((n - extra, base) + rest)
-    tail = torch.cat([tail, tail.new_zeros((n - extra, 1) + rest)], dim=1)
-    return torch.cat([head, tail.reshape((-1,) + rest)])
 
 
 @dataclass(frozen=True)
@@ -68,8 +55,11 @@ class AllGather(SbpChange):
         x = x.movedim(d, 0).contiguous()
         gathered = x.new_empty((n,) + tuple(x.shape))
         comm.all_gather_into(gathered, x, members)
-        parts = [gathered[k, :sizes[k]] for k in range(n)]
-        return Handle.ready(torch.cat(parts, dim=0).movedim(0, d).contiguous())
+        if tuple(sizes) == tuple(size for _, size in balanced_split(sum(sizes), n)):
+            whole = unpadded_parts(gathered, sum(sizes))
+        else:
+            whole = torch.cat([gathered[k, :sizes[k]] for k in range(n)], dim=0)
+        return Handle.ready(whole.movedim(0, d).contiguous())
 
     def simulate(self, locals_: Locals) -> Locals:
         return self.by_group(locals_, lambda ms, xs: [torch.cat(xs, self.dim)] * len(ms))
@@ -174,7 +164,7 @@ class ReduceScatter(SbpChange):
         if d == 0 and all(size == biggest for _, size in parts) and x.is_contiguous():
             sent = x
         else:
-            sent = _even_parts(x, d, n)
+            sent = padded_parts(x, d, n)
         out = sent.new_empty((sent.shape[0] // n,) + tuple(sent.shape[1:]))
         comm.reduce_scatter_into(out, sent, reduce_of(self.reduce, x.dtype), members)
         if sent is x:
@@ -186,7 +176,7 @@ class ReduceScatter(SbpChange):
         # and laid end to end, exchanged with one all-to-all, then summed here (on gloo
         # twice as fast as its reduce_scatter).
         d, n, biggest = self.dim, len(members), parts[0][1]
-        even = _even_parts(x, d, n)
+        even = padded_parts(x, d, n)
         sent = even.reshape(-1)
         got = torch.empty_like(sent)
         each = sent.numel() // n
