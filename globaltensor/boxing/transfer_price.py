@@ -50,8 +50,7 @@ def transfer_cost(src: Layout, dst: Layout, itemsize: int) -> float:
     ranks, want_lo, want_size = _wanted(dst)
     if not len(ranks):
         return 0.0
-    ends = np.minimum(want_lo[:, None, :] + want_size[:, None, :], lo + size)
-    elements = np.clip(ends - np.maximum(want_lo[:, None, :], lo), 0, None).prod(axis=2)
+    elements = _overlaps_of(want_lo, want_lo + want_size, lo[0], (lo + size)[0])
     holder = _holders(src, dst)                        # [receiver][source region]
     moved = elements > 0
     here = holder == ranks[:, None]
@@ -67,6 +66,26 @@ def transfer_cost(src: Layout, dst: Layout, itemsize: int) -> float:
     k = costs_of(src, dst)
     return (k.launch * bool(away.any()) + k.alpha * int(messages.max())
             + k.p2p_beta * worst_bytes + k.gamma * (int(copied.max()) * itemsize))
+
+
+def _overlaps_of(a_lo: np.ndarray, a_hi: np.ndarray, b_lo: np.ndarray,
+                 b_hi: np.ndarray) -> np.ndarray:
+    """[receiver][region]: the elements each receiver's box [a_lo, a_hi) shares with
+    each region's [b_lo, b_hi) ([box][dim] each): a product over dims, where a dim
+    that no box of either side cuts differently gives one number for every pair."""
+    elements, same = None, 1
+    for d in range(a_lo.shape[1]):
+        x_lo, x_hi, y_lo, y_hi = a_lo[:, d], a_hi[:, d], b_lo[:, d], b_hi[:, d]
+        if (x_lo == x_lo[0]).all() and (x_hi == x_hi[0]).all() and \
+                (y_lo == y_lo[0]).all() and (y_hi == y_hi[0]).all():
+            same *= max(0, int(min(x_hi[0], y_hi[0])) - int(max(x_lo[0], y_lo[0])))
+            continue
+        part = np.clip(np.minimum(x_hi[:, None], y_hi[None, :])
+                       - np.maximum(x_lo[:, None], y_lo[None, :]), 0, None)
+        elements = part if elements is None else elements * part
+    if elements is None:
+        return np.full((len(a_lo), len(b_lo)), same, dtype=np.int64)
+    return elements * same if same != 1 else elements
 
 
 @lru_cache(maxsize=4096)
@@ -103,9 +122,7 @@ def _holders(src: Layout, dst: Layout) -> np.ndarray:
     if not len(ranks):
         return np.zeros((0, len(count)), dtype=np.int64)
     turn = table[np.arange(len(count))[None, :], ranks[:, None] % count[None, :]]
-    mine = np.full(len(ranks), -1, dtype=np.int64)
-    known = ranks < len(region_of)
-    mine[known] = region_of[ranks[known]]
+    mine = _holds_all(region_of, ranks)
     return np.where(mine[:, None] == np.arange(len(count))[None, :], ranks[:, None], turn)
 
 
@@ -121,6 +138,48 @@ def _holder_arrays(src: Layout) -> tuple:
         table[i, :len(group)] = group
         region_of[list(group)] = i
     return table, count, region_of
+
+
+def rank_pieces(src: Layout, dst: Layout, rank: int) -> list:
+    """[(holder, receiver, offsets, sizes)]: the pieces of ``transfer_moves(src, dst)``
+    that ``rank`` sends or receives (its local copies too), in that order, found on
+    arrays in time of the receivers plus the regions, not of their product: a rank
+    holds one region of the source, so it sends each receiver one piece at most."""
+    lo, size, _ = _sources(src)
+    lo, size = lo[0], size[0]                          # [region][dim]
+    table, count, region_of = _holder_arrays(src)
+    ranks, want_lo, want_size = _wanted(dst)
+    found = []                                         # (receiver's place, region, piece)
+    place = np.flatnonzero(ranks == rank)
+    if len(place):                                     # received: from every region
+        i = int(place[0])
+        a = np.maximum(want_lo[i], lo)
+        b = np.minimum(want_lo[i] + want_size[i], lo + size)
+        for g in np.flatnonzero((b > a).all(axis=1)).tolist():
+            holder = rank if _holds(region_of, rank) == g else int(table[g, rank % count[g]])
+            found.append((i, g, (holder, rank, tuple(a[g].tolist()), tuple((b[g] - a[g]).tolist()))))
+    g = _holds(region_of, rank)
+    if g >= 0:                                         # sent: its region, where taken from it
+        a = np.maximum(want_lo, lo[g])
+        b = np.minimum(want_lo + want_size, lo[g] + size[g])
+        holder = np.where(_holds_all(region_of, ranks) == g, ranks, table[g, ranks % count[g]])
+        for i in np.flatnonzero((b > a).all(axis=1) & (holder == rank) & (ranks != rank)).tolist():
+            found.append((i, g, (rank, int(ranks[i]), tuple(a[i].tolist()),
+                                 tuple((b[i] - a[i]).tolist()))))
+    found.sort(key=lambda f: f[:2])
+    return [f[2] for f in found]
+
+
+def _holds(region_of: np.ndarray, rank: int) -> int:
+    """The source region ``rank`` holds, -1 for none."""
+    return int(region_of[rank]) if rank < len(region_of) else -1
+
+
+def _holds_all(region_of: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    out = np.full(len(ranks), -1, dtype=np.int64)
+    known = ranks < len(region_of)
+    out[known] = region_of[ranks[known]]
+    return out
 
 
 @lru_cache(maxsize=4096)

@@ -119,6 +119,24 @@ def test_transfers_are_priced_without_their_moves():
     assert exact > 0
 
 
+def test_a_rank_runs_its_share_of_a_transfers_moves():
+    # Transfer.start takes a rank's moves without making every rank's (n x n at n
+    # ranks): the same moves in the same order, other placements and 0-d included
+    plain = [S.broadcast, S.split(0), S.split(1), S.split(2)]
+    placements = [Placement("cpu", m) for m in MESHES + [[5], [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]]]
+    for shape in [(5, 3, 2), (8, 4, 1), (0, 3, 4), (6, 6, 6), ()]:
+        sbps = plain[:1 + len(shape)]
+        for p, q in itertools.product(placements, placements):
+            srcs = [Layout.make(shape, p, nd) for nd in itertools.product(sbps, repeat=p.ndim)]
+            dsts = [Layout.make(shape, q, nd) for nd in itertools.product(
+                sbps + [S.partial_sum], repeat=q.ndim)]
+            for src, dst in itertools.product(srcs[::3], dsts[::4]):
+                transfer = Transfer.between(src, dst)
+                for rank in range(8):
+                    mine = tuple(m for m in transfer.moves if rank in (m.src, m.dst))
+                    assert transfer.moves_of(rank) == mine, (src, dst, rank)
+
+
 def test_route_cost_is_the_plans_cost():
     # step planning prices with route_cost, which makes no plan: strided splits (on
     # the refined view, or through broadcast), partials, other placements

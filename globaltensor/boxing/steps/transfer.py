@@ -10,12 +10,14 @@ the identity of the outermost partial axis they are not first on.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from ... import comm
 from ...layout import Layout, Region
 from ...partials import identity_fill, identity_value
+from ..transfer_price import rank_pieces
 from .base import Handle, Locals, Step
 
 
@@ -57,11 +59,23 @@ class Transfer(Step):
     """
     src: Layout
     dst: Layout
-    moves: tuple
 
     @staticmethod
     def between(src: Layout, dst: Layout) -> "Transfer":
-        return Transfer(src, dst, transfer_moves(src, dst))
+        return Transfer(src, dst)
+
+    @cached_property
+    def moves(self) -> tuple:
+        """Every rank's moves (``transfer_moves``): up to n x n pieces on n ranks, made
+        when first asked for (pricing, explaining, the one-process model); a rank runs
+        its own, ``moves_of``."""
+        return transfer_moves(self.src, self.dst)
+
+    def moves_of(self, rank: int) -> tuple:
+        """The moves ``rank`` sends or receives, in ``moves``' order, made in time of
+        the ranks plus the regions (a transfer at 1024 ranks has a million moves)."""
+        return tuple(Move(holder, to, Region(offsets, sizes))
+                     for holder, to, offsets, sizes in rank_pieces(self.src, self.dst, rank))
 
     def __str__(self) -> str:
         return f"Transfer({self.src.placement} {self.src.sbp} -> {self.dst.placement} {self.dst.sbp})"
@@ -109,7 +123,7 @@ class Transfer(Step):
         # Across device types the pieces travel through host memory, on one backend.
         wire = torch.device("cpu") if self.src.placement.type != self.dst.placement.type else None
         sends, recvs, landing = [], [], []
-        for m in self.moves:
+        for m in self.moves_of(rank):
             if m.src == rank and m.dst == rank:
                 out[m.region.slices(dst_region)] = x[m.region.slices(src_region)]
             elif m.src == rank:
