@@ -96,7 +96,7 @@ def _sources(layout: Layout) -> tuple:
     for r in layout.placement:
         region = layout.region(r)
         groups.setdefault((region.offsets, region.sizes), []).append(r)
-    shape = (1, len(groups), layout.ndim)
+    shape = (1, len(groups), len(layout.shape))
     lo = np.array([k[0] for k in groups], dtype=np.int64).reshape(shape)
     size = np.array([k[1] for k in groups], dtype=np.int64).reshape(shape)
     return lo, size, tuple(tuple(g) for g in groups.values())
@@ -107,8 +107,8 @@ def _wanted(layout: Layout) -> tuple:
     """The receiving ranks of ``layout`` and their regions' (offsets, sizes)."""
     got = _receivers(layout)
     ranks = np.array([r for r, _ in got], dtype=np.int64)
-    lo = np.array([w.offsets for _, w in got], dtype=np.int64).reshape(len(got), layout.ndim)
-    size = np.array([w.sizes for _, w in got], dtype=np.int64).reshape(len(got), layout.ndim)
+    lo = np.array([w.offsets for _, w in got], dtype=np.int64).reshape(len(got), len(layout.shape))
+    size = np.array([w.sizes for _, w in got], dtype=np.int64).reshape(len(got), len(layout.shape))
     return ranks, lo, size
 
 
