@@ -56,7 +56,7 @@ def padded_parts(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     head = y[:extra * (base + 1)]   # the larger parts: whole already
     tail = y[extra * (base + 1):].reshape((n - extra, base) + rest)
     tail = torch.cat([tail, tail.new_zeros((n - extra, 1) + rest)], dim=1)
-    return torch.cat([head, tail.reshape((-1,) + rest)])
+    return torch.cat([head, tail.reshape(((n - extra) * (base + 1),) + rest)])
 
 
 def unpadded_parts(padded: torch.Tensor, length: int) -> torch.Tensor:
@@ -70,5 +70,5 @@ def unpadded_parts(padded: torch.Tensor, length: int) -> torch.Tensor:
     base, extra = divmod(length, n)
     if not extra:
         return padded.reshape((length,) + rest)
-    head = padded[:extra].reshape((-1,) + rest)
-    return torch.cat([head, padded[extra:, :base].reshape((-1,) + rest)])
+    head = padded[:extra].reshape((extra * (base + 1),) + rest)   # explicit: rest may hold a 0
+    return torch.cat([head, padded[extra:, :base].reshape(((n - extra) * base,) + rest)])

@@ -86,6 +86,9 @@ def test_padded_parts_are_each_part_padded_in_member_order():
         assert torch.equal(got, torch.cat(want)), (length, n, dim)
         back = unpadded_parts(got.reshape((n, biggest) + tuple(got.shape[1:])), length)
         assert torch.equal(back, x.movedim(dim, 0)), (length, n, dim)
+    empty = torch.zeros(5, 0, 3)   # no elements: sizes stay known
+    assert padded_parts(empty, 0, 2).shape == (6, 0, 3)
+    assert unpadded_parts(torch.zeros(2, 3, 0, 3), 5).shape == (5, 0, 3)
 
 
 def test_explain_names_the_backend():
@@ -127,6 +130,29 @@ def check_native_reduce_scatter_values():
                         y = x.to_global(P, dst)
                     assert counted.calls.get("reduce_scatter", 0) == 1, counted.calls
                     torch.testing.assert_close(y.full(), whole)
+
+
+def check_native_all_to_all_values():
+    """split(i) -> split(j) by one all_to_all_single where NCCL serves (parts padded
+    along both dims: even and uneven, i before and after j, a 2-D placement's axes)
+    equals the one-process value."""
+    n = gt.get_world_size()
+    meshes = [gt.placement("cpu", list(range(n)))]
+    if n == 4:
+        meshes.append(gt.placement("cpu", [[0, 1], [2, 3]]))
+    with _gloo_priced_as_nccl():
+        for P in meshes:
+            for shape, i, j in [((8, 12), 0, 1), ((7, 5), 0, 1), ((5, 9), 1, 0),
+                                ((3, 6, 5), 2, 0), ((6, 3, 7), 0, 2), ((5, 7, 2), 1, 0)]:
+                torch.manual_seed(sum(shape) + i)
+                whole = torch.randn(shape)
+                other = (broadcast,) * (P.ndim - 1)
+                x = gt.tensor(whole, placement=P, sbp=other + (split(i),))
+                with gt.debug.comm_stats() as counted:
+                    y = x.to_global(P, other + (split(j),))
+                assert counted.calls == {"all_to_all": 1}, (shape, i, j, counted.calls)
+                torch.testing.assert_close(y.full(), whole)
+                assert y.to_local().shape == y.global_layout.local_shape(gt.get_rank())
 
 
 def check_a_plans_sent_bytes_are_what_comm_stats_counts():
@@ -189,7 +215,7 @@ def _own_gathers_from(size: int):
         shard_comm.OWN_GATHER_BYTES = saved
 
 
-CHECKS = ["check_native_reduce_scatter_values",
+CHECKS = ["check_native_reduce_scatter_values", "check_native_all_to_all_values",
           "check_a_plans_sent_bytes_are_what_comm_stats_counts",
           "check_fully_shard_reduces_gradients_by_one_reduce_scatter_where_native"]
 test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
