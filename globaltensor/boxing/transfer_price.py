@@ -28,13 +28,15 @@ def transfer_floor(src: Layout, dst: Layout, itemsize: int) -> float:
     rank that lacks most; if none does, every rank copies its part locally, which is
     the whole cost."""
     lacking, whole = 0, 0
-    held = _regions(src)
-    for rank, want in _receivers(dst):
-        size = want.numel
-        own = held.get(rank)
-        piece = None if own is None else want.intersect(own)
-        lacking = max(lacking, size - (0 if piece is None else piece.numel))
-        whole = max(whole, size)
+    ranks, want_lo, want_size = _wanted(dst)
+    if len(ranks):   # per receiver, on arrays: its region, and what its own of src holds of it
+        lo, size, _ = _sources(src)
+        own = _holds_all(_holder_arrays(src)[2], ranks)   # -1: it holds none
+        a = np.maximum(want_lo, lo[0][own])
+        b = np.minimum(want_lo + want_size, (lo + size)[0][own])
+        piece = np.where((b > a).all(axis=1) & (own >= 0), (b - a).prod(axis=1), 0)
+        sizes = want_size.prod(axis=1)
+        lacking, whole = int((sizes - piece).max()), int(sizes.max())
     k = costs_of(src, dst)
     if lacking:
         return k.launch + k.alpha + k.p2p_beta * (lacking * itemsize)
@@ -121,6 +123,8 @@ def _holders(src: Layout, dst: Layout) -> np.ndarray:
     ranks = _wanted(dst)[0]
     if not len(ranks):
         return np.zeros((0, len(count)), dtype=np.int64)
+    if count.max() == 1:   # each region held by one rank (fully split): that rank, for all
+        return np.broadcast_to(table[:, 0], (len(ranks), len(count)))
     turn = table[np.arange(len(count))[None, :], ranks[:, None] % count[None, :]]
     mine = _holds_all(region_of, ranks)
     return np.where(mine[:, None] == np.arange(len(count))[None, :], ranks[:, None], turn)
@@ -183,12 +187,6 @@ def _holds_all(region_of: np.ndarray, ranks: np.ndarray) -> np.ndarray:
 
 
 @lru_cache(maxsize=4096)
-def _regions(layout: Layout) -> dict:
-    """{rank: its region} of a layout without strided splits."""
-    return {r: layout.region(r) for r in layout.placement}
-
-
-@lru_cache(maxsize=4096)
 def _receivers(layout: Layout) -> tuple:
     """(rank, region) of each rank that a transfer into ``layout`` sends to (not one
     that holds the identity of a partial axis)."""
@@ -198,7 +196,7 @@ def _receivers(layout: Layout) -> tuple:
 
 def clear_caches() -> None:
     for cached in (transfer_floor, transfer_cost, _sources, _wanted, _holder_arrays,
-                   _regions, _receivers, _intervals, _holder_table, _overlaps):
+                   _receivers, _intervals, _holder_table, _overlaps):
         cached.cache_clear()
     _priced.clear()
 
