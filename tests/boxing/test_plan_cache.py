@@ -1,6 +1,7 @@
 """The planner's kept searches and pruned general routes give the plans a fresh,
 exhaustive search gives (boxing/plan.py keeps one Dijkstra search per source and skips
 general routes a lower bound rules out; the references here do neither)."""
+import functools
 import heapq
 import itertools
 
@@ -47,11 +48,18 @@ def fresh_search(src: Layout, dst: Layout, itemsize: int):
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _fresh_search_once(src: Layout, dst: Layout, itemsize: int):
+    # the reference's own memo (a source meets the same reductions for every target),
+    # apart from the library's caches
+    return fresh_search(src, dst, itemsize)
+
+
 def every_general_route(src: Layout, dst: Layout, itemsize: int, bound: float):
     """(cost, steps) of the cheapest general route under ``bound``, pricing every one."""
     best = None
     for mid in planning._reduced_sources(src):
-        pre = (0.0, ()) if mid == src else fresh_search(src, mid, itemsize)
+        pre = (0.0, ()) if mid == src else _fresh_search_once(src, mid, itemsize)
         if pre is None:
             continue
         transfer = Transfer.between(mid, dst)
