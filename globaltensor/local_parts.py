@@ -41,6 +41,20 @@ def empty_local(layout: Layout, dtype: torch.dtype, like: torch.Tensor | None = 
 # ops whatever the number of parts (a cat of n slices launches n kernels, 1024 of them
 # per parameter at 1024 ranks).
 
+def padded_to(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``x`` with zeros appended along ``dim`` up to ``size`` (one uneven part made as
+    long as the largest).
+
+    >>> padded_to(torch.ones(2), 0, 3).tolist()
+    [1.0, 1.0, 0.0]
+    """
+    if x.shape[dim] >= size:
+        return x
+    pad = list(x.shape)
+    pad[dim] = size - x.shape[dim]
+    return torch.cat([x, x.new_zeros(pad)], dim=dim)
+
+
 def padded_parts(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     """``x``'s balanced parts of ``dim`` into ``n``, each padded with zeros to the
     largest and laid end to end along dim 0 (``dim`` moved first).

@@ -154,15 +154,16 @@ def rank_pieces(src: Layout, dst: Layout, rank: int) -> list:
     table, count, region_of = _holder_arrays(src)
     ranks, want_lo, want_size = _wanted(dst)
     found = []                                         # (receiver's place, region, piece)
+    mine = _holds(region_of, rank)
     place = np.flatnonzero(ranks == rank)
     if len(place):                                     # received: from every region
         i = int(place[0])
         a = np.maximum(want_lo[i], lo)
         b = np.minimum(want_lo[i] + want_size[i], lo + size)
         for g in np.flatnonzero((b > a).all(axis=1)).tolist():
-            holder = rank if _holds(region_of, rank) == g else int(table[g, rank % count[g]])
+            holder = rank if mine == g else int(table[g, rank % count[g]])
             found.append((i, g, (holder, rank, tuple(a[g].tolist()), tuple((b[g] - a[g]).tolist()))))
-    g = _holds(region_of, rank)
+    g = mine
     if g >= 0:                                         # sent: its region, where taken from it
         a = np.maximum(want_lo, lo[g])
         b = np.minimum(want_lo + want_size, lo[g] + size[g])

@@ -24,7 +24,7 @@ import torch
 from .. import comm
 from ..cost import costs_for, costs_of
 from ..layout import Layout, balanced_split
-from ..local_parts import unpadded_parts
+from ..local_parts import padded_to, unpadded_parts
 from ..sbp import Partial, Split
 from ..tensor import GlobalTensor, to_layout
 
@@ -84,11 +84,8 @@ def _padded_buffers(send, group, shape, parts) -> tuple:
     """(the gathered buffer [member][row][...], this rank's rows padded to the
     largest part's)."""
     biggest = parts[0][1]
-    padded = send
-    if send.shape[0] < biggest:
-        padded = send.new_zeros((biggest,) + tuple(shape[1:]))
-        padded[:send.shape[0]].copy_(send)
-    return send.new_empty((len(group), biggest) + tuple(shape[1:])), padded
+    return (send.new_empty((len(group), biggest) + tuple(shape[1:])),
+            padded_to(send, 0, biggest).contiguous())
 
 
 class Fetch:

@@ -8,19 +8,10 @@ import torch
 
 from ... import comm
 from ...layout import balanced_split
-from ...local_parts import padded_parts, unpadded_parts
+from ...local_parts import padded_parts, padded_to, unpadded_parts
 from ...partials import reduce_values
 from ...sbp import Broadcast, Partial, Split
 from .base import Handle, Locals, SbpChange, reduce_of
-
-
-def _padded(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """``x`` with zeros appended along ``dim`` up to ``size`` (uneven parts made even)."""
-    if x.shape[dim] >= size:
-        return x
-    pad = list(x.shape)
-    pad[dim] = size - x.shape[dim]
-    return torch.cat([x, x.new_zeros(pad)], dim=dim)
 
 
 @dataclass(frozen=True)
@@ -51,7 +42,7 @@ class AllGather(SbpChange):
             out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
             comm.all_gather_into(out, x, members)
             return Handle.ready(out)
-        x = _padded(x, d, biggest)  # uneven: pad to the largest part, gather, cut out
+        x = padded_to(x, d, biggest)  # uneven: pad to the largest part, gather, cut out
         x = x.movedim(d, 0).contiguous()
         gathered = x.new_empty((n,) + tuple(x.shape))
         comm.all_gather_into(gathered, x, members)

@@ -73,9 +73,15 @@ class Transfer(Step):
 
     def moves_of(self, rank: int) -> tuple:
         """The moves ``rank`` sends or receives, in ``moves``' order, made in time of
-        the ranks plus the regions (a transfer at 1024 ranks has a million moves)."""
-        return tuple(Move(holder, to, Region(offsets, sizes))
-                     for holder, to, offsets, sizes in rank_pieces(self.src, self.dst, rank))
+        the ranks plus the regions (a transfer at 1024 ranks has a million moves), once
+        per rank: a cached plan starts its transfer at every call."""
+        mine = self.__dict__.setdefault("_moves_of", {})   # (frozen: beside its fields)
+        found = mine.get(rank)
+        if found is None:
+            found = mine[rank] = tuple(
+                Move(holder, to, Region(offsets, sizes))
+                for holder, to, offsets, sizes in rank_pieces(self.src, self.dst, rank))
+        return found
 
     def __str__(self) -> str:
         return f"Transfer({self.src.placement} {self.src.sbp} -> {self.dst.placement} {self.dst.sbp})"
