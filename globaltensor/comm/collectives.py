@@ -20,7 +20,7 @@ import torch.distributed._functional_collectives as funcol
 
 from . import fingerprint, groups, stats, tagged
 from .groups import get_group, init
-from .guard import Waiting, guarded
+from .guard import DivergenceError, Waiting, guarded
 from .guard import all_gather_single as _all_gather_single
 from .guard import reduce_scatter_single as _reduce_scatter_single
 
@@ -275,6 +275,9 @@ def broadcast_(t: torch.Tensor, src: int, ranks: tuple[int, ...]) -> None:
         host.finish()
 
 
+_abandoned: list = []   # P2PWorks whose tags differed: their payloads are still posted
+
+
 class P2PWork:
     """Posted sends and receives; ``wait()`` blocks until all are done (and copies
     receives made on host copies back: ``host``), first comparing their tags (``tags``:
@@ -285,7 +288,15 @@ class P2PWork:
 
     def wait(self) -> None:
         if self._tags is not None:
-            self._tags.wait()   # a mismatch raises before the payloads are waited for
+            try:
+                self._tags.wait()   # a mismatch raises before the payloads are waited for
+            except DivergenceError:
+                # ... but the posted payloads go on: a posted receive still takes its
+                # peer's message (what follows pairs as it did), and gloo must not lose
+                # the buffer of a receive still posted (a later message on the pair
+                # then never completed). Kept until done.
+                _abandoned[:] = [w for w in _abandoned if not w.is_completed()] + [self]
+                raise
         for work in self._works:
             guarded("point-to-point transfer", self._peers, work.wait)
         if self._host is not None:

@@ -37,14 +37,17 @@ class WorldStopped(RuntimeError):
 
 
 class Turns:
-    """Which rank runs now. ``take(rank)`` waits for the turn and swaps the rank's state
-    in (``swap_in(rank)``); ``give(rank)`` swaps it out and hands the turn on."""
+    """Which rank runs now. ``take(rank)`` waits for the turn and puts the rank's state
+    in place; ``give(rank)`` hands the turn on. A rank's state goes out
+    (``swap_out(rank)``) only when another rank's comes in (``swap_in(rank)``): a rank
+    that takes the turn back with nobody in between finds its own still in place."""
 
     def __init__(self, n: int, swap_in: Callable[[int], None], swap_out: Callable[[int], None],
                  timeout: float):
         self.n, self.swap_in, self.swap_out, self.timeout = n, swap_in, swap_out, timeout
         self.cond = threading.Condition()
         self.holder: int | None = None
+        self.in_place: int | None = None   # the rank whose state is in place now
         self.stopped: BaseException | None = None
         self.local = threading.local()     # .rank of the thread
 
@@ -57,13 +60,22 @@ class Turns:
                 raise WorldStopped(f"rank {rank}: the world stopped ({self.stopped})")
             self.holder = rank
         self.local.rank = rank
-        self.swap_in(rank)
+        if self.in_place != rank:
+            self.put_away()
+            self.swap_in(rank)
+            self.in_place = rank
 
     def give(self, rank: int) -> None:
-        self.swap_out(rank)
         with self.cond:
             self.holder = None
             self.cond.notify_all()
+
+    def put_away(self) -> None:
+        """Save the state in place as its rank's (by the turn's holder, or once every
+        rank is done)."""
+        if self.in_place is not None:
+            self.swap_out(self.in_place)
+            self.in_place = None
 
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:
@@ -91,6 +103,7 @@ class Turns:
 
 _turns: Turns | None = None   # the simulated world running now (one at a time)
 _mail: dict = collections.defaultdict(collections.deque)  # (group, src, dst, tag) -> sent
+_posted: dict = collections.defaultdict(collections.deque)  # ... -> receives waiting for one
 _mail_cond = threading.Condition()
 
 
@@ -103,14 +116,26 @@ class SimulatedGroup(threaded.ProcessLocalGroup):
     with sends and receives (in order per sender, receiver and tag)."""
 
     def send(self, tensors: list, dst: int, tag: int = 0):
+        key = self.pg_name, self._rank, dst, tag
         with _mail_cond:
-            _mail[self.pg_name, self._rank, dst, tag].append(tensors[0].detach().clone())
+            if _posted[key]:    # into the first receive posted for it, as gloo's would
+                _posted[key].popleft().fill(tensors[0])
+            else:
+                _mail[key].append(tensors[0].detach().clone())
             _mail_cond.notify_all()
         return threaded.ret_work(tensors)
 
     def recv(self, tensors: list, src: int, tag: int = 0):
-        """Posted, as gloo's: the message is taken when the work is waited for."""
-        return _Received(tensors[0], _mail[self.pg_name, src, self._rank, tag])
+        """Posted, as gloo's: the receives of one sender and tag take its messages in
+        the order they were posted, waited for or not."""
+        key = self.pg_name, src, self._rank, tag
+        received = _Received(tensors[0])
+        with _mail_cond:
+            if _mail[key]:
+                received.fill(_mail[key].popleft())
+            else:
+                _posted[key].append(received)
+        return received
 
     def getBackendName(self) -> str:
         return BACKEND
@@ -187,18 +212,20 @@ for _name in _COLLECTIVES:   # each collective waits for the others: the turn go
 class _Received(dist.Work):
     """A posted receive: ``wait`` hands the turn on until its message is there."""
 
-    def __init__(self, into: torch.Tensor, box):
+    def __init__(self, into: torch.Tensor):
         super().__init__()
-        self.into, self.box, self.done = into, box, False
+        self.into, self.done = into, False
+
+    def fill(self, message: torch.Tensor) -> None:
+        self.into.copy_(message)
+        self.done = True
 
     def wait(self, timeout=None) -> bool:
         if not self.done:
             with _waiting(), _mail_cond:
-                _mail_cond.wait_for(lambda: self.box or (_turns is not None and _turns.stopped))
-                if not self.box:
+                _mail_cond.wait_for(lambda: self.done or (_turns is not None and _turns.stopped))
+                if not self.done:
                     raise WorldStopped("the world stopped while a rank received")
-                self.into.copy_(self.box.popleft())
-            self.done = True
         return True
 
     def is_completed(self) -> bool:
@@ -255,12 +282,14 @@ def world(turns: Turns) -> Iterator[None]:
     torch._C._distributed_c10d._set_thread_isolation_mode(True)   # group names per thread
     _turns = turns
     _mail.clear()
+    _posted.clear()
     try:
         yield
     finally:
         _turns = None
         groups.store_view = None
         _mail.clear()
+        _posted.clear()
         torch._C._distributed_c10d._set_thread_isolation_mode(False)
         threaded._uninstall_threaded_pg()
         threaded.ProcessLocalGroup.reset()
