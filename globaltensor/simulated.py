@@ -113,6 +113,8 @@ class _Ranks:
             setattr(self.mods[name], attr, value)
         torch.set_rng_state(rng)
         for key, value in environ.items():
+            if os.environ.get(key) == value:   # (a change of os.environ costs a putenv)
+                continue
             if value is None:
                 os.environ.pop(key, None)
             else:
@@ -195,6 +197,7 @@ def _join(threads: list, turns, ranks: _Ranks, limit: float) -> None:
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
     if any(t.is_alive() for t in threads):
+        turns.put_away()   # the state in place is saved as its rank's, to be read here
         doing = []
         for rank in range(len(threads)):
             values = ranks.saved[rank][0]
