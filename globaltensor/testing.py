@@ -4,7 +4,8 @@
   variables, a free port, one OpenMP thread each) that run the named check functions
   in order and report per check; the first error on any rank ends the world at once
   (no rank is left waiting in a collective), and a world that outlives its deadline
-  is killed.
+  is killed. ``simulated=True``: one process runs each check as ``n`` simulated ranks.
+- ``simulated_world(n)(fn, *args)``: ``fn`` run as ``n`` ranks in this process.
 - ``spawn(main, n, argv)``: run ``main(argv)`` on ``n`` spawned processes (or in this
   process when a launcher started it), for benchmarks.
 - ``free_port()``, ``peak_rise()`` (measured peak resident memory of a block),
@@ -82,7 +83,7 @@ def _start_context():
 
 
 def _child(rank: int, world: int, port: int, module: str, names: list, results,
-           parent_env: dict, env: dict):
+           parent_env: dict, env: dict, simulated: bool = False):
     # A forked child has the fork server's environment: take the test process's instead.
     os.environ.clear()
     os.environ.update(parent_env)
@@ -98,27 +99,43 @@ def _child(rank: int, world: int, port: int, module: str, names: list, results,
         mod = importlib.import_module(module)
         from .env import check_times_file
         times = check_times_file()  # a file: "<seconds> <world size> <check>" lines
+        if simulated:
+            from .simulated import simulated_world
+            run_as_world = simulated_world(world)
         for name in names:
             start = time.perf_counter()
             try:
                 if ":" in name:
                     other, function = name.split(":")
-                    getattr(importlib.import_module(other), function)()
+                    check = getattr(importlib.import_module(other), function)
                 else:
-                    getattr(mod, name)()
-            except BaseException:
-                results.put((rank, name, traceback.format_exc()))
+                    check = getattr(mod, name)
+                run_as_world(check) if simulated else check()
+            except BaseException as e:
+                failed = _failing_rank(e) if simulated else rank
+                results.put((failed, name, traceback.format_exc()))
                 return
             if "globaltensor.modes" in sys.modules:   # nothing a check left on reaches the next
                 reset()
             if times and rank == 0:
                 with open(times, "a") as f:
                     f.write(f"{time.perf_counter() - start:.2f} {world} {name}\n")
-            results.put((rank, name, None))
-        if "globaltensor.comm" in sys.modules:  # a check used the world: leave it together
+            for done in range(world) if simulated else (rank,):
+                results.put((done, name, None))
+        if "globaltensor.comm" in sys.modules and not simulated:  # leave the world together
             sys.modules["globaltensor.comm"].finish()
     except BaseException:
         results.put((rank, "<setup>", traceback.format_exc()))
+
+
+def _failing_rank(error: BaseException) -> int:
+    """The rank a simulated world's error names in its note (0 when none does)."""
+    import re
+    for note in getattr(error, "__notes__", ()):
+        found = re.match(r"\(rank (\d+) of a simulated world", note)
+        if found:
+            return int(found.group(1))
+    return 0
 
 
 class World:
@@ -127,12 +144,17 @@ class World:
     reporting per check; ``check(name)`` raises AssertionError with the failing rank's
     traceback. ``lazy=True`` returns at once and each ``check`` waits only for its own
     reports (the deadline is then per check). ``env`` adds environment variables.
+    ``simulated=True`` runs the checks as ``nprocs`` ranks of a simulated world
+    (``simulated_world``) in one spawned process: the same dispatch, boxing and
+    autograd on one core, without the processes' start and sockets, for checks that
+    need no real process (its limits: ``globaltensor.simulated``).
 
     >>> World(2, "my_checks", ["check_add"]).check("check_add")    # doctest: +SKIP
+    >>> World(4, "my_checks", ["check_add"], simulated=True)       # doctest: +SKIP
     """
 
     def __init__(self, nprocs: int, module: str, names: list, timeout: float = 240,
-                 env: dict | None = None, lazy: bool = False):
+                 env: dict | None = None, lazy: bool = False, simulated: bool = False):
         self.nprocs, self.names, self.timeout, self.lazy = nprocs, list(names), timeout, lazy
         self.errors: dict = {}
         self.done: dict = {name: 0 for name in names}
@@ -141,8 +163,8 @@ class World:
         port = free_port()
         self._procs = [ctx.Process(target=_child, args=(r, nprocs, port, module, self.names,
                                                           self._results, dict(os.environ),
-                                                          env or {}), daemon=True)
-                       for r in range(nprocs)]
+                                                          env or {}, simulated), daemon=True)
+                       for r in range(1 if simulated else nprocs)]
         self._received, self._closed = 0, False
         for p in self._procs:
             p.start()

@@ -1,8 +1,10 @@
-"""The test harness: its world fails fast when a process dies without reporting, and
-the launcher the suite forks for its jobs runs as `python -m globaltensor.launch`."""
+"""The test harness: its world fails fast when a process dies without reporting, a
+simulated world runs its ranks in one process and names a failing rank, and the
+launcher the suite forks for its jobs runs as `python -m globaltensor.launch`."""
 import os
 
 import pytest
+import torch
 from mp import World
 
 
@@ -18,6 +20,34 @@ def test_a_process_that_dies_without_reporting_is_named():
     world = World(2, __name__, ["check_rank_one_dies"], timeout=60)
     with pytest.raises(AssertionError, match="rank 1 exited with code 3 before reporting"):
         world.check("check_rank_one_dies")
+
+
+def check_ranks_see_each_other():
+    import globaltensor as gt
+    p = gt.placement("cpu", ranks=[0, 1, 2])
+    x = gt.from_local(torch.full((1, 2), 1.0 + gt.get_rank()), placement=p, sbp=gt.sbp.split(0))
+    total = x.to_global(sbp=gt.sbp.broadcast).to_local().sum().item()
+    assert total == 12.0, total     # every rank holds every rank's row
+    with open(os.environ["SEEN"], "a") as f:
+        f.write(f"{gt.get_rank()} {os.getpid()}\n")
+
+
+def check_rank_two_fails():
+    import globaltensor as gt
+    assert gt.get_rank() != 2, "rank two fails"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_simulated_world_runs_every_rank_in_one_process_and_names_a_failing_rank(tmp_path):
+    seen = tmp_path / "seen"
+    world = World(3, __name__, ["check_ranks_see_each_other", "check_rank_two_fails"],
+                  timeout=60, lazy=True, simulated=True, env={"SEEN": str(seen)})
+    world.check("check_ranks_see_each_other")
+    ranks, pids = zip(*(line.split() for line in seen.read_text().splitlines()))
+    assert sorted(ranks) == ["0", "1", "2"] and len(set(pids)) == 1 and pids[0] != str(os.getpid())
+    with pytest.raises(AssertionError, match=r"(?s)rank 2:.*rank two fails"):
+        world.check("check_rank_two_fails")
 
 
 JOB = """
