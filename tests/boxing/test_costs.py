@@ -233,6 +233,4 @@ def _own_gathers_from(size: int):
 CHECKS = ["check_native_reduce_scatter_values", "check_native_all_to_all_values",
           "check_a_plans_sent_bytes_are_what_comm_stats_counts",
           "check_fully_shard_reduces_gradients_by_one_reduce_scatter_where_native"]
-# (counts the collectives gloo itself runs)
-test_world2, test_world4 = checks_in_worlds(__name__, CHECKS, in_processes=[
-    "check_fully_shard_reduces_gradients_by_one_reduce_scatter_where_native"])
+test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)

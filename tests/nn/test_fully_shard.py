@@ -335,8 +335,4 @@ CHECKS = ["check_training_equals_one_process", "check_gathered_copy_is_freed_aft
 
 test_world2, test_world4 = checks_in_worlds(
     __name__, CHECKS, only_in_4=["check_tensor_parallel_on_a_2d_placement"],
-    only_in_2=["check_linear_backward_lets_the_weight_go_before_its_gradient"],
-    # (the process's resident memory, and gathers counted per process)
-    in_processes=["check_linear_backward_lets_the_weight_go_before_its_gradient",
-                  "check_host_blocks_go_back_to_the_system_when_freed",
-                  "check_recompute_gathers_once_and_each_weight_again_in_its_backward"])
+    only_in_2=["check_linear_backward_lets_the_weight_go_before_its_gradient"])
