@@ -71,8 +71,8 @@ class Turns:
             self.cond.notify_all()
 
     def put_away(self) -> None:
-        """Save the state in place as its rank's (by the turn's holder, or once every
-        rank is done)."""
+        """Save the state in place as its rank's (by the rank taking the turn, or by
+        the caller of a world that ran past its timeout, to name what each rank did)."""
         if self.in_place is not None:
             self.swap_out(self.in_place)
             self.in_place = None
