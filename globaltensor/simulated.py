@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import threading
 import time
 from typing import Callable
@@ -121,6 +122,9 @@ class _Ranks:
                 os.environ[key] = value
 
 
+_NOTE = "(rank {rank} of a simulated world of {n})"   # on the error that ended a world
+
+
 def simulated_world(n: int, timeout: float | None = None) -> Callable:
     """``simulated_world(n)(fn, *args, **kwargs)`` runs ``fn`` as ``n`` ranks in this
     one process (module docstring) and returns their results as a list, rank by rank.
@@ -160,11 +164,21 @@ def simulated_world(n: int, timeout: float | None = None) -> Callable:
         if errors:
             rank = min(errors)
             error = errors[rank]
-            error.add_note(f"(rank {rank} of a simulated world of {n})")
+            error.add_note(_NOTE.format(rank=rank, n=n))
             raise error
         return results
 
     return run
+
+
+def failing_rank(error: BaseException) -> int | None:
+    """The rank whose error ended a simulated world (named in the note ``simulated_world``
+    adds to it); None for an error without one (a timeout)."""
+    for note in getattr(error, "__notes__", ()):
+        found = re.match(r"\(rank (\d+) of a simulated world of \d+\)$", note)
+        if found:
+            return int(found.group(1))
+    return None
 
 
 def _rank_main(rank: int, n: int, turns, store, limit: float, fn, args, kwargs, results,

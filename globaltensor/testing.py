@@ -100,7 +100,7 @@ def _child(rank: int, world: int, port: int, module: str, names: list, results,
         from .env import check_times_file
         times = check_times_file()  # a file: "<seconds> <world size> <check>" lines
         if simulated:
-            from .simulated import simulated_world
+            from .simulated import failing_rank, simulated_world
             run_as_world = simulated_world(world)
         for name in names:
             start = time.perf_counter()
@@ -112,7 +112,7 @@ def _child(rank: int, world: int, port: int, module: str, names: list, results,
                     check = getattr(mod, name)
                 run_as_world(check) if simulated else check()
             except BaseException as e:
-                failed = _failing_rank(e) if simulated else rank
+                failed = (failing_rank(e) or 0) if simulated else rank
                 results.put((failed, name, traceback.format_exc()))
                 return
             if "globaltensor.modes" in sys.modules:   # nothing a check left on reaches the next
@@ -126,16 +126,6 @@ def _child(rank: int, world: int, port: int, module: str, names: list, results,
             sys.modules["globaltensor.comm"].finish()
     except BaseException:
         results.put((rank, "<setup>", traceback.format_exc()))
-
-
-def _failing_rank(error: BaseException) -> int:
-    """The rank a simulated world's error names in its note (0 when none does)."""
-    import re
-    for note in getattr(error, "__notes__", ()):
-        found = re.match(r"\(rank (\d+) of a simulated world", note)
-        if found:
-            return int(found.group(1))
-    return 0
 
 
 class World:
