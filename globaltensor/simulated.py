@@ -7,9 +7,10 @@ turn on only where it waits for the others (a collective, a receive, a store wai
 At every turn the rank's own state is put in place: what globaltensor keeps per rank
 (``PER_RANK``: the modes and the planner's steps, comm's groups, meetings and
 counters, the decision cache, gradient sync, the random counters), torch's default
-generator and the RANK variables. So a program runs through the same dispatch,
-boxing, autograd, gradient sync and checkpoint code as in a world of processes, the
-same way every time, and a debugger steps through any rank in one Python process.
+generator and its environment variables (the launcher's and globaltensor's, ``_ENV``).
+So a program runs through the same dispatch, boxing, autograd, gradient sync and
+checkpoint code as in a world of processes, the same way every time, and a debugger
+steps through any rank in one Python process.
 Caches that do not depend on the rank (boxing plans, layouts, rules) are shared.
 
 Limits (what needs real processes): the launcher, faults and restarts, gloo and NCCL
@@ -74,7 +75,10 @@ PER_RANK: dict[str, dict[str, Callable]] = {
     "globaltensor.comm.fingerprint": {"_seq": lambda m: {}, "_pairs": lambda m: {},
                                       "_rank": lambda m: None},
 }
-_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+# A rank's own variables, as a process's are: the launcher's, and every GLOBALTENSOR_
+# knob (a rank that sets one for itself, as a test setting a read timeout does, sets it
+# for itself only; shared, another rank leaving its block would put it back under it).
+_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK") + tuple(env.VARIABLES)
 
 
 def _modules() -> dict:
@@ -93,12 +97,14 @@ class _Ranks:
     def __init__(self, n: int):
         self.mods = _modules()
         self.saved: dict[int, tuple] = {-1: self._current()}
-        rng = torch.get_rng_state()
-        for rank in range(n):   # every rank starts as a process would: fresh state
-            fresh = {(name, attr): make(self.mods[name]) for name, attrs in PER_RANK.items()
+        rng, inherited = torch.get_rng_state(), self.saved[-1][2]
+        for rank in range(n):   # every rank starts as a process would: fresh state, the
+            fresh = {(name, attr): make(self.mods[name])   # caller's environment
+                     for name, attrs in PER_RANK.items()
                      if name in self.mods for attr, make in attrs.items()}
-            self.saved[rank] = (fresh, rng.clone(), {"RANK": str(rank), "LOCAL_RANK": str(rank),
-                                                    "GROUP_RANK": "0"})
+            self.saved[rank] = (fresh, rng.clone(), {
+                **inherited, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
+                "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n)})
 
     def _current(self) -> tuple:
         values = {(name, attr): getattr(self.mods[name], attr) for name, attrs in PER_RANK.items()
@@ -144,7 +150,6 @@ def simulated_world(n: int, timeout: float | None = None) -> Callable:
         results, errors = [None] * n, {}
         store = sim.new_store(limit)
         ranks.swap_out(-1)     # the caller's state (and variables) come back at the end
-        os.environ.update({"WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n)})
         threads_before = torch.get_num_threads()
         torch.set_num_threads(1)   # one rank runs at a time: its ops need no pool
         try:
@@ -236,7 +241,8 @@ def run_as_rank(world: int, rank: int, fn: Callable, *args, local_world: int | N
     local = world if local_world is None else local_world
     ranks = _Ranks(1)
     ranks.saved[0][2].update(RANK=str(rank), LOCAL_RANK=str(rank % local),
-                             GROUP_RANK=str(rank // local))
+                             GROUP_RANK=str(rank // local), WORLD_SIZE=str(world),
+                             LOCAL_WORLD_SIZE=str(local))
     result, errors = [None], []
 
     def main() -> None:
@@ -250,7 +256,6 @@ def run_as_rank(world: int, rank: int, fn: Callable, *args, local_world: int | N
             errors.append(e)
 
     ranks.swap_out(-1)   # (its variables too: WORLD_SIZE comes back with them)
-    os.environ.update({"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(local)})
     try:
         ranks.swap_in(0)
         with sim.thread_worlds():

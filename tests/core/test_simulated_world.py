@@ -168,3 +168,21 @@ def test_the_callers_thread_count_comes_back():
         assert seen == [1, 1] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def _own_read_timeout() -> float:
+    from globaltensor import env
+    if gt.get_rank() == 0:
+        os.environ["GLOBALTENSOR_READ_TIMEOUT"] = "3"
+    p = gt.placement("cpu", [0, 1])
+    gt.ones(2, placement=p, sbp=gt.sbp.split(0)).to_global(sbp=gt.sbp.broadcast)  # turns
+    return env.read_timeout_seconds()
+
+
+def test_a_ranks_environment_variables_are_its_own(monkeypatch):
+    """A variable a rank sets is its own, as a process's would be: the other rank and
+    the caller do not see it (shared, a rank leaving a block that set a knob would put
+    it back under another rank still inside)."""
+    monkeypatch.delenv("GLOBALTENSOR_READ_TIMEOUT", raising=False)
+    assert simulated_world(2)(_own_read_timeout) == [3.0, 10.0]
+    assert "GLOBALTENSOR_READ_TIMEOUT" not in os.environ
