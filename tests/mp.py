@@ -6,7 +6,9 @@ world of n run in one spawned world) and running the examples through the launch
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 
 from globaltensor.testing import World, free_port  # noqa: F401  (tests import them here)
 
@@ -18,14 +20,19 @@ CHECK_TIMEOUT = 240         # seconds per check (collectives time out sooner: 60
 
 
 class SharedWorld:
-    """Lazy ``World``s of ``n`` processes running ``names`` ("module:check") in order.
-    A world ends at its first failing check; a check that did not get to run then runs
-    in a new world together with the checks after it (so one failure does not fail the
-    rest of the session)."""
+    """Lazy ``World``s of ``n`` ranks running ``names`` ("module:check") in order: ``n``
+    processes, or one process running each check in a simulated world of ``n``
+    (``simulated``). A world ends at its first failing check; a check that did not get
+    to run then runs in a new world together with the checks after it (so one failure
+    does not fail the rest of the session)."""
 
-    def __init__(self, n: int, names: list):
-        self.n, self.names = n, names
+    def __init__(self, n: int, simulated: bool, names: list):
+        self.n, self.simulated, self.names = n, simulated, names
         self.world: World | None = None
+
+    def start(self, names: list) -> World:
+        return World(self.n, "mp", names, timeout=CHECK_TIMEOUT, lazy=True,
+                     simulated=self.simulated)
 
     def check(self, name: str) -> None:
         w = self.world
@@ -33,8 +40,7 @@ class SharedWorld:
                                                and w.done[name] != self.n):
             if w is not None:
                 w.close()
-            w = self.world = World(self.n, "mp", self.names[self.names.index(name):],
-                                   timeout=CHECK_TIMEOUT, lazy=True)
+            w = self.world = self.start(self.names[self.names.index(name):])
         w.check(name)
 
     def wait(self) -> None:
@@ -47,15 +53,25 @@ class SharedWorld:
             self.world.close()
 
 
-_SHARED: dict = {}
-_STARTER: list = []         # the thread starting the session's worlds, while it runs
+_SHARED: dict = {}          # (n, simulated) -> SharedWorld
+_STARTER: dict = {}         # simulated -> the thread starting that chain's worlds, while it runs
 
 
-def _world_names(items, n: int) -> list:
-    """The checks ("module:check") that the selected ``items`` run in a world of ``n``."""
+def _world_of(item) -> tuple | None:
+    """(n, simulated) of the session world that ``item`` checks in; None for a test
+    that is not a world's."""
+    function = getattr(item, "function", None)
+    n = getattr(function, "shared_world", None)
+    if not n:
+        return None
+    return n, item.callspec.params["name"] not in function.in_processes
+
+
+def _world_names(items, key: tuple) -> list:
+    """The checks ("module:check") that the selected ``items`` run in the world ``key``."""
     names = []
     for item in items:
-        if getattr(getattr(item, "function", None), "shared_world", None) == n:
+        if _world_of(item) == key:
             name = f"{item.module.__name__}:{item.callspec.params['name']}"
             if name not in names:
                 names.append(name)
@@ -63,16 +79,23 @@ def _world_names(items, n: int) -> list:
 
 
 def order_world_tests_last(items: list) -> None:
-    """Put the shared worlds' tests after every other test (world 2's, then world 4's),
-    in their order otherwise: the worlds then run behind the other tests, which leave
-    cores idle while they wait for launched jobs, and their tests find them done. The
-    examples' runs (several processes each, busy the whole time) go just before them:
-    they then fill both cores once the worlds are done, where a test that waits or runs
-    in one process would leave one idle."""
+    """Put the shared worlds' tests after every other test (the simulated worlds' first,
+    then those of processes, by size), in their order otherwise: the worlds then run
+    behind the other tests, which leave cores idle while they wait for launched jobs,
+    and their tests find them done. The examples' runs (several processes each, busy
+    the whole time) go just before them: they then fill both cores once the worlds are
+    done, where a test that waits or runs in one process would leave one idle."""
     def key(item):
-        world = getattr(getattr(item, "function", None), "shared_world", None)
-        return (world or 0, world is None and _runs_examples(item))
+        world = _world_of(item)
+        return (_start_order(world) if world else (0, 0), world is None and _runs_examples(item))
     items.sort(key=key)
+
+
+def _start_order(key: tuple) -> tuple:
+    """Simulated worlds first (one process: a core stays free for the other tests),
+    then the worlds of processes, smaller first."""
+    n, simulated = key
+    return (1 if simulated else 2, n)
 
 
 def _runs_examples(item) -> bool:
@@ -81,31 +104,34 @@ def _runs_examples(item) -> bool:
 
 
 def start_shared_worlds(items: list) -> None:
-    """Run the session's worlds one after another in the background from now on (one at
-    a time: the world of 4 already oversubscribes two cores). The first world test
-    takes them over (``_shared_world``)."""
+    """Run the session's worlds in the background from now on, in two chains side by
+    side: the simulated worlds one after another (one process: one core), and the
+    worlds of processes one after another (the world of 4 already oversubscribes two
+    cores). The first test of a world takes it over (``_shared_world``)."""
     import threading
 
-    sizes = sorted({n for n in (getattr(getattr(item, "function", None), "shared_world",
-                                        None) for item in items) if n})
+    keys = sorted({key for key in map(_world_of, items) if key}, key=_start_order)
 
-    def run():
-        for k, n in enumerate(sizes):
-            world = _SHARED[n] = SharedWorld(n, _world_names(items, n))
-            world.world = World(n, "mp", world.names, timeout=CHECK_TIMEOUT, lazy=True)
-            if k + 1 < len(sizes):
+    def run(chain: list):
+        for k, key in enumerate(chain):
+            world = _SHARED[key] = SharedWorld(*key, _world_names(items, key))
+            world.world = world.start(world.names)
+            if k + 1 < len(chain):
                 world.wait()
 
-    if sizes:
-        starter = threading.Thread(target=run, name="shared-worlds", daemon=True)
-        _STARTER.append(starter)
-        starter.start()
+    for simulated in (True, False):
+        chain = [key for key in keys if key[1] == simulated]
+        if chain:
+            starter = threading.Thread(target=run, args=(chain,), daemon=True,
+                                       name=f"shared-worlds-{'simulated' if simulated else 'processes'}")
+            _STARTER[simulated] = starter
+            starter.start()
 
 
 def close_shared_worlds() -> None:
     """End the session's worlds (at the end of the session, also an interrupted one)."""
     while _STARTER:
-        starter = _STARTER.pop()
+        starter = _STARTER.popitem()[1]
         for world in list(_SHARED.values()):     # a world still running ends at once
             if world.world is not None and starter.is_alive():
                 world.world.kill()
@@ -114,26 +140,39 @@ def close_shared_worlds() -> None:
         _SHARED.popitem()[1].close()
 
 
-def _shared_world(n: int, request) -> SharedWorld:
-    """The session's world of ``n`` (started in the background, or made now for every
-    check that the session selected in a world of ``n``). One world runs at a time: the
-    others first finish what they run (their results wait for their tests)."""
-    while _STARTER:
-        _STARTER.pop().join()
-    for m, other in _SHARED.items():
-        if m != n:
+def _shared_world(key: tuple, request) -> SharedWorld:
+    """The session's world ``key`` (started in the background, or made now for every
+    check that the session selected in it). One world of a chain runs at a time: the
+    others of its chain first finish what they run (their results wait for their
+    tests)."""
+    if key[1] in _STARTER:
+        _STARTER.pop(key[1]).join()
+    for other_key, other in list(_SHARED.items()):
+        if other_key != key and other_key[1] == key[1]:
             other.wait()
-    if n not in _SHARED:
-        _SHARED[n] = SharedWorld(n, _world_names(request.session.items, n))
-    return _SHARED[n]
+    if key not in _SHARED:
+        _SHARED[key] = SharedWorld(*key, _world_names(request.session.items, key))
+    return _SHARED[key]
 
 
-def world_test(module: str, n: int, names: list):
+def world_test(module: str, n: int, names: list, in_processes=()):
     """A test parametrized over ``names`` (functions of ``module``), each run on every
-    rank of the session's world of ``n`` processes, marked ``multiprocess``. Checks must
-    leave no state behind that a later check could see (they share the processes with
-    other files' checks)."""
+    rank of the session's world of ``n``, marked ``multiprocess``: a simulated world
+    (every rank a thread of one process, ``gt.testing.simulated_world``: the same
+    dispatch, boxing, autograd and checkpoint code on one core, without the processes'
+    start and sockets), except the checks named in ``in_processes``, which need processes
+    (torch.compile, the profiler, gloo itself, a timeout inside a collective: the
+    limits in ``globaltensor/simulated.py``) and run in a world of ``n`` processes.
+    Checks must leave no state behind that a later check could see (they share the
+    processes with other files' checks). The ranks of a simulated world share one
+    process: a check that changes a module's value for a while does it with ``patched``,
+    and one whose ranks would each change it their own way (a counter per rank) runs
+    in processes."""
     import pytest
+
+    unknown = set(in_processes) - set(names)
+    if unknown:
+        raise ValueError(f"in_processes names checks that {module} does not run: {unknown}")
 
     # the test that starts a world first waits for the other worlds' remaining checks;
     # hangs are bounded per check (CHECK_TIMEOUT, collectives sooner)
@@ -141,19 +180,55 @@ def world_test(module: str, n: int, names: list):
     @pytest.mark.timeout(1800)
     @pytest.mark.parametrize("name", list(names))
     def test(name, request):
-        _shared_world(n, request).check(f"{module}:{name}")
+        _shared_world((n, name not in test.in_processes), request).check(f"{module}:{name}")
 
     test.shared_world = n
+    test.in_processes = frozenset(in_processes)
     return test
 
 
-def checks_in_worlds(module: str, checks, only_in_4=(), only_in_2=()):
+def checks_in_worlds(module: str, checks, only_in_4=(), only_in_2=(), in_processes=()):
     """Tests running ``checks`` (names of functions in ``module``) in the session's
     world of 2 and world of 4; ``only_in_4`` need 4 ranks, ``only_in_2`` learn nothing
-    more from 4 (a measurement that costs time on the oversubscribed world). Use as
+    more from 4 (a measurement that costs time on the oversubscribed world);
+    ``in_processes``: those that need processes (``world_test``). Use as
     ``test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)``."""
-    return (world_test(module, 2, list(checks) + list(only_in_2)),
-            world_test(module, 4, list(checks) + list(only_in_4)))
+    two, four = list(checks) + list(only_in_2), list(checks) + list(only_in_4)
+    return (world_test(module, 2, two, [c for c in in_processes if c in two]),
+            world_test(module, 4, four, [c for c in in_processes if c in four]))
+
+
+_PATCHES: dict = {}   # (id(target), name) -> [ranks inside, the value before]
+_PATCHES_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def patched(target, name: str, value):
+    """``target.name`` (``target[name]`` where ``target`` is a dict) is ``value`` while
+    the block runs, as one change for the whole world: the ranks of a simulated world
+    share the process, so the first rank in sets it and the last one out puts it back.
+    (Each rank's own save and restore would put the old value back under a rank still
+    inside, and the second rank in would save the first's value and leave it behind.)
+    Every rank must set the same value. In a world of processes, a plain patch."""
+    key = id(target), name
+    get, put = ((target.__getitem__, target.__setitem__) if isinstance(target, dict) else
+                (lambda n: getattr(target, n), lambda n, v: setattr(target, n, v)))
+    with _PATCHES_LOCK:
+        inside = _PATCHES.setdefault(key, [0, None])
+        if inside[0] == 0:
+            inside[1] = get(name)
+            put(name, value)
+        elif get(name) != value:
+            raise AssertionError(f"ranks patch {name} with different values")
+        inside[0] += 1
+    try:
+        yield
+    finally:
+        with _PATCHES_LOCK:
+            inside[0] -= 1
+            if inside[0] == 0:
+                put(name, inside[1])
+                del _PATCHES[key]
 
 
 def _example_command(script: str, nproc: int, log_dir, args) -> tuple:

@@ -259,7 +259,9 @@ def check_a_damage_one_rank_sees_falls_back_on_every_rank():
 
 CHECKS = ["check_a_damage_one_rank_sees_falls_back_on_every_rank"]
 
-test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
+# (warnings are the process's)
+test_world2, test_world4 = checks_in_worlds(__name__, CHECKS, in_processes=[
+    "check_a_damage_one_rank_sees_falls_back_on_every_rank"])
 
 
 # --- jobs through the launcher, killed and resumed ---------------------------------------

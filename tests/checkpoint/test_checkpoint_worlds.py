@@ -6,6 +6,9 @@ smaller-than-rank-count splits, broadcast, partial sum/max, 2-D meshes, a sub-pl
 world of 2 then loads that checkpoint (4 -> 2 ranks), resumes an optimizer through
 torch's get_state_dict/set_state_dict, and saves one that this (plain, undistributed)
 process loads into plain tensors. Values are small integers, so every comparison is exact.
+The worlds are simulated (each one process running its ranks as threads, through the same
+dcp and store code); the launched jobs of test_resume.py and test_autosave.py save and
+load from processes.
 """
 import os
 
@@ -326,12 +329,12 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world4(root):
-    return World(4, __name__, W4, env={"CKPT_ROOT": str(root)})
+    return World(4, __name__, W4, env={"CKPT_ROOT": str(root)}, simulated=True)
 
 
 @pytest.fixture(scope="module")
 def world2(root, world4):
-    return World(2, __name__, W2, env={"CKPT_ROOT": str(root)})
+    return World(2, __name__, W2, env={"CKPT_ROOT": str(root)}, simulated=True)
 
 
 @pytest.mark.parametrize("name", W4)

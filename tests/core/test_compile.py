@@ -566,4 +566,5 @@ CHECKS = ["check_data_parallel_mlp_graphs_hold_only_local_ops",
           "check_fully_shard_compiles_equal_to_eager"]
 
 
-test_world2 = world_test(__name__, 2, CHECKS)
+# torch.compile's caches are the process's: every check runs in a world of processes
+test_world2 = world_test(__name__, 2, CHECKS, in_processes=CHECKS)

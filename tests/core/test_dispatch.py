@@ -173,7 +173,10 @@ CHECKS = ["check_cache_bounded_over_long_run", "check_cache_and_layouts_bounded_
           "check_addmm_partial_bias_on_rank_without_contracted_part"]
 
 
-test_world2 = world_test(__name__, 2, CHECKS)
+# (a model's buffers die with it: the process's garbage, seen by gc)
+# (the first sizes caches the ranks of a simulated world would share)
+test_world2 = world_test(__name__, 2, CHECKS, in_processes=[
+    "check_cache_and_layouts_bounded_over_many_shapes", "check_gradient_buffers_die_with_their_model"])
 
 
 def test_an_op_without_a_rule_warns_a_fallback_warning_once():

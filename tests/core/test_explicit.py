@@ -267,4 +267,5 @@ test_world2 = world_test(__name__, 2, [
     "check_compiled_code_raises_while_tracing",
     "check_the_librarys_own_boxing_inside_an_op_raises_too",
     "check_nanogpt_tensor_parallel_raises_then_trains_equal_with_its_boxings_written",
-])
+], in_processes=["check_backward_boxing_names_its_autograd_node",   # anomaly mode: the process's
+                 "check_compiled_code_raises_while_tracing"])        # compile's caches: the process's

@@ -148,4 +148,6 @@ ONE_MORE, EVERY_RANK = _lines(check_every_kind_of_collective_carries_it, "ONE_MO
 CHECKS = ["check_one_more_collective_of_the_same_size_on_one_rank",
           "check_every_kind_of_collective_carries_it"]
 
-test_world2 = world_test(__name__, 2, CHECKS)   # in the session's world of 2
+# (after a mismatch, gloo's own handling of the payloads still posted)
+test_world2 = world_test(__name__, 2, CHECKS, in_processes=[
+    "check_one_more_collective_of_the_same_size_on_one_rank"])

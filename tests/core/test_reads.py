@@ -404,4 +404,6 @@ CHECKS = ["check_loss_is_broadcast_and_read_on_one_rank",
           "check_metric_on_one_rank_fails_fast_while_the_others_wait_elsewhere",
           "check_next_reduction_after_a_metric_on_one_rank_names_it",
           "check_metric_on_every_rank_read_on_one"]
-test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
+# (a rank waiting for a reduction the others never join times out inside the collective)
+test_world2, test_world4 = checks_in_worlds(
+    __name__, CHECKS, in_processes=["check_next_reduction_after_a_metric_on_one_rank_names_it"])

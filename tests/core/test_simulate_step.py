@@ -172,7 +172,9 @@ def check_predictions_equal_a_real_world_of_two():
         gt.testing.reset()
 
 
-test_world2 = world_test(__name__, 2, ["check_predictions_equal_a_real_world_of_two"])
+# (a real world: a step cannot be simulated inside a simulated world)
+test_world2 = world_test(__name__, 2, ["check_predictions_equal_a_real_world_of_two"],
+                         in_processes=["check_predictions_equal_a_real_world_of_two"])
 
 
 def test_a_gpu_profile_chooses_and_prices_collectives_as_nccl():

@@ -15,7 +15,7 @@ import weakref
 
 import torch
 import torch.nn.functional as F
-from mp import checks_in_worlds
+from mp import checks_in_worlds, patched
 
 import globaltensor as gt
 from globaltensor import heap as fs_heap
@@ -194,9 +194,7 @@ def check_large_parameters_gather_in_place():
     storage (uneven parts included), and one in the backward; training equals one
     process."""
     p = gt.placement.all("cpu")
-    own = fs_comm.OWN_GATHER_BYTES
-    fs_comm.OWN_GATHER_BYTES = 0
-    try:
+    with patched(fs_comm, "OWN_GATHER_BYTES", 0):
         model, reference = gt.nn.fully_shard(_wide_mlp(), p), _wide_mlp()
         x = _data()[0]
         y = torch.randint(0, 6, (8,), generator=torch.Generator().manual_seed(2))
@@ -204,8 +202,6 @@ def check_large_parameters_gather_in_place():
         assert gathers == (4, 1), gathers   # every parameter; the last weight again
         _, losses = _train(model, gt.tensor(x, placement=p, sbp=S(0)),
                            gt.tensor(y, placement=p, sbp=S(0)))
-    finally:
-        fs_comm.OWN_GATHER_BYTES = own
     _, ref_losses = _train(reference, x, y)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (losses, ref_losses)
     _assert_same(model, reference)
@@ -335,4 +331,8 @@ CHECKS = ["check_training_equals_one_process", "check_gathered_copy_is_freed_aft
 
 test_world2, test_world4 = checks_in_worlds(
     __name__, CHECKS, only_in_4=["check_tensor_parallel_on_a_2d_placement"],
-    only_in_2=["check_linear_backward_lets_the_weight_go_before_its_gradient"])
+    only_in_2=["check_linear_backward_lets_the_weight_go_before_its_gradient"],
+    # (the process's resident memory, and gathers counted per process)
+    in_processes=["check_linear_backward_lets_the_weight_go_before_its_gradient",
+                  "check_host_blocks_go_back_to_the_system_when_freed",
+                  "check_recompute_gathers_once_and_each_weight_again_in_its_backward"])

@@ -270,4 +270,6 @@ CHECKS = ["check_memory_is_the_part", "check_values_come_from_the_first_rank",
           "check_full_state_dict_on_the_ranks_asked", "check_saving_for_other_tools",
           "check_meta_buffers_raise_or_come_real"]
 
-test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
+# (the process's resident memory)
+test_world2, test_world4 = checks_in_worlds(__name__, CHECKS,
+                                            in_processes=["check_memory_is_the_part"])

@@ -186,8 +186,9 @@ CHECKS = ["check_sequence_split_attention_equals_one_process",
           "check_packed_documents_never_attend_across",
           "check_a_zigzag_order_balances_and_equals_one_process",
           "check_long_context_example_trains_equal_and_keeps_its_share"]
-test_world2, test_world4 = checks_in_worlds(__name__, CHECKS,
-                                            only_in_4=["check_sequence_split_on_a_2d_placement"])
+test_world2, test_world4 = checks_in_worlds(
+    __name__, CHECKS, only_in_4=["check_sequence_split_on_a_2d_placement"],
+    in_processes=["check_a_zigzag_order_balances_and_equals_one_process"])
 
 
 def test_ring_attention_is_priced_by_its_hops_and_its_whole_key_sequence():

@@ -491,4 +491,10 @@ ONLY_IN_4 = ["check_data_parallel_stage_into_tensor_parallel_stage",
 ONLY_IN_4.append("check_1f1b_one_micro_batch_cross_entropy")
 CHECKS = [name for name in dir() if name.startswith("check_") and name not in ONLY_IN_4]
 
-test_world2, test_world4 = checks_in_worlds(__name__, CHECKS, ONLY_IN_4)
+# (the profiler is one per process; the others time their stages on each rank's clock)
+IN_PROCESSES = ["check_hand_offs_are_boxing_logged_and_checked",
+                "check_interleaved_four_stages_on_two_ranks",
+                "check_interleaved_on_two_data_parallel_placements",
+                "check_the_code_of_a_plain_step_runs_on_every_rank_after_pipe_step",
+                "check_timeline_picture"]
+test_world2, test_world4 = checks_in_worlds(__name__, CHECKS, ONLY_IN_4, in_processes=IN_PROCESSES)

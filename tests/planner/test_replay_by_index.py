@@ -85,4 +85,6 @@ def check_replay_by_index_computes_what_the_replay_does():
         assert torch.equal(p, q)
 
 
-test_world2 = world_test(__name__, 2, ["check_replay_by_index_computes_what_the_replay_does"])
+# (each rank counts its own replays through a patched function: the process's)
+test_world2 = world_test(__name__, 2, ["check_replay_by_index_computes_what_the_replay_does"],
+                         in_processes=["check_replay_by_index_computes_what_the_replay_does"])

@@ -641,8 +641,9 @@ CHECKS = ["check_head_reshapes_stay_local", "check_planned_steps_replay_and_trai
           "check_data_parallel_loss_is_reduced_where_it_is_made"]
 
 test_world2, test_world4 = checks_in_worlds(
-    __name__, CHECKS, only_in_2=["check_an_autosave_resume_replays_the_uninterrupted_plans"])
+    __name__, CHECKS, only_in_2=["check_an_autosave_resume_replays_the_uninterrupted_plans"],
+    in_processes=["check_explain_step_reports_choices"])
 # compiling twice on 4 oversubscribed ranks costs 7 s; 2 ranks show the same
-test_compiled_world2 = world_test(__name__, 2, [
-    "check_compiled_graphs_follow_the_eager_plan", "check_compiled_graphs_plan_their_own_trace",
-    "check_a_variant_compiled_later_plans_its_own_graph"])
+COMPILED = ["check_compiled_graphs_follow_the_eager_plan", "check_compiled_graphs_plan_their_own_trace",
+            "check_a_variant_compiled_later_plans_its_own_graph"]
+test_compiled_world2 = world_test(__name__, 2, COMPILED, in_processes=COMPILED)
