@@ -209,7 +209,7 @@ def check_fully_shard_reduces_gradients_by_one_reduce_scatter_where_native():
              ((contextlib.nullcontext, 0), (_gloo_priced_as_nccl, 4))
              for own in (shard_comm.OWN_GATHER_BYTES, 0)]   # gathered in a bucket, alone
     for priced, scatters, own in cases:
-        with priced(), _own_gathers_from(own):
+        with priced(), patched(shard_comm, "OWN_GATHER_BYTES", own):
             model = gt.nn.fully_shard(mlp(), P)
             with gt.debug.comm_stats() as counted:
                 model(gt.tensor(x, placement=P, sbp=split(0))).square().mean().backward()
@@ -217,12 +217,6 @@ def check_fully_shard_reduces_gradients_by_one_reduce_scatter_where_native():
             for (name, t), want in zip(model.named_parameters(), reference.parameters()):
                 assert t.grad.sbp == (split(0),), name
                 torch.testing.assert_close(t.grad.full(), want.grad, rtol=1e-5, atol=1e-6)
-
-
-@contextlib.contextmanager
-def _own_gathers_from(size: int):
-    with patched(shard_comm, "OWN_GATHER_BYTES", size):
-        yield
 
 
 CHECKS = ["check_native_reduce_scatter_values", "check_native_all_to_all_values",

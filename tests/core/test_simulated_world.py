@@ -186,3 +186,33 @@ def test_a_ranks_environment_variables_are_its_own(monkeypatch):
     monkeypatch.delenv("GLOBALTENSOR_READ_TIMEOUT", raising=False)
     assert simulated_world(2)(_own_read_timeout) == [3.0, 10.0]
     assert "GLOBALTENSOR_READ_TIMEOUT" not in os.environ
+
+
+class _Knob:
+    value = "original"
+    entered: list = []   # ranks in the order they entered the block
+
+
+def _read_inside_after_the_first_rank_in_left() -> str:
+    import contextlib
+
+    from mp import patched
+    p = gt.placement("cpu", [0, 1])
+    with contextlib.ExitStack() as block:
+        block.enter_context(patched(_Knob, "value", "patched"))
+        _Knob.entered.append(gt.get_rank())
+        for _ in range(2):   # collectives: the other rank takes the turn meanwhile
+            gt.ones(2, placement=p, sbp=gt.sbp.split(0)).to_global(sbp=gt.sbp.broadcast)
+            if _Knob.entered[0] == gt.get_rank():
+                block.close()   # the first rank in leaves before the other's second one
+        return _Knob.value
+
+
+def test_a_value_patched_for_the_world_stays_until_the_last_rank_leaves():
+    """``tests/mp.py``'s ``patched``: a rank still inside the block sees the patch after
+    the first rank in left it, and the value comes back after the last one out (each
+    rank saving and restoring for itself would restore it under the other)."""
+    _Knob.entered.clear()
+    seen = simulated_world(2)(_read_inside_after_the_first_rank_in_left)
+    assert seen[1 - _Knob.entered[0]] == "patched", (seen, _Knob.entered)
+    assert _Knob.value == "original"
