@@ -129,6 +129,7 @@ class _Ranks:
 
 
 _NOTE = "(rank {rank} of a simulated world of {n})"   # on the error that ended a world
+_NOTE_READ = re.compile(re.escape(_NOTE).replace(r"\{rank\}", r"(\d+)").replace(r"\{n\}", r"\d+") + "$")
 
 
 def simulated_world(n: int, timeout: float | None = None) -> Callable:
@@ -180,7 +181,7 @@ def failing_rank(error: BaseException) -> int | None:
     """The rank whose error ended a simulated world (named in the note ``simulated_world``
     adds to it); None for an error without one (a timeout)."""
     for note in getattr(error, "__notes__", ()):
-        found = re.match(r"\(rank (\d+) of a simulated world of \d+\)$", note)
+        found = _NOTE_READ.match(note)
         if found:
             return int(found.group(1))
     return None
