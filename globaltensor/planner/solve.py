@@ -54,6 +54,7 @@ class Problem:
     before: list = field(init=False, repr=False, compare=False)
     after: list = field(init=False, repr=False, compare=False)
     seeing: list = field(init=False, repr=False, compare=False)
+    kinds: list = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         self.into = [[] for _ in self.unary]
@@ -76,6 +77,18 @@ class Problem:
         self.seeing = [_reader([self.edges[k][0] for k in self.into[v]]
                                + [self.edges[k][1] for k in self.out_of[v]])
                        for v in range(len(self.unary))]
+        self.kinds = self._kinds()
+
+    def _kinds(self) -> list:
+        """Per node: a number shared by the nodes whose scores are the same function of
+        their neighbours' options (equal costs of their own, the same matrices in the
+        same order): the layers of a model repeat, so a move's picks (``walks.pick``)
+        made in one layer serve the others."""
+        numbers: dict = {}
+        edges = self.edges
+        return [numbers.setdefault((tuple(unary), tuple(id(edges[k][2]) for k in into),
+                                    tuple(id(edges[k][2]) for k in out)), len(numbers))
+                for unary, into, out in zip(self.unary, self.into, self.out_of)]
 
     def with_unary(self, unary: list) -> "Problem":
         """The same edges with other costs of their own: the graph and the edges'
@@ -85,6 +98,7 @@ class Problem:
         other.unary = unary
         other._unaries = [None] * len(unary)
         other.sums = [None] * len(unary)
+        other.kinds = other._kinds()
         return other
 
     def know(self, cost: list, array: "np.ndarray") -> None:

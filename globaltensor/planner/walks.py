@@ -67,7 +67,9 @@ class Trails:
 
     def __init__(self, problem, window: int):
         self.problem, self.window = problem, window
-        self.picks: dict = {}   # what a node picks, by the options it sees (``pick``)
+        # what a node picks (``pick``), by its kind (``Problem.kinds``: equal nodes of
+        # repeated layers share one), its option and the options it sees
+        self.picks: dict = {}
         self.walks: dict = {}   # (node, option, alone, up) -> ``walk``'s steps
 
     def moved(self) -> None:
@@ -82,7 +84,7 @@ class Trails:
         the order ``walk`` changes them (``choice`` is left as it is)."""
         problem = self.problem
         next_to = problem.before if up else problem.after
-        seeing, picks, window = problem.seeing, self.picks, self.window
+        seeing, kinds, picks, window = problem.seeing, problem.kinds, self.picks, self.window
         steps, z, p, count = [], v, o, 1
         while count < window:
             beside = next_to[z]
@@ -93,7 +95,7 @@ class Trails:
             x = beside[0]
             saved, choice[z] = choice[z], p
             now = choice[x]
-            key = (x, now, seeing[x](choice))
+            key = (kinds[x], now, seeing[x](choice))
             found = picks.get(key)
             if found is None:
                 found = picks[key] = pick(problem, choice, x)
@@ -128,12 +130,12 @@ def walk(problem, choice: list, v: int, window: int, alone: int, up: bool,
     todo = [-x for x in next_to[v]] if up else list(next_to[v])
     heapify(todo)
     seen = set(next_to[v])
-    seeing, steps, old, count = problem.seeing, [], [], 1
+    seeing, kinds, steps, old, count = problem.seeing, problem.kinds, [], [], 1
     known = picks.get
     while todo and count < window:
         w = -heappop(todo) if up else heappop(todo)
         now = choice[w]
-        key = (w, now, seeing[w](choice))
+        key = (kinds[w], now, seeing[w](choice))
         found = known(key)
         if found is None:
             found = picks[key] = pick(problem, choice, w)

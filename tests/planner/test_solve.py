@@ -201,6 +201,22 @@ def _tied_problem(rng: random.Random) -> tuple:
     return p, [rng.randrange(s) for s in sizes]
 
 
+def _layered_problem(rng: random.Random, layers: int) -> tuple:
+    """``_tied_problem``'s graph as one layer, repeated: each layer's nodes cost the
+    same and share its matrices, and a layer's first node takes the last one's output
+    (a model's blocks); and a start."""
+    block, start = _tied_problem(rng)
+    n, unary, edges = len(block.unary), [], []
+    between = [[float((a + b) % 3) for b in range(len(block.unary[0]))]
+               for a in range(len(block.unary[-1]))]
+    for layer in range(layers):
+        unary += [list(u) for u in block.unary]
+        edges += [(u + layer * n, v + layer * n, cost) for u, v, cost in block.edges]
+        if layer:
+            edges.append((layer * n - 1, layer * n, between))
+    return Problem(unary, edges), start * layers
+
+
 @pytest.mark.parametrize("short", [None, 0], ids=["lists", "arrays"])
 def test_fast_solver_chooses_as_the_plain_one(short, monkeypatch):
     # planner/solve.py keeps what a node picks for the options it sees, walks chains
@@ -215,7 +231,7 @@ def test_fast_solver_chooses_as_the_plain_one(short, monkeypatch):
         monkeypatch.setattr(walks, "SHORT", short)
     rng = random.Random(5)
     for trial in range(400 if short is None else 200):
-        p, start = _tied_problem(rng)
+        p, start = _tied_problem(rng) if trial % 4 else _layered_problem(rng, 2)
         if trial % 2:   # a problem sharing another's edges and arrays
             p = Problem([list(u) for u in p.unary], p.edges).with_unary(
                 [[c + 1.0 * (o % 2) for o, c in enumerate(u)] for u in p.unary])
@@ -232,3 +248,31 @@ def test_fast_solver_chooses_as_the_plain_one(short, monkeypatch):
                 for way in ("consumers", "neighbours", "producers"):
                     assert fast._follow(p, list(start), v, o, 5, way) == \
                         plain._follow(p, list(start), v, o, 5, way), (trial, v, o, way)
+
+
+def test_equal_layers_share_what_their_nodes_pick(monkeypatch):
+    # a node's pick is a function of its costs, its matrices and its neighbours'
+    # options: the nodes of repeated layers ask it once for all layers, and choose as
+    # they would each asking for itself
+    from globaltensor.planner import solve as fast
+    from globaltensor.planner import walks
+    rng = random.Random(11)
+    calls = []
+    counted = walks.pick
+    monkeypatch.setattr(walks, "pick", lambda *a: calls.append(1) or counted(*a))
+    shared = alone = 0
+    for _ in range(30):
+        p, start = _layered_problem(rng, 4)
+        n = len(p.unary) // 4
+        assert p.kinds[n:2 * n] == p.kinds[2 * n:3 * n]   # inner layers: the same numbers
+        calls.clear()
+        chosen = fast.propagate(p, list(start))
+        shared += len(calls)
+        monkeypatch.setattr(Problem, "_kinds", lambda self: list(range(len(self.unary))))
+        q = Problem(p.unary, p.edges)   # each node a kind of its own
+        calls.clear()
+        assert fast.propagate(q, list(start)) == chosen
+        alone += len(calls)
+        monkeypatch.undo()
+        monkeypatch.setattr(walks, "pick", lambda *a: calls.append(1) or counted(*a))
+    assert shared < 0.6 * alone, (shared, alone)
