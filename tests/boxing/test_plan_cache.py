@@ -196,3 +196,29 @@ def test_batched_route_costs_equal_pair_by_pair(mesh, monkeypatch):
     assert [row[::-1] for row in block] == [alone[k:k + len(every)]
                                             for k in range(0, len(alone), len(every))]
 
+
+
+def test_a_split_sources_transfer_is_priced_per_dim(monkeypatch):
+    # a source split on every axis (each rank a region of its own) into a target with no
+    # partial axis: what each rank sends, receives and keeps is a product over dims of
+    # sums, counted without a receiver-by-region table; the moves' cost to the bit,
+    # uneven and empty parts included
+    splits = [S.split(0), S.split(1), S.split(2)]
+    placements = [Placement("cpu", m) for m in MESHES + [[[[0, 1], [2, 3]], [[4, 5], [6, 7]]]]]
+    served = 0
+    for shape in [(5, 3, 2), (8, 4, 1), (1, 2, 7), (0, 3, 4), (6, 6, 6)]:
+        for p in placements:
+            srcs = [Layout.make(shape, p, nd) for nd in itertools.product(splits, repeat=p.ndim)]
+            dsts = [Layout.make(shape, p, nd) for nd in itertools.product(
+                [S.broadcast] + splits, repeat=p.ndim)]
+            for src, dst in itertools.product(srcs[::2], dsts[::3]):
+                served += transfer_price._split_counts(src, dst) is not None
+                assert transfer_price.transfer_cost(src, dst, 2) == \
+                    Transfer.between(src, dst).cost(2), (src, dst)
+    assert served > 100
+    monkeypatch.setenv("WORLD_SIZE", "1024")
+    monkeypatch.setattr(transfer_price, "_overlaps_of", None)   # no [receiver][region] table
+    big = Placement("cpu", [list(range(r * 8, r * 8 + 8)) for r in range(128)])
+    src = Layout.make((256, 16, 64), big, (S.split(0), S.split(2)))
+    dst = Layout.make((256, 16, 64), big, (S.split(0), S.split(1)))
+    assert transfer_price.transfer_cost(src, dst, 4) > 0
