@@ -315,3 +315,22 @@ def test_the_largest_part_is_found_per_dim_not_per_rank(monkeypatch):
     local_shape = Layout.local_shape
     monkeypatch.setattr(Layout, "local_shape", lambda self, r: asked.append(r) or local_shape(self, r))
     assert cost._max_local_numel(big) == 256 * 8 and asked == list(range(8))
+
+
+def test_an_uneven_all_to_all_is_counted_without_a_view_per_member(monkeypatch):
+    # in a simulation nothing travels: each send is counted by its bytes (what the
+    # exchange would post), without slicing the fake tensors once per member
+    from globaltensor.layout import balanced_split
+    R, C = 64 * 3 + 5, 130
+    narrowed = []
+    narrow = torch.Tensor.narrow
+    monkeypatch.setattr(torch.Tensor, "narrow", lambda t, *a: narrowed.append(1) or narrow(t, *a))
+
+    def make():
+        x = gt.randn(R, C, placement=gt.placement.all("cpu"), sbp=S(0))
+        return (lambda: x.to_global(sbp=S(1))),
+    report = gt.debug.simulate_step(make, placement=_world(64), device="cpu")
+    rows = balanced_split(R, 64)[0][1]
+    sends = [(rows * balanced_split(C, 64)[k][1] * 4, (k,)) for k in range(1, 64)]
+    assert [(n, r) for kind, n, r in report.events if kind == "all_to_all"] == sends
+    assert len(narrowed) < 16, len(narrowed)   # a few per call, not two per member
