@@ -260,12 +260,12 @@ class AllToAll(SbpChange):
             if k != me and parts[k][1] * per:
                 comm.stats.record("all_to_all", parts[k][1] * per * x.element_size(), (m,))
         in_place = {r: out.narrow(i, 0, r).is_contiguous() for r in set(rows)}
-        held = sum(rows[k] for k in range(len(members)) if k != me and rows[k]
-                   and not in_place[rows[k]]) * (math.prod(shape) // shape[i] if shape[i] else 0)
-        buffer = torch.empty(held, dtype=x.dtype, device=x.device) if held else None
+        buffered = sum(rows[k] for k in range(len(members)) if k != me and rows[k]
+                       and not in_place[rows[k]]) * (math.prod(shape) // shape[i] if shape[i] else 0)
+        buffer = torch.empty(buffered, dtype=x.dtype, device=x.device) if buffered else None
         out.narrow(i, sum(rows[:me]), rows[me]).copy_(x.narrow(j, *parts[me]))
 
-        def land(held=buffer) -> torch.Tensor:   # (the buffer lives until then)
+        def land(kept=buffer) -> torch.Tensor:   # (the buffer lives until then)
             return out
         return Handle(None, land)
 
