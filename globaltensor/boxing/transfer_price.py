@@ -119,18 +119,16 @@ def _split_counts(src: Layout, dst: Layout):
 
 def _combos(placement, coords: np.ndarray, sbp: tuple, d: int, length: int) -> tuple:
     """(per rank the number of its combination of coordinates on the axes that split
-    dim ``d``, and per combination the interval (offsets, sizes) it holds of it)."""
+    dim ``d``, and per combination the interval (offsets, sizes) it holds of it, from
+    ``_intervals``)."""
     axes = [a for a, s in enumerate(sbp) if isinstance(s, Split) and s.dim == d]
-    sizes = [placement.shape[a] for a in axes]
     number = np.zeros(len(coords), dtype=np.int64)
-    for a, k in zip(axes, sizes):
-        number = number * k + coords[:, a]
-    lo, size = np.zeros(math.prod(sizes), dtype=np.int64), np.full(math.prod(sizes), length)
-    for i, picked in enumerate(np.ndindex(*sizes)):
-        for k, c in zip(sizes, picked):   # nested in axis order, as ``Layout.region_at``
-            begin, size[i] = balanced_split(int(size[i]), k)[c]
-            lo[i] += begin
-    return number, lo, size
+    for a in axes:
+        number = number * placement.shape[a] + coords[:, a]
+    lo, size = _intervals(length, placement)
+    pattern = sum(1 << a for a in axes)
+    _, first = np.unique(number, return_index=True)   # a rank of each combination
+    return number, lo[pattern][first], size[pattern][first]
 
 
 def _overlaps_of(a_lo: np.ndarray, a_hi: np.ndarray, b_lo: np.ndarray,
