@@ -68,19 +68,26 @@ def dispatch(func, types, args, kwargs):
                           (len(args), tuple(kwargs)))   # (its boxing: no flattening, no modes)
     leaves, spec = flatten_args(args, kwargs)
     fake = False    # a part that is no plain tensor: torch.compile may be tracing
+    taken = []      # plain tensors taken as broadcast
     for i, x in enumerate(leaves):
         if type(x) is GlobalTensor:
             if x.requires_grad and x.is_leaf:
                 gradsync.watch(x)
             if x._local.__class__ is not _PLAIN:
                 fake = True
+        elif isinstance(x, GlobalTensor):
+            # deferred (attention's scores, rules/attention_scores.py) and used inside
+            # another op's kernel: computed here, below autograd, which holds its history
+            leaves[i] = x.realized()
         elif isinstance(x, torch.Tensor) and x.numel() > 1 and (
                 modes.implicit or _in_backward() or comm.tracing()):
             # While torch.compile traces, converted modules' scopes are skipped (dynamo
             # would apply the counter's change after the trace that reads it): a plain
             # tensor the traced code built (positions, masks, rotary tables) is taken
             # as broadcast there, as the scope takes it eagerly.
-            leaves[i] = plain.as_broadcast(x, leaves, func)
+            taken.append(i)
+    for i in taken:
+        leaves[i] = plain.as_broadcast(leaves[i], leaves, func)
     tracing = fake and comm.tracing()   # torch.compile traces with fake or functional parts
     if mode is not None:
         return mode.call(func, leaves, spec, tracing)

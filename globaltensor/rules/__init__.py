@@ -14,6 +14,7 @@ reduce a flag, decompositions box through ``to_global``, value reads gather).
 from . import (  # noqa: F401
                along_dim,
                attention,
+               attention_scores,
                complex,
                conv,
                data_dependent,
