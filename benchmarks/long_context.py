@@ -6,11 +6,16 @@ step on one process's whole tensors; the sequence split also in zig-zag order
 
     python benchmarks/long_context.py                  # 2 processes, sequences 2048 and 8192
     python benchmarks/long_context.py --nproc 4 --seqs 2048,8192
+    python benchmarks/long_context.py --written-out 4096,8192   # attention written out
 
 Each round times every row on every rank in a shuffled order (the one-process rows run
 on each rank alone, one thread each, as the split rows do); medians of the slowest
 rank. "kept MiB": what one forward keeps for backward on a rank (each storage once),
-the memory that grows with the sequence. DTensor's context parallel
+the memory that grows with the sequence. "attention written out": ``q @ k.transpose(-2,
+-1)``, scale, causal ``masked_fill``, softmax, ``@ v`` on q, k, v of (1, 8, sequence, 64)
+split on the sequence, forward and backward, as deferred scores run it (the ring) and
+with the scores computed as written (keys gathered: the version before); "per rank" is
+then the peak resident rise (MiB) of one call. DTensor's context parallel
 (``torch.distributed.tensor.experimental.context_parallel``) patches only the CUDA
 attention kernels, so it has no row on CPU.
 """
@@ -34,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--seqs", default="2048,8192", help="sequence lengths of the GPT rows")
+    ap.add_argument("--written-out", default="2048,4096",
+                    help="sequence lengths of the attention-written-out rows")
     ap.add_argument("--moe-tokens", type=int, default=4096, help="tokens per rank, MoE rows")
     ap.add_argument("--iters", type=int, default=7)
     return ap
@@ -63,6 +70,48 @@ def _gpt_rows(seq: int, P, iters: int) -> tuple:
     times = round_robin_median([step(plain), step(split, P), step(zigzag, P)], iters,
                                warmup=WARMUP)
     return times, (ex.kept_for_backward(plain, seq), ex.kept_for_backward(split, seq, P))
+
+
+def _attention(q, k, v, keep):
+    """Attention as nanoGPT writes it without flash (rules/attention_scores.py)."""
+    import math
+
+    import torch.nn.functional as F
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+    att = att.masked_fill(keep == 0, float("-inf"))
+    return F.softmax(att, dim=-1) @ v
+
+
+def _written_out_rows(seq: int, P, iters: int) -> tuple:
+    """Attention written out, forward and backward of (1, 8 heads, seq, 64): (one
+    process's, the split's (deferred: the ring), the split's with its scores computed
+    as written (keys gathered) seconds; peak resident rise in MiB of the two splits)."""
+    import globaltensor as gt
+    from globaltensor.rules.attention_scores import _computed
+    from globaltensor.testing import peak_rise
+    gen = torch.Generator().manual_seed(0)
+    whole = [torch.randn(1, 8, seq, 64, generator=gen).requires_grad_() for _ in range(3)]
+    keep = torch.tril(torch.ones(seq, seq)).view(1, 1, seq, seq)
+    parts = [gt.tensor(t.detach(), placement=P, sbp=gt.sbp.split(2)).requires_grad_()
+             for t in whole]
+    gkeep = gt.tensor(keep, placement=P, sbp=gt.sbp.broadcast)
+
+    def one():
+        _attention(*whole, keep).sum().backward()
+
+    def split():
+        _attention(*parts, gkeep).sum().backward()
+
+    def computed():
+        with _computed():
+            split()
+    times = round_robin_median([one, split, computed], iters, warmup=1)
+    peaks = []
+    for fn in (split, computed):
+        with peak_rise() as peak:
+            fn()
+        peaks.append(peak.mib)
+    return times, peaks
 
 
 def _moe_rows(tokens: int, P, iters: int) -> tuple:
@@ -110,6 +159,12 @@ def main(argv=None) -> None:
                      f"{kept / 2**20:>9.2f}")
         lines.append(f"{'  the same in zig-zag order':<34}{'':>12}{zigzag * 1e3:>9.1f}"
                      f"{zigzag / one:>7.2f}")
+    for seq in (int(s) for s in args.written_out.split(",") if s):
+        (one, split, computed), (peak, peak_computed) = _written_out_rows(seq, P, args.iters)
+        lines.append(f"{f'attention written out, sequence {seq}':<34}{one * 1e3:>12.1f}"
+                     f"{split * 1e3:>9.1f}{split / one:>7.2f}{'':>11}{peak:>9.1f}")
+        lines.append(f"{'  its scores computed as written':<34}{'':>12}{computed * 1e3:>9.1f}"
+                     f"{computed / one:>7.2f}{'':>11}{peak_computed:>9.1f}")
     (whole, split, share), tokens = _moe_rows(args.moe_tokens, P, args.iters)
     lines.append(f"{f'MoE GPT {tokens} tokens, experts split':<34}{whole * 1e3:>12.1f}"
                  f"{split * 1e3:>9.1f}{split / whole:>7.2f}")

@@ -1,6 +1,6 @@
 """Attention written out (``q @ k.transpose(-2, -1)``, a scale, a mask, softmax, ``@ v``)
-with the sequence split, run as ``F.scaled_dot_product_attention`` (ring attention):
-the scores of the whole sequence are never made, nor are k and v gathered.
+with the sequence split, run as ``F.scaled_dot_product_attention``: the ring (or the
+form the cost model prices lower), never a rank's queries against every key.
 
 A product of a tensor split on its rows by one split on its columns over the same
 placement axes (``q`` and ``k.T`` both split on the sequence) would have to gather one
@@ -10,8 +10,8 @@ not computed. The ops that attention applies to it next (a multiply or divide by
 number, adding a float mask or ``masked_fill`` of a boolean one with ``-inf``,
 ``softmax`` on the last dim, dropout that drops nothing, a cast back to the same
 dtype) are noted, and ``@ v`` runs them all as one ``F.scaled_dot_product_attention(q,
-k, v, attn_mask=..., scale=...)``: on a split sequence its rule runs the ring, and its
-backward gives q, k and v their gradients. Any other use computes the scores first (as
+k, v, attn_mask=..., scale=...)``, whose rule offers the ring for a split sequence
+(``attention.py``), and whose backward gives q, k and v their gradients. Any other use computes the scores first (as
 before: keys gathered), with autograd from q and k, so values and gradients are
 always those of the program as written.
 
@@ -215,6 +215,7 @@ _METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,
              torch.Tensor.grad_fn.__get__, torch.Tensor.is_leaf.__get__}
 _SCALE = {torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.Tensor.mul, torch.mul}
 _DIVIDE = {torch.Tensor.__truediv__, torch.Tensor.div, torch.div}
+_SCALES = _SCALE | _DIVIDE
 _ADD = {torch.Tensor.__add__, torch.Tensor.__radd__, torch.Tensor.add, torch.add}
 _SOFTMAX = {F.softmax, torch.softmax, torch.Tensor.softmax}
 _MATMUL = {torch.Tensor.__matmul__, torch.matmul, torch.Tensor.matmul, torch.bmm, torch.Tensor.bmm}
@@ -244,14 +245,14 @@ def _next_step(func, args: tuple, kwargs: dict):
             return x
         return None
     masked = any(s[0] != "scale" for s in x.steps)
-    if func in _SCALE | _DIVIDE and len(rest) == 1 and not kwargs and not masked \
+    if func in _SCALES and len(rest) == 1 and not kwargs and not masked \
             and isinstance(rest[0], (int, float)) and not isinstance(rest[0], bool) and rest[0]:
         return x._then(("scale", float(rest[0]) if func in _SCALE else 1.0 / rest[0]))
-    if func in _ADD and len(rest) == 1 and not kwargs and isinstance(rest[0], GlobalTensor) \
+    if func in _ADD and len(rest) == 1 and not kwargs and isinstance(rest[0], torch.Tensor) \
             and rest[0].dtype == x.dtype and _masks(rest[0], x):
         return x._then(("mask", rest[0]))
     if func in (torch.Tensor.masked_fill, torch.masked_fill) and len(rest) == 2 \
-            and not kwargs and isinstance(rest[0], GlobalTensor) \
+            and not kwargs and isinstance(rest[0], torch.Tensor) \
             and rest[0].dtype == torch.bool and _masks(rest[0], x) \
             and isinstance(rest[1], float) and rest[1] == float("-inf"):
         return x._then(("fill", rest[0]))
@@ -286,10 +287,15 @@ def _arg(rest: tuple, kwargs: dict, i: int, name: str, default):
     return rest[i] if len(rest) > i else kwargs.get(name, default)
 
 
-def _masks(mask: GlobalTensor, scores: AttentionScores) -> bool:
+def _masks(mask: torch.Tensor, scores: AttentionScores) -> bool:
     """A mask broadcastable to the scores with its last two dims whole (queries and
-    keys), on their placement."""
+    keys), on their placement; or plain where plain operands are taken as broadcast
+    (a converted module's forward, ``gt.implicit_broadcast()``: Hugging Face builds its
+    masks so), which the ops that use it then take so."""
+    if type(mask) is AttentionScores or not (
+            mask.placement == scores.placement if isinstance(mask, GlobalTensor)
+            else type(mask) is torch.Tensor and modes.implicit):
+        return False
     return (mask.dim() >= 2 and mask.dim() <= scores.dim()
             and tuple(mask.shape[-2:]) == tuple(scores.shape[-2:])
-            and mask.placement == scores.placement
             and all(a in (1, b) for a, b in zip(mask.shape[:-2][::-1], scores.shape[:-2][::-1])))

@@ -6,6 +6,7 @@ of the scores computes them, with the program's values and gradients.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -50,7 +51,7 @@ FORMS = {"nanoGPT": _nanogpt, "Hugging Face eager": _hugging_face, "unmasked": _
          "3-D bmm": _three_dims}
 
 
-def _against_one_process(form, shape, placement, sbp, what, ring=True):
+def _against_one_process(form, shape, placement, sbp, what, ring=True, plain_mask=False):
     gen = _gen(7)
     q, k, v = (torch.randn(*shape, generator=gen) for _ in range(3))
     keep = torch.tril(torch.ones(shape[2], shape[2])).view(1, 1, shape[2], shape[2])
@@ -59,9 +60,13 @@ def _against_one_process(form, shape, placement, sbp, what, ring=True):
     grad = torch.randn(ref.shape, generator=gen)
     ref.backward(grad)
     ins = [_g(t, sbp, grad=True, placement=placement) for t in (q, k, v)]
-    gkeep = gt.tensor(keep, placement=placement, sbp=(gt.sbp.broadcast,) * placement.ndim)
+    gkeep = keep if plain_mask else gt.tensor(keep, placement=placement,
+                                               sbp=(gt.sbp.broadcast,) * placement.ndim)
     with gt.debug.comm_stats() as stats:
-        out = form(*ins, gkeep)
+        # a plain mask where plain operands are taken as broadcast (a converted module's
+        # forward builds its masks so)
+        with gt.implicit_broadcast() if plain_mask else contextlib.nullcontext():
+            out = form(*ins, gkeep)
         out.backward(_g(grad, sbp, placement=placement))
     if ring:   # the blocks go round as messages: nothing gathered, no head split
         assert stats.calls["all_gather"] == stats.calls["all_to_all"] == 0, (what, stats)
@@ -77,6 +82,8 @@ def check_written_out_attention_runs_as_the_ring():
         for name, form in FORMS.items():
             _against_one_process(form, (2, 2, length, 8), _line(), S(2),
                                  f"{name}, length {length}")
+        _against_one_process(_nanogpt, (2, 2, length, 8), _line(), S(2),
+                             f"a plain mask, length {length}", plain_mask=True)
 
 
 def check_written_out_attention_on_a_2d_placement():
