@@ -67,6 +67,23 @@ def dispatch(func, types, args, kwargs):
         return _carry_out(func, found[0], [*args, *kwargs.values()] if kwargs else list(args),
                           (len(args), tuple(kwargs)))   # (its boxing: no flattening, no modes)
     leaves, spec = flatten_args(args, kwargs)
+    fake, viewed = _take_leaves(func, leaves, args)
+    if viewed is not None:
+        return viewed
+    tracing = fake and comm.tracing()   # torch.compile traces with fake or functional parts
+    if mode is not None:
+        return mode.call(func, leaves, spec, tracing)
+    if tracing:
+        return PLAIN_PATH.call(func, leaves, spec, tracing)
+    return _carry_out(func, cached_decision(func, leaves, spec), leaves, spec)
+
+
+def _take_leaves(func, leaves: list, args: tuple) -> tuple:
+    """The general path's pass over a call's flattened operands, changing ``leaves`` in
+    place: leaves that require grad are watched for gradient sync, plain tensors become
+    broadcast where allowed, deferred GlobalTensors are computed. Returns (whether a
+    part is fake, as while torch.compile traces; the call's result where a deferred
+    operand gives it itself, else None)."""
     fake = False    # a part that is no plain tensor: torch.compile may be tracing
     taken = []      # plain tensors taken as broadcast
     for i, x in enumerate(leaves):
@@ -76,8 +93,12 @@ def dispatch(func, types, args, kwargs):
             if x._local.__class__ is not _PLAIN:
                 fake = True
         elif isinstance(x, GlobalTensor):
-            # deferred (attention's scores, rules/attention_scores.py) and used inside
-            # another op's kernel: computed here, below autograd, which holds its history
+            # deferred (attention's scores, rules/attention_scores.py), met below
+            # autograd: torch.matmul's view back to the batch dims keeps it so; inside
+            # another op's kernel it is computed here (autograd holds its history)
+            viewed = x.viewed(func, args)
+            if viewed is not None:
+                return False, viewed
             leaves[i] = x.realized()
         elif isinstance(x, torch.Tensor) and x.numel() > 1 and (
                 modes.implicit or _in_backward() or comm.tracing()):
@@ -88,12 +109,7 @@ def dispatch(func, types, args, kwargs):
             taken.append(i)
     for i in taken:
         leaves[i] = plain.as_broadcast(leaves[i], leaves, func)
-    tracing = fake and comm.tracing()   # torch.compile traces with fake or functional parts
-    if mode is not None:
-        return mode.call(func, leaves, spec, tracing)
-    if tracing:
-        return PLAIN_PATH.call(func, leaves, spec, tracing)
-    return _carry_out(func, cached_decision(func, leaves, spec), leaves, spec)
+    return fake, None
 
 
 class PlainPath(modes.Mode):

@@ -7,9 +7,10 @@ placement axes (``q`` and ``k.T`` both split on the sequence) would have to gath
 of them: its result, split on its rows only, holds a rank's queries against every key.
 Instead it returns ``AttentionScores``: a GlobalTensor of that layout whose values are
 not computed. The ops that attention applies to it next (a multiply or divide by a
-number, adding a float mask or ``masked_fill`` of a boolean one with ``-inf``,
-``softmax`` on the last dim, dropout that drops nothing, a cast back to the same
-dtype) are noted, and ``@ v`` runs them all as one ``F.scaled_dot_product_attention(q,
+number, adding a float mask, filling a boolean one's keys with ``-inf`` or
+``torch.finfo(dtype).min`` by ``masked_fill`` or ``torch.where``, ``softmax`` on the
+last dim, dropout that drops nothing, a cast back to the same dtype; in place too) are
+noted, and ``@ v`` runs them all as one ``F.scaled_dot_product_attention(q,
 k, v, attn_mask=..., scale=...)``, whose rule offers the ring for a split sequence
 (``attention.py``), and whose backward gives q, k and v their gradients. Any other use computes the scores first (as
 before: keys gathered), with autograd from q and k, so values and gradients are
@@ -75,15 +76,6 @@ def deferred_scores(a, b):
     return AttentionScores.of(a, b, tuple(a.shape[:2]) + (b.shape[2],))
 
 
-@register(aten._unsafe_view, decompose=True)
-def deferred_view(x, size):
-    """``torch.matmul``'s last step on batched scores (back to the batch dims of q):
-    still deferred."""
-    if type(x) is not AttentionScores or x.steps or list(size)[-2:] != list(x.shape[-2:]):
-        return NotImplemented
-    return AttentionScores.of(x.q, x.kt, tuple(size))
-
-
 class AttentionScores(GlobalTensor):
     """``q @ kt`` (q [batch, m, d] split on rows, kt [batch, d, n] on columns), viewed as
     ``shape``, with attention's ``steps`` after it, not computed: ``@ v`` runs the whole
@@ -91,7 +83,8 @@ class AttentionScores(GlobalTensor):
 
     q: GlobalTensor
     kt: GlobalTensor
-    steps: tuple    # ("scale", s) | ("mask", added) | ("fill", True: -inf) | ("softmax", None)
+    # ("scale", s) | ("mask", added) | ("fill", where True, value) | ("softmax", None)
+    steps: tuple
 
     @staticmethod
     def of(q, kt, shape: tuple, steps: tuple = (), dtype=None) -> "AttentionScores":
@@ -119,7 +112,7 @@ class AttentionScores(GlobalTensor):
                 elif step[0] == "mask":
                     x = x + step[1]
                 elif step[0] == "fill":
-                    x = x.masked_fill(step[1], float("-inf"))
+                    x = x.masked_fill(step[1], step[2])
                 else:
                     x = torch.softmax(x, -1, dtype=step[1])
             return x if x.dtype == self.dtype else x.to(self.dtype)
@@ -136,9 +129,9 @@ class AttentionScores(GlobalTensor):
             for step in self.steps[:-1]:
                 if step[0] == "scale":
                     scale *= step[1]
-                else:   # masks add; a filled one adds -inf where it is True
+                else:   # masks add; a filled one adds its value where it is True
                     extra = step[1] if step[0] == "mask" else torch.zeros_like(
-                        step[1], dtype=q.dtype).masked_fill(step[1], float("-inf"))
+                        step[1], dtype=q.dtype).masked_fill(step[1], step[2])
                     mask = extra if mask is None else mask + extra
             if mask is not None and len(batch) == 1 and mask.dim() == 3:
                 mask = mask.unsqueeze(0)   # (the batch dims became (1, batch))
@@ -168,6 +161,14 @@ class AttentionScores(GlobalTensor):
             AttentionScores, AttentionScores.computed, (args, kwargs))
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+    def viewed(self, func, args: tuple):
+        """``torch.matmul``'s last step on batched scores (back to the batch dims of q),
+        met below autograd: the view, still deferred; None for any other op."""
+        if func is aten._unsafe_view.default and not self.steps and args[0] is self \
+                and list(args[1])[-2:] == list(self.shape[-2:]):
+            return AttentionScores.of(self.q, self.kt, tuple(args[1]))
+        return None
 
     def realized(self) -> GlobalTensor:
         """The product, computed below autograd: for an op that meets these scores
@@ -227,9 +228,17 @@ def _next_step(func, args: tuple, kwargs: dict):
     if not args or kwargs.get("out") is not None:
         return None
     x, rest = args[0], args[1:]
-    if type(x) is not AttentionScores:   # (mask + scores)
+    if type(x) is not AttentionScores:   # (mask + scores), where(keep, scores, -inf)
         if func in _ADD and len(args) == 2 and type(args[1]) is AttentionScores:
             x, rest = args[1], (args[0],)
+        elif func is torch.where and len(args) == 3 and type(args[1]) is AttentionScores \
+                and not kwargs and isinstance(x, torch.Tensor) and x.dtype == torch.bool:
+            keep, x = x, args[1]
+            if not x.steps or x.steps[-1][0] != "softmax":
+                fill = _excludes(args[2])
+                if fill is not None and _masks(keep, x):
+                    return x._then(("fill", keep.logical_not(), fill))
+            return None
         else:
             return None
     softmaxed = bool(x.steps) and x.steps[-1][0] == "softmax"
@@ -254,8 +263,8 @@ def _next_step(func, args: tuple, kwargs: dict):
     if func in (torch.Tensor.masked_fill, torch.masked_fill) and len(rest) == 2 \
             and not kwargs and isinstance(rest[0], torch.Tensor) \
             and rest[0].dtype == torch.bool and _masks(rest[0], x) \
-            and isinstance(rest[1], float) and rest[1] == float("-inf"):
-        return x._then(("fill", rest[0]))
+            and _excludes(rest[1]) is not None:
+        return x._then(("fill", rest[0], _excludes(rest[1])))
     if func in _SOFTMAX:
         dim = _arg(rest, kwargs, 0, "dim", None)
         dtype = _arg(rest, kwargs, 2 if func is F.softmax else 1, "dtype", None)
@@ -283,13 +292,27 @@ def _in_place(func, name: str, args: tuple, kwargs: dict):
     return x
 
 
+def _excludes(value):
+    """``value`` as a float where filling a score with it excludes that key: -inf, or a
+    number so negative (torch.finfo(dtype).min, as Hugging Face masks) that softmax
+    gives it exactly zero and adding it to a score gives itself; else None."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() or type(value) not in (torch.Tensor, GlobalTensor) \
+                or value.device.type != "cpu":   # (a read on a GPU would wait for it)
+            return None
+        value = value.item()   # (a 0-d tensor: a constant every rank holds)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= -1e30:
+        return float(value)
+    return None
+
+
 def _arg(rest: tuple, kwargs: dict, i: int, name: str, default):
     return rest[i] if len(rest) > i else kwargs.get(name, default)
 
 
 def _masks(mask: torch.Tensor, scores: AttentionScores) -> bool:
-    """A mask broadcastable to the scores with its last two dims whole (queries and
-    keys), on their placement; or plain where plain operands are taken as broadcast
+    """A mask broadcastable to the scores with its keys whole (its queries whole too, or
+    one row for all: a padding mask), on their placement; or plain where plain operands are taken as broadcast
     (a converted module's forward, ``gt.implicit_broadcast()``: Hugging Face builds its
     masks so), which the ops that use it then take so."""
     if type(mask) is AttentionScores or not (
@@ -297,5 +320,5 @@ def _masks(mask: torch.Tensor, scores: AttentionScores) -> bool:
             else type(mask) is torch.Tensor and modes.implicit):
         return False
     return (mask.dim() >= 2 and mask.dim() <= scores.dim()
-            and tuple(mask.shape[-2:]) == tuple(scores.shape[-2:])
+            and mask.shape[-1] == scores.shape[-1] and mask.shape[-2] in (1, scores.shape[-2])
             and all(a in (1, b) for a, b in zip(mask.shape[:-2][::-1], scores.shape[:-2][::-1])))

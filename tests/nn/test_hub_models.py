@@ -21,7 +21,9 @@ from mp import world_test
 import globaltensor as gt
 
 B, S = gt.sbp.broadcast, gt.sbp.split
-LAYOUTS = ("data_parallel", "tensor_parallel", "fully_shard")
+# "sequence": parameters broadcast and the tokens split on the sequence (context
+# parallel): attention of split q, k, v (written out, or SDPA) across the ranks
+LAYOUTS = ("data_parallel", "sequence", "tensor_parallel", "fully_shard")
 
 
 def _tokens(rows: int = 4) -> torch.Tensor:
@@ -31,7 +33,7 @@ def _tokens(rows: int = 4) -> torch.Tensor:
 def make_global(model: torch.nn.Module, layout: str, split=None) -> torch.nn.Module:
     """``model`` (in place) in ``layout``; ``split`` maps a model to its Megatron sbps."""
     p = gt.placement.all("cpu")
-    if layout == "data_parallel":
+    if layout in ("data_parallel", "sequence"):
         return gt.nn.to_global(model, p, B)
     if layout == "fully_shard":
         return gt.nn.fully_shard(model, p)
@@ -40,7 +42,7 @@ def make_global(model: torch.nn.Module, layout: str, split=None) -> torch.nn.Mod
 
 
 def _batch(ids: torch.Tensor, layout: str):
-    sbp = B if layout == "tensor_parallel" else S(0)
+    sbp = B if layout == "tensor_parallel" else S(1) if layout == "sequence" else S(0)
     return gt.tensor(ids, placement=gt.placement.all("cpu"), sbp=sbp)
 
 

@@ -35,6 +35,19 @@ def _hugging_face(q, k, v, keep):
     return torch.matmul(att, v)
 
 
+def _gpt2_eager(q, k, v, keep):
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+    mask_value = torch.full([], torch.finfo(att.dtype).min, dtype=att.dtype)
+    att = torch.where(keep.bool(), att, mask_value)
+    return F.softmax(att, dim=-1) @ v
+
+
+def _bert(q, k, v, keep):
+    padding = torch.zeros_like(keep[..., -1:, :])   # (1, 1, 1, keys): one row for all
+    padding[..., -2:] = -10000.0                      # the last two keys are padding
+    return F.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + padding, dim=-1) @ v
+
+
 def _unmasked(q, k, v, keep):
     att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
     return att.softmax(-1) @ v
@@ -47,8 +60,8 @@ def _three_dims(q, k, v, keep):
     return out.reshape(b, h, t, d)
 
 
-FORMS = {"nanoGPT": _nanogpt, "Hugging Face eager": _hugging_face, "unmasked": _unmasked,
-         "3-D bmm": _three_dims}
+FORMS = {"nanoGPT": _nanogpt, "Hugging Face eager": _hugging_face, "GPT-2 eager": _gpt2_eager,
+         "BERT (a padding mask)": _bert, "unmasked": _unmasked, "3-D bmm": _three_dims}
 
 
 def _against_one_process(form, shape, placement, sbp, what, ring=True, plain_mask=False):
