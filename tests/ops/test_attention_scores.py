@@ -191,3 +191,19 @@ CHECKS = ["check_written_out_attention_runs_as_the_ring",
           "check_a_model_with_written_out_attention_trains_equal"]
 test_world2, test_world4 = checks_in_worlds(
     __name__, CHECKS, only_in_4=["check_written_out_attention_on_a_2d_placement"])
+
+
+def test_written_out_attention_simulates_at_scale():
+    """``gt.debug.simulate_step`` of a model with attention written out, its tokens split
+    on the sequence over 8 ranks: the deferred scores run on fake parts (no memory)."""
+    def make():
+        P = gt.placement.all("cpu")
+        model = gt.nn.to_global(_Block(length=64), P, gt.sbp.broadcast)
+        ids = gt.randint(0, 16, (2, 64), placement=P, sbp=S(1))
+
+        def step():
+            F.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
+        return step
+    report = gt.debug.simulate_step(make, placement=gt.placement("cpu", ranks=range(8)),
+                                    device="h100")
+    assert report.step_seconds > 0 and report.bytes > 0, report
