@@ -28,6 +28,7 @@ from ..propagation import plain
 from ..propagation.cache import cached_decision, direct_call
 from ..propagation.call import flatten_args, unflatten_args
 from ..propagation.decide import Decision, options
+from ..rules.attention_scores import AttentionScores
 from ..rules.registry import lookup_decomposition
 from ..tensor import GlobalTensor, install_dispatcher, wrap_as, wrap_part
 
@@ -92,7 +93,7 @@ def _take_leaves(func, leaves: list, args: tuple) -> tuple:
                 gradsync.watch(x)
             if x._local.__class__ is not _PLAIN:
                 fake = True
-        elif isinstance(x, GlobalTensor):
+        elif x.__class__ is AttentionScores:
             # deferred (attention's scores, rules/attention_scores.py), met below
             # autograd: torch.matmul's view back to the batch dims keeps it so; inside
             # another op's kernel it is computed here (autograd holds its history)

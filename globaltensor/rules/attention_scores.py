@@ -163,10 +163,11 @@ class AttentionScores(GlobalTensor):
             return func(*args, **kwargs)
 
     def viewed(self, func, args: tuple):
-        """``torch.matmul``'s last step on batched scores (back to the batch dims of q),
-        met below autograd: the view, still deferred; None for any other op."""
+        """``torch.matmul``'s last step on batched scores (back to the batch dims of q:
+        attention's (batch, heads)), met below autograd: the view, still deferred; None
+        for any other op."""
         if func is aten._unsafe_view.default and not self.steps and args[0] is self \
-                and list(args[1])[-2:] == list(self.shape[-2:]):
+                and len(args[1]) <= 4 and list(args[1])[-2:] == list(self.shape[-2:]):
             return AttentionScores.of(self.q, self.kt, tuple(args[1]))
         return None
 
