@@ -188,6 +188,13 @@ def _direct(decision: Decision, local: list, args, names):
         out = decision.direct(*local)
     if decision.inplace:
         return args[0]
+    if decision.view and torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):   # (see ``_carry_out``)
+            return _wrapped(decision, out)
+    return _wrapped(decision, out)
+
+
+def _wrapped(decision: Decision, out):
     if decision.multi is None:
         return wrap_as(out, decision.wraps[0])
     return decision.multi([wrap_as(o, how) for o, how in zip(out, decision.wraps)])
@@ -200,6 +207,13 @@ def _carry_out(func, decision: Decision, leaves, spec, why=None):
         local = [x._local if x.__class__ is GlobalTensor else x for x in leaves]
         n, names = spec
         return _direct(decision, local, leaves[:n] if names else leaves, names)
+    if decision.view and torch.is_inference_mode_enabled():
+        # Under inference_mode torch makes a view of a tensor made outside it share that
+        # tensor's version counter, which a wrapper made inside (an inference tensor)
+        # cannot take: "Cannot set version_counter for inference tensor". Made outside,
+        # it is a normal tensor, as torch's own view of a normal tensor is.
+        with torch.inference_mode(False):
+            return _run(func, decision, leaves, spec, why)
     return _run(func, decision, leaves, spec, why)
 
 

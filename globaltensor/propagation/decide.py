@@ -63,6 +63,8 @@ class Decision:
                               # in before it is reduced to broadcast (None: it is not)
     wraps: tuple = ()         # a direct decision's outputs: ``tensor.wrapping`` of each
     multi: object = None      # tuple or list: a direct decision's outputs are several
+    view: bool = False        # the op returns views of an input (``dispatch``: under
+                              # inference_mode their wrappers are made outside it)
 
 
 @dataclass(frozen=True)
@@ -396,6 +398,7 @@ def _finish(call: Call, meta: _MetaRun, local, gidx: tuple, targets: tuple,
         direct=runner(func, local, ctx) if direct else None,
         wraps=wraps_of(meta.out_leaves, out_layouts, strides) if direct else (),
         multi=multi if direct else None,
+        view=not inplace and any(r.alias_info is not None for r in func._schema.returns),
         out_consts=_out_consts(meta.out_leaves),
         by_value=any(v.__class__ is float for v in leaves) and (  # floats to key by
             local is not None or any(v.__class__ is float for v in call._named.values())),

@@ -71,8 +71,11 @@ def deferred_scores(a, b):
     if type(a) is not GlobalTensor or type(b) is not GlobalTensor \
             or not _rows_by_columns(a, b) or getattr(_computing, "on", False) \
             or (modes.active is not None and modes.active.fakes) or comm.tracing() \
-            or explicit_mode.active() or torch._C._current_graph_task_id() != -1:
-        return NotImplemented   # (cheapest first: every bmm asks)
+            or explicit_mode.active() or torch._C._current_graph_task_id() != -1 \
+            or torch.is_inference_mode_enabled():
+        # (cheapest first: every bmm asks. Not under inference_mode, where torch.matmul
+        # arrives at dispatch whole and runs as its pieces there: computed, as before.)
+        return NotImplemented
     return AttentionScores.of(a, b, tuple(a.shape[:2]) + (b.shape[2],))
 
 

@@ -132,7 +132,24 @@ def check_linear_under_inference_mode():
         _close(out, F.linear(x, w), "inference-mode linear, batch split")
 
 
+def check_views_under_inference_mode():
+    """Views of global tensors made outside ``torch.inference_mode()`` (parameters,
+    inputs), taken inside it: torch gives a view of a normal tensor its base's version
+    counter, which a wrapper made inside (an inference tensor) could not take."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(4, 6, 8, generator=gen)
+    gx = _g(x, S(0))
+    with torch.inference_mode():
+        for what, f in (("transpose", lambda t: t.transpose(-2, -1)),
+                        ("view", lambda t: t.view(4, 48)), ("split", lambda t: t.split(3, 2)[1]),
+                        ("reshape of the split dim", lambda t: t.reshape(24, 8)),
+                        ("a view of a view", lambda t: t.transpose(0, 1)[1])):
+            _close(f(gx), f(x), f"inference-mode {what}")
+        y = gx * 2   # made inside: an inference tensor, its views too
+        _close(y.transpose(0, 2), (x * 2).transpose(0, 2), "inference-mode view of an inference tensor")
+
+
 CHECKS = ["check_conj_of_split_complex", "check_out_variant", "check_complex_rotary_gradients",
           "check_copy_between_broadcastable_shapes", "check_nll_loss_on_3d_inputs",
-          "check_linear_under_inference_mode"]
+          "check_linear_under_inference_mode", "check_views_under_inference_mode"]
 test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
