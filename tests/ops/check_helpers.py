@@ -29,3 +29,15 @@ def _g(value, sbp, grad=False, placement=None):
 def _close(got, want, what, **tol):
     got = got.full() if isinstance(got, gt.GlobalTensor) else got
     torch.testing.assert_close(got, want, msg=lambda m: f"{what}: {m}", **tol)
+
+
+def _attention_equal(stats, out, ref, ins, want, what, ring=True, **tol):
+    """Attention of q, k, v (``ins``) split on the sequence against one process's
+    (``ref`` from ``want``): with ``ring``, nothing gathered nor moved to a head split
+    (the blocks went round as messages); the output and the three gradients equal."""
+    if ring:
+        assert stats.calls["all_gather"] == stats.calls["all_to_all"] == 0, (what, stats)
+        assert stats.calls["send"] > 0, (what, stats)
+    _close(out, ref.detach(), what, **tol)
+    for name, x, w in zip("qkv", ins, want):
+        _close(x.grad, w.grad, f"{what}: gradient of {name}", **tol)

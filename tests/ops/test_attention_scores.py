@@ -11,7 +11,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from check_helpers import S, _close, _g, _gen, _line
+from check_helpers import S, _attention_equal, _close, _g, _gen, _line
 from mp import checks_in_worlds
 
 import globaltensor as gt
@@ -81,12 +81,7 @@ def _against_one_process(form, shape, placement, sbp, what, ring=True, plain_mas
         with gt.implicit_broadcast() if plain_mask else contextlib.nullcontext():
             out = form(*ins, gkeep)
         out.backward(_g(grad, sbp, placement=placement))
-    if ring:   # the blocks go round as messages: nothing gathered, no head split
-        assert stats.calls["all_gather"] == stats.calls["all_to_all"] == 0, (what, stats)
-        assert stats.calls["send"] > 0, (what, stats)
-    _close(out, ref.detach(), what, **TOL)
-    for name, x, w in zip("qkv", ins, want):
-        _close(x.grad, w.grad, f"{what}: gradient of {name}", **TOL)
+    _attention_equal(stats, out, ref, ins, want, what, ring=ring, **TOL)
 
 
 def check_written_out_attention_runs_as_the_ring():
