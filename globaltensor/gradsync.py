@@ -79,12 +79,10 @@ def watch(leaf: GlobalTensor) -> None:
     ref = _watched.get(id(leaf))
     if ref is not None and ref() is leaf:
         return
-    if torch._C._current_graph_task_id() != -1 or comm.tracing() or not torch.is_grad_enabled():
+    if torch._C._current_graph_task_id() != -1 or comm.tracing():
         # inside backward: a saved view of a parameter, unpacked anew at each backward,
         # shows as a leaf (a parameter was first used in its forward); traced: a
-        # stand-in (fake tensor); without grad (evaluation, nn.Module.to(dtype), whose
-        # swap of the parameters refuses tensors with weak references): no gradient
-        # comes from this use, and the first one with grad watches the leaf
+        # stand-in (fake tensor)
         return
     key = id(leaf)
     _watched[key] = weakref.ref(leaf, lambda r: _watched.pop(key) if _watched.get(key) is r
