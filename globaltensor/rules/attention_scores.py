@@ -95,7 +95,7 @@ class AttentionScores(GlobalTensor):
         layout = Layout.make(shape, rows.placement, tuple(   # (rows: dim -2)
             Split(len(shape) - 2) if s == Split(1) else s for s in rows.sbp))
         # A wrapper with the scores' metadata and an empty part: its values are made
-        # only where used (``_computed``), never by reading this part.
+        # only where used (``computed``, ``attend``, ``realized``), never read from it.
         out = _wrap(AttentionScores, q._local.new_empty((0,), dtype=dtype or q.dtype),
                     layout)
         out.q, out.kt, out.steps = q, kt, steps
