@@ -202,8 +202,13 @@ def ring_seconds(func, targets: tuple, itemsize: int = 4) -> float:
 
 
 @lru_cache(maxsize=None)
+def returns_view(func) -> bool:
+    """Whether ``func``'s schema says it returns a view of an input (or the input)."""
+    return any(r.alias_info is not None for r in func._schema.returns)
+
+
+@lru_cache(maxsize=None)
 def writes_nothing(func) -> bool:
     """Whether ``func`` only makes a view: its schema says so, or it is
     ``_unsafe_view`` (a view its schema does not declare)."""
-    return func.overloadpacket.__name__ == "_unsafe_view" or any(
-        r.alias_info is not None for r in func._schema.returns)
+    return func.overloadpacket.__name__ == "_unsafe_view" or returns_view(func)

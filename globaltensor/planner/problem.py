@@ -21,7 +21,7 @@ from operator import itemgetter
 import numpy as np
 
 from ..boxing.plan import forget_searches, route_cost, route_costs
-from ..cost import GLOO, costs_of, max_local_bytes, product_macs, ring_seconds, writes_nothing
+from ..cost import GLOO, costs_of, max_local_bytes, product_macs, returns_view, ring_seconds, writes_nothing
 from ..propagation.decide import Decision, Options, _reduced_scalars
 from ..sbp import Broadcast, Partial
 from . import solve
@@ -175,10 +175,6 @@ def _compute_seconds(func, targets: tuple, outs: tuple) -> float:
     return rates.element * sum(max_local_bytes(o, 1) for o in outs if o is not None)
 
 
-def _returns_view(func) -> bool:
-    return any(r.alias_info is not None for r in func._schema.returns)
-
-
 def _route_cost(src, dst, itemsize: int, cache: dict) -> float:
     key = (src, dst, itemsize)
     cost = cache.get(key)
@@ -196,7 +192,7 @@ def _written_views(record: list) -> set:
         if node.greedy.inplace and node.producers and node.producers[0] is not None \
                 and len(node.producers[0]) == 2:
             u = node.producers[0][0]
-            while u not in written and _returns_view(record[u].func):
+            while u not in written and returns_view(record[u].func):
                 written.add(u)
                 if not record[u].producers or record[u].producers[0] is None \
                         or len(record[u].producers[0]) > 2:

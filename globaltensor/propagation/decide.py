@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten
 from .. import comm
 from ..advice import dtensor_operand_error, is_dtensor
 from ..boxing import plan_route
-from ..cost import PARAMETER_WEIGHT, ring_seconds
+from ..cost import PARAMETER_WEIGHT, returns_view, ring_seconds
 from ..layout import Layout
 from ..placement import Placement
 from ..rules.registry import FallbackWarning, lookup, lookup_check
@@ -398,7 +398,7 @@ def _finish(call: Call, meta: _MetaRun, local, gidx: tuple, targets: tuple,
         direct=runner(func, local, ctx) if direct else None,
         wraps=wraps_of(meta.out_leaves, out_layouts, strides) if direct else (),
         multi=multi if direct else None,
-        view=not inplace and any(r.alias_info is not None for r in func._schema.returns),
+        view=not inplace and returns_view(func),
         out_consts=_out_consts(meta.out_leaves),
         by_value=any(v.__class__ is float for v in leaves) and (  # floats to key by
             local is not None or any(v.__class__ is float for v in call._named.values())),
@@ -444,7 +444,7 @@ def _reduced_scalars(func, out_layouts: list, inplace: bool) -> tuple:
     or target's layout (and memory)."""
     if inplace or not any(l is not None and not l.shape and l.partial_axes for l in out_layouts):
         return ()
-    if any(r.alias_info is not None for r in func._schema.returns):
+    if returns_view(func):
         return ()
     return tuple(l if l is not None and not l.shape and l.partial_axes else None
                  for l in out_layouts)

@@ -59,7 +59,7 @@ def _rows_by_columns(a: GlobalTensor, b: GlobalTensor) -> bool:
     for x, y in zip(a._layout.sbp, b._layout.sbp):
         if x.__class__ is Split and y.__class__ is Split and (x.dim, y.dim) == (1, 2):
             seq = True
-        elif not (x == y and (x.__class__ is Broadcast or x == Split(0))):
+        elif not (x == y and (x.__class__ is Broadcast or x.__class__ is Split and x.dim == 0)):
             return False
     return seq and a._layout.shape[1] == b._layout.shape[2]
 
