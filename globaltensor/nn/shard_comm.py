@@ -7,10 +7,12 @@ order. Large such parameters (``OWN_GATHER_BYTES`` gathered or more) are gathere
 each straight into their gathered storage (point to point: gloo's all_gather would
 stage the whole result in a buffer of its own, one more gathered copy); small ones
 share one all-gather per unit (a bucket) and are cut out of its buffer; the rest are
-boxed. Gradients that come back partial on the data axis go to the parts by one
-reduce_scatter where the backend has a native one (NCCL), else by an exchange of
-pieces: each member sends the others their rows (cast to the reduction dtype piece by
-piece) and adds what it receives to its own rows in the receive buffer.
+boxed. Gradients that come back partial on the data axis go to the parts a unit at a
+time (``reduce_to_parts``): where the backend has a native reduce_scatter (NCCL) the
+large ones by one each and the small ones by one shared (a bucket, as the gather's),
+else all of them by one exchange of pieces: in each round every member sends the
+others their rows of every gradient at once (cast to the reduction dtype piece by
+piece) and adds what it receives to its own rows in the receive buffers.
 
 >>> fetch = Fetch(shards, layouts, data_axis=0, dtype=torch.bfloat16)   # doctest: +SKIP
 >>> gathered = fetch.finish()      # name -> this rank's local of the gathered parameter
@@ -22,13 +24,14 @@ import math
 import torch
 
 from .. import comm
+from ..comm import stats
 from ..cost import costs_for, costs_of
 from ..layout import Layout, balanced_split
-from ..local_parts import padded_to, unpadded_parts
+from ..local_parts import padded_parts, padded_to, unpadded_parts
 from ..sbp import Partial, Split
 from ..tensor import GlobalTensor, to_layout
 
-__all__ = ["OWN_GATHER_BYTES", "Fetch", "gather_rows", "reduce_to_part", "concatenates"]
+__all__ = ["OWN_GATHER_BYTES", "Fetch", "gather_rows", "reduce_to_parts", "concatenates"]
 
 # A parameter this large (gathered, in bytes) gets an all-gather of its own.
 OWN_GATHER_BYTES = 1 << 20
@@ -194,22 +197,43 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() and t.storage_offset() == 0 and whole else t.clone()
 
 
-def reduce_to_part(grad: GlobalTensor, part: Layout, data_axis: int,
-                   reduce_dtype: torch.dtype, dtype: torch.dtype) -> GlobalTensor:
-    """The gradient of a gathered parameter (any layout; typically partial on the data
-    axis) in the layout ``part`` of its stored parameter, reduced in ``reduce_dtype``
-    and returned in ``dtype``."""
-    layout, rank = grad.global_layout, comm.get_rank()
-    # Where the backend reduce-scatters natively (NCCL: one kernel, as FSDP2 uses), the
-    # boxing's reduce_scatter serves; gloo's is slower than this exchange of parts.
-    if _exchanges(layout, part, data_axis) and rank in part.placement and not comm.tracing() \
-            and not costs_of(part).native_reduce_scatter:
-        return GlobalTensor(_exchange(grad.local_part, part.placement.group(rank, data_axis),
-                                      reduce_dtype).to(dtype), part)
-    if grad.dtype != reduce_dtype:
-        grad = grad.to(reduce_dtype)
-    out = to_layout(grad, part.without_partials(), donate=True)
-    return out if out.dtype == dtype else out.to(dtype)
+def reduce_to_parts(grads: tuple, parts: tuple, data_axis: int,
+                    reduce_dtype: "torch.dtype | None", dtypes: tuple) -> list:
+    """The gradients of a unit's gathered parameters (None where there is none), each in
+    the layout ``parts[i]`` of its stored parameter, reduced in ``reduce_dtype`` (None:
+    each in its own) and returned in ``dtypes[i]``. Those partial on the data axis and
+    otherwise laid out as their part (``_exchanges``) are reduced together: one round of
+    messages per member for all of them (gloo), or one reduce_scatter for the small
+    ones and one for each large one (a native reduce_scatter: NCCL). The rest are boxed.
+
+    >>> reduce_to_parts((gw, gb), (w.global_layout, b.global_layout), 0, None,  # doctest: +SKIP
+    ...                 (torch.float32, torch.float32))
+    """
+    out, rank = [None] * len(grads), comm.get_rank()
+    together: dict = {}       # (group, native reduce_scatter) -> indices reduced together
+    for i, (grad, part) in enumerate(zip(grads, parts)):
+        if grad is None:
+            continue
+        rdtype = reduce_dtype or grad.dtype
+        native = costs_of(part).native_reduce_scatter
+        if rank in part.placement and not comm.tracing() and _exchanges(
+                grad.global_layout, part, data_axis) and not (
+                native and grad.local_part.numel() * rdtype.itemsize >= OWN_GATHER_BYTES):
+            together.setdefault((part.placement.group(rank, data_axis), native), []).append(i)
+            continue
+        # boxed: a large gradient by the native reduce_scatter, anything else as it comes
+        moved = to_layout(grad if grad.dtype == rdtype else grad.to(rdtype),
+                          part.without_partials(), donate=True)
+        out[i] = moved if moved.dtype == dtypes[i] else moved.to(dtypes[i])
+    for (group, native), members in together.items():
+        locals_ = [grads[i].local_part for i in members]
+        rdtypes = [reduce_dtype or t.dtype for t in locals_]
+        reduced = _scattered(locals_, group, rdtypes) if native else \
+            _exchange(locals_, group, rdtypes)
+        for i, local in zip(members, reduced):
+            out[i] = GlobalTensor(local if local.dtype == dtypes[i] else local.to(dtypes[i]),
+                                  parts[i])
+    return out
 
 
 def _exchanges(layout: Layout, part: Layout, data_axis: int) -> bool:
@@ -222,29 +246,61 @@ def _exchanges(layout: Layout, part: Layout, data_axis: int) -> bool:
             and all(s == t for a, (s, t) in enumerate(zip(sbp, part.sbp)) if a != data_axis))
 
 
-def _exchange(local: torch.Tensor, group: tuple, reduce_dtype: torch.dtype) -> torch.Tensor:
-    """This rank's rows of the sum over ``group`` of each member's ``local``. In n - 1
-    rounds, round k sends the rows of the member k after this one and receives from the
-    member k before it: the first part received becomes the sum, the others arrive in
-    one buffer that is added and reused, so at most two parts are held instead of n - 1
-    (a gradient's reduction is the peak of a sharded backward)."""
-    parts = balanced_split(local.shape[0], len(group))
+def _scattered(locals_: list, group: tuple, rdtypes: list) -> list:
+    """This rank's rows of the sum over ``group`` of each member's ``locals_[i]`` (small
+    gradients), by one native reduce_scatter per reduction dtype: each member's rows of
+    each gradient, padded to the largest part, packed in one buffer (as the gather's
+    bucket)."""
     n, me = len(group), group.index(comm.get_rank())
-    mine = local.narrow(0, *parts[me])
-    out = buf = None
+    out = [None] * len(locals_)
+    for rdtype in dict.fromkeys(rdtypes):
+        members = [i for i, d in enumerate(rdtypes) if d == rdtype]
+        packed = torch.cat([padded_parts(locals_[i].to(rdtype), 0, n).reshape(n, -1)
+                            for i in members], 1)
+        got = packed.new_empty(packed.shape[1])
+        comm.reduce_scatter_into(got, packed, "sum", group)
+        offset = 0
+        for i in members:
+            shape = tuple(locals_[i].shape)
+            parts = balanced_split(shape[0], n)
+            size = parts[0][1] * math.prod(shape[1:])
+            out[i] = got[offset:offset + size].view((parts[0][1],) + shape[1:])[:parts[me][1]]
+            offset += size
+    return out
+
+
+def _exchange(locals_: list, group: tuple, rdtypes: list) -> list:
+    """This rank's rows of the sum over ``group`` of each member's ``locals_[i]``. In
+    n - 1 rounds, round k sends the rows of every gradient of the member k after this
+    one and receives from the member k before it, in one batch of messages (counted as
+    one all_to_all): the first part received becomes the sum, the others arrive in one
+    buffer per gradient that is added and reused, so at most two parts of each are held
+    instead of n - 1 (a gradient's reduction is the peak of a sharded backward)."""
+    n, me = len(group), group.index(comm.get_rank())
+    splits = [balanced_split(t.shape[0], n) for t in locals_]
+    mine = [t.narrow(0, *parts[me]) for t, parts in zip(locals_, splits)]
+    out, bufs = [None] * len(locals_), [None] * len(locals_)
     for k in range(1, n):
         to, source = (me + k) % n, (me - k) % n
-        if buf is None and mine.numel():
-            buf = torch.empty(mine.shape, dtype=reduce_dtype, device=local.device)
-        piece = local.narrow(0, *parts[to])
-        sends = [(piece.to(reduce_dtype).contiguous(), group[to])] if piece.numel() else []
-        recvs = [(buf, group[source])] if buf is not None else []
-        comm.start_p2p(sends, recvs, kind="all_to_all").wait()
-        if buf is None:
-            continue
-        if out is None:    # the first part received becomes the sum (on 2 ranks: the only)
-            out, buf = buf, None
-            out.add_(mine)
-        else:
-            out.add_(buf)
-    return mine.to(reduce_dtype, copy=True) if out is None else out
+        sends, recvs = [], []
+        for i, (local, parts, rdtype) in enumerate(zip(locals_, splits, rdtypes)):
+            if bufs[i] is None and mine[i].numel():
+                bufs[i] = torch.empty(mine[i].shape, dtype=rdtype, device=local.device)
+            piece = local.narrow(0, *parts[to])
+            if piece.numel():
+                sends.append((piece.to(rdtype).contiguous(), group[to]))
+            if bufs[i] is not None:
+                recvs.append((bufs[i], group[source]))
+        if sends:
+            stats.record("all_to_all", sum(t.numel() * t.element_size() for t, _ in sends),
+                         (group[to],))
+        comm.start_p2p(sends, recvs, kind=None).wait()
+        for i, buf in enumerate(bufs):
+            if buf is None:
+                continue
+            if out[i] is None:    # the first part received becomes the sum (2 ranks: the only)
+                out[i], bufs[i] = buf, None
+                out[i].add_(mine[i])
+            else:
+                out[i].add_(buf)
+    return [m.to(d, copy=True) if o is None else o for m, o, d in zip(mine, out, rdtypes)]

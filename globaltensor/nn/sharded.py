@@ -14,10 +14,10 @@ in backward gathers once and keeps the copies for the backward that follows, exc
 a Linear's weight, which its backward gathers again (``refetch_in_backward``): the
 recompute would otherwise hold every weight of the block until backward reaches it.
 The next unit's gather starts before this unit computes (prefetch of one unit, in the
-order of the previous forward). The gradient of a
-gathered parameter is partial on the data axis (split batch); it goes to the shard's
-layout as soon as it is computed (``shard_comm.reduce_to_part``: the full-size partial
-is freed then), so each rank's ``.grad`` and optimizer state are its part. An
+order of the previous forward). The gradient of a gathered parameter is partial on the
+data axis (split batch); a unit's gradients go to their shards' layout together as soon
+as they are computed (``shard_comm.reduce_to_parts``: the full-size partials are freed
+then), so each rank's ``.grad`` and optimizer state are its part. An
 ``nn.Linear`` unit whose weight is gathered again computes its backward weight last
 (``_LinearWeightLast``): the input's gradient, then the weight let go, then the weight's
 full-size gradient, so the two full-size tensors are never alive together.
@@ -48,7 +48,7 @@ from ..placement import Placement, check_placement
 from ..sbp import Split, broadcast
 from ..tensor import GlobalTensor
 from .module import tensor_slots, to_global
-from .shard_comm import Fetch, concatenates, gather_rows, reduce_to_part
+from .shard_comm import Fetch, concatenates, gather_rows, reduce_to_parts
 
 __all__ = ["fully_shard"]
 
@@ -228,9 +228,14 @@ class _Unit:
         params = self.module._parameters
         self.shards = dict(fetch.shards)
         regather = _Regather(self, self.shards) if self._reshards() else None
-        for name, local in fetch.finish().items():
-            shard = self.shards[name]
-            full = _Gathered.apply(shard, local, self.gathered_layout(shard), self.policy)
+        locals_ = fetch.finish()
+        names = list(locals_)
+        fulls = _Gathered.apply(self.policy, tuple(self.gathered_layout(self.shards[n])
+                                                   for n in names),
+                                *(self.shards[n] for n in names),
+                                *(locals_[n] for n in names)) if names else ()
+        for name, full in zip(names, fulls):
+            local = locals_[name]
             if regather is not None and local.numel():
                 _gathered[local.untyped_storage()._cdata] = (regather, name)
             params[name] = full
@@ -284,20 +289,32 @@ class _Unit:
 
 
 class _Gathered(torch.autograd.Function):
-    """A gathered parameter whose gradient goes back to its shard's layout, reduced in
-    the policy's reduce dtype and stored in the shard's dtype."""
+    """A unit's gathered parameters (``shards`` then their gathered ``locals``), whose
+    gradients go back to their shards' layouts together (``reduce_to_parts``: one
+    exchange, or one reduce_scatter for the small ones, per unit instead of one per
+    parameter), reduced in the policy's reduce dtype and stored in each shard's dtype.
+    The parameters of a unit are used by its one forward, so their gradients come
+    together: waiting for all of them holds nothing longer."""
 
     @staticmethod
-    def forward(ctx, shard: GlobalTensor, local: torch.Tensor, layout: Layout, policy: _Policy):
-        ctx.src, ctx.policy, ctx.dtype = shard.global_layout, policy, shard.dtype
-        return GlobalTensor(local, layout)
+    def forward(ctx, policy: _Policy, layouts: tuple, *shards_and_locals):
+        shards, locals_ = shards_and_locals[:len(layouts)], shards_and_locals[len(layouts):]
+        ctx.policy = policy
+        ctx.srcs = tuple(s.global_layout for s in shards)
+        ctx.dtypes = tuple(s.dtype for s in shards)
+        ctx.set_materialize_grads(False)    # an unused parameter's gradient stays None
+        outs = tuple(GlobalTensor(local, layout) for local, layout in zip(locals_, layouts))
+        frozen = [o for o, s in zip(outs, shards) if not s.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return outs
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, *grads):
         policy = ctx.policy
-        reduce_dtype = policy.reduce_dtype or grad.dtype
-        return reduce_to_part(grad, ctx.src, policy.data_axis, reduce_dtype, ctx.dtype), \
-            None, None, None
+        return (None, None, *reduce_to_parts(grads, ctx.srcs, policy.data_axis,
+                                             policy.reduce_dtype, ctx.dtypes),
+                *(None for _ in grads))
 
 
 def _linear_forward(module: torch.nn.Linear, x):

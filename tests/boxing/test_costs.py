@@ -193,9 +193,10 @@ def check_a_plans_sent_bytes_are_what_comm_stats_counts():
 
 
 def check_fully_shard_reduces_gradients_by_one_reduce_scatter_where_native():
-    """fully_shard's gradients reach their parts by one reduce_scatter each where the
-    backend has a native one (FSDP2's way on NCCL), by an exchange of parts on gloo;
-    rows uneven over the ranks too; both equal one process's gradients."""
+    """fully_shard's gradients reach their parts by reduce_scatters where the backend has
+    a native one (FSDP2's way on NCCL): a unit's small ones in one, packed, a large one
+    alone; by an exchange of parts on gloo; rows uneven over the ranks too; all equal
+    one process's gradients."""
     n = gt.get_world_size()
     P = gt.placement.all("cpu")
 
@@ -205,8 +206,9 @@ def check_fully_shard_reduces_gradients_by_one_reduce_scatter_where_native():
                                    torch.nn.Linear(2 * n + 1, 5))
     reference, x = mlp(), torch.randn(4 * n, 6)
     reference(x).square().mean().backward()
-    cases = [(priced, scatters, own) for priced, scatters in
-             ((contextlib.nullcontext, 0), (_gloo_priced_as_nccl, 4))
+    # (OWN_GATHER_BYTES 0: every gradient large, each alone; else one per unit)
+    cases = [(priced, native and (2 if own else 4), own) for priced, native in
+             ((contextlib.nullcontext, False), (_gloo_priced_as_nccl, True))
              for own in (shard_comm.OWN_GATHER_BYTES, 0)]   # gathered in a bucket, alone
     for priced, scatters, own in cases:
         with priced(), patched(shard_comm, "OWN_GATHER_BYTES", own):

@@ -195,14 +195,15 @@ def test_a_gpu_profile_chooses_and_prices_collectives_as_nccl():
 
 def test_fully_shard_reduces_gradients_as_the_backend_does():
     """fully_shard's gradients, partial over the data axis after backward, go to their
-    parts as FSDP2's do on NCCL: one reduce_scatter each (the H100 profile); on gloo
-    (this CPU's) by an exchange of parts, a message per peer. The same bytes either way."""
-    world, params = 8, 4
+    parts a unit at a time, as FSDP2's do on NCCL: one reduce_scatter for a unit's small
+    gradients (the H100 profile); on gloo (this CPU's) by an exchange of parts, a round
+    of messages per peer for the unit's gradients. The same bytes either way."""
+    world, units = 8, 2     # two Linears, each weight and bias small
     gpu = gt.debug.simulate_step(_make("fs"), placement=_world(world), device="h100")
     cpu = gt.debug.simulate_step(_make("fs"), placement=_world(world), device="cpu")
     reduced = PARAMS * (world - 1) // world
-    assert gpu.counted.calls["reduce_scatter"] == params and "all_to_all" not in gpu.counted.calls
-    assert cpu.counted.calls["all_to_all"] == params * (world - 1), cpu.counted
+    assert gpu.counted.calls["reduce_scatter"] == units and "all_to_all" not in gpu.counted.calls
+    assert cpu.counted.calls["all_to_all"] == units * (world - 1), cpu.counted
     assert "reduce_scatter" not in cpu.counted.calls, cpu.counted
     assert gpu.counted.bytes["reduce_scatter"] == cpu.counted.bytes["all_to_all"] == reduced
 

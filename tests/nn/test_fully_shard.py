@@ -189,6 +189,29 @@ def _wide_mlp():
     return torch.nn.Sequential(torch.nn.Linear(12, 10), torch.nn.GELU(), torch.nn.Linear(10, 6))
 
 
+def check_a_units_gradients_are_reduced_together():
+    """Each unit's gradients (weight and bias) are reduced to their parts in one round of
+    messages per peer (gloo; the native reduce_scatter's packing is test_costs.py's); a
+    frozen parameter gets no gradient."""
+    p, n = gt.placement.all("cpu"), gt.get_world_size()
+    x, y = _data()
+    reference, model = _mlp(), gt.nn.fully_shard(_mlp(), p)
+    for m in (reference, model):
+        m[0].bias.requires_grad_(False)
+    with gt.debug.comm_stats() as stats:
+        F.cross_entropy(model(gt.tensor(x, placement=p, sbp=S(0))),
+                        gt.tensor(y, placement=p, sbp=S(0))).backward()
+    F.cross_entropy(reference(x), y).backward()
+    # three units: Linear (its bias frozen), LayerNorm, Linear
+    assert stats.calls["all_to_all"] == 3 * (n - 1), stats
+    assert model[0].bias.grad is None
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        if want.grad is not None:
+            assert got.grad.sbp == (S(0),), name
+            torch.testing.assert_close(got.grad.full(), want.grad, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+
+
 def check_large_parameters_gather_in_place():
     """Above OWN_GATHER_BYTES a parameter has a gather of its own, into its gathered
     storage (uneven parts included), and one in the backward; training equals one
@@ -325,7 +348,7 @@ def check_host_blocks_go_back_to_the_system_when_freed():
 
 CHECKS = ["check_training_equals_one_process", "check_gathered_copy_is_freed_after_forward",
           "check_tied_and_meta_modules", "check_reshard_after_forward",
-          "check_large_parameters_gather_in_place",
+          "check_large_parameters_gather_in_place", "check_a_units_gradients_are_reduced_together",
           "check_recompute_gathers_once_and_each_weight_again_in_its_backward",
           "check_host_blocks_go_back_to_the_system_when_freed"]
 
