@@ -4,6 +4,7 @@ from .collectives import (
                           all_gather_into,
                           all_gather_ints,
                           all_gather_p2p,
+                          all_gather_p2p_batch,
                           all_reduce_,
                           all_reduce_async,
                           all_to_all_single,
@@ -30,7 +31,8 @@ from .guard import (
 from .meet import meet
 from .stats import CommCounter
 
-__all__ = ["all_gather_async", "all_gather_into", "all_gather_p2p", "all_gather_ints",
+__all__ = ["all_gather_async", "all_gather_into", "all_gather_p2p", "all_gather_p2p_batch",
+           "all_gather_ints",
            "all_reduce_", "all_reduce_async", "all_to_all_single", "barrier",
            "reduce_scatter_into", "batched_p2p", "broadcast_", "start_p2p", "tracing",
            "get_rank", "get_world_size", "backend_of", "bind_gloo_to_address", "finish",

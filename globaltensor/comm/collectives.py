@@ -354,14 +354,25 @@ def all_gather_p2p(pieces: Sequence[torch.Tensor], mine: torch.Tensor,
     sizes) receives member ``i``'s ``mine`` (ours is copied here). Unlike gloo's
     all_gather, which stages the whole output in a buffer of its own, the parts land in
     place. Counted as one all_gather."""
+    return all_gather_p2p_batch([(pieces, mine)], ranks)
+
+
+def all_gather_p2p_batch(gathers: Sequence[tuple], ranks: tuple[int, ...]) -> P2PWork:
+    """``all_gather_p2p`` of several tensors over one group, ``gathers`` (pieces, mine)
+    each, posted as one batch of messages (one round per peer), counted as one
+    all_gather."""
     me = ranks.index(dist.get_rank()) if len(ranks) > 1 else 0
-    pieces[me].copy_(mine.view(pieces[me].shape))
+    for pieces, mine in gathers:
+        pieces[me].copy_(mine.view(pieces[me].shape))
     if len(ranks) == 1:
         return P2PWork([])
-    if stats.record("all_gather", _nbytes(mine) * (len(ranks) - 1), ranks):
+    if stats.record("all_gather", sum(_nbytes(m) for _, m in gathers) * (len(ranks) - 1),
+                    ranks):
         return P2PWork([])
-    sends = [(mine, m) for j, m in enumerate(ranks) if j != me and mine.numel()]
-    recvs = [(p, m) for j, (p, m) in enumerate(zip(pieces, ranks)) if j != me and p.numel()]
+    sends = [(mine, m) for pieces, mine in gathers
+             for j, m in enumerate(ranks) if j != me and mine.numel()]
+    recvs = [(p, m) for pieces, _ in gathers
+             for j, (p, m) in enumerate(zip(pieces, ranks)) if j != me and p.numel()]
     return start_p2p(sends, recvs, kind=None)
 
 

@@ -6,13 +6,14 @@ partial: gathering the data axis is then an all-gather of the members' parts in
 order. Large such parameters (``OWN_GATHER_BYTES`` gathered or more) are gathered
 each straight into their gathered storage (point to point: gloo's all_gather would
 stage the whole result in a buffer of its own, one more gathered copy); small ones
-share one all-gather per unit (a bucket) and are cut out of its buffer; the rest are
-boxed. Gradients that come back partial on the data axis go to the parts a unit at a
-time (``reduce_to_parts``): where the backend has a native reduce_scatter (NCCL) the
-large ones by one each and the small ones by one shared (a bucket, as the gather's),
-else all of them by one exchange of pieces: in each round every member sends the
-others their rows of every gradient at once (cast to the reduction dtype piece by
-piece) and adds what it receives to its own rows in the receive buffers.
+share one all-gather per unit (a bucket) and are cut out of its buffer; on gloo all of
+a unit's go as one batch of point-to-point messages (``_Batch``); the rest are boxed.
+Gradients that come back partial on the data axis go to the parts a unit at a time
+(``reduce_to_parts``): where the backend has a native reduce_scatter (NCCL) the large
+ones by one each and the small ones by one shared (a bucket, as the gather's), else all
+of them by one exchange of pieces: in each round every member sends the others their
+rows of every gradient at once (cast to the reduction dtype piece by piece) and adds
+what it receives to its own rows in the receive buffers.
 
 >>> fetch = Fetch(shards, layouts, data_axis=0, dtype=torch.bfloat16)   # doctest: +SKIP
 >>> gathered = fetch.finish()      # name -> this rank's local of the gathered parameter
@@ -20,6 +21,7 @@ piece) and adds what it receives to its own rows in the receive buffers.
 from __future__ import annotations
 
 import math
+import types
 
 import torch
 
@@ -44,10 +46,12 @@ def concatenates(layout: Layout, data_axis: int) -> bool:
         (a == data_axis) == (s == Split(0)) for a, s in enumerate(layout.sbp))
 
 
-def gather_rows(part: torch.Tensor, group: tuple, shape: tuple, dtype: torch.dtype):
+def gather_rows(part: torch.Tensor, group: tuple, shape: tuple, dtype: torch.dtype,
+                batch: "_Batch | None" = None):
     """Start gathering ``shape`` (dim 0 in ``balanced_split`` parts over ``group``, this
     rank's being ``part``) in ``dtype``, each member's rows received in place (no staging
-    buffer, no padding); returns a function that waits and gives the gathered tensor."""
+    buffer, no padding); returns a function that waits and gives the gathered tensor.
+    ``batch``: point-to-point messages join it (posted by its ``start``)."""
     n = len(group)
     parts = balanced_split(shape[0], n)
     send = part.to(dtype).contiguous()
@@ -56,12 +60,38 @@ def gather_rows(part: torch.Tensor, group: tuple, shape: tuple, dtype: torch.dty
     if costs_for(part.device.type).backend == "nccl":
         return _gather_padded(send, group, shape, parts)
     out = torch.empty(shape, dtype=dtype, device=part.device)
-    work = comm.all_gather_p2p([out.narrow(0, *p) for p in parts], send, group)
+    pieces = [out.narrow(0, *p) for p in parts]
+    wait = batch.add(group, pieces, send) if batch is not None else \
+        comm.all_gather_p2p(pieces, send, group).wait
 
     def finish() -> torch.Tensor:
-        work.wait()
+        wait()
         return out
     return finish
+
+
+class _Batch:
+    """The point-to-point gathers of one ``Fetch`` (gloo), per group: posted together by
+    ``start`` (one round of messages per peer for the unit, instead of one per large
+    parameter and one all_gather for the small ones), waited for once."""
+
+    def __init__(self):
+        self.gathers: dict = {}   # group -> [(pieces, mine)]
+        self.works: dict = {}     # group -> its posted messages, until waited for
+
+    def add(self, group: tuple, pieces: list, mine: torch.Tensor):
+        self.gathers.setdefault(group, []).append((pieces, mine))
+        return lambda: self.wait(group)
+
+    def start(self) -> None:
+        for group, gathers in self.gathers.items():
+            self.works[group] = comm.all_gather_p2p_batch(gathers, group)
+        self.gathers = {}
+
+    def wait(self, group: tuple) -> None:
+        work = self.works.pop(group, None)
+        if work is not None:
+            work.wait()
 
 
 def _gather_rows_traced(send, group, shape, parts) -> torch.Tensor:
@@ -102,6 +132,7 @@ class Fetch:
         self.versions = {n: s._version for n, s in shards.items()}
         self.own, self.boxed, bucket = {}, [], []
         rank = comm.get_rank()
+        batch = _Batch()
         for name, shard in shards.items():
             layout = layouts[name]
             if rank not in layout.placement or not concatenates(shard.global_layout, data_axis):
@@ -112,10 +143,11 @@ class Fetch:
             group = layout.placement.group(rank, data_axis)
             if math.prod(shape) * want.itemsize >= OWN_GATHER_BYTES or (
                     bucket and want != bucket[0][1]):
-                self.own[name] = gather_rows(shard.local_part, group, shape, want)
+                self.own[name] = gather_rows(shard.local_part, group, shape, want, batch)
             else:
                 bucket.append((name, want, shape, group))
-        self.bucket = _Bucket(shards, bucket) if bucket else None
+        self.bucket = _Bucket(shards, bucket, batch) if bucket else None
+        batch.start()
         self.dtype = dtype
 
     def stale(self) -> bool:
@@ -152,9 +184,10 @@ class _Ready:
 class _Bucket:
     """Small parameters of one dtype in one all-gather: each member packs its parts
     (padded to the largest part) into one flat buffer; each parameter is cut out of the
-    gathered buffer."""
+    gathered buffer. On gloo the buffer travels with the unit's other gathers
+    (``_Batch``), each member's part straight into its rows."""
 
-    def __init__(self, shards: dict, members: list):
+    def __init__(self, shards: dict, members: list, batch: _Batch):
         self.members = members
         dtype, group = members[0][1], members[0][3]
         self.group, self.sizes = group, []
@@ -171,7 +204,11 @@ class _Bucket:
             send[offset:offset + local.numel()].copy_(local)
             offset += size
         self.recv = torch.empty(len(group) * total, dtype=dtype, device=first.device)
-        self.handle = comm.all_gather_async(self.recv, send, group, what="fully_shard gather")
+        if comm.tracing() or costs_for(first.device.type).backend == "nccl":
+            self.handle = comm.all_gather_async(self.recv, send, group, what="fully_shard gather")
+        else:
+            self.handle = types.SimpleNamespace(wait=batch.add(group, list(self.recv.view(
+                len(group), total)), send))
 
     def wait(self) -> None:
         if self.handle is not None:

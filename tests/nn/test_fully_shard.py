@@ -213,21 +213,23 @@ def check_a_units_gradients_are_reduced_together():
 
 
 def check_large_parameters_gather_in_place():
-    """Above OWN_GATHER_BYTES a parameter has a gather of its own, into its gathered
-    storage (uneven parts included), and one in the backward; training equals one
-    process."""
+    """Above OWN_GATHER_BYTES a parameter is gathered into its gathered storage (uneven
+    parts included), with its unit's others in one batch of messages on gloo, and again
+    in the backward; training equals one process."""
     p = gt.placement.all("cpu")
-    with patched(fs_comm, "OWN_GATHER_BYTES", 0):
-        model, reference = gt.nn.fully_shard(_wide_mlp(), p), _wide_mlp()
-        x = _data()[0]
-        y = torch.randint(0, 6, (8,), generator=torch.Generator().manual_seed(2))
-        gathers = _counted_backward(model, p, x, y)[:2]
-        assert gathers == (4, 1), gathers   # every parameter; the last weight again
-        _, losses = _train(model, gt.tensor(x, placement=p, sbp=S(0)),
-                           gt.tensor(y, placement=p, sbp=S(0)))
-    _, ref_losses = _train(reference, x, y)
-    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (losses, ref_losses)
-    _assert_same(model, reference)
+    for own in (0, 200):   # every parameter alone; the weights alone, the biases bucketed
+        with patched(fs_comm, "OWN_GATHER_BYTES", own):
+            model, reference = gt.nn.fully_shard(_wide_mlp(), p), _wide_mlp()
+            x = _data()[0]
+            y = torch.randint(0, 6, (8,), generator=torch.Generator().manual_seed(2))
+            gathers = _counted_backward(model, p, x, y)[:2]
+            # each unit's parameters in one batch of messages (gloo); the last weight again
+            assert gathers == (2, 1), (own, gathers)
+            _, losses = _train(model, gt.tensor(x, placement=p, sbp=S(0)),
+                               gt.tensor(y, placement=p, sbp=S(0)))
+        _, ref_losses = _train(reference, x, y)
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (losses, ref_losses)
+        _assert_same(model, reference)
 
 
 def check_recompute_gathers_once_and_each_weight_again_in_its_backward():
