@@ -29,7 +29,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import comm
-from .boxing.run import call_path, where
+from .boxing.run import call_path, called_from, where
 from .comm.meet import meet_once, met_before
 from .layout import Layout
 from .sbp import Broadcast, Partial
@@ -67,10 +67,10 @@ def no_sync() -> Iterator[None]:
         _sync = previous
 
 
-# id(leaf) -> a weak reference to it, for each watched leaf: the dispatcher asks on
-# every call that takes a parameter, and a WeakIdKeyDictionary look-up (a new weak key
-# per question) costs several times this one (the reference tells a reused id apart).
+# id(leaf) -> a weak reference to it (which tells a reused id apart), per watched leaf:
+# asked on every call, where a WeakIdKeyDictionary look-up costs several times more.
 _watched: dict = {}
+_MODULE_APPLY = torch.nn.Module._apply.__code__
 
 
 def watch(leaf: GlobalTensor) -> None:
@@ -79,14 +79,14 @@ def watch(leaf: GlobalTensor) -> None:
     ref = _watched.get(id(leaf))
     if ref is not None and ref() is leaf:
         return
-    if torch._C._current_graph_task_id() != -1 or comm.tracing():
-        # inside backward: a saved view of a parameter, unpacked anew at each backward,
-        # shows as a leaf (a parameter was first used in its forward); traced: a
-        # stand-in (fake tensor)
+    if torch._C._current_graph_task_id() != -1 or comm.tracing() or (
+            not torch.is_grad_enabled() and called_from(_MODULE_APPLY)):
+        # in backward: a saved view of a parameter, unpacked anew, shows as a leaf (the
+        # parameter was first used in forward); traced: a stand-in; cast by model.half()
+        # (nn.Module._apply swaps a parameter for its cast: refused with weak references)
         return
     key = id(leaf)
-    _watched[key] = weakref.ref(leaf, lambda r: _watched.pop(key) if _watched.get(key) is r
-                                else None)
+    _watched[key] = weakref.ref(leaf, lambda r: _watched.get(key) is r and _watched.pop(key))
     # A serial number, not id(): ids are reused after garbage collection and differ
     # between ranks, while serials follow the program order, the same on every rank.
     _serial += 1

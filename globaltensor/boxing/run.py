@@ -289,6 +289,19 @@ def call_path() -> tuple[tuple[str, int], ...]:
     return tuple(path)
 
 
+def called_from(code, depth: int = 24) -> bool:
+    """Whether a frame running ``code`` (a function's ``__code__``) is among the
+    ``depth`` innermost frames of this call (cold paths only: it walks the stack)."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _configure_debug_logging() -> None:
     # GLOBALTENSOR_DEBUG=1 shows boxing at DEBUG level on stderr; otherwise the
     # "globaltensor" logger is the program's to configure (logging.DEBUG shows the same).
