@@ -179,8 +179,11 @@ def broadcast(t: torch.Tensor, src: int, ranks: tuple) -> None:
 # the sender's word travels on gloo tag _FORWARD and the receiver's back on _BACK, apart
 # from the payloads (tag 0). Each channel pairs a direction's batches in their order, as
 # the payloads pair, whatever the order of the two directions on each rank (a pipeline
-# posts a stage's sends and receives at different moments on its two sides).
-_FORWARD, _BACK = 0x6701, 0x6702
+# posts a stage's sends and receives at different moments on its two sides). A batch
+# that goes both ways with a peer (an exchange, a gather by messages: both sides run the
+# same step, so the peer's batch goes both ways too) sends both words in one message on
+# _BOTH and receives the peer's two: half the messages.
+_FORWARD, _BACK, _BOTH = 0x6701, 0x6702, 0x6703
 
 
 def post_p2p(sends, recvs, rank: int) -> "PairTags":
@@ -191,9 +194,12 @@ def post_p2p(sends, recvs, rank: int) -> "PairTags":
     and its receive are the two sides' own code, from lines of their own."""
     code, path = fp.call_path() if guard._doing else (0, [])
     pending = []
-    for direction, messages in (("to", sends), ("from", recvs)):
-        for peer in sorted({p for _, p in messages} - {rank}):
+    for peer in sorted({p for _, p in (*sends, *recvs)} - {rank}):
+        tags = []   # (tag, index of the peer's word for it) of each direction here
+        for direction, messages in (("to", sends), ("from", recvs)):
             sizes = [(t.numel(), t.dtype) for t, p in messages if p == peer]
+            if not sizes:
+                continue
             op = code
             for numel, dtype in sizes:
                 op = fp._mix(fp._mix(op, numel), fp._name(dtype))
@@ -201,12 +207,19 @@ def post_p2p(sends, recvs, rank: int) -> "PairTags":
             seq = fp._pairs[pair] = fp._pairs.get(pair, 0) + 1
             what = ("point-to-point", peer, sizes if direction == "to" else [],
                     [] if direction == "to" else sizes)
-            tag = fp.Tag(what, pair, seq, op, path)
-            mine, theirs = torch.tensor([tag.word]), torch.empty(1, dtype=torch.int64)
+            tags.append((fp.Tag(what, pair, seq, op, path), direction))
+        if len(tags) == 2:    # both ways: [to, from] here is [from, to] there
+            out = back = _BOTH
+            words = [tag.word for tag, _ in tags]
+            tags = [(tags[0][0], 1), (tags[1][0], 0)]
+        else:
+            (tag, direction), = tags
             out, back = (_FORWARD, _BACK) if direction == "to" else (_BACK, _FORWARD)
-            works = guarded("point-to-point transfer", pair, lambda: [
-                dist.isend(mine, peer, tag=out), dist.irecv(theirs, peer, tag=back)])
-            pending.append((tag, peer, theirs, works, mine))
+            words, tags = [tag.word], [(tag, 0)]
+        mine, theirs = torch.tensor(words), torch.empty(len(words), dtype=torch.int64)
+        works = guarded("point-to-point transfer", tags[0][0].members, lambda: [
+            dist.isend(mine, peer, tag=out), dist.irecv(theirs, peer, tag=back)])
+        pending.append((tags, peer, theirs, works, mine))
     return PairTags(pending, rank)
 
 
@@ -219,12 +232,13 @@ class PairTags:
     def wait(self) -> None:
         """Wait for the words and raise ``DivergenceError`` where a peer's differs."""
         found = []
-        for tag, peer, theirs, works, _ in self._pending:
+        for tags, peer, theirs, works, _ in self._pending:
             for work in works:
-                guarded("point-to-point transfer", tag.members, work.wait)
-            word = int(theirs[0])
-            if word != tag.word:
-                found.append((tag, {self._rank: tag.word, peer: word}))
+                guarded("point-to-point transfer", tags[0][0].members, work.wait)
+            words = theirs.tolist()
+            for tag, i in tags:
+                if words[i] != tag.word:
+                    found.append((tag, {self._rank: tag.word, peer: words[i]}))
         self._pending = []
         if found:
             fp.diverged(found)
