@@ -293,8 +293,9 @@ class _Gathered(torch.autograd.Function):
     gradients go back to their shards' layouts together (``reduce_to_parts``: one
     exchange, or one reduce_scatter for the small ones, per unit instead of one per
     parameter), reduced in the policy's reduce dtype and stored in each shard's dtype.
-    The parameters of a unit are used by its one forward, so their gradients come
-    together: waiting for all of them holds nothing longer."""
+    A unit's gradients usually come from one backward node (a Linear's, a norm's), so
+    waiting for all of them holds nothing longer; a module that uses its parameters far
+    apart in its forward holds the first gradient until the last one comes."""
 
     @staticmethod
     def forward(ctx, policy: _Policy, layouts: tuple, *shards_and_locals):
