@@ -57,7 +57,7 @@ def gather_rows(part: torch.Tensor, group: tuple, shape: tuple, dtype: torch.dty
     send = part.to(dtype).contiguous()
     if comm.tracing():
         return _Ready(_gather_rows_traced(send, group, shape, parts))
-    if costs_for(part.device.type).backend == "nccl":
+    if not _by_messages(part.device):
         return _gather_padded(send, group, shape, parts)
     out = torch.empty(shape, dtype=dtype, device=part.device)
     pieces = [out.narrow(0, *p) for p in parts]
@@ -68,6 +68,12 @@ def gather_rows(part: torch.Tensor, group: tuple, shape: tuple, dtype: torch.dty
         wait()
         return out
     return finish
+
+
+def _by_messages(device: torch.device) -> bool:
+    """Whether gathers on ``device`` go point to point (gloo, not traced), else as one
+    all-gather (NCCL stages nothing; a traced graph holds only collectives)."""
+    return not comm.tracing() and costs_for(device.type).backend != "nccl"
 
 
 class _Batch:
@@ -204,7 +210,7 @@ class _Bucket:
             send[offset:offset + local.numel()].copy_(local)
             offset += size
         self.recv = torch.empty(len(group) * total, dtype=dtype, device=first.device)
-        if comm.tracing() or costs_for(first.device.type).backend == "nccl":
+        if not _by_messages(first.device):
             self.handle = comm.all_gather_async(self.recv, send, group, what="fully_shard gather")
         else:
             self.handle = types.SimpleNamespace(wait=batch.add(group, list(self.recv.view(
