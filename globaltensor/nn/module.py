@@ -11,6 +11,7 @@ tensors a forward builds (position ids, masks) count as broadcast.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterator, Union
 
 import torch
@@ -92,6 +93,21 @@ def forward_in_implicit_broadcast(module: torch.nn.Module) -> None:
     if _open_scope not in module._forward_pre_hooks.values():
         module.register_forward_pre_hook(_open_scope, prepend=True)
         module.register_forward_hook(_close_scope, always_call=True)
+
+
+def untraced(hook: Callable) -> Callable:
+    """``hook``, which torch.compile calls without tracing it (a graph break around an
+    eager call, as FSDP2's hooks); outside compile, a plain call (no context of dynamo's
+    entered and left at every call).
+
+    >>> module.register_forward_pre_hook(untraced(gather))   # doctest: +SKIP
+    """
+    @functools.wraps(hook)
+    def run(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(hook)(*args, **kwargs)
+        return hook(*args, **kwargs)
+    return run
 
 
 # (module, the implicit_broadcast context it entered or None) of every converted forward

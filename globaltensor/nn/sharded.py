@@ -47,7 +47,7 @@ from ..layout import Layout, balanced_split
 from ..placement import Placement, check_placement
 from ..sbp import Split, broadcast
 from ..tensor import GlobalTensor
-from .module import tensor_slots, to_global
+from .module import tensor_slots, to_global, untraced
 from .shard_comm import Fetch, concatenates, gather_rows, reduce_to_parts
 
 __all__ = ["fully_shard"]
@@ -103,16 +103,19 @@ def fully_shard(module: torch.nn.Module, placement: Placement,
     if host:     # the full-size tensors the parts replaced
         heap.release_free_heap()
     root = _Root(policy)
-    module.register_forward_pre_hook(root.before_forward, with_kwargs=True)
-    module.register_forward_hook(root.after_forward, always_call=True)
+    # Compiled, the hooks run eagerly (as FSDP2's): traced, each unit's gather recompiled
+    # for its parameters (12 units hit dynamo's recompile limit, steps at 2x eager's);
+    # skipped, the graph breaks at each hook and a unit's forward compiles once for all.
+    module.register_forward_pre_hook(untraced(root.before_forward), with_kwargs=True)
+    module.register_forward_hook(untraced(root.after_forward), always_call=True)
     for sub in _unique_modules(module):
         names = [n for n, p in sub._parameters.items() if p is not None]
         if names and not hasattr(sub, "_gt_shard_unit"):
             sub._gt_shard_unit = _Unit(sub, names, root)
             if type(sub) is torch.nn.Linear:
                 sub.forward = types.MethodType(_linear_forward, sub)
-            sub.register_forward_pre_hook(_before_forward, with_kwargs=True)
-            sub.register_forward_hook(_after_forward, always_call=True)   # early-stopped recompute
+            sub.register_forward_pre_hook(untraced(_before_forward), with_kwargs=True)
+            sub.register_forward_hook(untraced(_after_forward), always_call=True)   # early-stopped recompute
     return module
 
 

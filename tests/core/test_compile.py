@@ -516,8 +516,9 @@ def check_compiled_train_step_with_backward_equals_eager():
 
 
 def check_fully_shard_compiles_equal_to_eager():
-    # fully_shard's gathers traced: the biases in a bucket, the weights each alone (their
-    # parts padded to the largest and cut out again: rows uneven over the ranks)
+    # fully_shard's hooks run eagerly around the compiled forwards: the biases gathered in
+    # a bucket, the weights each alone (their parts padded to the largest and cut out
+    # again: rows uneven over the ranks)
     import torch
 
     import globaltensor as gt
@@ -546,6 +547,45 @@ def check_fully_shard_compiles_equal_to_eager():
         shard_comm.OWN_GATHER_BYTES = saved
 
 
+def check_fully_shard_of_many_units_compiles_each_forward_once():
+    # More units than dynamo's recompile limit (8): fully_shard's hooks are not traced.
+    # Traced, the gather was compiled again for every unit's parameters until dynamo
+    # gave up on it with a warning ("hit config.recompile_limit"), and the compiled steps
+    # ran at twice eager's time. Two steps, gradients summed, equal one process's.
+    import copy
+    import logging
+
+    import torch
+
+    import globaltensor as gt
+    n, P = gt.get_world_size(), gt.placement.all("cpu")
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(*(m for _ in range(10)
+                                      for m in (torch.nn.Linear(4, 4), torch.nn.Tanh())))
+    model = gt.nn.fully_shard(copy.deepcopy(reference), P)
+    x = torch.randn(2 * n, 4)
+    warned: list = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logger = logging.getLogger("torch._dynamo")
+    logger.addHandler(handler)
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager")
+        for _ in range(2):
+            loss = compiled(gt.tensor(x, placement=P, sbp=gt.sbp.split(0))).square().mean()
+            loss.backward()
+    finally:
+        logger.removeHandler(handler)
+        torch._dynamo.reset()
+    assert not [m for m in warned if "limit" in m], warned
+    want = reference(x).square().mean()
+    want.backward()
+    torch.testing.assert_close(loss.full(), want.detach())
+    for t, w in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(t.grad.full(), 2 * w.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_compiled_train_step_with_backward_in_one_process():
     check_compiled_train_step_with_backward_equals_eager()
 
@@ -563,7 +603,8 @@ CHECKS = ["check_data_parallel_mlp_graphs_hold_only_local_ops",
           "check_gpt_with_embeddings_compiles_whole",
           "check_data_dependent_ops_break_the_graph",
           "check_compiled_train_step_with_backward_equals_eager",
-          "check_fully_shard_compiles_equal_to_eager"]
+          "check_fully_shard_compiles_equal_to_eager",
+          "check_fully_shard_of_many_units_compiles_each_forward_once"]
 
 
 # torch.compile's caches are the process's: every check runs in a world of processes
