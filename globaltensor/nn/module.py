@@ -11,7 +11,6 @@ tensors a forward builds (position ids, masks) count as broadcast.
 """
 from __future__ import annotations
 
-import functools
 from typing import Callable, Iterator, Union
 
 import torch
@@ -96,18 +95,13 @@ def forward_in_implicit_broadcast(module: torch.nn.Module) -> None:
 
 
 def untraced(hook: Callable) -> Callable:
-    """``hook``, which torch.compile calls without tracing it (a graph break around an
-    eager call, as FSDP2's hooks); outside compile, a plain call (no context of dynamo's
-    entered and left at every call).
+    """``hook``, which torch.compile calls without tracing it: a graph break around an
+    eager call, as FSDP2's hooks (a wrapper that chose at each call would itself be
+    traced, and its rest compiled again for every hook it wraps).
 
     >>> module.register_forward_pre_hook(untraced(gather))   # doctest: +SKIP
     """
-    @functools.wraps(hook)
-    def run(*args, **kwargs):
-        if torch.compiler.is_compiling():
-            return torch.compiler.disable(hook)(*args, **kwargs)
-        return hook(*args, **kwargs)
-    return run
+    return torch.compiler.disable(hook)
 
 
 # (module, the implicit_broadcast context it entered or None) of every converted forward

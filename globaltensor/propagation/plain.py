@@ -50,7 +50,14 @@ def as_broadcast(t: torch.Tensor, leaves, func) -> GlobalTensor:
     if is_dtensor(t):
         raise dtensor_operand_error(func)
     placement = next(x._layout.placement for x in leaves if type(x) is GlobalTensor)
-    layout = _layouts.get((t.shape, placement))
+    try:
+        layout = _layouts.get((t.shape, placement))
+    except TypeError:   # a symbolic dim does not hash
+        raise TypeError(
+            f"{func}: an operand of shape {tuple(t.shape)} has a symbolic dim: torch.compile "
+            f"made it dynamic (dynamo's automatic dynamic shapes, after a recompile for "
+            f"another shape), and a layout holds static shapes; compile with "
+            f"torch.compile(..., dynamic=False)") from None
     if layout is None:   # (made per call it costs more than the op: positions, each step)
         if len(_layouts) >= 64:
             _layouts.clear()

@@ -586,6 +586,52 @@ def check_fully_shard_of_many_units_compiles_each_forward_once():
         torch.testing.assert_close(t.grad.full(), 2 * w.grad, rtol=1e-5, atol=1e-6)
 
 
+def check_fully_shard_embeddings_compile_with_static_shapes():
+    # Each unit's forward is a frame of its own: nn.Embedding's, called for the tokens
+    # and then for the positions, is compiled again with the positions' dim symbolic
+    # (dynamo's automatic dynamic shapes), which no layout holds: the error says to
+    # compile with dynamic=False, and with it the step equals eager.
+    import copy
+
+    import pytest
+    import torch
+
+    import globaltensor as gt
+    n, P = gt.get_world_size(), gt.placement.all("cpu")
+
+    class Embeddings(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.pos = torch.nn.Embedding(16, 4), torch.nn.Embedding(8, 4)
+
+        def forward(self, ids):
+            return self.tok(ids) + self.pos(torch.arange(ids.shape[1]))
+
+    torch.manual_seed(0)
+    reference = Embeddings()
+    ids = torch.randint(16, (2 * n, 6))
+    want = reference(ids).square().mean()
+    want.backward()
+    for dynamic in (None, False):
+        model = gt.nn.fully_shard(copy.deepcopy(reference), P)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager", dynamic=dynamic)
+        x = gt.tensor(ids, placement=P, sbp=gt.sbp.split(0))
+        try:
+            with gt.implicit_broadcast():
+                if dynamic is None:
+                    with pytest.raises(Exception, match=r"symbolic dim.*dynamic=False"):
+                        compiled(x)
+                    continue
+                loss = compiled(x).square().mean()
+            loss.backward()
+        finally:
+            torch._dynamo.reset()
+        torch.testing.assert_close(loss.full(), want.detach())
+        for t, w in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(t.grad.full(), w.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_compiled_train_step_with_backward_in_one_process():
     check_compiled_train_step_with_backward_equals_eager()
 
@@ -604,7 +650,8 @@ CHECKS = ["check_data_parallel_mlp_graphs_hold_only_local_ops",
           "check_data_dependent_ops_break_the_graph",
           "check_compiled_train_step_with_backward_equals_eager",
           "check_fully_shard_compiles_equal_to_eager",
-          "check_fully_shard_of_many_units_compiles_each_forward_once"]
+          "check_fully_shard_of_many_units_compiles_each_forward_once",
+          "check_fully_shard_embeddings_compile_with_static_shapes"]
 
 
 # torch.compile's caches are the process's: every check runs in a world of processes
