@@ -104,7 +104,7 @@ def fully_shard(module: torch.nn.Module, placement: Placement,
         heap.release_free_heap()
     root = _Root(policy)
     # Compiled, the hooks run eagerly (as FSDP2's): traced, each unit's gather recompiled
-    # for its parameters (12 units hit dynamo's recompile limit, steps at 2x eager's);
+    # for its parameters (12 units hit dynamo's recompile limit, 3x the compile time);
     # skipped, the graph breaks at each hook and a unit's forward compiles once for all.
     module.register_forward_pre_hook(untraced(root.before_forward), with_kwargs=True)
     module.register_forward_hook(untraced(root.after_forward), always_call=True)
