@@ -18,7 +18,8 @@ Columns (rank 0's, seconds):
   .seconds``, the boxing caches as the first steps left them), then again on rank 0
   alone with every boxing cache emptied (``cold``; the other ranks wait), wall time,
   and that cold planning's CPU time (``cold cpu``: what other work on the machine
-  inflates least);
+  inflates least); then once more as a step recorded again plans (an ``Autosave``
+  save, a model built again: ``again``, the choice remembered, ``planner/reuse.py``);
 - planned step: median wall time of the replayed steps after it.
 
 Every rank of an 8-rank world on a 2-core machine shares the cores, so wall times there
@@ -85,9 +86,9 @@ def main(argv=None) -> None:
     captured = []
     planner = step.plan_step
 
-    def capture(*a):
+    def capture(*a, **kw):
         captured.append(a)
-        return planner(*a)
+        return planner(*a, **kw)
     step.plan_step = capture
 
     def train_step():
@@ -116,7 +117,7 @@ def main(argv=None) -> None:
         replays.append(time.perf_counter() - t0)
     step.plan_step = planner
     dist.barrier()
-    cold = cold_cpu = float("nan")
+    cold = cold_cpu = remembered = float("nan")
     if rank == 0 and captured and planned is not None:
         record, sinks, pin_grads = captured[-1]
         boxing_plan.clear_caches()
@@ -124,19 +125,24 @@ def main(argv=None) -> None:
         t0, c0 = time.perf_counter(), time.process_time()
         if profiler:
             profiler.enable()
-        again = planner(record, sinks, pin_grads)
+        again = planner(record, sinks, pin_grads, reuse=False)
         if profiler:
             profiler.disable()
             profiler.dump_stats(f"{args.profile}.{args.mesh}.plan")
         cold, cold_cpu = time.perf_counter() - t0, time.process_time() - c0
         if [n.choice for n in again.nodes] != choices:
             print("warning: the cold planning chose differently", flush=True)
+        t0 = time.perf_counter()
+        again = planner(record, sinks, pin_grads)   # the step's remembered choice
+        remembered = time.perf_counter() - t0
+        if [n.choice for n in again.nodes] != choices:
+            print("warning: the remembered plan chose differently", flush=True)
     dist.barrier()
     if rank == 0:
         calls = len(planned.nodes) if planned is not None else 0
         seconds = planned.seconds if planned is not None else float("nan")
         print(f"{args.mesh:<6}{args.layers:>7}{calls:>7}{wall:>11.2f}{cpu:>10.2f}"
-              f"{seconds:>11.2f}{cold:>9.2f}{cold_cpu:>9.2f}"
+              f"{seconds:>11.2f}{cold:>9.2f}{cold_cpu:>9.2f}{remembered:>7.3f}"
               f"{statistics.median(replays) if replays else 0:>11.3f}", flush=True)
 
 
@@ -144,7 +150,7 @@ def _header(args) -> None:
     print(f"GPT, {args.layers} layers, batch {args.batch} x seq {args.seq}, width "
           f"{args.dim}, {args.heads} heads, vocab {args.vocab}; seconds (rank 0)")
     head = (f"{'mesh':<6}{'layers':>7}{'calls':>7}{'step1 wall':>11}{'step1 cpu':>10}"
-            f"{'planning':>11}{'cold':>9}{'cold cpu':>9}{'planned':>11}")
+            f"{'planning':>11}{'cold':>9}{'cold cpu':>9}{'again':>7}{'planned':>11}")
     print(head + "\n" + "-" * len(head), flush=True)
 
 

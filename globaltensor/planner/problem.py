@@ -24,6 +24,7 @@ from ..boxing.plan import forget_searches, route_cost, route_costs
 from ..cost import GLOO, costs_of, max_local_bytes, product_macs, returns_view, ring_seconds, writes_nothing
 from ..propagation.decide import Decision, Options, _reduced_scalars
 from ..sbp import Broadcast, Partial
+from . import reuse as remembered
 from . import solve
 
 _INFEASIBLE = 1e9
@@ -99,7 +100,8 @@ class StepPlan:
 
 
 
-def plan_step(record: list, sinks: tuple = (), pin_grads: tuple = ()) -> StepPlan:
+def plan_step(record: list, sinks: tuple = (), pin_grads: tuple = (),
+              reuse: bool = True) -> StepPlan:
     """The cheapest signatures for the recorded calls (``solve.py``), as a plan.
     ``sinks``: (call, output index, layout, itemsize, kind) per output of a call boxed
     into that layout outside any call: "gradient", for a leaf of that layout (boxed
@@ -109,7 +111,8 @@ def plan_step(record: list, sinks: tuple = (), pin_grads: tuple = ()) -> StepPla
     (call, output index) or None, layout, itemsize, the ``to_global``'s target) per
     ``to_global`` backward: the gradient (made by that call, else of that layout)
     boxed into the layout of the ``to_global``'s input, partial axes broadcast
-    (``pins.py``)."""
+    (``pins.py``). ``reuse``: a step planned before in this process takes the choice
+    it got then (``reuse.py``; its plan keeps no problem for ``explain_step``)."""
     # Planning allocates hundreds of thousands of small lists (the cost tables), which
     # set off full collections of the program's whole heap: a 12-layer GPT step plans
     # in 0.66-0.70 s with the collector paused, in 0.71-1.00 s with it running. What
@@ -117,14 +120,22 @@ def plan_step(record: list, sinks: tuple = (), pin_grads: tuple = ()) -> StepPla
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _plan(record, sinks, pin_grads)
+        return _plan(record, sinks, pin_grads, reuse)
     finally:
         forget_searches()   # tens of MiB on a 2-D placement, needed again only to plan
         if enabled:
             gc.enable()
 
 
-def _plan(record: list, sinks: tuple, pin_grads: tuple) -> StepPlan:
+def _plan(record: list, sinks: tuple, pin_grads: tuple, reuse: bool) -> StepPlan:
+    key = remembered.key_of(record, sinks, pin_grads) if reuse else None
+    found = remembered.recall(key) if key is not None else None
+    if found is not None:
+        choice, per_op_cost, planned_cost = found
+        for node, k in zip(record, choice):
+            node.choice = k
+        _expect(record)
+        return StepPlan(record, per_op_cost, planned_cost, 0.0)
     problem, compute, bucketed, launch = _problem(record, sinks, pin_grads)
     start = [n.opts.greedy if n.opts is not None else 0 for n in record]
     # Communication alone (compute free) gives a second start: the layouts that move
@@ -146,7 +157,10 @@ def _plan(record: list, sinks: tuple, pin_grads: tuple) -> StepPlan:
     for node, k in zip(record, choice):
         node.choice = k
     _expect(record)
-    return StepPlan(record, total(start), total(choice), 0.0, problem)
+    plan = StepPlan(record, total(start), total(choice), 0.0, problem)
+    if key is not None:
+        remembered.remember(key, choice, plan.per_op_cost, plan.planned_cost)
+    return plan
 
 
 def _with_bucket_launch(problem: solve.Problem, bucketed: dict, launch: float):

@@ -191,7 +191,8 @@ def restart() -> None:
     """Plan from here as a run resumed here plans: forget every plan and recording and
     record the next step at its first occurrence (``Autosave`` calls it at each save
     and restore, so that a resumed run replays what the uninterrupted one replays and
-    ends with the same bits; each save costs one step op by op and its planning)."""
+    ends with the same bits; each save costs one step op by op, and its planning
+    takes the choice remembered for that step, ``reuse.py``)."""
     clear()
     state.restarted = True
 
@@ -218,7 +219,8 @@ def finish_recording() -> "StepPlan | None":
         return None
     started = time.perf_counter()
     try:
-        plan = plan_step(record, sinks, pin_grads)
+        # explain_step (``hold``) reports the problem's costs: it solves anew
+        plan = plan_step(record, sinks, pin_grads, reuse=not state.hold)
     except Exception as e:  # noqa: BLE001  (every rank fails alike: SPMD records agree)
         log.warning("globaltensor: a step could not be planned (%s: %s); it runs op by "
                     "op", type(e).__name__, e)

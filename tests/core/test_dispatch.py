@@ -55,7 +55,9 @@ def check_cache_and_layouts_bounded_over_many_shapes():
         from globaltensor import cost
         from globaltensor.boxing import plan
         from globaltensor.planner import record as step
-        step.clear()   # whole-step plans hold layouts too (at most step.MAX_PLANS)
+        from globaltensor.planner import reuse
+        step.clear()   # whole-step plans hold layouts too (at most step.MAX_PLANS),
+        reuse.forget()   # as do the steps remembered (at most reuse.MAX_REMEMBERED)
         plan.clear_caches()
         cost._max_local_numel.cache_clear()
         gc.collect()

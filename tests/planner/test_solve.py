@@ -158,7 +158,7 @@ def test_planning_pauses_the_garbage_collector_and_restores_it(monkeypatch):
     from globaltensor.planner import problem as step_plan
     seen = []
 
-    def plan(record, sinks, pin_grads):
+    def plan(record, sinks, pin_grads, reuse):
         seen.append(gc.isenabled())
         if record == "fail":
             raise ValueError("no plan")
