@@ -8,15 +8,16 @@ nothing of that changed: at every save and restore of ``Autosave`` (``record.res
 plans anew so that a resumed run replays what the uninterrupted one replays), for a
 model built again in one process, and by every rank of a simulated world, which share
 this process. Each then takes the remembered choice (the same choice, so the same
-bits) instead of solving again: a 12-layer GPT on a 2 x 4 placement plans in 1.3-2.3 s
-on a 2-core machine.
+bits) instead of solving again: a 12-layer GPT on a 2 x 4 placement takes 0.1 s so,
+1.3-2.3 s solved, on a 2-core machine (``benchmarks/planning.py``).
 
 >>> key = key_of(record, sinks, pin_grads)        # doctest: +SKIP
->>> recall(key) is None                            # first time: solve, then remember
+>>> recall(key) is None    # the first time: solve, then remember  # doctest: +SKIP
 True
 """
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 from ..boxing.steps.registry import ALL_STEPS
@@ -27,6 +28,7 @@ MAX_REMEMBERED = 8   # steps (each holds its calls' keys and signatures)
 # (what identifies a step cheaply) -> (its calls' signatures, which must be equal too;
 # the choice per call, the per-op cost, the planned cost)
 _remembered: OrderedDict = OrderedDict()
+_lock = threading.Lock()   # (threads of one program may plan at once)
 
 
 def key_of(record: list, sinks, pin_grads) -> tuple:
@@ -47,29 +49,32 @@ def key_of(record: list, sinks, pin_grads) -> tuple:
 
 def recall(key: tuple) -> "tuple | None":
     """(choice, per-op cost, planned cost) remembered for ``key`` (``key_of``), or None."""
-    try:
-        found = _remembered.get(key[0])
-    except TypeError:   # an argument of a call that cannot be hashed: not remembered
-        return None
-    if found is None or found[0] != key[1]:
-        return None
-    _remembered.move_to_end(key[0])
-    return found[1:]
+    with _lock:
+        try:
+            found = _remembered.get(key[0])
+        except TypeError:   # an argument of a call that cannot be hashed: not remembered
+            return None
+        if found is None or found[0] != key[1]:
+            return None
+        _remembered.move_to_end(key[0])
+        return found[1:]
 
 
 def remember(key: tuple, choice: list, per_op_cost: float, planned_cost: float) -> None:
     """Keep the plan of ``key``: at most ``MAX_REMEMBERED`` steps, the oldest used
     forgotten first."""
-    try:
-        _remembered[key[0]] = (key[1], list(choice), per_op_cost, planned_cost)
-    except TypeError:
-        return
-    _remembered.move_to_end(key[0])
-    while len(_remembered) > MAX_REMEMBERED:
-        _remembered.popitem(last=False)
+    with _lock:
+        try:
+            _remembered[key[0]] = (key[1], list(choice), per_op_cost, planned_cost)
+        except TypeError:
+            return
+        _remembered.move_to_end(key[0])
+        while len(_remembered) > MAX_REMEMBERED:
+            _remembered.popitem(last=False)
 
 
 def forget() -> None:
     """Forget every remembered plan (they hold layouts: a test counting those still
     held; a cost model changed by hand)."""
-    _remembered.clear()
+    with _lock:
+        _remembered.clear()
