@@ -11,7 +11,8 @@ generator and its environment variables (the launcher's and globaltensor's, ``_E
 So a program runs through the same dispatch, boxing, autograd, gradient sync and
 checkpoint code as in a world of processes, the same way every time, and a debugger
 steps through any rank in one Python process.
-Caches that do not depend on the rank (boxing plans, layouts, rules) are shared.
+Caches that do not depend on the rank (boxing plans, layouts, rules, each decision's
+choice of layouts, the planner's solved steps) are shared.
 
 Limits (what needs real processes): the launcher, faults and restarts, gloo and NCCL
 themselves, timeouts inside a collective (a rank that never comes ends the world after
@@ -42,6 +43,7 @@ import torch
 
 from . import comm, env, modes
 from .comm import simulated as sim
+from .propagation import cache as decisions
 
 # What globaltensor keeps per rank: module -> {name: fresh value (made from the module)}.
 PER_RANK: dict[str, dict[str, Callable]] = {
@@ -91,41 +93,58 @@ def _modules() -> dict:
     return found
 
 
+# os.environ.get of an unset variable raises and catches a KeyError: reading the rank's
+# variables that way took half of each turn's hand-over. CPython keeps the encoded table.
+_ENCODED = tuple((k, os.environ.encodekey(k)) for k in _ENV) if hasattr(os.environ, "_data") \
+    else ()
+
+
+def _environ() -> dict:
+    """The variables of ``_ENV`` as they are now (None: unset)."""
+    if not _ENCODED:
+        return {k: os.environ.get(k) for k in _ENV}
+    data, decode = os.environ._data, os.environ.decodevalue
+    return {k: None if (v := data.get(e)) is None else decode(v) for k, e in _ENCODED}
+
+
 class _Ranks:
     """Each rank's saved state (and the caller's, as rank -1), swapped at every turn."""
 
     def __init__(self, n: int):
         self.mods = _modules()
+        self.attrs = [(self.mods[name], attr) for name, attrs in PER_RANK.items()
+                      if name in self.mods for attr in attrs]
         self.saved: dict[int, tuple] = {-1: self._current()}
         rng, inherited = torch.get_rng_state(), self.saved[-1][2]
         for rank in range(n):   # every rank starts as a process would: fresh state, the
-            fresh = {(name, attr): make(self.mods[name])   # caller's environment
-                     for name, attrs in PER_RANK.items()
-                     if name in self.mods for attr, make in attrs.items()}
-            self.saved[rank] = (fresh, rng.clone(), {
+            fresh = [PER_RANK[m.__name__][attr](m) for m, attr in self.attrs]   # caller's
+            self.saved[rank] = (fresh, rng.clone(), {                         # environment
                 **inherited, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
                 "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n)})
 
     def _current(self) -> tuple:
-        values = {(name, attr): getattr(self.mods[name], attr) for name, attrs in PER_RANK.items()
-                  if name in self.mods for attr in attrs}
-        return values, torch.get_rng_state(), {k: os.environ.get(k) for k in _ENV}
+        return [getattr(m, attr) for m, attr in self.attrs], torch.get_rng_state(), _environ()
 
     def swap_out(self, rank: int) -> None:
         self.saved[rank] = self._current()
 
     def swap_in(self, rank: int) -> None:
         values, rng, environ = self.saved[rank]
-        for (name, attr), value in values.items():
-            setattr(self.mods[name], attr, value)
+        for (module, attr), value in zip(self.attrs, values):
+            setattr(module, attr, value)
         torch.set_rng_state(rng)
+        now = _environ()
         for key, value in environ.items():
-            if os.environ.get(key) == value:   # (a change of os.environ costs a putenv)
+            if now[key] == value:   # (a change of os.environ costs a putenv)
                 continue
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+    def value(self, rank: int, module: str, attr: str):
+        """The saved value of ``module.attr`` for ``rank``."""
+        return self.saved[rank][0][self.attrs.index((self.mods[module], attr))]
 
 
 _NOTE = "(rank {rank} of a simulated world of {n})"   # on the error that ended a world
@@ -153,6 +172,7 @@ def simulated_world(n: int, timeout: float | None = None) -> Callable:
         ranks.swap_out(-1)     # the caller's state (and variables) come back at the end
         threads_before = torch.get_num_threads()
         torch.set_num_threads(1)   # one rank runs at a time: its ops need no pool
+        decisions.share_choices(True)
         try:
             with sim.world(turns):
                 threads = [threading.Thread(target=_rank_main, name=f"simulated rank {r}",
@@ -165,6 +185,7 @@ def simulated_world(n: int, timeout: float | None = None) -> Callable:
         finally:
             ranks.swap_in(-1)
             torch.set_num_threads(threads_before)
+            decisions.share_choices(False)
         if not errors and turns.stopped is not None:   # past the timeout
             raise turns.stopped
         if errors:
@@ -220,8 +241,7 @@ def _join(threads: list, turns, ranks: _Ranks, limit: float) -> None:
         turns.put_away()   # the state in place is saved as its rank's, to be read here
         doing = []
         for rank in range(len(threads)):
-            values = ranks.saved[rank][0]
-            work = values.get(("globaltensor.comm.guard", "_doing")) or []
+            work = ranks.value(rank, "globaltensor.comm.guard", "_doing") or []
             doing.append(f"rank {rank}: {' <- '.join(map(str, reversed(work))) or 'its own code'}")
         turns.stop(TimeoutError(f"a simulated world of {len(threads)} ranks ran past "
                                 f"{limit:g} s; " + "; ".join(doing)))

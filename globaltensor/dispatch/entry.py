@@ -27,7 +27,8 @@ from ..planner import pins, record, traced  # noqa: F401  (pins: watches to_glob
 from ..propagation import plain
 from ..propagation.cache import cached_decision, direct_call
 from ..propagation.call import flatten_args, unflatten_args
-from ..propagation.decide import Decision, options
+from ..propagation.decide import Decision
+from ..propagation.options import options
 from ..rules.attention_scores import AttentionScores
 from ..rules.registry import lookup_decomposition
 from ..tensor import GlobalTensor, install_dispatcher, wrap_as, wrap_part

@@ -22,7 +22,8 @@ import numpy as np
 
 from ..boxing.plan import forget_searches, route_cost, route_costs
 from ..cost import GLOO, costs_of, max_local_bytes, product_macs, returns_view, ring_seconds, writes_nothing
-from ..propagation.decide import Decision, Options, _reduced_scalars
+from ..propagation.decide import Decision, _reduced_scalars
+from ..propagation.options import Options
 from ..sbp import Broadcast, Partial
 from . import reuse as remembered
 from . import solve

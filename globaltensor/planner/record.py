@@ -3,7 +3,7 @@
 An SPMD training program repeats one step. The fifth time a step runs (``RECORD_AT``:
 the first steps may differ, optimizer state is made lazily, and planning pays off over
 a run, not a few steps), every call is decided op by op (``decide.py``) and recorded: every signature its rule allows
-(``decide.options``) and which earlier call of the step made each operand (outputs
+(``options.options``) and which earlier call of the step made each operand (outputs
 carry ``_origin``). At the next step boundary the record becomes a min-sum problem
 (``problem.py``, ``solve.py``: options priced by the boxing between them, with the
 alpha-beta model of ``cost.py``; tensors made before the step, parameters among them, keep their
@@ -37,7 +37,8 @@ from torch.utils._pytree import tree_flatten
 from .. import env, explicit_mode, gradsync, modes, retrace
 from ..cost import PARAMETER_WEIGHT
 from ..propagation.cache import cached_decision, call_key, key_of_call
-from ..propagation.decide import Decision, options
+from ..propagation.decide import Decision
+from ..propagation.options import options
 from ..sbp import StridedSplit
 from ..tensor import GlobalTensor
 from .problem import Node, StepPlan, plan_step

@@ -112,6 +112,32 @@ def direct_call(func, args: tuple, kwargs: dict, watch):
 _PLAIN = torch.Tensor
 
 
+# The ranks of a simulated world share this process, and each decides every call of the
+# program anew (a decision is the rank's own: its shortcuts, its local context). What
+# does not depend on the rank (the meta run and the chosen layouts: ``Decision.choice``)
+# is decided by the first rank and taken by the others, keyed by the call and its
+# floats' values: a third of such a world's time went to deciding. None elsewhere.
+_shared: "dict | None" = None
+
+
+def share_choices(on: bool) -> None:
+    """Let the ranks of this process share their decisions' choices (a simulated world,
+    while it runs), or stop."""
+    global _shared
+    _shared = {} if on else None
+
+
+def _decided(func, leaves: list, spec, key) -> Decision:
+    if _shared is None:
+        return decide(func, leaves, spec)
+    shared_key = (key, tuple(x for x in leaves if x.__class__ is float))
+    choice = _shared.get(shared_key)
+    decision = decide(func, leaves, spec, choice)
+    if choice is None:
+        _remember(_shared, shared_key, decision.choice)
+    return decision
+
+
 def cached_decision(func, leaves: list, spec) -> Decision:
     """The cached decision for this call, deciding (and caching) it when new."""
     try:
@@ -121,7 +147,7 @@ def cached_decision(func, leaves: list, spec) -> Decision:
     except TypeError:
         return decide(func, leaves, spec)
     if decision is None:
-        decision = decide(func, leaves, spec)
+        decision = _decided(func, leaves, spec, key)
         if decision.by_value:
             _remember(_cache, key, _BY_VALUE)
             _remember(_by_value, (key, tuple(x for x in leaves if x.__class__ is float)),
@@ -132,6 +158,6 @@ def cached_decision(func, leaves: list, spec) -> Decision:
         by_value = (key, tuple(x for x in leaves if x.__class__ is float))
         decision = _by_value.get(by_value)
         if decision is None:
-            decision = decide(func, leaves, spec)
+            decision = _decided(func, leaves, spec, key)
             _remember(_by_value, by_value, decision)
     return decision

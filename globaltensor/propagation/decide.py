@@ -13,7 +13,6 @@ Decision(targets=(...), out_layouts=(...), ...)
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -65,6 +64,8 @@ class Decision:
     multi: object = None      # tuple or list: a direct decision's outputs are several
     view: bool = False        # the op returns views of an input (``dispatch``: under
                               # inference_mode their wrappers are made outside it)
+    choice: tuple = None      # what every rank decides alike (``_choose``): the other
+                              # ranks of a simulated world take it (``cache.py``)
 
 
 @dataclass(frozen=True)
@@ -80,38 +81,58 @@ class _MetaRun:
 _warned: set = set()  # ops warned of as falling back
 
 
-def decide(func, leaves: list, spec) -> Decision:
-    """How to run ``func`` on these operands' layouts. Its meta run stays on real meta
-    tensors while torch.compile traces (the decision depends on metadata only, and is
-    cached for eager calls too)."""
+def decide(func, leaves: list, spec, choice: "tuple | None" = None) -> Decision:
+    """How to run ``func`` on these operands' layouts; ``choice``: the ``Decision.choice``
+    of this call decided on another rank of this process (a simulated world). Its meta
+    run stays on real meta tensors while torch.compile traces (the decision depends on
+    metadata only, and is cached for eager calls too)."""
     if not comm.tracing():
-        return _decide(func, leaves, spec)
+        return _decide(func, leaves, spec, choice)
     with _disable_current_modes():
-        return _decide(func, leaves, spec)
+        return _decide(func, leaves, spec, choice)
 
 
-def _decide(func, leaves: list, spec) -> Decision:
+def _decide(func, leaves: list, spec, choice: "tuple | None") -> Decision:
     gidx = tuple(i for i, x in enumerate(leaves) if isinstance(x, GlobalTensor))
+    if choice is None:
+        choice = _choose(func, leaves, spec, gidx)
+    meta, targets, out_layouts, fallback = choice
+    inplace = _writes_first_arg(func)
+    if targets is None:   # in place, without a signature
+        return Decision(targets=(), out_layouts=(), out_dtypes=(), out_spec=meta.out_spec,
+                        inplace=True, fallback=True, gidx=gidx, choice=choice)
+    call = _call_of(func, leaves, spec, gidx, meta)
+    return _finish(call, meta, lookup(func)[1], gidx, targets, list(out_layouts), inplace,
+                   fallback, choice=choice)
+
+
+def _choose(func, leaves: list, spec, gidx: tuple) -> tuple:
+    """(meta run, input targets, output layouts, fallback): the part of a decision that
+    does not depend on the rank (every rank of an SPMD program chooses alike); targets
+    None for an in-place op without a signature."""
     placement = _check_inputs(func, leaves, gidx)
     meta = _meta_run(func, leaves, spec)
     inplace = _writes_first_arg(func)
-    call = Call(func, [leaves[i] for i in gidx], [tuple(leaves[i].shape) for i in gidx],
-                [tuple(meta.out_leaves[i].shape) for i in meta.out_tensors], leaves, spec,
-                placement.shape)
     rule, local = lookup(func)
-    best = None if rule is None else _cheapest(call, rule, meta, gidx, inplace,
-                                               strided_ok=local is None)
+    best = None if rule is None else _cheapest(_call_of(func, leaves, spec, gidx, meta), rule,
+                                               meta, gidx, inplace, strided_ok=local is None)
     fallback = best is None
     if fallback:
         if inplace:
-            return Decision(targets=(), out_layouts=(), out_dtypes=(), out_spec=meta.out_spec,
-                            inplace=True, fallback=True, gidx=gidx)
+            return meta, None, None, True
         best = _fallback(func, leaves, gidx, placement, len(meta.out_tensors))
     targets, outs = best
     out_layouts = [None] * len(meta.out_leaves)
     for i, s in zip(meta.out_tensors, outs):
         out_layouts[i] = Layout.make(meta.out_leaves[i].shape, placement, s)
-    return _finish(call, meta, local, gidx, targets, out_layouts, inplace, fallback)
+    return meta, targets, tuple(out_layouts), fallback
+
+
+def _call_of(func, leaves: list, spec, gidx: tuple, meta: "_MetaRun",
+             strided_blocks: tuple = ()) -> Call:
+    return Call(func, [leaves[i] for i in gidx], [tuple(leaves[i].shape) for i in gidx],
+                [tuple(meta.out_leaves[i].shape) for i in meta.out_tensors], leaves, spec,
+                leaves[gidx[0]].placement.shape, strided_blocks)
 
 
 def _check_inputs(func, leaves: list, gidx: tuple) -> Placement:
@@ -199,64 +220,6 @@ def _signatures(call: Call, rule, meta: _MetaRun, gidx: tuple, inplace: bool,
         if check is not None and not check(call, targets, made):
             continue
         yield targets, outs
-
-
-@dataclass(frozen=True)
-class Options:
-    """Every valid signature of one call, for a planner that chooses among them with
-    the whole step in view (``planner/record.py``); ``greedy`` is the one ``decide``
-    takes looking at this call alone."""
-    call: Call
-    meta: _MetaRun
-    local: object
-    gidx: tuple
-    inplace: bool
-    signatures: tuple         # (input layouts, output layouts per output leaf)
-    greedy: int
-
-    def decision(self, k: int, in_layouts: tuple) -> Decision:
-        """The decision running signature ``k`` on inputs of ``in_layouts``."""
-        targets, outs = self.signatures[k]
-        return _finish(self.call, self.meta, self.local, self.gidx, targets, list(outs),
-                       self.inplace, False, in_layouts)
-
-
-def options(func, leaves: list, spec, greedy: Decision,
-            strided_blocks: tuple = ()) -> "Options | None":
-    """Every signature the call's rule allows on these operands (None when it has no
-    rule or none fits: the per-op fallback is the only way then); ``strided_blocks``:
-    strided splits of these block counts are offered too (``Call.strided_blocks``)."""
-    if greedy.fallback:
-        return None
-    gidx = greedy.gidx
-    with _disable_current_modes() if comm.tracing() else contextlib.nullcontext():
-        meta = _meta_run(func, leaves, spec)
-    placement = leaves[gidx[0]].placement
-    call = Call(func, [leaves[i] for i in gidx], [tuple(leaves[i].shape) for i in gidx],
-                [tuple(meta.out_leaves[i].shape) for i in meta.out_tensors], leaves, spec,
-                placement.shape, tuple(strided_blocks))
-    rule, local = lookup(func)
-    found = []
-    for targets, outs in _signatures(call, rule, meta, gidx, greedy.inplace, local is None):
-        layouts = [None] * len(meta.out_leaves)
-        for i, s in zip(meta.out_tensors, outs):
-            layouts[i] = Layout.make(meta.out_leaves[i].shape, placement, s)
-        found.append((targets, tuple(layouts)))
-    chosen = [k for k, (t, _) in enumerate(found) if t == greedy.targets
-              and _same_outs(found[k][1], greedy)]
-    if not chosen:
-        return None
-    # Kept past this call: meta tensors only, not the operands.
-    call = dataclasses.replace(call, inputs=[meta.leaves[i] for i in gidx], leaves=meta.leaves)
-    return Options(call, meta, local, gidx, greedy.inplace, tuple(found), chosen[0])
-
-
-def _same_outs(layouts: tuple, decision: Decision) -> bool:
-    """Whether a signature's output layouts are the decision's (a 0-d output the
-    decision reduces at once is compared in the partial layout it is computed in)."""
-    reduced = decision.reduced or (None,) * len(layouts)
-    return all(l == (o if r is None else r)
-               for l, o, r in zip(layouts, decision.out_layouts, reduced))
 
 
 def _combinations(call: Call, rule, n_in: int, n_out: int, strided_ok: bool = False):
@@ -361,7 +324,7 @@ def _fallback(func, leaves: list, gidx: tuple, placement: Placement, n_out: int)
 
 def _finish(call: Call, meta: _MetaRun, local, gidx: tuple, targets: tuple,
             out_layouts: list, inplace: bool, fallback: bool,
-            in_layouts: "tuple | None" = None) -> Decision:
+            in_layouts: "tuple | None" = None, choice: "tuple | None" = None) -> Decision:
     """The decision for the chosen layouts, with the shortcuts of its run step.
     ``in_layouts``: the inputs' layouts when they are not the call's (a planned step)."""
     func, leaves = call.func, call.leaves
@@ -402,7 +365,7 @@ def _finish(call: Call, meta: _MetaRun, local, gidx: tuple, targets: tuple,
         out_consts=_out_consts(meta.out_leaves),
         by_value=any(v.__class__ is float for v in leaves) and (  # floats to key by
             local is not None or any(v.__class__ is float for v in call._named.values())),
-        reduced=reduced)
+        reduced=reduced, choice=choice)
 
 
 def _empty_shortcut(out_leaves: list, targets: tuple, out_layouts: list, rank: int) -> bool:

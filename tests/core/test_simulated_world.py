@@ -59,6 +59,28 @@ def test_training_equals_one_process_also_for_a_rank_outside():
     assert out[2][0] == pytest.approx(loss.item())          # but reads the broadcast loss
 
 
+def test_ranks_take_the_first_ranks_choice_of_each_calls_layouts(monkeypatch):
+    # Every rank decides each call (its decision is its own), but what does not depend
+    # on the rank (the meta run and the chosen layouts) is chosen once for all ranks,
+    # and the values are those of ranks choosing alone.
+    from globaltensor.propagation import cache, decide
+    chosen, decided = [], []
+    real_choose, real_decided = decide._choose, cache._decided
+    monkeypatch.setattr(decide, "_choose", lambda *a: chosen.append(a[0]) or real_choose(*a))
+    monkeypatch.setattr(cache, "_decided", lambda *a: decided.append(a[0]) or real_decided(*a))
+    shared = simulated_world(3)(_train, 2)
+    assert chosen and len(decided) == 3 * len(chosen) and cache._shared is None
+    monkeypatch.setattr(cache, "share_choices", lambda on: None)   # each rank chooses
+    chosen.clear(), decided.clear()
+    alone = simulated_world(3)(_train, 2)
+    assert len(chosen) == len(decided)
+    for a, b in zip(shared, alone):
+        assert a[0] == b[0]
+        for x, y in zip(a[1:], b[1:]):
+            assert torch.equal(x.to_local() if isinstance(x, gt.GlobalTensor) else x,
+                               y.to_local() if isinstance(y, gt.GlobalTensor) else y)
+
+
 def _raises_on_one(rank_that_fails: int):
     p = gt.placement("cpu", ranks=[0, 1])
     x = gt.ones(4, 2, placement=p, sbp=gt.sbp.split(0))
