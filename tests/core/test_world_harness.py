@@ -32,6 +32,16 @@ def check_ranks_see_each_other():
         f.write(f"{gt.get_rank()} {os.getpid()}\n")
 
 
+def check_a_worlds_processes_start_with_imports_done_and_their_own_settings():
+    # The fork server imported what a first op imports (``testing._PRELOAD``), and the
+    # settings globaltensor read at import there come from this world's environment.
+    import sys
+
+    from globaltensor.comm import fingerprint
+    assert "torch._dynamo" in sys.modules and "torch.distributed.tensor" in sys.modules
+    assert os.environ["GLOBALTENSOR_FINGERPRINTS"] == "0" and fingerprint.ON is False
+
+
 def check_rank_two_fails():
     import globaltensor as gt
     assert gt.get_rank() != 2, "rank two fails"
@@ -41,8 +51,11 @@ def check_rank_two_fails():
 @pytest.mark.timeout(120)
 def test_a_simulated_world_runs_every_rank_in_one_process_and_names_a_failing_rank(tmp_path):
     seen = tmp_path / "seen"
-    world = World(3, __name__, ["check_ranks_see_each_other", "check_rank_two_fails"],
-                  timeout=60, lazy=True, simulated=True, env={"SEEN": str(seen)})
+    world = World(3, __name__, [
+        "check_a_worlds_processes_start_with_imports_done_and_their_own_settings",
+        "check_ranks_see_each_other", "check_rank_two_fails"], timeout=60, lazy=True,
+        simulated=True, env={"SEEN": str(seen), "GLOBALTENSOR_FINGERPRINTS": "0"})
+    world.check("check_a_worlds_processes_start_with_imports_done_and_their_own_settings")
     world.check("check_ranks_see_each_other")
     ranks, pids = zip(*(line.split() for line in seen.read_text().splitlines()))
     assert sorted(ranks) == ["0", "1", "2"] and len(set(pids)) == 1 and pids[0] != str(os.getpid())
