@@ -1,6 +1,7 @@
 """Workers forked from a copy of the launcher: a worker starts in milliseconds instead of
 the 1.5-2 s a fresh interpreter spends importing torch (the launcher imported torch and
-globaltensor already; ``--start_method spawn`` starts fresh interpreters instead).
+globaltensor already, and the server imports what a worker's first op would: dynamo and
+DTensor; ``--start_method spawn`` starts fresh interpreters instead).
 
 The launcher forks this server once, before it starts any thread (forking a process
 with threads copies locks that no thread will release). The server stays
@@ -224,6 +225,7 @@ def _serve_until_closed(sock: socket.socket, launcher: int) -> tuple[dict, list[
     # itself (gracefully), so the server must outlive the signal.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _import_what_a_first_op_imports()
     children: dict[int, int] = {}  # pidfd -> pid
     while True:
         ready = select.select([sock, *children], [], [])[0]
@@ -256,6 +258,21 @@ def _serve_until_closed(sock: socket.socket, launcher: int) -> tuple[dict, list[
                 os.close(child_fd)
             children[os.pidfd_open(pid)] = pid
             sock.send(f"started {pid} 0".encode())
+
+
+def _import_what_a_first_op_imports() -> None:
+    """Import once here what every worker's first global op imports (a meta kernel
+    written in Python imports dynamo; the first op of a tensor subclass, DTensor): 1.8 s
+    of CPU per worker otherwise, while the launcher forms its group. They start no
+    thread and read the launcher's environment, as torch itself did."""
+    if "torch" not in sys.modules:
+        return
+    import importlib
+    for name in ("torch._dynamo", "torch.distributed.tensor"):
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001  (the worker imports it itself, or fails there)
+            return
 
 
 def _run_worker(request: dict, fds: list[int]) -> int:

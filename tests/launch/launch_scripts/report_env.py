@@ -6,7 +6,8 @@ import socket
 import struct
 import sys
 
-PRELOADED = "torch" in sys.modules  # the launcher's fork server imported it already
+# The launcher's fork server imported torch already, and what a first op imports
+PRELOADED = all(m in sys.modules for m in ("torch", "torch._dynamo", "torch.distributed.tensor"))
 
 import atexit  # noqa: E402
 import concurrent.futures  # noqa: E402
