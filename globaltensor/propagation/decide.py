@@ -64,8 +64,8 @@ class Decision:
     multi: object = None      # tuple or list: a direct decision's outputs are several
     view: bool = False        # the op returns views of an input (``dispatch``: under
                               # inference_mode their wrappers are made outside it)
-    choice: tuple = None      # what every rank decides alike (``_choose``): the other
-                              # ranks of a simulated world take it (``cache.py``)
+    choice: tuple = dataclasses.field(  # what every rank decides alike (``_choose``):
+        default=None, compare=False, repr=False)   # a simulated world's others take it
 
 
 @dataclass(frozen=True)
