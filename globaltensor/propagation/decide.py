@@ -96,36 +96,38 @@ def _decide(func, leaves: list, spec, choice: "tuple | None") -> Decision:
     gidx = tuple(i for i, x in enumerate(leaves) if isinstance(x, GlobalTensor))
     if choice is None:
         choice = _choose(func, leaves, spec, gidx)
-    meta, targets, out_layouts, fallback = choice
+    meta, targets, out_layouts, fallback, read_floats = choice
     inplace = _writes_first_arg(func)
     if targets is None:   # in place, without a signature
         return Decision(targets=(), out_layouts=(), out_dtypes=(), out_spec=meta.out_spec,
                         inplace=True, fallback=True, gidx=gidx, choice=choice)
     call = _call_of(func, leaves, spec, gidx, meta)
     return _finish(call, meta, lookup(func)[1], gidx, targets, list(out_layouts), inplace,
-                   fallback, choice=choice)
+                   fallback, choice=choice, read_floats=read_floats)
 
 
 def _choose(func, leaves: list, spec, gidx: tuple) -> tuple:
-    """(meta run, input targets, output layouts, fallback): the part of a decision that
-    does not depend on the rank (every rank of an SPMD program chooses alike); targets
-    None for an in-place op without a signature."""
+    """(meta run, input targets, output layouts, fallback, whether the rule read a float
+    argument): the part of a decision that does not depend on the rank (every rank of an
+    SPMD program chooses alike); targets None for an in-place op without a signature."""
     placement = _check_inputs(func, leaves, gidx)
     meta = _meta_run(func, leaves, spec)
     inplace = _writes_first_arg(func)
     rule, local = lookup(func)
-    best = None if rule is None else _cheapest(_call_of(func, leaves, spec, gidx, meta), rule,
-                                               meta, gidx, inplace, strided_ok=local is None)
+    call = _call_of(func, leaves, spec, gidx, meta)
+    best = None if rule is None else _cheapest(call, rule, meta, gidx, inplace,
+                                               strided_ok=local is None)
+    read_floats = any(v.__class__ is float for v in call._named.values())
     fallback = best is None
     if fallback:
         if inplace:
-            return meta, None, None, True
+            return meta, None, None, True, read_floats
         best = _fallback(func, leaves, gidx, placement, len(meta.out_tensors))
     targets, outs = best
     out_layouts = [None] * len(meta.out_leaves)
     for i, s in zip(meta.out_tensors, outs):
         out_layouts[i] = Layout.make(meta.out_leaves[i].shape, placement, s)
-    return meta, targets, tuple(out_layouts), fallback
+    return meta, targets, tuple(out_layouts), fallback, read_floats
 
 
 def _call_of(func, leaves: list, spec, gidx: tuple, meta: "_MetaRun",
@@ -324,9 +326,13 @@ def _fallback(func, leaves: list, gidx: tuple, placement: Placement, n_out: int)
 
 def _finish(call: Call, meta: _MetaRun, local, gidx: tuple, targets: tuple,
             out_layouts: list, inplace: bool, fallback: bool,
-            in_layouts: "tuple | None" = None, choice: "tuple | None" = None) -> Decision:
+            in_layouts: "tuple | None" = None, choice: "tuple | None" = None,
+            read_floats: "bool | None" = None) -> Decision:
     """The decision for the chosen layouts, with the shortcuts of its run step.
-    ``in_layouts``: the inputs' layouts when they are not the call's (a planned step)."""
+    ``in_layouts``: the inputs' layouts when they are not the call's (a planned step);
+    ``read_floats``: whether the rule read a float argument (None: ``call`` says)."""
+    if read_floats is None:
+        read_floats = any(v.__class__ is float for v in call._named.values())
     func, leaves = call.func, call.leaves
     if in_layouts is None:
         in_layouts = tuple(leaves[i]._layout for i in gidx)
@@ -364,7 +370,7 @@ def _finish(call: Call, meta: _MetaRun, local, gidx: tuple, targets: tuple,
         view=not inplace and returns_view(func),
         out_consts=_out_consts(meta.out_leaves),
         by_value=any(v.__class__ is float for v in leaves) and (  # floats to key by
-            local is not None or any(v.__class__ is float for v in call._named.values())),
+            local is not None or read_floats),
         reduced=reduced, choice=choice)
 
 

@@ -200,3 +200,27 @@ def test_an_op_without_a_rule_warns_a_fallback_warning_once():
     fallbacks = [w for w in caught if issubclass(w.category, gt.debug.FallbackWarning)]
     assert len(fallbacks) == 1 and "no sbp rule" in str(fallbacks[0].message), caught
     torch.testing.assert_close(det.full(), torch.linalg.det(plain))
+
+
+def _pad_a_partial_sum():
+    import torch
+    import torch.nn.functional as F
+
+    import globaltensor as gt
+    p = gt.placement("cpu", ranks=[0, 1])
+    x = gt.from_local(torch.ones(2, 3), placement=p, sbp=gt.sbp.partial_sum)
+    return [F.pad(x, (1, 1), value=v).full() for v in (0.0, 1.0, 0.0)]
+
+
+def test_a_rule_that_reads_a_float_decides_again_for_another_value():
+    # constant_pad_nd keeps a partial sum only for zero padding (its rule reads the
+    # value): a decision made for 0.0 must not serve 1.0, where the partial is reduced
+    # first (else each rank's addend would be padded with ones: 2.0 at the pads)
+    import torch
+    import torch.nn.functional as F
+
+    import globaltensor as gt
+    want = [F.pad(2 * torch.ones(2, 3), (1, 1), value=v) for v in (0.0, 1.0, 0.0)]
+    for got in gt.testing.simulated_world(2)(_pad_a_partial_sum):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
