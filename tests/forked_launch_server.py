@@ -1,5 +1,6 @@
 """The server of ``forked_launch.py`` (run as a script, one per test session): it
-imports torch once and forks, per request, a launcher that runs
+imports torch (and dynamo and DTensor, which every launcher's fork server imports
+for its workers) once and forks, per request, a launcher that runs
 ``python -m globaltensor.launch`` as a fresh interpreter would (see there). It imports
 nothing of globaltensor, whose modules read environment variables at import: each
 launcher imports it with its own job's environment.
@@ -24,7 +25,11 @@ def _die_with_parent() -> None:
 
 
 def _serve(fd: int) -> None:
-    import torch  # noqa: F401  (imported once here, instead of once per launcher)
+    # Imported once here, instead of once per launcher: torch, and what the launcher's
+    # own fork server imports for its workers' first op (launch/forkserver.py).
+    import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
 
     _die_with_parent()
     sock = socket.socket(fileno=fd)
