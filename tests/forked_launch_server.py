@@ -1,9 +1,8 @@
 """The server of ``forked_launch.py`` (run as a script, one per test session): it
-imports torch (and dynamo and DTensor, which every launcher's fork server imports
-for its workers) once and forks, per request, a launcher that runs
-``python -m globaltensor.launch`` as a fresh interpreter would (see there). It imports
-nothing of globaltensor, whose modules read environment variables at import: each
-launcher imports it with its own job's environment.
+imports torch and globaltensor (and dynamo and DTensor, which every launcher's fork
+server imports for its workers) once and forks, per request, a launcher that runs
+``python -m globaltensor.launch`` as a fresh interpreter would (see there): with the
+job's environment, from which each launcher reads globaltensor's settings again.
 """
 from __future__ import annotations
 
@@ -25,11 +24,15 @@ def _die_with_parent() -> None:
 
 
 def _serve(fd: int) -> None:
-    # Imported once here, instead of once per launcher: torch, and what the launcher's
-    # own fork server imports for its workers' first op (launch/forkserver.py).
+    # Imported once here, instead of once per launcher: torch, globaltensor (its
+    # settings read again from each launcher's environment, ``_run_launcher``), and what
+    # the launcher's own fork server imports for its workers' first op
+    # (launch/forkserver.py).
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401
     import torch.distributed.tensor  # noqa: F401
+
+    import globaltensor.launch.job  # noqa: F401
 
     _die_with_parent()
     sock = socket.socket(fileno=fd)
@@ -84,6 +87,8 @@ def _run_launcher(request: dict, fds: list) -> int:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    from globaltensor import env
+    env.reread()                                   # the settings globaltensor read here
     signal.signal(signal.SIGINT, signal.default_int_handler)
     random.seed()
     if "OMP_NUM_THREADS" in os.environ:            # as a fresh torch reads it at its load
