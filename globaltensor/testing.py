@@ -70,21 +70,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# What the fork server imports once for every world's processes: torch, globaltensor
-# (whose settings each process reads again from its own environment, ``_child``), and
-# what a process's first op imports (a meta kernel written in Python imports dynamo,
-# the first op of a tensor subclass DTensor): 2.5 s of CPU per process otherwise.
-_PRELOAD = ["torch", "torch._dynamo", "torch.distributed.tensor", "globaltensor"]
-
-
 def _start_context():
-    """The multiprocessing context of test worlds: a fork server that imported torch
-    and globaltensor once (``_PRELOAD``) starts a world's processes in ~30 ms instead of
-    ~4 s of interpreter start and imports each."""
+    """The multiprocessing context of test worlds: a fork server that imported torch,
+    globaltensor (whose settings each process reads again from its own environment,
+    ``_child``) and what a first op imports (``FIRST_OP_IMPORTS``) once starts a world's
+    processes in ~30 ms instead of ~4 s of interpreter start and imports each."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
+    from .launch.forkserver import FIRST_OP_IMPORTS
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx.set_forkserver_preload(["torch", *FIRST_OP_IMPORTS, "globaltensor"])
     return ctx
 
 

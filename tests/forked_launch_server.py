@@ -29,10 +29,10 @@ def _serve(fd: int) -> None:
     # the launcher's own fork server imports for its workers' first op
     # (launch/forkserver.py).
     import torch  # noqa: F401
-    import torch._dynamo  # noqa: F401
-    import torch.distributed.tensor  # noqa: F401
 
     import globaltensor.launch.job  # noqa: F401
+    from globaltensor.launch.forkserver import import_what_a_first_op_imports
+    import_what_a_first_op_imports()
 
     _die_with_parent()
     sock = socket.socket(fileno=fd)

@@ -225,7 +225,7 @@ def _serve_until_closed(sock: socket.socket, launcher: int) -> tuple[dict, list[
     # itself (gracefully), so the server must outlive the signal.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _import_what_a_first_op_imports()
+    import_what_a_first_op_imports()
     children: dict[int, int] = {}  # pidfd -> pid
     while True:
         ready = select.select([sock, *children], [], [])[0]
@@ -260,15 +260,20 @@ def _serve_until_closed(sock: socket.socket, launcher: int) -> tuple[dict, list[
             sock.send(f"started {pid} 0".encode())
 
 
-def _import_what_a_first_op_imports() -> None:
-    """Import once here what every worker's first global op imports (a meta kernel
-    written in Python imports dynamo; the first op of a tensor subclass, DTensor): 1.8 s
-    of CPU per worker otherwise, while the launcher forms its group. They start no
-    thread and read the launcher's environment, as torch itself did."""
+# What a process's first global op imports (a meta kernel written in Python imports
+# dynamo; the first op of a tensor subclass, DTensor): 1.8 s of CPU per process. Fork
+# servers import it once for their children (here, and globaltensor.testing's worlds).
+FIRST_OP_IMPORTS = ("torch._dynamo", "torch.distributed.tensor")
+
+
+def import_what_a_first_op_imports() -> None:
+    """Import ``FIRST_OP_IMPORTS`` once here, for every worker, while the launcher forms
+    its group. They start no thread and read the launcher's environment, as torch
+    itself did."""
     if "torch" not in sys.modules:
         return
     import importlib
-    for name in ("torch._dynamo", "torch.distributed.tensor"):
+    for name in FIRST_OP_IMPORTS:
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001  (the worker imports it itself, or fails there)

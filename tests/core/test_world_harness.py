@@ -33,7 +33,7 @@ def check_ranks_see_each_other():
 
 
 def check_a_worlds_processes_start_with_imports_done_and_their_own_settings():
-    # The fork server imported what a first op imports (``testing._PRELOAD``), and the
+    # The fork server imported what a first op imports (``launch.forkserver.FIRST_OP_IMPORTS``), and the
     # settings globaltensor read at import there come from this world's environment.
     import sys
 
