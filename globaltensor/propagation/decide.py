@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 
 from .. import comm
 from ..advice import dtensor_operand_error, is_dtensor
-from ..boxing import plan_route
+from ..boxing.plan import pair_cost
 from ..cost import PARAMETER_WEIGHT, returns_view, ring_seconds
 from ..layout import Layout
 from ..placement import Placement
@@ -259,7 +259,7 @@ def _with_strided(call: Call, axis: int, cands: list) -> list:
 
 def _boxing_cost(current: list, targets: tuple, sizes: list, weights: list) -> float:
     # Any boxing at all costs a little, so "none needed" wins ties.
-    return sum((plan_route(cur, tgt, size).cost + 1e-9) * w
+    return sum((pair_cost(cur, tgt, size) + 1e-9) * w
                for cur, tgt, size, w in zip(current, targets, sizes, weights) if cur != tgt)
 
 
@@ -303,11 +303,9 @@ def _cheapest_reductions(shape: tuple, placement: Placement, sbp: tuple, axes: t
         found = []
         for e in ends:
             try:
-                # a plan searched to its goal: pricing the source against its whole
-                # universe (``route_cost``) is for step planning's many pairs
-                found.append(plan_route(src, Layout.make(shape, placement,
-                                                         sbp[:a] + (e,) + sbp[a + 1:]),
-                                        size).cost)
+                found.append(pair_cost(src, Layout.make(shape, placement,
+                                                        sbp[:a] + (e,) + sbp[a + 1:]),
+                                       size))
             except ValueError:   # a split of a dim another axis splits strided
                 continue
         cost += min(found)

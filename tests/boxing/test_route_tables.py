@@ -214,3 +214,20 @@ def test_a_transfer_table_of_128_ranks_takes_memory_of_its_pairs_times_n_squared
     layouts, middles = _layouts(shape, p, states), _layouts(shape, p, mids)
     for i, j in [(0, 0), (1, len(layouts) - 1), (len(middles) - 1, 3)]:
         assert table[i, j] == transfer_price.transfer_cost(middles[i], layouts[j], 4)
+
+
+def test_one_calls_pairs_read_the_universes_table_on_a_few_ranks_only(monkeypatch):
+    # deciding a call prices its pairs from the table of their shape and placement
+    # where that is cheap to make (a first step on 2 x 2 decides 1.5x faster), and
+    # searches them one by one on hundreds of ranks (where a table takes GiBs); the
+    # same costs either way
+    sbps = [S.broadcast, S.partial_sum, S.split(0), S.split(1)]
+    for ranks, tables in ((4, 1), (planning.TABLE_RANKS * 2, 0)):
+        monkeypatch.setenv("WORLD_SIZE", str(ranks))
+        p = Placement("cpu", [list(range(r, r + ranks // 2)) for r in (0, ranks // 2)])
+        layouts = [Layout.make((ranks, ranks), p, nd) for nd in itertools.product(sbps, repeat=2)]
+        planning.clear_caches()
+        got = [planning.pair_cost(a, b, 4) for a in layouts for b in layouts]
+        assert search.route_table.cache_info().currsize == tables, ranks
+        planning.clear_caches()
+        assert got == [planning.plan_route(a, b, 4).cost for a in layouts for b in layouts]
