@@ -122,22 +122,28 @@ def route_cost(src: Layout, dst: Layout, itemsize: int = 4) -> float:
 
 
 # A universe's table (``route_table``) prices every pair of its layouts at once. On a
-# placement of a few ranks that costs about what a few searched pairs do, and a first
-# step asks about hundreds of pairs per shape: a 12-layer GPT's first step on 2 x 2
-# decides in 2.3 s with it against 3.5 s searched pair by pair, the same choices. On
-# hundreds of ranks its transfers take seconds and GiBs (a simulated 1024-rank 2-D
-# placement ran out of 24 GiB), so there each pair is searched.
+# placement of a few ranks, and for a universe of a few states, that costs about what
+# a few searched pairs do, and a first step asks about hundreds of pairs per shape: a
+# 12-layer GPT's first step on 2 x 2 decides in 2.3 s with it against 3.5 s searched
+# pair by pair, the same choices. On hundreds of ranks its transfers take seconds and
+# GiBs (a simulated 1024-rank 2-D placement ran out of 24 GiB); a universe of hundreds
+# of states (a 3-D placement) keeps megabytes per table until the next step planning
+# forgets them. There each pair is searched.
 TABLE_RANKS = 64
+TABLE_STATES = 64   # (3 + the tensor's dims) ** the placement's: a 2-D one, up to 5 dims
 
 
 def pair_cost(src: Layout, dst: Layout, itemsize: int = 4) -> float:
     """``plan_route(src, dst, itemsize).cost``: read from the universe's table on a
-    placement of at most ``TABLE_RANKS`` ranks (``route_cost``), else searched
-    (``plan_route``). What choosing one call's layouts asks for each pair it prices.
+    placement of at most ``TABLE_RANKS`` ranks whose universe has at most
+    ``TABLE_STATES`` states (``route_cost``), else searched (``plan_route``). What
+    choosing one call's layouts asks for each pair it prices.
 
     >>> pair_cost(Layout.make((8,), p, split(0)), Layout.make((8,), p, broadcast))  # doctest: +SKIP
     """
-    if src.placement.size <= TABLE_RANKS and dst.placement.size <= TABLE_RANKS:
+    where = src.placement
+    if (where == dst.placement and where.size <= TABLE_RANKS
+            and (3 + len(src.shape)) ** where.ndim <= TABLE_STATES):
         return route_cost(src, dst, itemsize)
     return plan_route(src, dst, itemsize).cost
 

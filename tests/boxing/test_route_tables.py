@@ -219,15 +219,19 @@ def test_a_transfer_table_of_128_ranks_takes_memory_of_its_pairs_times_n_squared
 def test_one_calls_pairs_read_the_universes_table_on_a_few_ranks_only(monkeypatch):
     # deciding a call prices its pairs from the table of their shape and placement
     # where that is cheap to make (a first step on 2 x 2 decides 1.5x faster), and
-    # searches them one by one on hundreds of ranks (where a table takes GiBs); the
-    # same costs either way
+    # searches them one by one on hundreds of ranks or in a universe of hundreds of
+    # states (where tables take GiBs); the same costs either way
     sbps = [S.broadcast, S.partial_sum, S.split(0), S.split(1)]
-    for ranks, tables in ((4, 1), (planning.TABLE_RANKS * 2, 0)):
-        monkeypatch.setenv("WORLD_SIZE", str(ranks))
-        p = Placement("cpu", [list(range(r, r + ranks // 2)) for r in (0, ranks // 2)])
-        layouts = [Layout.make((ranks, ranks), p, nd) for nd in itertools.product(sbps, repeat=2)]
+    big = planning.TABLE_RANKS * 2
+    for mesh, tables in (([[0, 1], [2, 3]], 1), ([[0, 1, 2, 3]], 1),
+                         ([list(range(big // 2)), list(range(big // 2, big))], 0),
+                         ([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], 0)):
+        monkeypatch.setenv("WORLD_SIZE", str(big))
+        p = Placement("cpu", mesh)
+        shape = (p.size,) * 2
+        layouts = [Layout.make(shape, p, nd) for nd in itertools.product(sbps, repeat=p.ndim)]
         planning.clear_caches()
         got = [planning.pair_cost(a, b, 4) for a in layouts for b in layouts]
-        assert search.route_table.cache_info().currsize == tables, ranks
+        assert search.route_table.cache_info().currsize == tables, mesh
         planning.clear_caches()
         assert got == [planning.plan_route(a, b, 4).cost for a in layouts for b in layouts]
