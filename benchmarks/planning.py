@@ -14,9 +14,11 @@ Columns (rank 0's, seconds):
 
 - first step: wall and CPU time of the first training step (every op decided op by op,
   the boxing and decision caches empty; whole-step planning does not take part yet);
-- planning: the recorded step planned as the program plans it (``step.state.last
-  .seconds``, the boxing caches as the first steps left them), then again on rank 0
-  alone with every boxing cache emptied (``cold``; the other ranks wait), wall time,
+- planning: the recorded step planned on rank 0 alone (``alone``; the other ranks
+  wait), the boxing caches as the first steps left them, as a rank on a core of its
+  own plans it; then in the world (``planning``: every rank at once,
+  ``step.state.last.seconds``; rank 0's tables priced again, as ``alone`` forgot
+  them); then again on rank 0 alone with every boxing cache emptied (``cold``), wall time,
   and that cold planning's CPU time (``cold cpu``: what other work on the machine
   inflates least); then once more as a step recorded again plans (an ``Autosave``
   save, a model built again: ``again``, the choice remembered, ``planner/reuse.py``);
@@ -70,6 +72,21 @@ def _placement_and_layouts(mesh: str):
     return P, (lambda name, t: (B, _megatron_sbp(name))), (gt.sbp.split(0), B)
 
 
+def _alone(planner, record: tuple, rank: int) -> float:
+    """Rank 0's wall seconds planning ``record`` alone (the other ranks wait) with the
+    tables and searches its first steps left: what a rank on a core of its own spends
+    planning in the program. (Planning forgets them at its end, so rank 0's planning
+    in the world that follows prices its tables again.)"""
+    dist.barrier()
+    seconds = float("nan")
+    if rank == 0:
+        t0 = time.perf_counter()
+        planner(*record, reuse=False)
+        seconds = time.perf_counter() - t0
+    dist.barrier()
+    return seconds
+
+
 def main(argv=None) -> None:
     args = _parser().parse_args(argv)
     import globaltensor as gt
@@ -83,11 +100,13 @@ def main(argv=None) -> None:
     gt.nn.to_global(model, P, params)
     ids, targets = (gt.tensor(torch.randint(args.vocab, (args.batch, args.seq)),
                               placement=P, sbp=inputs) for _ in range(2))
-    captured = []
+    captured, alone = [], []
     planner = step.plan_step
 
     def capture(*a, **kw):
         captured.append(a)
+        if len(captured) == 1:   # rank 0 plans the step alone first, as the steps left it
+            alone.append(_alone(planner, a, rank))
         return planner(*a, **kw)
     step.plan_step = capture
 
@@ -141,8 +160,9 @@ def main(argv=None) -> None:
     if rank == 0:
         calls = len(planned.nodes) if planned is not None else 0
         seconds = planned.seconds if planned is not None else float("nan")
+        first = alone[0] if alone else float("nan")
         print(f"{args.mesh:<6}{args.layers:>7}{calls:>7}{wall:>11.2f}{cpu:>10.2f}"
-              f"{seconds:>11.2f}{cold:>9.2f}{cold_cpu:>9.2f}{remembered:>7.3f}"
+              f"{seconds:>11.2f}{first:>7.2f}{cold:>9.2f}{cold_cpu:>9.2f}{remembered:>7.3f}"
               f"{statistics.median(replays) if replays else 0:>11.3f}", flush=True)
 
 
@@ -150,7 +170,7 @@ def _header(args) -> None:
     print(f"GPT, {args.layers} layers, batch {args.batch} x seq {args.seq}, width "
           f"{args.dim}, {args.heads} heads, vocab {args.vocab}; seconds (rank 0)")
     head = (f"{'mesh':<6}{'layers':>7}{'calls':>7}{'step1 wall':>11}{'step1 cpu':>10}"
-            f"{'planning':>11}{'cold':>9}{'cold cpu':>9}{'again':>7}{'planned':>11}")
+            f"{'planning':>11}{'alone':>7}{'cold':>9}{'cold cpu':>9}{'again':>7}{'planned':>11}")
     print(head + "\n" + "-" * len(head), flush=True)
 
 
