@@ -147,6 +147,9 @@ class Fetch:
             want = dtype or shard.dtype
             shape = layout.local_shape(rank)
             group = layout.placement.group(rank, data_axis)
+            if len(group) == 1 and want == shard.dtype:   # the part is the whole
+                self.own[name] = _Ready(shard.local_part.detach())
+                continue
             if math.prod(shape) * want.itemsize >= OWN_GATHER_BYTES or (
                     bucket and want != bucket[0][1]):
                 self.own[name] = gather_rows(shard.local_part, group, shape, want, batch)

@@ -60,6 +60,9 @@ class _Policy:
     reduce_dtype: Union[torch.dtype, None]
     reshard: Union[bool, int]
     data_axis: int
+    # The data axis has one rank: a part is the whole, so nothing is gathered again in
+    # backward (no copy is freed by dropping it); gathers hand on the part itself.
+    alone: bool = False
 
 
 def fully_shard(module: torch.nn.Module, placement: Placement,
@@ -139,7 +142,7 @@ def _check_policy(placement, param_dtype, reduce_dtype, reshard, data_axis) -> _
                              f"data axis' {size} ranks and lie strictly between 1 and {size} "
                              f"(use True to reshard to all {size}, False to keep the "
                              f"gathered parameters)")
-    return _Policy(param_dtype, reduce_dtype, reshard, data_axis)
+    return _Policy(param_dtype, reduce_dtype, reshard, data_axis, size == 1)
 
 
 def _unique_modules(module):
@@ -255,7 +258,7 @@ class _Unit:
         what is kept, and both passes must save alike); not in a forward that runs inside
         backward (a reentrant checkpoint's recompute), as the backward that uses the
         copies follows at once."""
-        return (self.policy.reshard is not False
+        return (self.policy.reshard is not False and not self.policy.alone
                 and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
                 and torch._C._current_graph_task_id() == -1)
 
@@ -266,7 +269,7 @@ class _Unit:
         again, for a node that then saves no copy; None where the copy is kept instead
         (``reshard_after_forward`` False or an int, or ``name`` not gathered)."""
         shard = self.shards.get(name)
-        if (self.policy.reshard is not True or shard is None
+        if (self.policy.reshard is not True or self.policy.alone or shard is None
                 or torch._C._autograd._top_saved_tensors_default_hooks(False) is None):
             return None
         layout = self.gathered_layout(shard)
