@@ -323,6 +323,8 @@ def _exchange(locals_: list, group: tuple, rdtypes: list) -> list:
     buffer per gradient that is added and reused, so at most two parts of each are held
     instead of n - 1 (a gradient's reduction is the peak of a sharded backward)."""
     n, me = len(group), group.index(comm.get_rank())
+    if n == 1:   # a data axis of one rank: each gradient is its own sum, whole
+        return [t if t.dtype == d else t.to(d) for t, d in zip(locals_, rdtypes)]
     splits = [balanced_split(t.shape[0], n) for t in locals_]
     mine = [t.narrow(0, *parts[me]) for t, parts in zip(locals_, splits)]
     out, bufs = [None] * len(locals_), [None] * len(locals_)
