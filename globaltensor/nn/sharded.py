@@ -99,7 +99,9 @@ def fully_shard(module: torch.nn.Module, placement: Placement,
             sbp[data_axis] = Split(0)
         return tuple(sbp)
 
-    host = heap.maps_large_blocks(placement.type)
+    # (on a data axis of one rank no gathered copy comes and goes: the heap's churn is
+    # the program's own, and mapping each large block would cost it speed for nothing)
+    host = heap.maps_large_blocks(placement.type) and not policy.alone
     if host:
         heap.map_large_blocks()
     to_global(module, placement, storage_sbp)
@@ -374,7 +376,8 @@ class _LinearWeightLast(torch.autograd.Function):
 
 def _before_forward(module, args, kwargs):
     unit = module._gt_shard_unit
-    heap.release_blas_buffers()    # what the last unit's products left (host only)
+    if not unit.policy.alone:
+        heap.release_blas_buffers()    # what the last unit's products left (host only)
     unit.gather()
     return _cast_inputs(unit.policy, args, kwargs)
 
