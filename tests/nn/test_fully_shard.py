@@ -400,4 +400,3 @@ test_world2, test_world4 = checks_in_worlds(
     in_processes=["check_linear_backward_lets_the_weight_go_before_its_gradient",
                   "check_host_blocks_go_back_to_the_system_when_freed",
                   "check_recompute_gathers_once_and_each_weight_again_in_its_backward"])
-
