@@ -60,9 +60,7 @@ class _Policy:
     reduce_dtype: Union[torch.dtype, None]
     reshard: Union[bool, int]
     data_axis: int
-    # The data axis has one rank: a part is the whole, so nothing is gathered again in
-    # backward (no copy is freed by dropping it); gathers hand on the part itself.
-    alone: bool = False
+    alone: bool = False   # a data axis of one rank: a part is whole, no copy comes and goes
 
 
 def fully_shard(module: torch.nn.Module, placement: Placement,
@@ -99,8 +97,6 @@ def fully_shard(module: torch.nn.Module, placement: Placement,
             sbp[data_axis] = Split(0)
         return tuple(sbp)
 
-    # (on a data axis of one rank no gathered copy comes and goes: the heap's churn is
-    # the program's own, and mapping each large block would cost it speed for nothing)
     host = heap.maps_large_blocks(placement.type) and not policy.alone
     if host:
         heap.map_large_blocks()
@@ -376,8 +372,8 @@ class _LinearWeightLast(torch.autograd.Function):
 
 def _before_forward(module, args, kwargs):
     unit = module._gt_shard_unit
-    if not unit.policy.alone:
-        heap.release_blas_buffers()    # what the last unit's products left (host only)
+    if not unit.policy.alone:   # what the last unit's products left (host only)
+        heap.release_blas_buffers()
     unit.gather()
     return _cast_inputs(unit.policy, args, kwargs)
 
