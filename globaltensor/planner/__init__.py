@@ -16,8 +16,9 @@ at once, so that a layout costly for one call but cheap for the calls after it c
 - ``explain.py``: ``gt.debug.explain_step``.
 
 It sits between per-op choice (which it imports: ``propagation/decide.py``,
-``propagation/options.py``, ``propagation/cache.py``) and ``__torch_dispatch__`` (``dispatch/entry.py``, which hands
-a call to ``record`` or ``traced`` while a step is recorded, replayed or traced).
+``propagation/options.py``, ``propagation/cache.py``) and ``__torch_dispatch__``
+(``dispatch/entry.py``, which hands a call to ``record`` or ``traced`` while a step is
+recorded, replayed or traced).
 
 >>> import globaltensor as gt
 >>> from globaltensor.planner import record
