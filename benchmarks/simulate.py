@@ -35,6 +35,7 @@ from _common import example_module
 from tp import GPT, Config, _megatron_sbp
 
 import globaltensor as gt
+from globaltensor import device_profile
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -197,6 +198,9 @@ def main(argv=None) -> None:
         for world in map(int, args.worlds.split(",")):
             if layout == "2d" and world % 8:
                 continue
+            if args.measure:   # the machine as it is now: its speed drifts over minutes
+                device_profile.cpu_profile.cache_clear()
+                device_profile.host_op_seconds.cache_clear()
             t0 = time.perf_counter()
             r = gt.debug.simulate_step(_make(cfg, layout, args.rows),
                                        placement=gt.placement("cpu", ranks=range(world)),

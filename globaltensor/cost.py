@@ -209,6 +209,9 @@ def returns_view(func) -> bool:
 
 @lru_cache(maxsize=None)
 def writes_nothing(func) -> bool:
-    """Whether ``func`` only makes a view: its schema says so, or it is
-    ``_unsafe_view`` (a view its schema does not declare)."""
-    return func.overloadpacket.__name__ == "_unsafe_view" or returns_view(func)
+    """Whether ``func`` only makes a view: its schema says it returns an input it does
+    not write, or it is ``_unsafe_view`` (a view its schema does not declare). An
+    in-place op (``mul_``, an optimizer's ``addcdiv_``) returns its input too, and writes
+    every element of it."""
+    return func.overloadpacket.__name__ == "_unsafe_view" or any(
+        r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)

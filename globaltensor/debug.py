@@ -22,6 +22,7 @@ from . import origins
 from .boxing import Plan, plan_route
 from .comm import CollectiveError, DivergenceError, stats
 from .comm.stats import CommCounter
+from .device_profile import PROFILES, DeviceProfile, Link
 from .layout import Layout
 from .layout_spec import notation as _notation
 from .pictures import draw_layout, plot_layout, plot_step
@@ -29,7 +30,7 @@ from .placement import Placement
 from .planner.explain import StepReport, explain_step
 from .rules.registry import FallbackWarning
 from .step_check import StepCheck, check_step
-from .step_simulation import PROFILES, DeviceProfile, Link, SimulatedStep, simulate_step
+from .step_simulation import SimulatedStep, simulate_step
 from .tensor import GlobalTensor
 
 __all__ = ["notation", "explain", "explain_step", "StepReport", "check_step", "StepCheck", "simulate_step",

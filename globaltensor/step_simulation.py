@@ -49,171 +49,21 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
-import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from . import cost, heap, modes, simulated
+from . import heap, simulated
 from .boxing import plan as plans
 from .comm import stats
 from .comm.stats import CommCounter
-from .layout import Layout
+from .device_profile import Costing, DeviceProfile, host_op_seconds, profile_of
 from .placement import Placement
 from .planner import record
-from .sbp import broadcast
-from .tensor import from_full
 
 aten = torch.ops.aten
-
-
-@dataclass(frozen=True)
-class Link:
-    """One level of the network: ``ranks`` per group of this level (a node's 8; None:
-    every rank), the bytes per second each rank sends on it, the latency of one
-    message, and the time to start one collective on it."""
-    ranks: "int | None"
-    bandwidth: float
-    latency: float
-    launch: float = 0.0   # starting one collective (the host's part: gloo's is large)
-
-
-@dataclass(frozen=True)
-class DeviceProfile:
-    """A device and its links: FLOP/s of products per dtype name (``matmul_flops``),
-    memory bandwidth in bytes per second, the links innermost first, and the backend
-    whose collectives the program's are chosen and priced as ("nccl" for GPUs)."""
-    name: str
-    matmul_flops: dict
-    memory_bandwidth: float
-    links: tuple
-    backend: str = "nccl"
-    # Host seconds per call this library carries out (deciding, autograd, the kernel's
-    # launch): on a CPU the same core runs them in turn with the kernels; on a GPU
-    # they overlap the kernels, and a step takes the longer of the two. None: this
-    # host's, measured at first use (``host_op_seconds``); 0: not counted.
-    op_seconds: "float | None" = None
-    # Cores a node's ranks share (None: each rank has a device of its own): ranks
-    # beyond them run in turn (``cpu_profile``: ranks of a world on this machine).
-    cores: "int | None" = None
-
-    def flops(self, dtype: torch.dtype) -> float:
-        name = str(dtype).replace("torch.", "")
-        return self.matmul_flops.get(name, self.matmul_flops["float32"])
-
-    def link(self, ranks: tuple, me: int) -> Link:
-        """The slowest link a group of ``ranks`` (and ``me``) spans."""
-        members = set(ranks) | {me}
-        for level in self.links:
-            if level.ranks is None or len({r // level.ranks for r in members}) == 1:
-                return level
-        return self.links[-1]
-
-
-_NVLINK_IB = (Link(8, 450e9, 3e-6), Link(None, 50e9, 10e-6))   # NVLink 4 in a node; 400 Gb/s IB
-PROFILES: dict = {
-    "h100": DeviceProfile("NVIDIA H100 SXM (datasheet, dense)",
-                          {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12},
-                          3.35e12, _NVLINK_IB),
-    "h200": DeviceProfile("NVIDIA H200 SXM (datasheet, dense)",
-                          {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12},
-                          4.8e12, _NVLINK_IB),
-}
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_profile() -> DeviceProfile:
-    """This machine, measured once, as one rank of a world here runs (one thread: the
-    launcher's ``OMP_NUM_THREADS``): the rate of a 512 x 256 x 1024 float32 layer's
-    products (forward and backward), the bytes per second of an add, GELU, softmax and
-    layer norm on 2 MiB, and the host time per call of a small training step
-    (``_op_seconds``); links: gloo on loopback (``cost.GLOO``); the ranks share
-    this machine's cores."""
-    with _one_thread():
-        a, b, c = torch.randn(512, 256), torch.randn(256, 1024), torch.randn(512, 1024)
-        # a layer's three products: forward, and its backward's two (transposed operands)
-        flops = 3 * 2 * 512 * 256 * 1024 / sum(map(_best_seconds, (
-            lambda: a @ b, lambda: c @ b.t(), lambda: a.t() @ c)))
-        # the other ops of a step move their operands at rates as different as these:
-        # bytes over the time of all four
-        F = torch.nn.functional
-        bandwidth = 9 * c.nbytes / sum(map(_best_seconds, (
-            lambda: c + c, lambda: F.gelu(c), lambda: torch.softmax(c, -1),
-            lambda: F.layer_norm(c, (1024,)))))
-    return DeviceProfile("this CPU (measured)", {"float32": flops}, bandwidth,
-                         (Link(None, 1 / cost.GLOO.beta, cost.GLOO.alpha, cost.GLOO.launch),),
-                         "gloo", op_seconds=host_op_seconds(), cores=os.cpu_count() or 1)
-
-
-@contextlib.contextmanager
-def _one_thread():
-    """torch on one thread while measuring (as a launched rank runs), then as it was."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _best_seconds(work: Callable, repeats: int = 5, calls: int = 4) -> float:
-    """The least time of ``calls`` calls of ``work`` (over ``repeats`` tries), per call:
-    what the machine does when nothing else runs."""
-    work()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            work()
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return best
-
-
-@functools.lru_cache(maxsize=1)
-def host_op_seconds() -> float:
-    """This host's seconds per call of a training step too small for its kernels to
-    count (``_op_seconds``), measured once: what a profile without ``op_seconds`` takes
-    (a GPU machine's host runs the same Python; its CPU may be faster or slower)."""
-    with _one_thread():
-        return simulated.run_as_rank(1, 0, _op_seconds)
-
-
-def _op_seconds() -> float:
-    """Host seconds per call of a training step too small for its kernels to count (a
-    16-wide layer with layer norm and GELU, backward, AdamW): deciding each call,
-    autograd, the optimizer's Python and the kernels' launches, per call carried out."""
-    layout = functools.partial(Layout.make, placement=Placement("cpu", [0]), sbp=(broadcast,))
-    w, bias = (from_full(torch.randn(*s) / 4, layout(s), requires_grad=True)
-               for s in ((16, 16), (16,)))
-    x = from_full(torch.randn(8, 16), layout((8, 16)))
-    opt = torch.optim.AdamW([w, bias])
-
-    def step():
-        h = torch.nn.functional.gelu(torch.nn.functional.layer_norm(x @ w + bias, (16,)))
-        h.square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-    step()
-    costing = _Costing(0)
-    with costing:
-        step()
-    return _best_seconds(step, repeats=3, calls=10) / costing.ops
-
-
-def profile_of(device: "str | DeviceProfile") -> DeviceProfile:
-    if isinstance(device, DeviceProfile):
-        return device
-    name = str(device).lower()
-    if name == "cpu":
-        return cpu_profile()
-    if name not in PROFILES:
-        raise ValueError(f"simulate_step: no device profile {device!r}; known: "
-                         f"{['cpu', *PROFILES]}, or pass a DeviceProfile")
-    return PROFILES[name]
 
 
 def _latency_hops(kind: str, n: int) -> int:
@@ -248,9 +98,13 @@ class SimulatedStep:
 
     @property
     def _shared(self) -> float:
-        """How many ranks take turns on each core (1 where each has its own device)."""
-        cores = self.device.cores
-        return 1.0 if cores is None else max(1.0, self.ranks_per_node / cores)
+        """How many times longer a rank's work takes than on a core of its own (1 where
+        each has its own device): ranks beyond the cores take turns, and cores busy at
+        once each run at the profile's ``together``."""
+        cores, ranks = self.device.cores, self.ranks_per_node
+        if cores is None:
+            return 1.0
+        return max(1.0, ranks / cores) / (self.device.together if min(ranks, cores) > 1 else 1.0)
 
     @property
     def compute_seconds(self) -> float:
@@ -311,36 +165,6 @@ class SimulatedStep:
     __repr__ = __str__
 
 
-class _Costing(modes.Mode):
-    """Counts each op's work on this rank's parts as it is carried out."""
-
-    def __init__(self, rank: int):
-        self.rank = rank
-        self.macs: Counter = Counter()
-        self.other_bytes = 0
-        self.ops = 0   # every call carried out (views, boxing too): each costs host time
-
-    def run(self, func, decision, leaves: list, spec, why):
-        self.ops += 1
-        if why is None and decision.out_layouts is not None:
-            self._count(func, decision)
-        return self.below.run(func, decision, leaves, spec, why)
-
-    def _count(self, func, decision) -> None:
-        ins = [t for t in decision.targets if t is not None]
-        outs = [t for t in decision.out_layouts if t is not None]
-        if not ins + outs or self.rank not in (ins + outs)[0].placement:
-            return   # (this rank holds no part of the op)
-        dtype = decision.out_dtypes[0] if decision.out_dtypes else torch.float32
-        here = self.rank
-        macs = cost.product_macs(func, tuple(ins), here)
-        if macs is not None:
-            self.macs[dtype] += macs
-        elif not cost.writes_nothing(func):
-            self.other_bytes += dtype.itemsize * sum(math.prod(t.local_shape(here))
-                                                     for t in (*ins, *outs))
-
-
 def simulate_step(fn: Callable, *args, placement: Placement,
                   device: "str | DeviceProfile" = "cpu", rank: "int | None" = None,
                   ranks_per_node: "int | None" = None, steps: int = 2,
@@ -398,7 +222,7 @@ def _simulate(fn: Callable, args: tuple, kwargs: dict, rank: int, world: int,
             step, tracked, steps = functools.partial(fn, *args, **kwargs), [], steps - 1
         for _ in range(steps - 1):
             step()
-        tracker, costing = MemTracker(), _Costing(rank)
+        tracker, costing = MemTracker(), Costing(rank)
         if tracked:
             tracker.track_external(*tracked)
         with stats.dry_run(events=True) as counted, tracker, costing:

@@ -135,6 +135,22 @@ def test_a_function_that_is_the_step_and_the_report_as_the_contract_names_it():
     assert "step, estimated" in table and "all_reduce x" in table
 
 
+def test_in_place_ops_count_the_elements_they_write():
+    """An in-place op (the optimizer's ``mul_``, ``addcdiv_``...) returns its input, as a
+    view does, but writes every element of it: its bytes count (they are a tenth of a
+    step's time on a CPU and more on a GPU), a view's do not."""
+    def step(update):
+        P = gt.placement.all("cpu")
+        w = gt.randn(D, H, placement=P, sbp=S(1))
+        if update:
+            w.mul_(0.5).add_(1.0)   # each reads and writes this rank's part
+        w.t().view(H, D)          # views: nothing written
+    without, update = (gt.debug.simulate_step(step, u, placement=_world(4)) for u in (0, 1))
+    part = D * H // 4 * 4   # this rank's part of w in bytes
+    assert update.other_bytes - without.other_bytes == 2 * (2 * part), \
+        (update.other_bytes, without.other_bytes)
+
+
 def test_attention_is_counted_by_its_products():
     """Fused attention on this rank's heads: q @ k^T and p @ v forward (2 b h t t d
     multiply-adds), two and a half times that in backward (it recomputes the scores)."""
@@ -228,9 +244,18 @@ def test_host_time_per_call_and_ranks_that_share_cores():
                                              + two.comm_seconds)
     assert four.compute_seconds == pytest.approx(2 * two.compute_seconds)
     assert four.host_seconds == pytest.approx(2 * two.host_seconds)
+    # cores that run at once run slower each (``together``): the ranks of a node that
+    # has two, not a rank alone on one
+    slow = DeviceProfile("cpu, 2 cores at 0.8", *rates, "gloo", op_seconds=1e-3, cores=2,
+                         together=0.8)
+    for ranks, scale in ((1, 1.0), (2, 1 / 0.8), (4, 2 / 0.8)):
+        got = gt.debug.simulate_step(_make("dp"), placement=_world(4), device=slow,
+                                     ranks_per_node=ranks)
+        assert got.compute_seconds == pytest.approx(scale * two.compute_seconds), ranks
+        assert got.host_seconds == pytest.approx(scale * two.host_seconds), ranks
     assert f"host ({a.ops} calls)" in str(a)
     # a profile that does not say (the H100's) takes this host's time per call, measured
-    from globaltensor.step_simulation import host_op_seconds
+    from globaltensor.device_profile import host_op_seconds
     h100 = gt.debug.simulate_step(_make("dp"), placement=_world(4), device="h100")
     assert PROFILES["h100"].op_seconds is None and h100.ops == a.ops
     assert h100.host_seconds == pytest.approx(h100.ops * host_op_seconds())
@@ -240,7 +265,8 @@ def test_host_time_per_call_and_ranks_that_share_cores():
 def test_this_cpu_is_measured_as_one_rank_of_a_world_here_runs():
     """The "cpu" profile: one thread's rates (a launched rank's), a small training
     step's host time per call, this machine's cores; the caller's threads untouched."""
-    from globaltensor.step_simulation import cpu_profile
+    from globaltensor import device_profile
+    from globaltensor.device_profile import cpu_profile
     threads = torch.get_num_threads()
     profile = cpu_profile()
     assert torch.get_num_threads() == threads
@@ -248,6 +274,13 @@ def test_this_cpu_is_measured_as_one_rank_of_a_world_here_runs():
     assert 1e-6 < profile.op_seconds < 1e-2          # microseconds to milliseconds
     assert profile.matmul_flops["float32"] > 1e9 and profile.memory_bandwidth > 1e8
     assert profile.links[0].launch > 0               # gloo's start of a collective
+    assert 0 < profile.together <= 1                 # cores busy at once: as fast or slower
+    # the rates are scaled to what a step's kernels do, at most the kernels' own rates
+    # alone (a 512 x 256 x 1024 product, best of a few)
+    a, b = torch.randn(512, 256), torch.randn(256, 1024)
+    with device_profile._one_thread():
+        alone = 2 * 512 * 256 * 1024 / device_profile._best_seconds(lambda: a @ b)
+    assert profile.matmul_flops["float32"] < 3 * alone
 
 
 def test_the_benchmarks_llama_simulates_in_every_layout():
