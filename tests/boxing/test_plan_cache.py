@@ -117,11 +117,12 @@ def test_transfers_are_priced_without_their_moves():
                 [S.broadcast, S.partial_sum, S.partial_max, S.split(0), S.split(2)],
                 repeat=q.ndim)]
             for mid, dst in itertools.product(mids[::3], dsts[::2]):
-                cost = Transfer.between(mid, dst).cost(2)
+                transfer = Transfer.between(mid, dst)
+                cost = transfer.cost(2)
                 assert transfer_price.transfer_cost(mid, dst, 2) == cost, (mid, dst)
                 floor = transfer_price.transfer_floor(mid, dst, 2)
                 assert floor <= cost, (mid, dst)
-                if all(m.src == m.dst for m in Transfer.between(mid, dst).moves):
+                if all(m.src == m.dst for m in transfer.moves):
                     assert floor == cost, (mid, dst)
                     exact += 1
     assert exact > 0
