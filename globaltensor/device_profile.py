@@ -118,7 +118,7 @@ def cpu_profile() -> DeviceProfile:
 def _together(a: torch.Tensor, b: torch.Tensor, cores: int) -> float:
     """How fast a core runs products while every core does (threads of one process,
     each on one thread of torch's, as ranks of a world here run), against alone: the
-    least time of a few tries each, at most 1."""
+    medians of tries taken in turn (this machine's speed drifts), at most 1."""
     def work():
         torch.set_num_threads(1)   # (OpenMP's count is per thread: a new one has the default)
         for _ in range(8):
@@ -136,7 +136,8 @@ def _together(a: torch.Tensor, b: torch.Tensor, cores: int) -> float:
         return 1.0
     with _one_thread():
         work()
-        return min(1.0, min(wall(1) for _ in range(3)) / min(wall(cores) for _ in range(3)))
+        tries = [(wall(1), wall(cores)) for _ in range(5)]
+        return min(1.0, statistics.median(a for a, _ in tries) / statistics.median(b for _, b in tries))
 
 
 def _slower_in_a_step(flops: float, bandwidth: float, host: float) -> float:
