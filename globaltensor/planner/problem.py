@@ -68,7 +68,7 @@ class Node:
     def reductions(self) -> tuple:
         """Per option: the 0-d partial outputs the call reduces (one collective per
         layout, ``entry._reduce_together``), or () when it reduces none."""
-        if self.opts is None or self.in_backward:
+        if self.opts is None or self.in_backward or not _scalar_outputs(self.opts):
             return ((),) * len(self.signatures())
         out = []
         for _, outs in self.opts.signatures:
@@ -78,8 +78,14 @@ class Node:
         return tuple(out)
 
 
+def _scalar_outputs(opts) -> bool:
+    """Whether the call has a 0-d output (every option's outputs have the same shapes):
+    only those are reduced as the call makes them (``_reduced_scalars``)."""
+    return not opts.signatures or any(o is not None and not o.shape for o in opts.signatures[0][1])
+
+
 def _as_made(node: Node, outs: tuple) -> tuple:
-    if node.in_backward:
+    if node.in_backward or not _scalar_outputs(node.opts):
         return outs
     reduced = _reduced_scalars(node.func, list(outs), node.greedy.inplace)
     return outs if not reduced else tuple(o if r is None else r.without_partials()
