@@ -85,7 +85,7 @@ def _scalar_outputs(opts) -> bool:
 
 
 def _as_made(node: Node, outs: tuple) -> tuple:
-    if node.in_backward or not _scalar_outputs(node.opts):
+    if node.in_backward:
         return outs
     reduced = _reduced_scalars(node.func, list(outs), node.greedy.inplace)
     return outs if not reduced else tuple(o if r is None else r.without_partials()
