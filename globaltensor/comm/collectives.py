@@ -281,7 +281,8 @@ _abandoned: list = []   # P2PWorks whose tags differed: their payloads are still
 class P2PWork:
     """Posted sends and receives; ``wait()`` blocks until all are done (and copies
     receives made on host copies back: ``host``), first comparing their tags (``tags``:
-    ``tagged.post_p2p``'s, None when fingerprints are off)."""
+    ``tagged.post_p2p``'s, None when fingerprints are off: the word messages before the
+    payloads are waited for, the words in payloads after)."""
 
     def __init__(self, works, peers=(), host: _HostCopies | None = None, tags=None):
         self._works, self._peers, self._host, self._tags = works, peers, host, tags
@@ -299,6 +300,8 @@ class P2PWork:
                 raise
         for work in self._works:
             guarded("point-to-point transfer", self._peers, work.wait)
+        if self._tags is not None:
+            self._tags.finish()
         if self._host is not None:
             self._host.finish()
 
@@ -315,9 +318,9 @@ def start_p2p(sends: Sequence[tuple[torch.Tensor, int]],
     Each send is counted as ``kind`` (None: not counted, the caller counts)."""
     if not sends and not recvs:
         return P2PWork([])
+    for t, peer in sends if kind is not None else ():
+        stats.record(kind, _nbytes(t), (peer,))
     if stats.dry():
-        for t, peer in sends if kind is not None else ():
-            stats.record(kind, _nbytes(t), (peer,))
         return P2PWork([])
     if tracing():
         raise RuntimeError(
@@ -326,23 +329,20 @@ def start_p2p(sends: Sequence[tuple[torch.Tensor, int]],
             "all-to-all); keep to_global across placements outside the compiled function")
     init()
     host = _HostCopies()
-    sends = [(host.send(t) if _staged("send", t.device) else t, peer) for t, peer in sends]
+    sends = [(host.send(t) if _staged("send", t.device) else t.contiguous(), peer)
+             for t, peer in sends]
     recvs = [(host.receive(t) if _staged("recv", t.device) else t, peer) for t, peer in recvs]
+    # (tags may put a message into a buffer with its words: in these lists)
     tags = tagged.post_p2p(sends, recvs, dist.get_rank()) if fingerprint.ON else None
     if len(sends) + len(recvs) == 1:
         # One message (a hand-off between single ranks): batch_isend_irecv's coalescing
         # adds nothing to one message but its own cost.
         (t, peer), post = (sends[0], dist.isend) if sends else (recvs[0], dist.irecv)
-        if sends and kind is not None:
-            stats.record(kind, _nbytes(t), (peer,))
-        t = t.contiguous() if sends else t
         peers = sorted({dist.get_rank(), peer})
         return P2PWork([guarded("point-to-point transfer", peers, lambda: post(t, peer))],
                        peers, host, tags)
-    ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for t, peer in sends]
+    ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
-    for t, peer in sends if kind is not None else ():
-        stats.record(kind, _nbytes(t), (peer,))
     peers = sorted({dist.get_rank()} | {p for _, p in sends} | {p for _, p in recvs})
     return P2PWork(guarded("point-to-point transfer", peers,
                            lambda: dist.batch_isend_irecv(ops)), peers, host, tags)

@@ -30,7 +30,9 @@ changing a value:
   chunks (bool, fp8): the word goes first, in one small int64 all-gather of the group
   on the host (``exchange``); on a mismatch no rank starts the payload's collective;
 - point-to-point: per direction of a batch, the sender's word to the receiver and the
-  receiver's back, as one-word messages posted with the payload and compared in
+  receiver's back: in a 16-byte header of the first message each way where those are
+  small host tensors (a one-way transfer still sends the receiver's word back as a
+  message), else as one-word messages posted with the payload and compared in
   ``wait()``.
 
 The words arrive at every rank, so every rank of a mismatched collective raises (for

@@ -133,21 +133,76 @@ def check_every_kind_of_collective_carries_it():
             assert y.tolist() == [3.0] * 3
 
 
-def _exchange(x, peer):
+def _exchange(x, peer, into=None):
     # Point-to-point messages count the program's line inside a named work (a boxing's
     # sender and receiver run one line); outside one, each side's own code sends or
     # receives (comm.start_p2p from two lines, as tests/core/test_comm_backend.py does).
     from globaltensor import comm
     with comm.activity("an exchange"):
-        comm.batched_p2p([(x, peer)], [(torch.empty_like(x), peer)])
+        comm.batched_p2p([(x, peer)], [(torch.empty_like(x) if into is None else into, peer)])
 
+
+def check_small_payloads_carry_their_tags_and_values_in_every_dtype():
+    # Up to 64 KiB on the host the words travel inside the payload (copied in and out
+    # of a buffer): every dtype's values come out as the collective makes them, sizes
+    # that leave padding included, and an exchange of small messages posts no message
+    # of its own for its words (a one-way transfer one: the receiver's word back).
+    import globaltensor as gt
+    from globaltensor import comm
+    from globaltensor.comm import fingerprint as fp
+    from globaltensor.comm import tagged
+    r, ranks, n = gt.get_rank(), (0, 1), 6
+    for dtype in [d for d in (*fp._SLOT_BITS, torch.bool) if d is not torch.int16]:  # (not in gloo)
+        def full(v, k=n):
+            return torch.full((k,), v, dtype=dtype)
+        mine = full(1 + r) if dtype is not torch.bool else full(r == 0)
+        other = full(2 - r) if dtype is not torch.bool else full(r == 1)
+        if dtype is not torch.bool:
+            t = mine.clone()
+            comm.all_reduce_(t, "sum", ranks)
+            assert t.equal(full(3)), (dtype, t)
+            if not dtype.is_complex:
+                t = mine.clone()
+                comm.all_reduce_(t, "max", ranks)
+                assert t.equal(full(2)), (dtype, t)
+            t = mine.clone()
+            comm.all_reduce_async(t, ranks).wait()
+            assert t.equal(full(3)), (dtype, t)
+            out = full(0, n // 2)
+            comm.reduce_scatter_into(out, mine, "sum", ranks)
+            assert out.equal(full(3, n // 2)), (dtype, out)
+        t = mine.clone()
+        comm.broadcast_(t, 1, ranks)
+        assert t.equal(full(2) if dtype is not torch.bool else full(False)), (dtype, t)
+        out = torch.empty(2 * (n - 1), dtype=dtype)
+        comm.all_gather_into(out, mine[:n - 1], ranks)
+        first = full(1, n - 1) if dtype is not torch.bool else full(True, n - 1)
+        assert out.equal(torch.cat([first, first.logical_not().to(dtype) if dtype is torch.bool
+                                    else full(2, n - 1)])), (dtype, out)
+        out = torch.empty(n, dtype=dtype)   # (3 elements of 2 bytes: padded rows)
+        comm.all_to_all_single(out, mine, [3, 3], [3, 3], ranks)
+        assert out.equal(torch.cat([(mine if r == 0 else other)[:3],
+                                    (other if r == 0 else mine)[:3]])), (dtype, out)
+        y = torch.empty(n, dtype=dtype)
+        _exchange(mine, 1 - r, y)
+        assert y.equal(other), (dtype, y)
+    x, y = torch.ones(4), torch.empty(4)
+    exchange, one_way = ([(x, 1 - r)], [(y, 1 - r)]), (([(x, 1)], []) if r == 0 else ([], [(y, 0)]))
+    tags = tagged.post_p2p(*exchange, r)
+    assert not tags._pending and exchange[0][0][0].numel() == tagged._HEAD + 16
+    tags = tagged.post_p2p(*one_way, r)
+    assert len(tags._pending) == 1
+    tags.wait()   # rank 1's word back to rank 0 (their payload is not posted here)
 
 ONE_OF_LINE = _one_of.__code__.co_firstlineno + 1
 ONE_MORE, EVERY_RANK = _lines(check_every_kind_of_collective_carries_it, "ONE_MORE", "EVERY_RANK")
 
 CHECKS = ["check_one_more_collective_of_the_same_size_on_one_rank",
-          "check_every_kind_of_collective_carries_it"]
+          "check_every_kind_of_collective_carries_it",
+          "check_small_payloads_carry_their_tags_and_values_in_every_dtype"]
 
-# (after a mismatch, gloo's own handling of the payloads still posted)
+# (after a mismatch, gloo's own handling of the payloads still posted; gloo's own packing of
+# every dtype)
 test_world2 = world_test(__name__, 2, CHECKS, in_processes=[
-    "check_one_more_collective_of_the_same_size_on_one_rank"])
+    "check_one_more_collective_of_the_same_size_on_one_rank",
+    "check_small_payloads_carry_their_tags_and_values_in_every_dtype"])
