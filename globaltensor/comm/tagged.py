@@ -36,14 +36,19 @@ _FORMATS = {torch.float64: "d", torch.float32: "f", torch.float16: "e", torch.in
 # collective as much host time as the rest of its packing. (At most _KEEP sizes, and
 # _EACH of a size: an exchange takes two, a send's and a receive's.)
 _free: dict = {}
-_KEEP, _EACH = 64, 4
+_KEEP, _EACH = 64, 2
 
 
 def _take(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A host buffer of ``numel`` elements, free for this collective (``_give`` it
     back once the collective is done with it)."""
     free = _free.get((numel, dtype))
-    return free.pop() if free else torch.empty(numel, dtype=dtype)
+    if free:
+        return free.pop()
+    # a normal tensor even in inference mode, which a later collective outside it can
+    # write (the backend's in-place ops refuse an inference tensor there)
+    with torch.inference_mode(False):
+        return torch.empty(numel, dtype=dtype, device="cpu")
 
 
 def _give(*bufs: torch.Tensor) -> None:

@@ -194,12 +194,28 @@ def check_small_payloads_carry_their_tags_and_values_in_every_dtype():
     assert len(tags._pending) == 1
     tags.wait()   # rank 1's word back to rank 0 (their payload is not posted here)
 
+def check_buffers_made_in_inference_mode_serve_outside_it():
+    # The packing buffers are reused; one made under inference mode must still take a
+    # collective's in-place write outside it (a simulated world's backend writes with
+    # torch ops, which refuse an inference tensor there).
+    import globaltensor as gt
+    from globaltensor import comm
+    r, ranks = gt.get_rank(), (0, 1)
+    for inference in (True, False, True):
+        with torch.inference_mode(inference):
+            t, y = torch.ones(5), torch.empty(5)
+            comm.all_reduce_(t, "sum", ranks)
+            _exchange(t, 1 - r, y)
+            assert t.tolist() == y.tolist() == [2.0] * 5
+
+
 ONE_OF_LINE = _one_of.__code__.co_firstlineno + 1
 ONE_MORE, EVERY_RANK = _lines(check_every_kind_of_collective_carries_it, "ONE_MORE", "EVERY_RANK")
 
 CHECKS = ["check_one_more_collective_of_the_same_size_on_one_rank",
           "check_every_kind_of_collective_carries_it",
-          "check_small_payloads_carry_their_tags_and_values_in_every_dtype"]
+          "check_small_payloads_carry_their_tags_and_values_in_every_dtype",
+          "check_buffers_made_in_inference_mode_serve_outside_it"]
 
 # (after a mismatch, gloo's own handling of the payloads still posted; gloo's own packing of
 # every dtype)
