@@ -10,7 +10,7 @@ Rows: ``to_global`` of a tensor of the given size (the global tensor's bytes, fp
 from S(0) to B (all_gather), P to B (all_reduce), P to S(0) and S(0) to S(1) (on gloo an
 exchange of point-to-point messages), and S(0) on the first half of the ranks to S(0)
 on the other half (send/recv); then the comm wrappers themselves on buffers made once:
-all_gather, all_reduce, reduce_scatter, all_to_all, broadcast; above 64 KiB also the
+all_gather, all_reduce, reduce_scatter, all_to_all, broadcast; above 256 KiB also the
 small all-gather of tags that such a collective adds (the same in both columns). Each
 round times every
 row off and on (fingerprints switched on every rank at once) in its own shuffled order,

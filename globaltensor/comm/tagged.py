@@ -33,18 +33,22 @@ _FORMATS = {torch.float64: "d", torch.float32: "f", torch.float16: "e", torch.in
 
 
 # Free packing buffers by (elements, dtype), reused: a fresh tensor costs a small
-# collective as much host time as the rest of its packing. (At most _KEEP sizes, and
-# _EACH of a size: an exchange takes two, a send's and a receive's.)
+# collective as much host time as the rest of its packing. (At most _EACH of a size,
+# an exchange takes two, a send's and a receive's, and _KEEP bytes in all.)
 _free: dict = {}
-_KEEP, _EACH = 64, 2
+_EACH, _KEEP = 2, 8 * 2**20
+_kept = 0
 
 
 def _take(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A host buffer of ``numel`` elements, free for this collective (``_give`` it
     back once the collective is done with it)."""
+    global _kept
     free = _free.get((numel, dtype))
     if free:
-        return free.pop()
+        buf = free.pop()
+        _kept -= numel * buf.element_size()
+        return buf
     # a normal tensor even in inference mode, which a later collective outside it can
     # write (the backend's in-place ops refuse an inference tensor there)
     with torch.inference_mode(False):
@@ -52,12 +56,13 @@ def _take(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _give(*bufs: torch.Tensor) -> None:
+    global _kept
     for buf in bufs:
-        free = _free.get((buf.numel(), buf.dtype))
-        if free is None and len(_free) < _KEEP:
-            free = _free[buf.numel(), buf.dtype] = []
-        if free is not None and len(free) < _EACH:
+        size = buf.numel() * buf.element_size()
+        free = _free.setdefault((buf.numel(), buf.dtype), [])
+        if len(free) < _EACH and _kept + size <= _KEEP:
             free.append(buf)
+            _kept += size
 
 
 # bf16's bits of the integers 0-255 (float32's upper half: exact for them)
@@ -256,8 +261,8 @@ def broadcast(t: torch.Tensor, src: int, ranks: tuple) -> None:
 
 
 # Point-to-point: per direction of a batch (this rank to a peer, or a peer to this rank),
-# a word, the sender's and the receiver's. Where the first messages to and from a peer
-# are small host tensors, the sender's words travel in a header of its first message
+# a word, the sender's and the receiver's. Where the messages each way with a peer
+# include a small host tensor, the sender's words travel in a header of the first such
 # (_HEAD bytes: its word to the peer, its word from it or 0), copied with the payload:
 # an exchange then sends no message more, and a one-way transfer one, the receiver's
 # word back to the sender on gloo tag _BACK (a message costs a small transfer about as
@@ -274,7 +279,7 @@ _HEAD = 16
 
 def post_p2p(sends: list, recvs: list, rank: int) -> "PairTags":
     """Tag a batch of point-to-point ``sends`` and ``recvs`` ((tensor, peer)): put the
-    first message to and from each peer where it is small into a buffer with a header
+    first small message to and from each peer into a buffer with a header
     (in place, in the lists) and post the word messages; ``wait()`` on the result
     compares the words that came in messages, ``finish()`` (once the payloads are
     done) those in headers, and copies the received payloads out. The program's call
@@ -302,8 +307,12 @@ def post_p2p(sends: list, recvs: list, rank: int) -> "PairTags":
     return tags
 
 
-def _first(messages: list, peer: int):
-    return next((i for i, (_, p) in enumerate(messages) if p == peer), None)
+def _first_small(messages: list, peer: int):
+    """The index of the first of ``messages`` with ``peer`` that can carry a header (a
+    small host tensor; the peer's list of that direction has it at the same place), or
+    None."""
+    return next((i for i, (t, p) in enumerate(messages)
+                 if p == peer and fp.packs(t, t.numel() * t.element_size())), None)
 
 
 class PairTags:
@@ -316,11 +325,11 @@ class PairTags:
         self._sent = []      # the headed send buffers
 
     def pack(self, sends: list, recvs: list, peer: int, to, frm) -> bool:
-        """Put the words to ``peer`` into a header of the first message each way, if
-        those are small host tensors; post the one-way word back. False where not."""
-        i, j = _first(sends, peer), _first(recvs, peer)
-        firsts = [m[k][0] for m, k in ((sends, i), (recvs, j)) if k is not None]
-        if not all(fp.packs(t, t.numel() * t.element_size()) for t in firsts):
+        """Put the words to ``peer`` into a header of the first small message each way
+        (a fully_shard unit's gather: its bias after its weight), if each way has one;
+        post the one-way word back. False where not."""
+        i, j = _first_small(sends, peer), _first_small(recvs, peer)
+        if (to is not None and i is None) or (frm is not None and j is None):
             return False
         if i is not None:
             t = sends[i][0]

@@ -105,11 +105,12 @@ def _one_of(run):
 
 def check_every_kind_of_collective_carries_it():
     # Each kind of collective comm issues, packed in the payload (1 KiB) and in an
-    # all-gather of its own before it (128 KiB): rank 0 issues one more, both raise.
+    # all-gather of its own before it (over PACK_LIMIT): rank 0 issues one more, both raise.
     import globaltensor as gt
     from globaltensor import comm
     r, ranks = gt.get_rank(), (0, 1)
-    for n in (256, 32768):
+    from globaltensor.comm import fingerprint
+    for n in (256, fingerprint.PACK_LIMIT // 2):   # (floats: 1 KiB and twice the limit)
         x = torch.full((n,), 1.0 + r)
         kinds = {
             "all_gather": lambda: comm.all_gather_into(torch.empty(2 * n), x, ranks),
@@ -143,7 +144,7 @@ def _exchange(x, peer, into=None):
 
 
 def check_small_payloads_carry_their_tags_and_values_in_every_dtype():
-    # Up to 64 KiB on the host the words travel inside the payload (copied in and out
+    # Up to PACK_LIMIT on the host the words travel inside the payload (copied in and out
     # of a buffer): every dtype's values come out as the collective makes them, sizes
     # that leave padding included, and an exchange of small messages posts no message
     # of its own for its words (a one-way transfer one: the receiver's word back).
@@ -190,6 +191,18 @@ def check_small_payloads_carry_their_tags_and_values_in_every_dtype():
     exchange, one_way = ([(x, 1 - r)], [(y, 1 - r)]), (([(x, 1)], []) if r == 0 else ([], [(y, 0)]))
     tags = tagged.post_p2p(*exchange, r)
     assert not tags._pending and exchange[0][0][0].numel() == tagged._HEAD + 16
+    # the first small message carries them where a large one comes first (a unit's
+    # weight, then its bias)
+    m = fp.PACK_LIMIT // 4 + 1000
+    big, y_big = torch.full((m,), 1.0 + r), torch.empty(m)
+    mixed = ([(big, 1 - r), (x, 1 - r)], [(y_big, 1 - r), (y, 1 - r)])
+    tags = tagged.post_p2p(*mixed, r)
+    assert not tags._pending and mixed[0][0][0] is big and mixed[1][0][0] is y_big
+    assert mixed[0][1][0].numel() == tagged._HEAD + 16
+    y = torch.empty(4)
+    with comm.activity("a weight and a bias"):
+        comm.batched_p2p([(big, 1 - r), (x, 1 - r)], [(y_big, 1 - r), (y, 1 - r)])
+    assert y_big.equal(torch.full((m,), 2.0 - r)) and y.equal(torch.ones(4))
     tags = tagged.post_p2p(*one_way, r)
     assert len(tags._pending) == 1
     tags.wait()   # rank 1's word back to rank 0 (their payload is not posted here)
