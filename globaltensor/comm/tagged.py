@@ -34,9 +34,9 @@ _FORMATS = {torch.float64: "d", torch.float32: "f", torch.float16: "e", torch.in
 
 # Free packing buffers by (elements, dtype), reused: a fresh tensor costs a small
 # collective as much host time as the rest of its packing. (At most _EACH of a size,
-# an exchange takes two, a send's and a receive's, and _KEEP bytes in all.)
+# an exchange takes two, a send's and a receive's, of _SIZES sizes, _KEEP bytes in all.)
 _free: dict = {}
-_EACH, _KEEP = 2, 8 * 2**20
+_EACH, _SIZES, _KEEP = 2, 256, 8 * 2**20
 _kept = 0
 
 
@@ -47,6 +47,8 @@ def _take(numel: int, dtype: torch.dtype) -> torch.Tensor:
     free = _free.get((numel, dtype))
     if free:
         buf = free.pop()
+        if not free:   # (sizes come and go: keep none that holds nothing)
+            _free.pop((numel, dtype), None)
         _kept -= numel * buf.element_size()
         return buf
     # a normal tensor even in inference mode, which a later collective outside it can
@@ -59,9 +61,10 @@ def _give(*bufs: torch.Tensor) -> None:
     global _kept
     for buf in bufs:
         size = buf.numel() * buf.element_size()
-        free = _free.setdefault((buf.numel(), buf.dtype), [])
-        if len(free) < _EACH and _kept + size <= _KEEP:
-            free.append(buf)
+        free = _free.get((buf.numel(), buf.dtype))
+        if (len(free) < _EACH if free is not None else len(_free) < _SIZES) \
+                and _kept + size <= _KEEP:
+            _free.setdefault((buf.numel(), buf.dtype), []).append(buf)
             _kept += size
 
 

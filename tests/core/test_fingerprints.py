@@ -28,6 +28,21 @@ def test_a_word_cut_into_slots_survives_a_sum_and_a_max_in_every_dtype():
             assert fp._words(slots.amax(0).tolist(), len(words), bits) == words, dtype
 
 
+def test_packing_buffers_are_reused_within_bounds(monkeypatch):
+    from globaltensor.comm import tagged
+    monkeypatch.setattr(tagged, "_free", {})
+    monkeypatch.setattr(tagged, "_kept", 0)
+    first = tagged._take(100, torch.float32)
+    tagged._give(first)
+    assert tagged._take(100, torch.float32) is first and not tagged._free   # none kept empty
+    tagged._give(*[torch.empty(2**20 + k) for k in range(3)])   # 4 MiB each: 8 MiB kept
+    assert tagged._kept == 4 * 2**20 == sum(b.numel() * 4 for v in tagged._free.values()
+                                            for b in v)
+    for n in range(1, 2000):   # sizes come and go: a bounded number kept
+        tagged._give(torch.empty(n, dtype=torch.uint8))
+    assert len(tagged._free) == tagged._SIZES
+
+
 def _log(t):
     return t.sum().item()  # a logging helper: its line is the same for every tensor logged
 
