@@ -344,6 +344,7 @@ class PairTags:
             self._sent.append(buf)
         if j is not None:
             t = recvs[j][0]
+            _flat(t)   # (refused now, before anything is sent, as the backend would)
             buf = _take(_HEAD + t.numel() * t.element_size(), torch.uint8)
             recvs[j] = (buf, peer)
             self._packed.append((buf, t, peer, to, frm))

@@ -43,6 +43,13 @@ def test_packing_buffers_are_reused_within_bounds(monkeypatch):
     assert len(tagged._free) == tagged._SIZES
 
 
+def test_a_headed_receive_into_a_strided_tensor_is_refused_before_anything_is_sent():
+    from globaltensor.comm import tagged
+    x, y = torch.ones(4), torch.empty(4, 2)[:, 0]   # (the receive: every other float)
+    with pytest.raises(ValueError, match="contiguous"):
+        tagged.post_p2p([(x, 1)], [(y, 1)], 0)   # an exchange: no word message to post
+
+
 def _log(t):
     return t.sum().item()  # a logging helper: its line is the same for every tensor logged
 
