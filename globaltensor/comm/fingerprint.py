@@ -28,7 +28,8 @@ changing a value:
 - payloads over ``PACK_LIMIT`` bytes (whose copy would cost more than a collective),
   payloads on a device (the check would synchronise with it) and dtypes without exact
   chunks (bool, fp8): the word goes first, in one small int64 all-gather of the group
-  on the host (``exchange``); on a mismatch no rank starts the payload's collective;
+  on the host, or by recursive doubling in a larger group (``exchange``); on a
+  mismatch no rank starts the payload's collective;
 - point-to-point: per direction of a batch, the sender's word to the receiver and the
   receiver's back: in a 16-byte header of the first small host tensor each way, where
   each way has one (a one-way transfer still sends the receiver's word back as a
@@ -236,14 +237,62 @@ def _description(store, members, rank: int, word: int) -> str:
                 f"{word & 0xFFFFFFFF}); its description did not come")
 
 
+# Groups above this many ranks compare tags by recursive doubling (``_agree``): gloo
+# all-gathers around a ring, n - 1 messages in a row, which on hundreds of ranks costs
+# more than a large collective itself; doubling takes log2 n rounds.
+RING_RANKS = 4
+_AGREE = 0x6704   # the gloo tag of the doubling's messages
+
+
 def exchange(tag: Tag) -> None:
-    """Compare ``tag`` with the group's in one small all-gather of int64 words on the
-    host, before the collective itself (which no rank then starts on a mismatch)."""
+    """Compare ``tag`` with the group's on the host before the collective itself (which
+    no rank then starts on a mismatch): in one small all-gather of int64 words, or, in
+    a group of more than ``RING_RANKS``, the least and the greatest word by recursive
+    doubling first (the words are all equal where those are), and the all-gather only
+    where they differ, to name every rank's."""
+    members = tag.members
+    if len(members) > RING_RANKS and _agree(tag):
+        return
     mine = torch.tensor([tag.word], dtype=torch.int64)
-    everyone = torch.empty(len(tag.members), dtype=torch.int64)
-    guarded("fingerprint all_gather", tag.members, lambda: _all_gather_single(
-        everyone, mine, group=get_group(tag.members)))
+    everyone = torch.empty(len(members), dtype=torch.int64)
+    guarded("fingerprint all_gather", members, lambda: _all_gather_single(
+        everyone, mine, group=get_group(members)))
     check(tag, everyone.tolist())
+
+
+def _agree(tag: Tag) -> bool:
+    """Whether every member's word is ``tag.word``: [-word, word] reduced by maximum
+    (-least, greatest) in log2 n rounds of one message each way (recursive doubling;
+    the members past the largest power of two hand theirs to a partner first and get
+    the result back last). Every member gets the same answer."""
+    members, me = tag.members, tag.members.index(rank())
+    n = len(members)
+    p = 1 << (n.bit_length() - 1)
+    best = [-tag.word, tag.word]
+
+    def swap(peer: int, send: bool = True, receive: bool = True) -> None:
+        out = torch.tensor(best, dtype=torch.int64)
+        got = torch.empty(2, dtype=torch.int64)
+        works = guarded("fingerprint comparison", members, lambda: (
+            [dist.isend(out, members[peer], tag=_AGREE)] if send else []) + (
+            [dist.irecv(got, members[peer], tag=_AGREE)] if receive else []))
+        for work in works:
+            guarded("fingerprint comparison", members, work.wait)
+        if receive:
+            best[:] = [max(a, b) for a, b in zip(best, got.tolist())]
+    if me >= p:
+        swap(me - p, receive=False)
+        swap(me - p, send=False)
+        return best[0] == -best[1]
+    if me + p < n:
+        swap(me + p, send=False)
+    step = 1
+    while step < p:
+        swap(me ^ step)
+        step <<= 1
+    if me + p < n:
+        swap(me + p, receive=False)
+    return best[0] == -best[1]
 
 
 _rank: int | None = None

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from mp import world_test
+from mp import patched, world_test
 
 BOUND = 10  # seconds: a mismatch is seen as the collective arrives (the world's timeout: 60 s)
 
@@ -26,6 +26,42 @@ def test_a_word_cut_into_slots_survives_a_sum_and_a_max_in_every_dtype():
         assert fp._words(slots.sum(0).tolist(), len(words), bits) == words, dtype
         if not dtype.is_complex:
             assert fp._words(slots.amax(0).tolist(), len(words), bits) == words, dtype
+
+
+def _large_collectives():
+    # Payloads over PACK_LIMIT compare tags before they travel; rank 0 then issues one
+    # all-reduce more, from another line: every rank raises, naming both.
+    import globaltensor as gt
+    from globaltensor import comm
+    from globaltensor.comm import fingerprint as fp
+    r, n = gt.get_rank(), gt.get_world_size()
+    ranks = tuple(range(n))
+    t = torch.full((fp.PACK_LIMIT // 2,), 1.0 + r)
+    comm.all_reduce_(t, "sum", ranks)
+    assert t.eq(n * (n + 1) / 2).all()
+    try:
+        if r == 0:
+            comm.all_reduce_(t, "sum", ranks)  # EXTRA_LARGE
+        comm.all_reduce_(t, "max", ranks)
+    except gt.debug.DivergenceError as error:
+        return str(error)
+    return None
+
+
+def test_a_large_group_compares_tags_in_log_rounds():
+    # More than RING_RANKS ranks compare by recursive doubling (5: one rank past the
+    # power of two, 8: three rounds), not around gloo's ring; a mismatch still names
+    # every rank's collective on every rank.
+    import globaltensor as gt
+    from globaltensor.comm import fingerprint as fp
+    calls = []
+    real = fp._agree
+    with patched(fp, "_agree", lambda tag: calls.append(len(tag.members)) or real(tag)):
+        for n in (5, 8):
+            errors = gt.testing.simulated_world(n, timeout=60)(_large_collectives)
+            line = f"{__file__}:{_lines(_large_collectives, 'EXTRA_LARGE')[0]}"
+            assert all(e is not None and line in e and "max" in e for e in errors), errors
+    assert set(calls) == {5, 8}
 
 
 def test_packing_buffers_are_reused_within_bounds(monkeypatch):
