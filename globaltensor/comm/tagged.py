@@ -1,6 +1,6 @@
 """The collectives with their tags (fingerprint.py): each takes what torch.distributed's
-takes plus the ordered member ranks of its group, sends the tag with the payload (or in
-one small all-gather before it), compares the words that arrive and raises
+takes plus the ordered member ranks of its group, sends the tag with the payload (or
+compares it before, ``fp.exchange``), compares the words that arrive and raises
 ``DivergenceError`` on a mismatch, before anything reaches the caller's output.
 ``async_op=True`` returns a handle whose ``wait()`` compares and copies out.
 """

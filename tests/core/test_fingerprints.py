@@ -166,8 +166,8 @@ def check_every_kind_of_collective_carries_it():
     # all-gather of its own before it (over PACK_LIMIT): rank 0 issues one more, both raise.
     import globaltensor as gt
     from globaltensor import comm
-    r, ranks = gt.get_rank(), (0, 1)
     from globaltensor.comm import fingerprint
+    r, ranks = gt.get_rank(), (0, 1)
     for n in (256, fingerprint.PACK_LIMIT // 2):   # (floats: 1 KiB and twice the limit)
         x = torch.full((n,), 1.0 + r)
         kinds = {
@@ -265,6 +265,7 @@ def check_small_payloads_carry_their_tags_and_values_in_every_dtype():
     assert len(tags._pending) == 1
     tags.wait()   # rank 1's word back to rank 0 (their payload is not posted here)
 
+
 def check_buffers_made_in_inference_mode_serve_outside_it():
     # The packing buffers are reused; one made under inference mode must still take a
     # collective's in-place write outside it (a simulated world's backend writes with
@@ -288,8 +289,8 @@ CHECKS = ["check_one_more_collective_of_the_same_size_on_one_rank",
           "check_small_payloads_carry_their_tags_and_values_in_every_dtype",
           "check_buffers_made_in_inference_mode_serve_outside_it"]
 
-# (after a mismatch, gloo's own handling of the payloads still posted; gloo's own packing of
-# every dtype)
+# (after a mismatch, gloo's own handling of the payloads still posted; packed payloads of
+# every dtype gloo has)
 test_world2 = world_test(__name__, 2, CHECKS, in_processes=[
     "check_one_more_collective_of_the_same_size_on_one_rank",
     "check_small_payloads_carry_their_tags_and_values_in_every_dtype"])
