@@ -222,7 +222,7 @@ def _simulate(fn: Callable, args: tuple, kwargs: dict, rank: int, world: int,
             step, tracked, steps = functools.partial(fn, *args, **kwargs), [], steps - 1
         for _ in range(steps - 1):
             step()
-        tracker, costing = MemTracker(), Costing(rank)
+        tracker, costing = _tracker(MemTracker)(), Costing(rank)
         if tracked:
             tracker.track_external(*tracked)
         with stats.dry_run(events=True) as counted, tracker, costing:
@@ -230,6 +230,18 @@ def _simulate(fn: Callable, args: tuple, kwargs: dict, rank: int, world: int,
     return SimulatedStep(world, rank, profile, counted, tuple(counted.events),
                          _by_kind(tracker), dict(costing.macs), costing.other_bytes, result,
                          costing.ops, local)
+
+
+def _tracker(base: type) -> type:
+    """torch's ``MemTracker``, which hooks the gradients of each module's parameters as
+    the module starts, but not of the gathered copies standing in for them there (a
+    ``fully_shard`` unit of a call around the module put them in; their gradients go
+    to the parts, which it tracks)."""
+    class Tracker(base):
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            leaves = all(p.is_leaf for p in module.parameters())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks and leaves)
+    return Tracker
 
 
 def _by_kind(tracker) -> dict:

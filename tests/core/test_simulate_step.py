@@ -22,7 +22,7 @@ def _world(n: int):
     return gt.placement("cpu", ranks=range(n))   # a placement of a bigger world than ours
 
 
-def _make(layout: str, rows_per_rank: int = 4):
+def _make(layout: str, rows_per_rank: int = 4, unit: str = "module"):
     def make():
         P = gt.placement.all("cpu")
         torch.manual_seed(0)
@@ -34,7 +34,7 @@ def _make(layout: str, rows_per_rank: int = 4):
         else:
             model = gt.nn.to_global(model, P, B)
             if layout == "fs":
-                model = gt.nn.fully_shard(model, P)
+                model = gt.nn.fully_shard(model, P, unit=unit)
             x = gt.randn(P.size * rows_per_rank, D, placement=P, sbp=S(0))
         opt = torch.optim.AdamW(model.parameters())
 
@@ -59,15 +59,19 @@ def test_data_parallel_reduces_every_gradient_once(world):
     assert report.world == world and report.rank == 0
 
 
-def test_fully_shard_keeps_a_part_per_rank_and_gathers_it():
+@pytest.mark.parametrize("unit", ["module", "call"])
+def test_fully_shard_keeps_a_part_per_rank_and_gathers_it(unit):
     world = 64
-    report = gt.debug.simulate_step(_make("fs"), placement=_world(world))
+    report = gt.debug.simulate_step(_make("fs", unit=unit), placement=_world(world))
     assert report.memory["parameters"] <= PARAMS / world + 4 * 4 * world, report.memory
     assert report.counted.calls["all_gather"] > 0, report
     # all of it gathered for forward; for backward again what backward reads: the
     # second layer's weight (the first's gradient needs the input, not the weight)
     again = H * D * 4
     assert report.counted.bytes["all_gather"] == (PARAMS + again) * (world - 1) // world
+    # a unit per Linear: each gathers in forward, the second again; one unit of the
+    # call (its modules' parameters are gathered copies while they run): once each way
+    assert report.counted.calls["all_gather"] == (3 if unit == "module" else 2), report
 
 
 def test_megatron_tensor_parallel_keeps_its_parts():

@@ -112,7 +112,8 @@ def check_bad_policy_raises_before_communicating():
                 ({"reduce_dtype": "bf16"}, TypeError, "reduce_dtype must be None or a floating"),
                 ({"reshard_after_forward": "yes"}, TypeError, "True, False or an int"),
                 ({"reshard_after_forward": 1}, ValueError, "strictly between 1 and 2"),
-                ({"reshard_after_forward": 2}, ValueError, "strictly between 1 and 2")):
+                ({"reshard_after_forward": 2}, ValueError, "strictly between 1 and 2"),
+                ({"unit": "block"}, ValueError, "unit must be 'module' or 'call'")):
             with pytest.raises(error, match=words):
                 gt.nn.fully_shard(_mlp(), p, **kwargs)
     assert not stats.calls, stats

@@ -1,0 +1,186 @@
+"""fully_shard's autograd side (``sharded.py`` makes the units): the gathered
+parameters' node, whose backward reduces a unit's gradients to their parts together; a
+Linear's backward that lets its gathered weight go before computing the weight's
+gradient; and the regather, which gathers a unit's parameters again in backward for
+what autograd saved of them (a saved-tensor hook keeps the view's geometry, not the
+copy). A regather starts the one before it in forward order as it starts its own, so
+the next unit's gather in backward travels while this one computes (FSDP2's backward
+prefetch of one).
+
+>>> fulls = _Gathered.apply(policy, layouts, *shards, *locals_)   # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from ..layout import balanced_split
+from ..tensor import GlobalTensor
+from .shard_comm import concatenates, gather_rows, reduce_to_parts
+
+
+class _Gathered(torch.autograd.Function):
+    """A unit's gathered parameters (``shards`` then their gathered ``locals``), whose
+    gradients go back to their shards' layouts together (``reduce_to_parts``: one
+    exchange, or one reduce_scatter for the small ones, per unit instead of one per
+    parameter), reduced in the policy's reduce dtype and stored in each shard's dtype.
+    A unit's gradients usually come from one backward node (a Linear's, a norm's), so
+    waiting for all of them holds nothing longer; a module that uses its parameters far
+    apart in its forward holds the first gradient until the last one comes."""
+
+    @staticmethod
+    def forward(ctx, policy, layouts: tuple, *shards_and_locals):   # (sharded._Policy)
+        shards, locals_ = shards_and_locals[:len(layouts)], shards_and_locals[len(layouts):]
+        ctx.policy = policy
+        ctx.srcs = tuple(s.global_layout for s in shards)
+        ctx.dtypes = tuple(s.dtype for s in shards)
+        ctx.set_materialize_grads(False)    # an unused parameter's gradient stays None
+        outs = tuple(GlobalTensor(local, layout) for local, layout in zip(locals_, layouts))
+        frozen = [o for o, s in zip(outs, shards) if not s.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        policy = ctx.policy
+        return (None, None, *reduce_to_parts(grads, ctx.srcs, policy.data_axis,
+                                             policy.reduce_dtype, ctx.dtypes),
+                *(None for _ in grads))
+
+
+def _linear_forward(module: torch.nn.Linear, x):
+    """``nn.Linear.forward`` of a unit: while its weight is gathered again in backward,
+    through ``_LinearWeightLast``; under activation checkpointing too, which then keeps
+    only the input and gathers the weight again in this node's backward. (Checkpointing
+    first: its forward and its recompute must save alike, and a recompute inside a unit
+    of a call runs after the unit's regather is gone.)"""
+    unit = module._gt_shard_unit
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return torch.nn.functional.linear(x, module.weight, module.bias)
+    refetch = unit.refetch_in_backward(module._gt_shard_keys["weight"])
+    if refetch is not None:
+        return _LinearWeightLast.apply(x, module.weight, module.bias, refetch)
+    if unit.saved and unit.saved[-1][1] is not None:    # the unit's regather keeps it
+        return _LinearWeightLast.apply(x, module.weight, module.bias, None)
+    return torch.nn.functional.linear(x, module.weight, module.bias)
+
+
+class _LinearWeightLast(torch.autograd.Function):
+    """``F.linear`` whose backward computes the input's gradient first, lets the
+    gathered weight go, and only then computes the weight's full-size gradient: the two
+    are never alive together (autograd's own linear holds the weight until its node
+    ends), which lowers the backward peak by one weight per unit. With ``refetch`` the
+    weight is not saved at all: backward calls it for a fresh gathered copy."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, refetch):
+        # each only where the other's gradient needs it (a first layer's input needs
+        # none: its weight is not kept, nor gathered again)
+        ctx.refetch = refetch if x.requires_grad else None
+        ctx.save_for_backward(x if weight.requires_grad else None,
+                              weight if x.requires_grad and refetch is None else None)
+        ctx.has_bias = bias is not None
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        if ctx.refetch is not None:
+            weight = ctx.refetch()
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        del weight      # the regather drops its copy at its last unpack (_Regather.local)
+        grad = grad.reshape(-1, grad.shape[-1])
+        # contiguous (autograd's addmm gives the transpose of x^T grad, whose rows the
+        # reduction would copy before sending)
+        grad_w = grad.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None
+
+
+
+# The storage (its StorageImpl, ``_cdata``: fake ones have no data pointer) of each
+# gathered copy alive in some forward -> (its unit's regather, parameter name).
+_gathered: dict = {}
+
+
+class _Regather:
+    """The gathered parameters of one forward of a unit, gathered again in backward: all
+    that autograd saved, in one ``Fetch``, at the first unpack (shared by every saved
+    view, freed with the last). With ``reshard_after_forward=g`` each parameter is
+    gathered from the 1/g piece kept after forward, within this rank's g ranks."""
+
+    def __init__(self, unit, shards: dict):   # (sharded._Unit)
+        self.unit, self.shards = unit, shards
+        self.saved: dict = {}             # name -> how many views of it autograd saved
+        self.pieces: dict = {}            # name -> (piece, group, shape) with an int g
+        self.fulls: dict | None = None
+        self.before: "_Regather | None" = None   # the unit gathered before, this forward
+        self.pending = None                       # its Fetch, started ahead (prefetch)
+
+    def start(self) -> bool:
+        """Start gathering what autograd saved, ahead of the first unpack (the regather
+        after it in forward order calls this: its backward comes first). True if it
+        started; not with pieces kept (an int ``reshard_after_forward``)."""
+        if self.fulls is not None or self.pending is not None or self.pieces or not self.saved:
+            return False
+        self.pending = self.unit.fetch({n: self.shards[n] for n in sorted(self.saved)})
+        return True
+
+    def keep_piece(self, name: str, full: torch.Tensor) -> None:
+        if name not in self.saved or not concatenates(self.shards[name].global_layout,
+                                                      self.unit.policy.data_axis):
+            return
+        g, rank = self.unit.policy.reshard, comm.get_rank()
+        members = self.shards[name].placement.group(rank, self.unit.policy.data_axis)
+        first = members.index(rank) // g * g
+        group = members[first:first + g]
+        offset, size = balanced_split(full.shape[0], g)[group.index(rank)]
+        self.pieces[name] = (full.narrow(0, offset, size).clone(), group, tuple(full.shape))
+
+    def local(self, name: str) -> torch.Tensor:
+        """The gathered copy of ``name`` for one unpack; the last unpack of its views
+        drops it here (a node that lets it go early frees it: ``_LinearWeightLast``)."""
+        if self.fulls is not None and name not in self.fulls:   # unpacked once more
+            self.fulls[name] = self.unit.fetch({name: self.shards[name]}).finish()[name]
+        if self.fulls is None:
+            fetch, self.pending = self.pending, None
+            if fetch is not None and fetch.stale():   # the shards changed since it started
+                fetch.wait()
+                fetch = None
+            rest = sorted(set(self.saved) - set(self.pieces))
+            # the regather's own shards: a recompute (activation checkpointing) may have
+            # put gathered copies in the module meanwhile
+            if fetch is None and rest:
+                fetch = self.unit.fetch({n: self.shards[n] for n in rest})
+            before, self.before = self.before, None
+            if before is not None and before.start():   # its backward comes next
+                self.unit.root.prefetched.append(before)
+            self.fulls = fetch.finish() if fetch is not None else {}
+            started = {n: gather_rows(piece, group, shape, piece.dtype)
+                       for n, (piece, group, shape) in self.pieces.items()}
+            self.fulls.update({n: finish() for n, finish in started.items()})
+            self.pieces = {}
+        self.saved[name] -= 1
+        return self.fulls[name] if self.saved[name] > 0 else self.fulls.pop(name)
+
+
+def _pack(t):
+    if type(t) is GlobalTensor and t.local_part.numel():
+        found = _gathered.get(t.local_part.untyped_storage()._cdata)
+        if found is not None:
+            regather, name = found
+            regather.saved[name] = regather.saved.get(name, 0) + 1
+            local = t.local_part
+            return (regather, name, t.global_layout, tuple(t.stride()), tuple(local.size()),
+                    tuple(local.stride()), local.storage_offset())
+    return t
+
+
+def _unpack(packed):
+    if type(packed) is not tuple:
+        return packed
+    regather, name, layout, strides, size, stride, offset = packed
+    local = regather.local(name).as_strided(size, stride, offset)
+    return GlobalTensor(local, layout, strides=None if strides == layout.strides else strides)
