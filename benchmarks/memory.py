@@ -1,4 +1,5 @@
-"""Memory per rank: broadcast parameters vs gt.nn.fully_shard vs torch FSDP2 vs DDP.
+"""Memory per rank: broadcast parameters vs gt.nn.fully_shard (its default units, and
+FSDP2's: ``unit="call"`` on the modules FSDP2 wraps, then the root) vs torch FSDP2 vs DDP.
 
     python benchmarks/memory.py                       # 2 ranks, ~256 MiB of parameters
     python benchmarks/memory.py --dims 1024,1024,1024 --steps 2 --plot memory.png
@@ -59,7 +60,7 @@ from _common import local_device
 from memory_models import Spec
 from memory_phases import PhaseRecorder
 
-MODES = ["broadcast", "fully_shard", "fsdp2", "ddp"]
+MODES = ["broadcast", "fully_shard", "fully_shard_call", "fsdp2", "ddp"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -244,9 +245,15 @@ def _build(mode, spec, x_all, y_all, rank, world, policy, device):
     p = gt.placement.all(device.type)
     part = slice(rank * len(x_all) // world, (rank + 1) * len(x_all) // world)
     param_dtype, reduce_dtype, reshard = policy
-    if mode in ("broadcast", "fully_shard"):
+    if mode in ("broadcast", "fully_shard", "fully_shard_call"):
         if mode == "broadcast":
             gt.nn.to_global(model, p, gt.sbp.broadcast)
+        elif mode == "fully_shard_call":   # FSDP2's units: the modules it wraps, then the rest
+            for unit in spec.fsdp2_units(model):
+                gt.nn.fully_shard(unit, p, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                  reshard_after_forward=reshard, unit="call")
+            gt.nn.fully_shard(model, p, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                              reshard_after_forward=reshard, unit="call")
         elif param_dtype is None and reduce_dtype is None and reshard is True:
             gt.nn.fully_shard(model, p)    # the call every version of fully_shard takes
         else:

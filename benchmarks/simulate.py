@@ -8,17 +8,19 @@
         --heads 8 --layers 2 --seq 128 --vocab 1024      # estimated against real worlds here
 
 For each world size and layout, rank 0 of that world is simulated in this process (no
-other processes): its memory at the step's peak (parameters, gradients, optimizer
-state, all), the bytes it sends per step, and the estimated step time on the device
-profile. Layouts: ``dp`` data parallel (parameters broadcast, batch split), ``fs``
-fully_shard (each block a unit), ``tp`` Megatron tensor parallel over the whole world
-(q/k/v/fc1 split(0), proj/fc2 weight split(1)), ``2d`` data x Megatron on (world / 8)
-x 8. The batch holds ``--rows`` sequences per data-parallel rank. ``--model llama``:
-the Llama of ``examples/llama_2d.py`` (RMSNorm, rotary positions, grouped-query
-attention, SwiGLU) at the sizes given (defaults: width 2048, 16 layers, 32 heads, 8
-key/value heads, hidden 8192, vocabulary 32000, sequence 2048: about 1.2B parameters),
-Megatron's split on its q/k/v/w1/w3 (outputs) and wo/w2 (inputs). Estimates of the
-cost model and the profile: see docs/debugging.md for what they leave out.
+other processes): its memory at the step's peak (parameters, gradients, optimizer state,
+all), the bytes it sends per step, and the estimated step time on the device profile.
+Layouts: ``dp`` data parallel (parameters broadcast, batch split), ``fs`` fully_shard on
+each block and then the model (each module owning parameters a unit), ``fsc`` the same
+with FSDP2's units (``unit="call"``: each block one unit), ``tp`` Megatron tensor
+parallel over the whole world (q/k/v/fc1 split(0), proj/fc2 weight split(1)), ``2d``
+data x Megatron on (world / 8) x 8. The batch holds ``--rows`` sequences per
+data-parallel rank. ``--model llama``: the Llama of ``examples/llama_2d.py`` (RMSNorm,
+rotary positions, grouped-query attention, SwiGLU) at the sizes given (defaults: width
+2048, 16 layers, 32 heads, 8 key/value heads, hidden 8192, vocabulary 32000, sequence
+2048: about 1.2B parameters), Megatron's split on its q/k/v/w1/w3 (outputs) and wo/w2
+(inputs). Estimates of the cost model and the profile: see docs/debugging.md for what
+they leave out.
 
 ``--measure`` (``--device cpu``) also runs each point in a real world of that size on
 this machine (gloo, op by op): the median of ``--steps`` timed steps and the peak of
@@ -107,11 +109,12 @@ def _make(cfg, layout: str, rows: int):
         model, blocks, megatron, vocab, seq, loss_of = _model(cfg)
         if layout == "dp":
             gt.nn.to_global(model, P, gt.sbp.broadcast)
-        elif layout == "fs":
+        elif layout in ("fs", "fsc"):
             gt.nn.to_global(model, P, gt.sbp.broadcast)
+            unit = "call" if layout == "fsc" else "module"
             for block in blocks:
-                gt.nn.fully_shard(block, P)
-            gt.nn.fully_shard(model, P)
+                gt.nn.fully_shard(block, P, unit=unit)
+            gt.nn.fully_shard(model, P, unit=unit)
         else:   # Megatron over the world, or over axis 1 of the 2-D mesh
             tp = (lambda name, t: megatron(name)) if layout == "tp" else \
                 (lambda name, t: (gt.sbp.broadcast, megatron(name)))
@@ -139,14 +142,14 @@ def _measured(argv) -> None:
     import torch.distributed as dist
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from globaltensor.step_simulation import _by_kind
+    from globaltensor.step_simulation import _by_kind, _tracker
     args = _parser().parse_args(argv)
     gt.init()
     torch.manual_seed(0)
     step, model, opt = _make(_config(args), args.layout, args.rows)()
     for _ in range(3):
         step()
-    tracker = MemTracker()
+    tracker = _tracker(MemTracker)()   # (as the simulation's: gathered copies not hooked)
     tracker.track_external(model, opt)
     with tracker:
         step()

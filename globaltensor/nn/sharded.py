@@ -253,6 +253,7 @@ class _Unit:
         self.module, self.slots, self.root, self.policy = module, slots, root, root.policy
         self.shards: dict = {}
         self.saved: list = []    # per running forward: (saved-tensor hooks or None, regather)
+        self.refetcher = None    # this forward's, under activation checkpointing's hooks
 
     def gathered_layout(self, shard: GlobalTensor) -> Layout:
         sbp = list(shard.sbp)
@@ -287,6 +288,11 @@ class _Unit:
         regather = _Regather(self, self.shards) if self._reshards() else None
         if regather is not None:   # backward unpacks them in reverse: each starts the next
             regather.before, root.last_regather = root.last_regather, regather
+        # under someone else's hooks (activation checkpointing) what the unit's Linears
+        # gather again in backward is gathered once for them all (refetch_in_backward)
+        self.refetcher = _Regather(self, self.shards) if (
+            regather is None and self.policy.reshard is True and not self.policy.alone
+            and _foreign_hooks()) else None
         locals_ = fetch.finish()
         names = list(locals_)
         fulls = _Gathered.apply(self.policy, tuple(self.gathered_layout(self.shards[n])
@@ -319,7 +325,9 @@ class _Unit:
         """Under saved-tensor hooks of someone else's (activation checkpointing, whose
         recompute would otherwise hold every gathered weight of the recomputed block
         until its backward reaches each): a function that gathers parameter ``name``
-        again, for a node that then saves no copy; None where the copy is kept instead
+        again, for a node that then saves no copy (the unit's nodes share one gather in
+        backward, the first one's: a unit of a call gathers its Linears' weights once,
+        each dropped after its last use); None where the copy is kept instead
         (``reshard_after_forward`` False or an int, or ``name`` not gathered). Also where
         the unit is not gathered now: a checkpoint inside a unit of a call (a block's
         part) recomputes in backward, after the unit put its shards back."""
@@ -331,6 +339,10 @@ class _Unit:
                 or not _foreign_hooks()):
             return None
         layout = self.gathered_layout(shard)
+        refetcher = self.refetcher
+        if refetcher is not None and refetcher.shards.get(name) is shard:
+            refetcher.saved[name] = refetcher.saved.get(name, 0) + 1
+            return lambda: GlobalTensor(refetcher.local(name), layout)
 
         def refetch() -> GlobalTensor:
             return GlobalTensor(self.fetch({name: shard}).finish()[name], layout)
@@ -338,6 +350,7 @@ class _Unit:
 
     def release(self) -> None:
         hooks, regather = self.saved.pop() if self.saved else (None, None)
+        self.refetcher = None
         if hooks is not None:
             hooks.__exit__(None, None, None)
         for name, shard in self.shards.items():

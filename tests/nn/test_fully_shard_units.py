@@ -1,8 +1,9 @@
 """gt.nn.fully_shard's units in worlds of 2: ``unit="call"`` (FSDP2's: all a call shards
 in one unit) gathers once per call and direction and trains equal to one process, also
-with a checkpoint inside a unit (torchtitan's activation checkpointing of a block); the
-next unit's gather starts ahead across calls, and in backward each regather starts
-the one before it in forward order."""
+with a checkpoint inside a unit (torchtitan's activation checkpointing of a block) and
+around one (its Linears' weights then gathered once in backward); the next unit's
+gather starts ahead across calls, and in backward each regather starts the one before
+it in forward order."""
 from __future__ import annotations
 
 import torch
@@ -112,6 +113,48 @@ def check_a_checkpoint_inside_a_unit_of_a_call_recomputes_alike():
     assert not fs_module._gathered
 
 
+class _Outer(torch.nn.Module):
+    """Blocks each checkpointed from outside (the unit inside the checkpoint)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(
+            torch.nn.Linear(12, 32), torch.nn.GELU(), torch.nn.Linear(32, 12)) for _ in range(2))
+        self.head = torch.nn.Linear(12, 7)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return self.head(x)
+
+
+def check_a_unit_of_a_call_checkpointed_gathers_its_weights_once_in_backward():
+    """Checkpointed from outside, a unit's recompute gathers it once and its Linears'
+    weights come back in one gather for them all (not one per Linear); values equal
+    one process."""
+    def model():
+        torch.manual_seed(0)
+        return _Outer()
+    p = gt.placement.all("cpu")
+    reference, sharded = model(), model()
+    for block in sharded.blocks:
+        gt.nn.fully_shard(block, p, unit="call")
+    gt.nn.fully_shard(sharded, p, unit="call")
+    x, y = _data()
+    xs, ys = gt.tensor(x, placement=p, sbp=S(0)), gt.tensor(y, placement=p, sbp=S(0))
+    _, ref_losses = _train(reference, x, y)
+    _, losses = _train(sharded, xs, ys)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (losses, ref_losses)
+    _assert_same(sharded, reference)
+    loss = F.cross_entropy(sharded(xs), ys)
+    with gt.debug.comm_stats() as backward:
+        loss.backward()
+    # the head's weight again; per block its recompute's gather and its Linears' one
+    assert backward.calls["all_gather"] == 1 + 2 * 2, backward
+
+
+
 # (what a world of 4 would add: more ranks of the same messages)
 test_world2 = world_test(__name__, 2, ["check_a_call_is_one_unit_and_the_next_is_gathered_ahead",
-                                       "check_a_checkpoint_inside_a_unit_of_a_call_recomputes_alike"])
+                                       "check_a_checkpoint_inside_a_unit_of_a_call_recomputes_alike",
+                                       "check_a_unit_of_a_call_checkpointed_gathers_its_weights_once_in_backward"])
