@@ -5,7 +5,9 @@ gradient; and the regather, which gathers a unit's parameters again in backward 
 what autograd saved of them (a saved-tensor hook keeps the view's geometry, not the
 copy). A regather starts the one before it in forward order as it starts its own, so
 the next unit's gather in backward travels while this one computes (FSDP2's backward
-prefetch of one).
+prefetch of one). A unit of a call is gathered whole as its backward begins (FSDP2's
+pre-backward gather: a hook on its forward's outputs) and its copies stand in its
+modules until its gradients are in, so that a checkpoint inside it recomputes on them.
 
 >>> fulls = _Gathered.apply(policy, layouts, *shards, *locals_)   # doctest: +SKIP
 """
@@ -29,9 +31,9 @@ class _Gathered(torch.autograd.Function):
     apart in its forward holds the first gradient until the last one comes."""
 
     @staticmethod
-    def forward(ctx, policy, layouts: tuple, *shards_and_locals):   # (sharded._Policy)
+    def forward(ctx, policy, layouts: tuple, regather, *shards_and_locals):   # (sharded._Policy)
         shards, locals_ = shards_and_locals[:len(layouts)], shards_and_locals[len(layouts):]
-        ctx.policy = policy
+        ctx.policy, ctx.regather = policy, regather
         ctx.srcs = tuple(s.global_layout for s in shards)
         ctx.dtypes = tuple(s.dtype for s in shards)
         ctx.set_materialize_grads(False)    # an unused parameter's gradient stays None
@@ -44,8 +46,10 @@ class _Gathered(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         policy = ctx.policy
-        return (None, None, *reduce_to_parts(grads, ctx.srcs, policy.data_axis,
-                                             policy.reduce_dtype, ctx.dtypes),
+        if ctx.regather is not None:   # the unit's backward is over: its shards go back
+            ctx.regather.uninstall()
+        return (None, None, None, *reduce_to_parts(grads, ctx.srcs, policy.data_axis,
+                                                   policy.reduce_dtype, ctx.dtypes),
                 *(None for _ in grads))
 
 
@@ -118,15 +122,54 @@ class _Regather:
         self.fulls: dict | None = None
         self.before: "_Regather | None" = None   # the unit gathered before, this forward
         self.pending = None                       # its Fetch, started ahead (prefetch)
+        self.installed: dict | None = None        # name -> gathered, through the backward
+
+    def install(self) -> None:
+        """As the unit's backward begins (a unit of a call, from a hook on its forward's
+        outputs; FSDP2's pre-backward gather): all its parameters gathered at once and
+        put in its modules, so that a recompute inside it (a checkpoint in its forward)
+        computes on them and what autograd saved reads them; ``uninstall`` once its
+        gradients are in."""
+        if self.installed is not None or self.pieces:
+            return
+        fetch, self.pending = self.pending, None
+        if fetch is not None and fetch.stale():   # the shards changed since it started
+            fetch.wait()
+            fetch = None
+        rest = {n: s for n, s in self.shards.items() if fetch is None or n not in fetch.shards}
+        more = self.unit.fetch(rest) if rest else None
+        self._ahead()
+        got = fetch.finish() if fetch is not None else {}
+        got.update(more.finish() if more is not None else {})
+        self.installed, self.unit.installed = got, self
+        self.unit.put_back({n: GlobalTensor(t, self.unit.gathered_layout(self.shards[n]))
+                            .requires_grad_(self.shards[n].requires_grad)
+                            for n, t in got.items()})
+
+    def uninstall(self) -> None:
+        if self.installed is not None:
+            self.unit.put_back(self.shards)
+            self.installed = self.unit.installed = None
 
     def start(self) -> bool:
-        """Start gathering what autograd saved, ahead of the first unpack (the regather
-        after it in forward order calls this: its backward comes first). True if it
-        started; not with pieces kept (an int ``reshard_after_forward``)."""
-        if self.fulls is not None or self.pending is not None or self.pieces or not self.saved:
+        """Start gathering what autograd saved (a unit of a call: all it holds, for
+        ``install``), ahead of the first unpack (the regather after it in forward order
+        calls this: its backward comes first). True if it started; not with pieces kept
+        (an int ``reshard_after_forward``)."""
+        if (self.fulls is not None or self.installed is not None or self.pending is not None
+                or self.pieces):
             return False
-        self.pending = self.unit.fetch({n: self.shards[n] for n in sorted(self.saved)})
+        names = sorted(self.shards if self.unit.call else self.saved)   # (install: all)
+        if not names:
+            return False
+        self.pending = self.unit.fetch({n: self.shards[n] for n in names})
         return True
+
+    def _ahead(self) -> None:
+        """Start the regather before this one in forward order: its backward is next."""
+        before, self.before = self.before, None
+        if before is not None and before.start():
+            self.unit.root.prefetched.append(before)
 
     def keep_piece(self, name: str, full: torch.Tensor) -> None:
         if name not in self.saved or not concatenates(self.shards[name].global_layout,
@@ -142,6 +185,9 @@ class _Regather:
     def local(self, name: str) -> torch.Tensor:
         """The gathered copy of ``name`` for one unpack; the last unpack of its views
         drops it here (a node that lets it go early frees it: ``_LinearWeightLast``)."""
+        if self.installed is not None and name in self.installed:
+            self.saved[name] -= 1
+            return self.installed[name]
         if self.fulls is not None and name not in self.fulls:   # unpacked once more
             self.fulls[name] = self.unit.fetch({name: self.shards[name]}).finish()[name]
         if self.fulls is None:
@@ -154,9 +200,7 @@ class _Regather:
             # put gathered copies in the module meanwhile
             if fetch is None and rest:
                 fetch = self.unit.fetch({n: self.shards[n] for n in rest})
-            before, self.before = self.before, None
-            if before is not None and before.start():   # its backward comes next
-                self.unit.root.prefetched.append(before)
+            self._ahead()
             self.fulls = fetch.finish() if fetch is not None else {}
             started = {n: gather_rows(piece, group, shape, piece.dtype)
                        for n, (piece, group, shape) in self.pieces.items()}

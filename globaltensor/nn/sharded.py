@@ -17,7 +17,9 @@ recompute would otherwise hold every weight of the block until backward reaches 
 The next unit's gather starts before this unit computes (prefetch of one unit, in the
 order of the previous forward, across the calls made on a model's parts before the
 call on the model); in backward each regather starts the one before it in forward
-order (``shard_backward.py``). The gradient of a gathered parameter is partial on the
+order (``shard_backward.py``), and a unit of a call is gathered whole as its backward
+begins (FSDP2's pre-backward gather: a checkpoint inside it recomputes on the copies).
+The gradient of a gathered parameter is partial on the
 data axis (split batch); a unit's gradients go to their shards' layout together as soon
 as they are computed (``shard_comm.reduce_to_parts``: the full-size partials are freed
 then), so each rank's ``.grad`` and optimizer state are its part. An
@@ -43,7 +45,7 @@ from dataclasses import dataclass
 from typing import Union
 
 import torch
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from .. import heap
 from ..layout import Layout
@@ -143,7 +145,7 @@ def _make_units(module: torch.nn.Module, root: "_Root", unit: str) -> None:
     for head, slots in groups:
         if not slots:
             continue
-        made = head._gt_shard_head = _Unit(head, slots, root)
+        made = head._gt_shard_head = _Unit(head, slots, root, unit == "call")
         head.register_forward_pre_hook(untraced(_before_forward), with_kwargs=True)
         head.register_forward_hook(untraced(_after_forward), always_call=True)   # early-stopped recompute
         for key, (owner, name) in slots.items():
@@ -249,8 +251,10 @@ class _Unit:
     module that owns it, its name there); the key is the name for a unit of one module,
     the dotted path from ``module`` for a unit of a call."""
 
-    def __init__(self, module: torch.nn.Module, slots: dict, root: _Root):
+    def __init__(self, module: torch.nn.Module, slots: dict, root: _Root, call: bool = False):
         self.module, self.slots, self.root, self.policy = module, slots, root, root.policy
+        self.call = call         # a unit of a call (``fully_shard``'s unit="call")
+        self.installed = None    # the regather whose copies are in the modules now
         self.shards: dict = {}
         self.saved: list = []    # per running forward: (saved-tensor hooks or None, regather)
         self.refetcher = None    # this forward's, under activation checkpointing's hooks
@@ -268,6 +272,8 @@ class _Unit:
                      self.policy.data_axis, self.policy.param_dtype)
 
     def start(self) -> Fetch:
+        if self.installed is not None:   # a backward that gave it no gradient: shards back
+            self.installed.uninstall()
         return self.fetch({n: owner._parameters[k] for n, (owner, k) in self.slots.items()})
 
     def gather(self) -> None:
@@ -296,7 +302,7 @@ class _Unit:
         locals_ = fetch.finish()
         names = list(locals_)
         fulls = _Gathered.apply(self.policy, tuple(self.gathered_layout(self.shards[n])
-                                                   for n in names),
+                                                   for n in names), regather if self.call else None,
                                 *(self.shards[n] for n in names),
                                 *(locals_[n] for n in names)) if names else ()
         for name, full in zip(names, fulls):
@@ -344,9 +350,19 @@ class _Unit:
             refetcher.saved[name] = refetcher.saved.get(name, 0) + 1
             return lambda: GlobalTensor(refetcher.local(name), layout)
 
+        regather = self.saved[-1][1] if self.saved else None
+
         def refetch() -> GlobalTensor:
+            if regather is not None and regather.installed is not None:   # (a unit of a call)
+                return GlobalTensor(regather.installed[name], layout)
             return GlobalTensor(self.fetch({name: shard}).finish()[name], layout)
         return refetch
+
+    def put_back(self, tensors: dict) -> None:
+        """``tensors`` (key -> tensor) in place of the unit's parameters."""
+        for key, t in tensors.items():
+            owner, name = self.slots[key]
+            owner._parameters[name] = t
 
     def release(self) -> None:
         hooks, regather = self.saved.pop() if self.saved else (None, None)
@@ -380,4 +396,11 @@ def _before_forward(module, args, kwargs):
 
 
 def _after_forward(module, args, output):
-    module._gt_shard_head.release()
+    unit = module._gt_shard_head
+    regather = unit.saved[-1][1] if unit.call and unit.saved else None
+    outputs = [t for t in tree_flatten(output)[0]
+               if isinstance(t, torch.Tensor) and t.requires_grad]
+    if regather is not None and outputs:   # FSDP2's pre-backward gather (Regather.install)
+        torch.autograd.graph.register_multi_grad_hook(
+            outputs, lambda grads: regather.install(), mode="any")
+    unit.release()

@@ -66,8 +66,9 @@ def test_fully_shard_keeps_a_part_per_rank_and_gathers_it(unit):
     assert report.memory["parameters"] <= PARAMS / world + 4 * 4 * world, report.memory
     assert report.counted.calls["all_gather"] > 0, report
     # all of it gathered for forward; for backward again what backward reads: the
-    # second layer's weight (the first's gradient needs the input, not the weight)
-    again = H * D * 4
+    # second layer's weight (the first's gradient needs the input, not the weight);
+    # one unit of the call is gathered whole as its backward begins, as FSDP2's
+    again = H * D * 4 if unit == "module" else PARAMS
     assert report.counted.bytes["all_gather"] == (PARAMS + again) * (world - 1) // world
     # a unit per Linear: each gathers in forward, the second again; one unit of the
     # call (its modules' parameters are gathered copies while they run): once each way

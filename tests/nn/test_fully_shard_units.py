@@ -93,9 +93,9 @@ class _Checkpointed(torch.nn.Module):
 
 
 def check_a_checkpoint_inside_a_unit_of_a_call_recomputes_alike():
-    """The unit's gather runs before the checkpoint and not in its recompute (in
-    backward, the shards back in place): its Linears save alike in both (the input;
-    the weight gathered again in backward), and training equals one process."""
+    """The unit's gather runs before the checkpoint and not in its recompute: its
+    parameters are gathered again as its backward begins (FSDP2's pre-backward gather),
+    its Linears save alike in both passes, and training equals one process."""
     def model():
         torch.manual_seed(0)
         return torch.nn.Sequential(_Checkpointed(), _Checkpointed(), torch.nn.Linear(12, 7))
@@ -111,6 +111,14 @@ def check_a_checkpoint_inside_a_unit_of_a_call_recomputes_alike():
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (losses, ref_losses)
     _assert_same(sharded, reference)
     assert not fs_module._gathered
+    # before each unit's backward (its recompute included) its parameters are gathered
+    # once, as FSDP2's are: the two blocks' and the head's (not one per op read)
+    loss = F.cross_entropy(sharded(gt.tensor(x, placement=p, sbp=S(0))),
+                           gt.tensor(y, placement=p, sbp=S(0)))
+    with gt.debug.comm_stats() as backward:
+        loss.backward()
+    assert backward.calls["all_gather"] == 3, backward
+    assert all(q.sbp == (S(0),) for q in sharded.parameters())   # the shards back
 
 
 class _Outer(torch.nn.Module):
