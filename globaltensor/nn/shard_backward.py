@@ -142,6 +142,9 @@ class _Regather:
         got = fetch.finish() if fetch is not None else {}
         got.update(more.finish() if more is not None else {})
         self.installed, self.unit.installed = got, self
+        # out at the end of this backward at the latest: a unit whose parameters get no
+        # gradient (all frozen) never runs ``_Gathered.backward``
+        torch.autograd.Variable._execution_engine.queue_callback(self.uninstall)
         self.unit.put_back({n: GlobalTensor(t, self.unit.gathered_layout(self.shards[n]))
                             .requires_grad_(self.shards[n].requires_grad)
                             for n, t in got.items()})

@@ -119,6 +119,13 @@ def check_a_checkpoint_inside_a_unit_of_a_call_recomputes_alike():
         loss.backward()
     assert backward.calls["all_gather"] == 3, backward
     assert all(q.sbp == (S(0),) for q in sharded.parameters())   # the shards back
+    # a frozen block after a trained one: gathered for its backward, no gradient of its
+    # own; its shards are back when the backward ends
+    for q in sharded[1].parameters():
+        q.requires_grad_(False)
+    F.cross_entropy(sharded(gt.tensor(x, placement=p, sbp=S(0))),
+                    gt.tensor(y, placement=p, sbp=S(0))).backward()
+    assert all(q.sbp == (S(0),) for q in sharded.parameters())
 
 
 class _Outer(torch.nn.Module):
