@@ -35,6 +35,23 @@ def _logged_regather(regather):
     return started
 
 
+def _trained_in_units_of_calls(model, blocks):
+    """``model()`` (seeded) trained in one process and with a unit per call (each of
+    ``blocks(it)``, then the rest), the same to 1e-5; (the sharded model, its batch)."""
+    p = gt.placement.all("cpu")
+    reference, sharded = model(), model()
+    for block in blocks(sharded):
+        gt.nn.fully_shard(block, p, unit="call")
+    gt.nn.fully_shard(sharded, p, unit="call")
+    x, y = _data()
+    xs, ys = gt.tensor(x, placement=p, sbp=S(0)), gt.tensor(y, placement=p, sbp=S(0))
+    _, ref_losses = _train(reference, x, y)
+    _, losses = _train(sharded, xs, ys)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (losses, ref_losses)
+    _assert_same(sharded, reference)
+    return sharded, xs, ys
+
+
 def check_a_call_is_one_unit_and_the_next_is_gathered_ahead():
     """``unit="call"`` (FSDP2's units): each call's parameters gather in one collective;
     the next block's gather starts before this one computes, across calls, and in
@@ -45,17 +62,8 @@ def check_a_call_is_one_unit_and_the_next_is_gathered_ahead():
         return torch.nn.Sequential(*(torch.nn.Sequential(
             torch.nn.Linear(12, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),
             torch.nn.Linear(32, 12)) for _ in range(2)), torch.nn.Linear(12, 7))
-    p, rank = gt.placement.all("cpu"), gt.get_rank()
-    reference, model = blocks(), blocks()
-    for block in model[:2]:
-        gt.nn.fully_shard(block, p, unit="call")
-    gt.nn.fully_shard(model, p, unit="call")
-    x, y = _data()
-    xs, ys = gt.tensor(x, placement=p, sbp=S(0)), gt.tensor(y, placement=p, sbp=S(0))
-    _, ref_losses = _train(reference, x, y)
-    _, losses = _train(model, xs, ys)
-    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (losses, ref_losses)
-    _assert_same(model, reference)
+    rank = gt.get_rank()
+    model, xs, ys = _trained_in_units_of_calls(blocks, lambda m: m[:2])
     for block in model[:2]:   # (runs after the block's gather)
         block[0].register_forward_pre_hook(
             lambda m, a: _EVENTS.setdefault(rank, []).append(("compute", m)))
@@ -99,22 +107,11 @@ def check_a_checkpoint_inside_a_unit_of_a_call_recomputes_alike():
     def model():
         torch.manual_seed(0)
         return torch.nn.Sequential(_Checkpointed(), _Checkpointed(), torch.nn.Linear(12, 7))
-    p = gt.placement.all("cpu")
-    reference, sharded = model(), model()
-    for block in sharded[:2]:
-        gt.nn.fully_shard(block, p, unit="call")
-    gt.nn.fully_shard(sharded, p, unit="call")
-    x, y = _data()
-    _, ref_losses = _train(reference, x, y)
-    _, losses = _train(sharded, gt.tensor(x, placement=p, sbp=S(0)),
-                       gt.tensor(y, placement=p, sbp=S(0)))
-    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (losses, ref_losses)
-    _assert_same(sharded, reference)
+    sharded, xs, ys = _trained_in_units_of_calls(model, lambda m: m[:2])
     assert not fs_module._gathered
     # before each unit's backward (its recompute included) its parameters are gathered
     # once, as FSDP2's are: the two blocks' and the head's (not one per op read)
-    loss = F.cross_entropy(sharded(gt.tensor(x, placement=p, sbp=S(0))),
-                           gt.tensor(y, placement=p, sbp=S(0)))
+    loss = F.cross_entropy(sharded(xs), ys)
     with gt.debug.comm_stats() as backward:
         loss.backward()
     assert backward.calls["all_gather"] == 3, backward
@@ -123,8 +120,7 @@ def check_a_checkpoint_inside_a_unit_of_a_call_recomputes_alike():
     # own; its shards are back when the backward ends
     for q in sharded[1].parameters():
         q.requires_grad_(False)
-    F.cross_entropy(sharded(gt.tensor(x, placement=p, sbp=S(0))),
-                    gt.tensor(y, placement=p, sbp=S(0))).backward()
+    F.cross_entropy(sharded(xs), ys).backward()
     assert all(q.sbp == (S(0),) for q in sharded.parameters())
 
 
@@ -150,17 +146,7 @@ def check_a_unit_of_a_call_checkpointed_gathers_its_weights_once_in_backward():
     def model():
         torch.manual_seed(0)
         return _Outer()
-    p = gt.placement.all("cpu")
-    reference, sharded = model(), model()
-    for block in sharded.blocks:
-        gt.nn.fully_shard(block, p, unit="call")
-    gt.nn.fully_shard(sharded, p, unit="call")
-    x, y = _data()
-    xs, ys = gt.tensor(x, placement=p, sbp=S(0)), gt.tensor(y, placement=p, sbp=S(0))
-    _, ref_losses = _train(reference, x, y)
-    _, losses = _train(sharded, xs, ys)
-    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (losses, ref_losses)
-    _assert_same(sharded, reference)
+    sharded, xs, ys = _trained_in_units_of_calls(model, lambda m: m.blocks)
     loss = F.cross_entropy(sharded(xs), ys)
     with gt.debug.comm_stats() as backward:
         loss.backward()
