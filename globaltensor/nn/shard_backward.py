@@ -103,7 +103,6 @@ class _LinearWeightLast(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-
 # The storage (its StorageImpl, ``_cdata``: fake ones have no data pointer) of each
 # gathered copy alive in some forward -> (its unit's regather, parameter name).
 _gathered: dict = {}
@@ -187,7 +186,8 @@ class _Regather:
 
     def local(self, name: str) -> torch.Tensor:
         """The gathered copy of ``name`` for one unpack; the last unpack of its views
-        drops it here (a node that lets it go early frees it: ``_LinearWeightLast``)."""
+        drops it here (a node that lets it go early frees it: ``_LinearWeightLast``),
+        unless the unit's copies are installed for its backward (``install``)."""
         if self.installed is not None and name in self.installed:
             self.saved[name] -= 1
             return self.installed[name]
