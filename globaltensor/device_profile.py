@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import mmap
 import os
 import statistics
 import threading
@@ -23,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from . import cost, modes, simulated
+from . import cost, heap, modes, simulated
 from .layout import Layout
 from .placement import Placement
 from .sbp import broadcast
@@ -62,6 +63,10 @@ class DeviceProfile:
     # How fast each of them runs while they all do (1: as fast as alone): a machine's
     # cores share memory bandwidth and caches (a virtual machine's, maybe more).
     together: float = 1.0
+    # Seconds per byte of a fresh host block's first touch (its pages fault in): what
+    # each new tensor of ``heap.MAPPED_BYTES`` or more costs where fully_shard maps
+    # them (a "cpu" placement); 0: not counted (device memory, a caching allocator).
+    fault_seconds: float = 0.0
 
     def flops(self, dtype: torch.dtype) -> float:
         name = str(dtype).replace("torch.", "")
@@ -108,11 +113,29 @@ def cpu_profile() -> DeviceProfile:
         bandwidth = 9 * c.nbytes / sum(map(_best_seconds, (
             lambda: c + c, lambda: F.gelu(c), lambda: torch.softmax(c, -1),
             lambda: F.layer_norm(c, (1024,)))))
+        faults = _fault_seconds()
     host, cores = host_op_seconds(), os.cpu_count() or 1
     slower = _slower_in_a_step(flops, bandwidth, host)
     return DeviceProfile("this CPU (measured)", {"float32": flops / slower}, bandwidth / slower,
                          (Link(None, 1 / cost.GLOO.beta, cost.GLOO.alpha, cost.GLOO.launch),),
-                         "gloo", op_seconds=host, cores=cores, together=_together(a, b, cores))
+                         "gloo", op_seconds=host, cores=cores, together=_together(a, b, cores),
+                         fault_seconds=faults)
+
+
+def _fault_seconds() -> float:
+    """Seconds per byte that the first write of a freshly mapped 16 MiB block takes
+    beyond a second write's (its pages fault in: the kernel maps and zeroes each), the
+    least of three blocks."""
+    size, best = 16 << 20, math.inf
+    for _ in range(3):
+        block = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
+        begin = time.perf_counter()
+        block.fill_(1)
+        first = time.perf_counter() - begin
+        begin = time.perf_counter()
+        block.fill_(2)
+        best = min(best, max(0.0, first - (time.perf_counter() - begin)) / size)
+    return best
 
 
 def _together(a: torch.Tensor, b: torch.Tensor, cores: int) -> float:
@@ -259,6 +282,7 @@ class Costing(modes.Mode):
         self.rank = rank
         self.macs: Counter = Counter()
         self.other_bytes = 0
+        self.fresh_bytes = 0   # of new tensors of heap.MAPPED_BYTES or more (host blocks)
         self.ops = 0   # every call carried out (views, boxing too): each costs host time
 
     def run(self, func, decision, leaves: list, spec, why):
@@ -275,6 +299,10 @@ class Costing(modes.Mode):
         dtype = decision.out_dtypes[0] if decision.out_dtypes else torch.float32
         here = self.rank
         macs = cost.product_macs(func, tuple(ins), here)
+        if not any(r.alias_info is not None for r in func._schema.returns):   # new tensors
+            for t in outs:
+                size = dtype.itemsize * math.prod(t.local_shape(here))
+                self.fresh_bytes += size if size >= heap.MAPPED_BYTES else 0
         if macs is not None:
             self.macs[dtype] += macs
         elif not cost.writes_nothing(func):

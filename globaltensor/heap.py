@@ -50,6 +50,10 @@ def _c_function(library: Optional[str], name: str, argtypes: list,
 _MALLOC_TRIM = _c_function(None, "malloc_trim", [ctypes.c_size_t])
 _MALLOPT = _c_function(None, "mallopt", [ctypes.c_int, ctypes.c_int])
 _mapped = False
+# Whether this rank's program maps its large host blocks (fully_shard on a "cpu"
+# placement; inside ``left_alone`` it would have): a simulated step prices the page
+# faults of every fresh block (``gt.debug.simulate_step``).
+faulting = False
 
 
 # MKL's service functions: torch builds that link MKL into libtorch_cpu export them
@@ -75,9 +79,11 @@ def release_free_heap() -> bool:
 def maps_large_blocks(device_type: str) -> bool:
     """Whether fully_shard on ``device_type`` fixes malloc's mmap threshold: host
     tensors under glibc, unless ``GLOBALTENSOR_TRIM_HEAP=0`` (or inside
-    ``left_alone``)."""
-    return (device_type == "cpu" and _MALLOPT is not None and not _left_alone
-            and env.trim_heap_enabled())
+    ``left_alone``, where it only notes that it would: ``faulting``)."""
+    global faulting
+    would = device_type == "cpu" and _MALLOPT is not None and env.trim_heap_enabled()
+    faulting = faulting or would
+    return would and not _left_alone
 
 
 _left_alone = 0   # open ``left_alone`` blocks

@@ -76,6 +76,7 @@ PER_RANK: dict[str, dict[str, Callable]] = {
     "globaltensor.retrace": {"_pending": lambda m: None},
     "globaltensor.comm.fingerprint": {"_seq": lambda m: {}, "_pairs": lambda m: {},
                                       "_rank": lambda m: None},
+    "globaltensor.heap": {"faulting": lambda m: False},
 }
 # A rank's own variables, as a process's are: the launcher's, and every GLOBALTENSOR_
 # knob (a rank that sets one for itself, as a test setting a read timeout does, sets it

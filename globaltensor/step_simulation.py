@@ -15,9 +15,12 @@ is measured:
 - its memory at its peak, by kind: torch's ``MemTracker`` on the local parts
   (parameters, gradients, optimizer state, activations, other);
 - its compute: multiply-adds of products (mm, bmm, addmm, baddbmm, fused attention) on
-  this rank's parts, and bytes read and written by the other ops;
+  this rank's parts, bytes read and written by the other ops, and the bytes of new
+  tensors of ``heap.MAPPED_BYTES`` or more where the program maps host blocks one by
+  one (fully_shard on a "cpu" placement: their pages fault in, ``fresh_bytes``);
 - an estimated time from a ``DeviceProfile``: products at the profile's rate for
-  their dtype, other ops at its memory bandwidth, each call carried out as the host's
+  their dtype, other ops at its memory bandwidth, fresh host blocks at its
+  ``fault_seconds`` per byte, each call carried out as the host's
   ``op_seconds`` (overlapping the kernels on a GPU, added to them on a CPU, whose
   ``cores`` a node's ranks share), each collective as its link's launch, the latency
   of its hops and its bytes over the slowest link its group spans (within a node,
@@ -49,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -95,6 +99,7 @@ class SimulatedStep:
     result: object = field(default=None, repr=False)
     ops: int = 0                 # calls carried out on this rank
     ranks_per_node: int = 1      # (the ranks that share a node's ``device.cores``)
+    fresh_bytes: int = 0         # of new host blocks whose pages fault in (fully_shard, cpu)
 
     @property
     def _shared(self) -> float:
@@ -109,7 +114,9 @@ class SimulatedStep:
     @property
     def compute_seconds(self) -> float:
         products = sum(2 * n / self.device.flops(dtype) for dtype, n in self.macs.items())
-        return (products + self.other_bytes / self.device.memory_bandwidth) * self._shared
+        faults = self.fresh_bytes * self.device.fault_seconds
+        return (products + self.other_bytes / self.device.memory_bandwidth + faults) \
+            * self._shared
 
     @property
     def host_seconds(self) -> float:
@@ -227,9 +234,11 @@ def _simulate(fn: Callable, args: tuple, kwargs: dict, rank: int, world: int,
             tracker.track_external(*tracked)
         with stats.dry_run(events=True) as counted, tracker, costing:
             result = step()
+    # (the program maps its large host blocks, as fully_shard on a "cpu" placement does)
+    fresh = costing.fresh_bytes if heap.faulting else 0
     return SimulatedStep(world, rank, profile, counted, tuple(counted.events),
                          _by_kind(tracker), dict(costing.macs), costing.other_bytes, result,
-                         costing.ops, local)
+                         costing.ops, local, fresh)
 
 
 def _tracker(base: type) -> type:
@@ -240,7 +249,11 @@ def _tracker(base: type) -> type:
     class Tracker(base):
         def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
             leaves = all(p.is_leaf for p in module.parameters())
-            return super()._track_module_params_and_buffers(module, install_grad_hooks and leaves)
+            with warnings.catch_warnings():   # (it reads .grad of each: None on a copy)
+                warnings.filterwarnings("ignore", "The .grad attribute of a Tensor that "
+                                        "is not a leaf")
+                return super()._track_module_params_and_buffers(
+                    module, install_grad_hooks and leaves)
     return Tracker
 
 

@@ -109,7 +109,7 @@ def fully_shard(module: torch.nn.Module, placement: Placement,
             sbp[data_axis] = Split(0)
         return tuple(sbp)
 
-    host = heap.maps_large_blocks(placement.type) and not policy.alone
+    host = not policy.alone and heap.maps_large_blocks(placement.type)
     if host:
         heap.map_large_blocks()
     to_global(module, placement, storage_sbp)

@@ -267,6 +267,33 @@ def test_host_time_per_call_and_ranks_that_share_cores():
     assert h100.host_seconds > 0
 
 
+def test_fresh_host_blocks_of_a_fully_sharded_program_fault_in(monkeypatch):
+    """fully_shard on a "cpu" placement maps every host block of heap.MAPPED_BYTES or
+    more on its own, whose pages fault in as each new tensor is written: the estimate
+    adds them at the profile's ``fault_seconds``; data parallelism maps nothing, nor
+    does fully_shard with GLOBALTENSOR_TRIM_HEAP=0. This process's malloc is left alone."""
+    from globaltensor import heap
+    rates = ({"float32": 1e11}, 1e10, (Link(None, 1e9, 1e-5),))
+    plain, faulting = (DeviceProfile("cpu", *rates, "gloo", op_seconds=0.0, fault_seconds=f)
+                       for f in (0.0, 1e-9))
+    mapped = heap._mapped
+
+    def rows(n):   # a batch whose activations (n x 256 floats) are fresh mapped blocks
+        return _make("fs", rows_per_rank=n)
+    fs, fs_faulting = (gt.debug.simulate_step(rows(256), placement=_world(2), device=d)
+                       for d in (plain, faulting))
+    assert fs.fresh_bytes >= 256 * H * 4 > 0, fs.fresh_bytes   # at least the hidden layer
+    assert fs_faulting.compute_seconds == pytest.approx(fs.compute_seconds
+                                                        + fs.fresh_bytes * 1e-9)
+    dp = gt.debug.simulate_step(_make("dp", rows_per_rank=256), placement=_world(2),
+                                device=faulting)
+    assert dp.fresh_bytes == 0
+    monkeypatch.setenv("GLOBALTENSOR_TRIM_HEAP", "0")
+    assert gt.debug.simulate_step(rows(256), placement=_world(2), device=faulting
+                                  ).fresh_bytes == 0
+    assert heap._mapped == mapped
+
+
 def test_this_cpu_is_measured_as_one_rank_of_a_world_here_runs():
     """The "cpu" profile: one thread's rates (a launched rank's), a small training
     step's host time per call, this machine's cores; the caller's threads untouched."""
@@ -280,6 +307,7 @@ def test_this_cpu_is_measured_as_one_rank_of_a_world_here_runs():
     assert profile.matmul_flops["float32"] > 1e9 and profile.memory_bandwidth > 1e8
     assert profile.links[0].launch > 0               # gloo's start of a collective
     assert 0 < profile.together <= 1                 # cores busy at once: as fast or slower
+    assert 0 < profile.fault_seconds < 1e-8          # a fresh page's first touch: GB/s
     # the rates are scaled to what a step's kernels do, at most the kernels' own rates
     # alone (a 512 x 256 x 1024 product, best of a few)
     a, b = torch.randn(512, 256), torch.randn(256, 1024)
