@@ -380,6 +380,7 @@ class _Unit:
             owner._parameters[key] = shard
         self.shards = {}
 
+
 def _foreign_hooks() -> bool:
     """Whether saved-tensor hooks other than fully_shard's own are active (activation
     checkpointing's; a unit of a call around this one pushed ours)."""
