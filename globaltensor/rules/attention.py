@@ -7,10 +7,11 @@ parallel, and Megatron-style head parallel): every tensor argument and output th
 has that dim (q, k, v, the output, the log-sum-exp, a full-size attention bias, the
 gradients) keeps the split; the others (random-state scalars, a bias broadcast over
 that dim) are broadcast. A split sequence (context parallel) stays split through the
-CPU kernel, computed as ring attention (``ring_attention.py``; a mask split on its
-query rows); the cost model weighs its hops (``cost.ring_seconds``) against moving to
-a head split and back (all-to-all, as DeepSpeed-Ulysses) or gathering. The CUDA
-kernels gather a split sequence. Dropout
+CPU and the CUDA flash kernels, computed as ring attention (``ring_attention.py``; on
+the CPU one, a mask split on its query rows); the cost model weighs its hops
+(``cost.ring_seconds``) against moving to a head split and back (all-to-all, as
+DeepSpeed-Ulysses) or gathering. The CUDA memory-efficient and cuDNN kernels gather a
+split sequence or move it to a head split. Dropout
 inside a kernel would draw per part, not as on the whole tensor, so it runs only
 broadcast; ``F.scaled_dot_product_attention`` with dropout does not reach these
 kernels (``functional.py`` computes it with placement-invariant dropout).
@@ -22,7 +23,12 @@ import torch
 from ..sbp import Split, broadcast, partial_sum
 from ..tensor import GlobalTensor
 from .registry import register
-from .ring_attention import flash_backward_local, flash_forward_local
+from .ring_attention import (
+    cuda_flash_backward_local,
+    cuda_flash_forward_local,
+    flash_backward_local,
+    flash_forward_local,
+)
 
 aten = torch.ops.aten
 B = broadcast
@@ -67,7 +73,9 @@ def attention_rule(call):
     if len(names) != n_in or not {"query", "key", "value"} <= set(shapes):
         return cands
     q = shapes["query"]
-    for d in (0, 1, 2) if call.func in _RING else (0, 1):
+    # the ring gives no attention weights (the CUDA flash kernel's debug mask)
+    ring = call.func in _RING and not call.arg("return_debug_mask", False)
+    for d in (0, 1, 2) if ring else (0, 1):
         if len({shapes[n][d] for n in ("query", "key", "value")}) != 1:
             continue  # grouped-query (heads differ in count) or cross attention (lengths)
         ins = tuple(_sbp_of(s, q, d, n in ("attn_mask", "attn_bias"))
@@ -79,14 +87,18 @@ def attention_rule(call):
 
 
 _RING = (aten._scaled_dot_product_flash_attention_for_cpu.default,
-         aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+         aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+         aten._scaled_dot_product_flash_attention.default,
+         aten._scaled_dot_product_flash_attention_backward.default)
 register(aten._scaled_dot_product_flash_attention_for_cpu,
          local=flash_forward_local)(attention_rule)
 register(aten._scaled_dot_product_flash_attention_for_cpu_backward,
          local=flash_backward_local)(attention_rule)
 register(aten._scaled_dot_product_flash_attention,
-         aten._scaled_dot_product_flash_attention_backward,
-         aten._scaled_dot_product_efficient_attention,
+         local=cuda_flash_forward_local)(attention_rule)
+register(aten._scaled_dot_product_flash_attention_backward,
+         local=cuda_flash_backward_local)(attention_rule)
+register(aten._scaled_dot_product_efficient_attention,
          aten._scaled_dot_product_efficient_attention_backward,
          aten._scaled_dot_product_cudnn_attention,
          aten._scaled_dot_product_cudnn_attention_backward)(attention_rule)

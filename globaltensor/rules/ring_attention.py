@@ -15,11 +15,13 @@ own causal mask on the diagonal block (same offsets); any other partial overlap 
 an explicit mask. An attention mask split on its query rows (a padding mask) is cut
 per key block. Uneven splits are fine: every block's size comes from the layout.
 
-These are the local implementations of the CPU flash kernel and its backward
-(``attention.py`` offers the sequence split for them); with any other signature they
-run the kernel as it is. ``gt.nn.packed_attention`` walks the same ring on any device:
-off the CPU each block runs as plain ops with its log-sum-exp (``math_forward``,
-``math_backward``), a block's scores at a time.
+These are the local implementations of the flash kernels and their backward, the
+CPU one and the CUDA one (``attention.py`` offers the sequence split for them); with
+any other signature they run the kernel as it is. On the CUDA kernel each block runs
+the kernel itself, as torch's own context parallel does (a block that would need a mask,
+which that kernel takes none of, runs as plain ops). ``gt.nn.packed_attention`` walks the
+same ring on any device: off the CPU each block runs as plain ops with its log-sum-exp
+(``math_forward``, ``math_backward``), a block's scores at a time.
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ from ..sbp import Split
 aten = torch.ops.aten
 _FORWARD = aten._scaled_dot_product_flash_attention_for_cpu.default
 _BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+_CUDA_FORWARD = aten._scaled_dot_product_flash_attention.default
+_CUDA_BACKWARD = aten._scaled_dot_product_flash_attention_backward.default
 SEQ = 2   # (batch, heads, sequence, head dim)
 
 
@@ -216,8 +220,12 @@ def _empty_forward(query, value) -> tuple:
             torch.full(query.shape[:-1], float("-inf"), device=query.device))
 
 
-def ring_forward(ring: _Ring, query, key, value, causal: bool, mask, scale, documents=None):
-    """(output, log-sum-exp) of this rank's queries against every key block."""
+def ring_forward(ring: _Ring, query, key, value, causal: bool, mask, scale, documents=None,
+                 block_forward=None):
+    """(output, log-sum-exp) of this rank's queries against every key block
+    (``block_forward``: one block's, ``_block_forward``'s arguments and result; by
+    default ``_block_forward`` itself)."""
+    block_forward = block_forward or _block_forward
     out, lse = _empty_forward(query, value)
     out = out.float()
     held = [key, value]
@@ -227,8 +235,8 @@ def ring_forward(ring: _Ring, query, key, value, causal: bool, mask, scale, docu
         if query.numel() and held[0].numel():
             for rows, cols, is_causal, explicit in ring.pairs(block, causal, mask, query,
                                                               documents):
-                o, l = _block_forward(*_parts(query, held[0], held[1], rows=rows, cols=cols),
-                                      is_causal, explicit, scale)
+                o, l = block_forward(*_parts(query, held[0], held[1], rows=rows, cols=cols),
+                                     is_causal, explicit, scale)
                 if explicit is not None:   # the kernel gives a row that sees no key lse 0
                     l = l.masked_fill(~(explicit > float("-inf")).any(-1), float("-inf"))
                 _merge(out, lse, rows, o, l)
@@ -273,8 +281,11 @@ def flash_backward_local(ctx, grad_out, query, key, value, out, logsumexp, dropo
 
 
 def ring_backward(ring: _Ring, grad_out, query, key, value, out, logsumexp, causal: bool,
-                  mask, scale, documents=None):
-    """(query, key, value gradients) of this rank's parts: the ring walked again."""
+                  mask, scale, documents=None, block_backward=None):
+    """(query, key, value gradients) of this rank's parts: the ring walked again
+    (``block_backward``: one block's, ``_block_backward``'s arguments and result; by
+    default ``_block_backward`` itself)."""
+    block_backward = block_backward or _block_backward
     grad_q = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
     held = [key, value, torch.zeros(key.shape, dtype=torch.float32, device=key.device),
             torch.zeros(value.shape, dtype=torch.float32, device=value.device)]
@@ -286,7 +297,7 @@ def ring_backward(ring: _Ring, grad_out, query, key, value, out, logsumexp, caus
                 g, q, o = (_parts(t, rows=rows, cols=cols)[0] for t in (grad_out, query, out))
                 lse = logsumexp[..., rows]
                 k, v = _parts(query, held[0], held[1], rows=rows, cols=cols)[1:]
-                dq, dk, dv = _block_backward(g, q, k, v, o, lse, is_causal, explicit, scale)
+                dq, dk, dv = block_backward(g, q, k, v, o, lse, is_causal, explicit, scale)
                 grad_q[..., rows, :] += dq
                 held[2][..., cols, :] += dk
                 held[3][..., cols, :] += dv
@@ -300,6 +311,65 @@ def ring_backward(ring: _Ring, grad_out, query, key, value, out, logsumexp, caus
             held[2:], work = ring.pass_on(held[2:], block)
         work.wait()
     return grad_q.to(query.dtype), held[2].to(key.dtype), held[3].to(value.dtype)
+
+
+
+def cuda_flash_forward_local(ctx, query, key, value, dropout_p=0.0, is_causal=False,
+                             return_debug_mask=False, *, scale=None):
+    """``_scaled_dot_product_flash_attention`` (the CUDA flash kernel) on this rank's
+    parts: the kernel itself, or ring attention where the sequence is split, each block
+    on the kernel. The ring's other outputs are the kernel's kinds (empty random state:
+    no dropout here) with the whole call's sequence lengths."""
+    if not _is_ring(ctx, 1):
+        return _CUDA_FORWARD(query, key, value, dropout_p, is_causal, return_debug_mask,
+                             scale=scale)
+    ring = _Ring(ctx.in_layouts[0], ctx.in_layouts[1], ctx.rank)
+    out, lse = ring_forward(ring, query, key, value, is_causal, None, scale,
+                            block_forward=_cuda_block_forward)
+    # what the kernel's outputs after these are (their kinds change between torch
+    # versions), from its meta implementation on parts of these shapes
+    kinds = _CUDA_FORWARD(*(torch.empty_like(t, device="meta") for t in (query, key, value)),
+                          0.0, is_causal, False, scale=scale)[2:]
+    rest = [torch.empty(o.shape, dtype=o.dtype, device=query.device)
+            if isinstance(o, torch.Tensor) else o for o in kinds]
+    rest[2], rest[3] = ctx.in_layouts[0].shape[SEQ], ctx.in_layouts[1].shape[SEQ]
+    return (out, lse, *rest)
+
+
+def cuda_flash_backward_local(ctx, grad_out, query, key, value, out, logsumexp, cum_seq_q,
+                              cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed,
+                              philox_offset, *, scale=None):
+    """``_scaled_dot_product_flash_attention_backward`` on this rank's parts: the kernel
+    itself, or ring attention's backward where the sequence is split (each block's
+    backward on the kernel, with the whole rows' output and log-sum-exp)."""
+    if not _is_ring(ctx, 2):
+        return _CUDA_BACKWARD(grad_out, query, key, value, out, logsumexp, cum_seq_q,
+                              cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed,
+                              philox_offset, scale=scale)
+    ring = _Ring(ctx.in_layouts[1], ctx.in_layouts[2], ctx.rank)
+    return ring_backward(ring, grad_out, query, key, value, out, logsumexp, is_causal, None,
+                         scale, block_backward=functools.partial(
+                             _cuda_block_backward, philox_seed, philox_offset))
+
+
+def _cuda_block_forward(query, key, value, causal: bool, mask, scale):
+    """``_block_forward`` on the CUDA flash kernel (which takes no mask: a block that
+    needs one runs as plain ops)."""
+    if mask is not None:
+        return math_forward(query, key, value, causal, mask, scale)
+    found = _CUDA_FORWARD(query, key, value, 0.0, causal, False, scale=scale)
+    return found[0], found[1]
+
+
+def _cuda_block_backward(seed, offset, grad_out, query, key, value, out, lse, causal: bool,
+                         mask, scale):
+    """``_block_backward`` on the CUDA flash kernel. The rows' log-sum-exp is cut from
+    the whole part's: made contiguous, as the kernel reads it."""
+    if mask is not None:
+        return math_backward(grad_out, query, key, value, out, lse, causal, mask, scale)
+    return _CUDA_BACKWARD(grad_out, query, key, value, out, lse.contiguous(), None, None,
+                          query.shape[SEQ], key.shape[SEQ], 0.0, causal, seed, offset,
+                          scale=scale)
 
 
 def _runs(span: tuple, positions) -> list:

@@ -1,6 +1,7 @@
 """The sequence split and the expert split on cuda placements equal one plain process:
-attention of q, k, v split on the sequence (on cuda the fused kernels move them to a
-head split or gather them; the aten-level ring is the CPU kernel's),
+attention of q, k, v split on the sequence (in half precision on the flash kernel, CUDA's
+on a GPU, as ring attention: nothing gathered; the other fused kernels move them to a
+head split or gather them),
 ``gt.nn.packed_attention`` (its ring's blocks as plain ops off the CPU), and
 ``gt.nn.MoE`` with its experts split, forward and backward."""
 from __future__ import annotations
@@ -45,6 +46,32 @@ def check_sequence_split_attention():
     _close(ins[1].grad, plain[1].grad, "packed attention: gradient of k")
 
 
+
+def check_sequence_split_attention_on_the_flash_kernel():
+    """bf16 q, k, v split on the sequence through the flash kernel (CUDA's on a GPU,
+    each ring block on it) go round the ring, neither gathered nor moved to a head
+    split, and equal the kernel on the whole tensors in one process."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    n = gt.get_world_size()
+    P, g = place(list(range(n))), seeded(49)
+    q, k, v, grad = (torch.randn(2, 4, 64 * n + 8, 64, generator=g).to(torch.bfloat16)
+                     for _ in range(4))
+    want = [t.to(local_device()).requires_grad_() for t in (q, k, v)]
+    tol = dict(rtol=2e-2, atol=2e-2)   # the ring merges blocks in fp32, the kernel does not
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        ref = F.scaled_dot_product_attention(*want, is_causal=True)
+        ref.backward(grad.to(local_device()))
+        ins = [gt.tensor(t, placement=P, sbp=S(2)).requires_grad_() for t in (q, k, v)]
+        with gt.debug.comm_stats() as stats:
+            out = F.scaled_dot_product_attention(*ins, is_causal=True)
+            out.backward(gt.tensor(grad, placement=P, sbp=S(2)))
+    assert stats.calls["all_gather"] == stats.calls["all_to_all"] == 0, stats
+    assert out.sbp == (S(2),), out.sbp
+    torch.testing.assert_close(out.full().float().cpu(), ref.detach().float().cpu(), **tol)
+    for name, x, w in zip("qkv", ins, want):
+        torch.testing.assert_close(x.grad.full().float().cpu(), w.grad.float().cpu(), **tol,
+                                   msg=lambda m: f"gradient of {name}: {m}")
+
 def check_experts_split():
     n = gt.get_world_size()
     P = place(list(range(n)))
@@ -63,5 +90,6 @@ def check_experts_split():
         _close(p.grad, q.grad, f"MoE gradient of {name}")
 
 
-test_layouts_world2 = world_checks(__name__, 2, ["check_sequence_split_attention",
-                                                 "check_experts_split"])
+test_layouts_world2 = world_checks(__name__, 2, [
+    "check_sequence_split_attention", "check_sequence_split_attention_on_the_flash_kernel",
+    "check_experts_split"])

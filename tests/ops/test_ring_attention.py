@@ -2,14 +2,15 @@
 and v split on the sequence stay split through ``F.scaled_dot_product_attention``,
 computed as ring attention (key/value blocks passed rank to rank, never gathered),
 equal to one process forward and backward; causal, padded, uneven splits, and on a
-2-D placement (data x context, and the sequence split on both axes).
+2-D placement (data x context, and the sequence split on both axes). The CUDA flash
+kernel's ring, with the CPU kernel standing in behind its signature.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from check_helpers import S, _attention_equal, _close, _g, _gen, _line
-from mp import checks_in_worlds, example_module
+from mp import checks_in_worlds, example_module, patched
 
 import globaltensor as gt
 from globaltensor.cost import product_macs, ring_seconds
@@ -177,10 +178,71 @@ def check_long_context_example_trains_equal_and_keeps_its_share():
     assert 0.9 / n < mine / one < 1.1 / n, (mine, one)
 
 
+
+def _cpu_flash_as_cuda(q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
+                       scale=None):
+    """The CUDA flash kernel's signature and outputs (their kinds from its meta
+    implementation), computed by the CPU one: the stand-in of a machine without a GPU."""
+    aten = torch.ops.aten
+    kinds = aten._scaled_dot_product_flash_attention.default(
+        *(torch.empty_like(t, device="meta") for t in (q, k, v)), dropout_p, is_causal,
+        return_debug_mask, scale=scale)
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(
+        q, k, v, dropout_p, is_causal, scale=scale)
+    return (out, lse, *(torch.zeros(o.shape, dtype=o.dtype) if isinstance(o, torch.Tensor)
+                        else o for o in kinds[2:]))
+
+
+def _cpu_flash_backward_as_cuda(grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p,
+                                is_causal, seed, offset, *, scale=None):
+    # what the CUDA kernel reads: no cumulative lengths (no packed batch), the block's
+    # lengths, a contiguous log-sum-exp
+    assert cum_q is None and cum_k is None and lse.is_contiguous()
+    assert (max_q, max_k) == (q.shape[2], k.shape[2]), (max_q, max_k, q.shape, k.shape)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+        grad, q, k, v, out, lse, dropout_p, is_causal, scale=scale)
+
+
+def check_the_cuda_flash_kernel_walks_the_ring():
+    """The CUDA flash kernel and its backward (what F.scaled_dot_product_attention runs
+    on a GPU in half precision) with q, k, v split on the sequence walk the ring, each
+    block on the kernel: here the CPU kernel behind the CUDA one's signature. Outputs
+    and gradients equal one process's, the whole call's lengths among the outputs."""
+    from globaltensor.rules import ring_attention as ring
+    aten = torch.ops.aten
+    n = gt.get_world_size()
+    with patched(ring, "_CUDA_FORWARD", _cpu_flash_as_cuda), \
+            patched(ring, "_CUDA_BACKWARD", _cpu_flash_backward_as_cuda):
+        for length in (4 * n, 4 * n + 3):
+            for causal in (True, False):
+                what = f"length {length} causal={causal}"
+                gen = _gen(49)
+                q, k, v, g = (torch.randn(2, 2, length, 8, generator=gen) for _ in range(4))
+                out, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(
+                    q, k, v, 0.0, causal)
+                want = aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+                    g, q, k, v, out, lse, 0.0, causal)
+                gq, gk, gv, gg = (_g(t, S(2)) for t in (q, k, v, g))
+                with gt.debug.comm_stats() as stats:
+                    got = aten._scaled_dot_product_flash_attention.default(gq, gk, gv, 0.0, causal)
+                    grads = aten._scaled_dot_product_flash_attention_backward.default(
+                        gg, gq, gk, gv, *got[:6], 0.0, causal, got[6], got[7])
+                assert stats.calls["all_gather"] == stats.calls["all_to_all"] == 0, (what, stats)
+                assert stats.calls["send"] > 0, (what, stats)
+                assert got[0].sbp == got[1].sbp == (S(2),), (what, got[0].sbp, got[1].sbp)
+                assert tuple(got[4:6]) == (length, length), (what, got[4:6])
+                _close(got[0], out, what, **TOL)
+                _close(got[1], lse, f"{what}: log-sum-exp", **TOL)
+                for name, a, b in zip("qkv", grads, want):
+                    assert a.sbp == (S(2),), (what, name, a.sbp)
+                    _close(a, b, f"{what}: gradient of {name}", **TOL)
+
+
 CHECKS = ["check_sequence_split_attention_equals_one_process",
           "check_packed_documents_never_attend_across",
           "check_a_zigzag_order_balances_and_equals_one_process",
-          "check_long_context_example_trains_equal_and_keeps_its_share"]
+          "check_long_context_example_trains_equal_and_keeps_its_share",
+          "check_the_cuda_flash_kernel_walks_the_ring"]
 test_world2, test_world4 = checks_in_worlds(
     __name__, CHECKS, only_in_4=["check_sequence_split_on_a_2d_placement"],
     in_processes=["check_a_zigzag_order_balances_and_equals_one_process"])
