@@ -313,7 +313,6 @@ def ring_backward(ring: _Ring, grad_out, query, key, value, out, logsumexp, caus
     return grad_q.to(query.dtype), held[2].to(key.dtype), held[3].to(value.dtype)
 
 
-
 def cuda_flash_forward_local(ctx, query, key, value, dropout_p=0.0, is_causal=False,
                              return_debug_mask=False, *, scale=None):
     """``_scaled_dot_product_flash_attention`` (the CUDA flash kernel) on this rank's
@@ -328,8 +327,9 @@ def cuda_flash_forward_local(ctx, query, key, value, dropout_p=0.0, is_causal=Fa
                             block_forward=_cuda_block_forward)
     # what the kernel's outputs after these are (their kinds change between torch
     # versions), from its meta implementation on parts of these shapes
-    kinds = _CUDA_FORWARD(*(torch.empty_like(t, device="meta") for t in (query, key, value)),
-                          0.0, is_causal, False, scale=scale)[2:]
+    kinds = aten._scaled_dot_product_flash_attention.default(
+        *(torch.empty_like(t, device="meta") for t in (query, key, value)), 0.0, is_causal,
+        False, scale=scale)[2:]
     rest = [torch.empty(o.shape, dtype=o.dtype, device=query.device)
             if isinstance(o, torch.Tensor) else o for o in kinds]
     rest[2], rest[3] = ctx.in_layouts[0].shape[SEQ], ctx.in_layouts[1].shape[SEQ]
