@@ -25,11 +25,18 @@ they leave out.
 ``--measure`` (``--device cpu``) also runs each point in a real world of that size on
 this machine (gloo, op by op): the median of ``--steps`` timed steps and the peak of
 the ranks' tensors (torch's ``MemTracker``, as the simulation counts), with the
-estimate's ratio to each.
+estimate's ratio to each. In that world it also times a 1 KiB all-reduce while the
+ranks compute between collectives (``_collective_seconds``): on a machine whose cores
+the ranks share, a collective waits for the others' turns, which the "cpu" profile's
+link (gloo's launch, ``cost.GLOO``) does not know. The estimate is given twice: with
+the profile as it is, and with its link's launch taken from that measurement
+(``launch``, ``est/real`` beside it).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import statistics
 import time
 
 import torch
@@ -135,10 +142,8 @@ def _make(cfg, layout: str, rows: int):
 
 
 def _measured(argv) -> None:
-    """One rank of a real world: the step's peak tensor memory and median time (rank 0
-    writes them for the parent)."""
-    import statistics
-
+    """One rank of a real world: the step's peak tensor memory and median time, and a
+    small collective's time among busy ranks (rank 0 writes them for the parent)."""
     import torch.distributed as dist
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -159,13 +164,41 @@ def _measured(argv) -> None:
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
+    collective = _collective_seconds()
     if dist.get_rank() == 0:
         with open(args.measured_to, "w") as f:
-            f.write(f"{_by_kind(tracker)['peak']} {statistics.median(times)}")
+            f.write(f"{_by_kind(tracker)['peak']} {statistics.median(times)} {collective}")
+
+
+def _collective_seconds(rounds: int = 40) -> float:
+    """The median wall seconds of a 1 KiB all-reduce among this world's ranks, each
+    rank computing between two (a burst of products, as a step's ops come between its
+    collectives): on cores the ranks share, what a collective costs with its waits."""
+    import torch.distributed as dist
+    a, b, x, times = torch.randn(128, 128), torch.randn(128, 128), torch.ones(256), []
+    for _ in range(rounds):
+        for _ in range(2):
+            a @ b
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[rounds // 4:])
+
+
+def _measured_launch(profile, seconds: float, world: int):
+    """``profile`` with its link's launch such that a 1 KiB all-reduce among ``world``
+    ranks costs the measured ``seconds`` (at least the launch it had)."""
+    from globaltensor.step_simulation import _latency_hops
+    link = profile.links[0]
+    sent = 1024 * 2 * (world - 1) / world
+    launch = seconds - _latency_hops("all_reduce", world) * link.latency - sent / link.bandwidth
+    link = dataclasses.replace(link, launch=max(link.launch, launch))
+    return dataclasses.replace(profile, links=(link,) + tuple(profile.links[1:]))
 
 
 def _measure(layout: str, world: int) -> tuple:
-    """(peak bytes, median step seconds) of rank 0 of a real world of ``world``."""
+    """(peak bytes, median step seconds, a 1 KiB all-reduce's seconds among busy
+    ranks) of rank 0 of a real world of ``world``."""
     import sys
     import tempfile
 
@@ -174,8 +207,8 @@ def _measure(layout: str, world: int) -> tuple:
         path = f"{tmp}/measured"
         spawn(_measured, world, sys.argv[1:] + ["--layout", layout, "--measured-to", path])
         with open(path) as f:
-            peak, seconds = f.read().split()
-    return int(peak), float(seconds)
+            peak, seconds, collective = f.read().split()
+    return int(peak), float(seconds), float(collective)
 
 
 def main(argv=None) -> None:
@@ -185,13 +218,15 @@ def main(argv=None) -> None:
     if args.measure and args.device != "cpu":
         raise SystemExit("--measure compares with this machine: use --device cpu")
     cfg = _config(args)
-    more = f"{'real ms':>9}{'est/real':>9}{'real MiB':>9}{'est/real':>9}" if args.measure else ""
+    more = (f"{'real ms':>9}{'est/real':>9}{'launch':>8}{'est/real':>9}{'real MiB':>9}"
+            f"{'est/real':>9}") if args.measure else ""
     heads = f"{args.heads} heads" + (f" ({args.kv_heads} key/value), hidden {args.hidden}"
                                      if args.model == "llama" else "")
     lines = [f"{args.model.upper() if args.model == 'gpt' else 'Llama'} {args.layers} layers, "
              f"width {args.dim}, {heads}, sequence {args.seq}, vocabulary {args.vocab}; "
              f"{args.rows} sequences per data-parallel rank; rank 0, device {args.device}, "
-             f"AdamW fp32",
+             f"AdamW fp32" + ("; launch: ms per collective measured in the real world"
+                              if args.measure else ""),
              f"{'layout':<7}{'ranks':>6}{'peak MiB':>10}{'params':>9}{'grads':>9}{'optim':>9}"
              f"{'sent MiB':>10}{'step ms':>9}{'compute':>9}{'comm':>9}{'host':>9}{'sim s':>7}"
              + more]
@@ -202,12 +237,11 @@ def main(argv=None) -> None:
             if layout == "2d" and world % 8:
                 continue
             if args.measure:   # the machine as it is now: its speed drifts over minutes
+                peak, seconds, collective = _measure(layout, world)
                 device_profile.cpu_profile.cache_clear()
                 device_profile.host_op_seconds.cache_clear()
             t0 = time.perf_counter()
-            r = gt.debug.simulate_step(_make(cfg, layout, args.rows),
-                                       placement=gt.placement("cpu", ranks=range(world)),
-                                       device=args.device)
+            r = _simulated(cfg, layout, args.rows, world, args.device)
             m, mib = r.memory, 1 << 20
             line = (f"{layout:<7}{world:>6}{m['peak'] / mib:>10.0f}{m['parameters'] / mib:>9.0f}"
                     f"{m['gradients'] / mib:>9.0f}{m['optimizer'] / mib:>9.0f}"
@@ -215,11 +249,18 @@ def main(argv=None) -> None:
                     f"{r.comm_seconds * 1e3:>9.1f}{r.host_seconds * 1e3:>9.1f}"
                     f"{time.perf_counter() - t0:>7.1f}")
             if args.measure:
-                peak, seconds = _measure(layout, world)
-                line += (f"{seconds * 1e3:>9.1f}{r.seconds / seconds:>9.2f}{peak / mib:>9.1f}"
-                         f"{m['peak'] / peak:>9.2f}")
+                profile = _measured_launch(device_profile.cpu_profile(), collective, world)
+                again = _simulated(cfg, layout, args.rows, world, profile)
+                line += (f"{seconds * 1e3:>9.1f}{r.seconds / seconds:>9.2f}"
+                         f"{profile.links[0].launch * 1e3:>8.2f}{again.seconds / seconds:>9.2f}"
+                         f"{peak / mib:>9.1f}{m['peak'] / peak:>9.2f}")
             print(line, flush=True)
 
+
+def _simulated(cfg, layout: str, rows: int, world: int, device):
+    return gt.debug.simulate_step(_make(cfg, layout, rows),
+                                  placement=gt.placement("cpu", ranks=range(world)),
+                                  device=device)
 
 if __name__ == "__main__":
     import sys
