@@ -262,6 +262,7 @@ def _simulated(cfg, layout: str, rows: int, world: int, device):
                                   placement=gt.placement("cpu", ranks=range(world)),
                                   device=device)
 
+
 if __name__ == "__main__":
     import sys
 

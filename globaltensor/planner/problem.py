@@ -107,7 +107,6 @@ class StepPlan:
         return self.nodes[0].expected
 
 
-
 def plan_step(record: list, sinks: tuple = (), pin_grads: tuple = (),
               reuse: bool = True) -> StepPlan:
     """The cheapest signatures for the recorded calls (``solve.py``), as a plan.

@@ -46,7 +46,6 @@ def check_sequence_split_attention():
     _close(ins[1].grad, plain[1].grad, "packed attention: gradient of k")
 
 
-
 def check_sequence_split_attention_on_the_flash_kernel():
     """bf16 q, k, v split on the sequence through the flash kernel (CUDA's on a GPU,
     each ring block on it) go round the ring, neither gathered nor moved to a head
@@ -71,6 +70,7 @@ def check_sequence_split_attention_on_the_flash_kernel():
     for name, x, w in zip("qkv", ins, want):
         torch.testing.assert_close(x.grad.full().float().cpu(), w.grad.float().cpu(), **tol,
                                    msg=lambda m: f"gradient of {name}: {m}")
+
 
 def check_experts_split():
     n = gt.get_world_size()

@@ -178,7 +178,6 @@ def check_long_context_example_trains_equal_and_keeps_its_share():
     assert 0.9 / n < mine / one < 1.1 / n, (mine, one)
 
 
-
 def _cpu_flash_as_cuda(q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
                        scale=None):
     """The CUDA flash kernel's signature and outputs (their kinds from its meta
