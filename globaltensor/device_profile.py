@@ -299,7 +299,7 @@ class Costing(modes.Mode):
         dtype = decision.out_dtypes[0] if decision.out_dtypes else torch.float32
         here = self.rank
         macs = cost.product_macs(func, tuple(ins), here)
-        if not any(r.alias_info is not None for r in func._schema.returns):   # new tensors
+        if not cost.returns_view(func):   # new tensors (the schema's, read once per op)
             for t in outs:
                 size = dtype.itemsize * math.prod(t.local_shape(here))
                 self.fresh_bytes += size if size >= heap.MAPPED_BYTES else 0
