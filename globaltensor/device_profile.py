@@ -124,18 +124,17 @@ def cpu_profile() -> DeviceProfile:
 
 def _fault_seconds() -> float:
     """Seconds per byte that the first write of a freshly mapped 16 MiB block takes
-    beyond a second write's (its pages fault in: the kernel maps and zeroes each), the
-    least of three blocks."""
-    size, best = 16 << 20, math.inf
+    beyond a later write's (its pages fault in: the kernel maps and zeroes each): the
+    fastest first write of three blocks less the fastest later write. (Fastest of
+    each kind apart: one later write slowed by the scheduler must not cancel a try.)"""
+    size, firsts, laters = 16 << 20, [], []
     for _ in range(3):
         block = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
-        begin = time.perf_counter()
-        block.fill_(1)
-        first = time.perf_counter() - begin
-        begin = time.perf_counter()
-        block.fill_(2)
-        best = min(best, max(0.0, first - (time.perf_counter() - begin)) / size)
-    return best
+        for value, writes in ((1, firsts), (2, laters), (3, laters)):
+            begin = time.perf_counter()
+            block.fill_(value)
+            writes.append(time.perf_counter() - begin)
+    return max(0.0, min(firsts) - min(laters)) / size
 
 
 def _together(a: torch.Tensor, b: torch.Tensor, cores: int) -> float:
