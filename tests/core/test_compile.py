@@ -656,3 +656,44 @@ CHECKS = ["check_data_parallel_mlp_graphs_hold_only_local_ops",
 
 # torch.compile's caches are the process's: every check runs in a world of processes
 test_world2 = world_test(__name__, 2, CHECKS, in_processes=CHECKS)
+
+
+def test_plain_tensors_built_in_a_graph_that_the_eager_backend_runs_need_the_scope():
+    """backend="eager" runs dynamo's graph on the GlobalTensors without tracing it, and
+    skips the converted module's scope: a position tensor built in the graph raises the
+    plain-operand error unless the call runs in gt.implicit_broadcast(), and then equals
+    eager; aot_eager, which traces, takes it without (docs/compile.md)."""
+    import copy
+
+    import pytest
+    import torch
+
+    import globaltensor as gt
+    P = gt.placement.all("cpu")
+
+    class WithPositions(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos = torch.nn.Embedding(8, 4)
+
+        def forward(self, x):
+            return x + self.pos(torch.arange(x.shape[1], device=x.device))
+
+    torch.manual_seed(0)
+    plain, x = WithPositions(), torch.randn(2, 6, 4)
+    want = plain(x)
+    model = gt.nn.to_global(copy.deepcopy(plain), P, gt.sbp.broadcast)
+    gx = gt.tensor(x, placement=P, sbp=gt.sbp.split(0))
+    try:
+        for backend in ("eager", "aot_eager"):
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend=backend)
+            if backend == "eager":
+                with pytest.raises(ValueError, match=r"plain tensor of shape \(6,\).*implicit_broadcast"):
+                    compiled(gx)
+                with gt.implicit_broadcast():
+                    torch.testing.assert_close(compiled(gx).full(), want.detach())
+            else:
+                torch.testing.assert_close(compiled(gx).full(), want.detach())
+    finally:
+        torch._dynamo.reset()
