@@ -102,8 +102,12 @@ def cpu_profile() -> DeviceProfile:
     this machine's cores. Kernels alone, on operands in cache, run faster than in a
     step (operands written long before, strided views, small batched products): the
     rates are scaled by how much slower a step's kernels ran (``_slower_in_a_step``)."""
+    a, b, c = torch.randn(512, 256), torch.randn(256, 1024), torch.randn(512, 1024)
+    # first: after the calibration step's GlobalTensor ops (``_slower_in_a_step``, in a
+    # simulated rank's thread) cores busy at once read 0.44-0.67 where they read
+    # 0.85-0.99 before it, in the same process, and the ranks of a world run in fresh ones
+    together = _together(a, b, os.cpu_count() or 1)
     with _one_thread():
-        a, b, c = torch.randn(512, 256), torch.randn(256, 1024), torch.randn(512, 1024)
         # a layer's three products: forward, and its backward's two (transposed operands)
         flops = 3 * 2 * 512 * 256 * 1024 / sum(map(_best_seconds, (
             lambda: a @ b, lambda: c @ b.t(), lambda: a.t() @ c)))
@@ -118,7 +122,7 @@ def cpu_profile() -> DeviceProfile:
     slower = _slower_in_a_step(flops, bandwidth, host)
     return DeviceProfile("this CPU (measured)", {"float32": flops / slower}, bandwidth / slower,
                          (Link(None, 1 / cost.GLOO.beta, cost.GLOO.alpha, cost.GLOO.launch),),
-                         "gloo", op_seconds=host, cores=cores, together=_together(a, b, cores),
+                         "gloo", op_seconds=host, cores=cores, together=together,
                          fault_seconds=faults)
 
 
@@ -143,7 +147,7 @@ def _together(a: torch.Tensor, b: torch.Tensor, cores: int) -> float:
     medians of tries taken in turn (this machine's speed drifts), at most 1."""
     def work():
         torch.set_num_threads(1)   # (OpenMP's count is per thread: a new one has the default)
-        for _ in range(8):
+        for _ in range(24):        # about 60 ms: shorter tries read 0.6-0.97 from run to run
             a @ b
 
     def wall(threads: int) -> float:
