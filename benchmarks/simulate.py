@@ -26,7 +26,7 @@ they leave out.
 this machine (gloo, op by op): the median of ``--steps`` timed steps and the peak of
 the ranks' tensors (torch's ``MemTracker``, as the simulation counts), with the
 estimate's ratio to each. In that world it also times a 1 KiB all-reduce while the
-ranks compute between collectives (``_collective_seconds``): on a machine whose cores
+ranks compute between collectives (``_measured_all_reduce_seconds``): on a machine whose cores
 the ranks share, a collective waits for the others' turns, which the "cpu" profile's
 link (gloo's launch, ``cost.GLOO``) does not know. The estimate is given twice: with
 the profile as it is, and with its link's launch taken from that measurement
@@ -164,13 +164,13 @@ def _measured(argv) -> None:
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    collective = _collective_seconds()
+    collective = _measured_all_reduce_seconds()
     if dist.get_rank() == 0:
         with open(args.measured_to, "w") as f:
             f.write(f"{_by_kind(tracker)['peak']} {statistics.median(times)} {collective}")
 
 
-def _collective_seconds(rounds: int = 40) -> float:
+def _measured_all_reduce_seconds(rounds: int = 40) -> float:
     """The median wall seconds of a 1 KiB all-reduce among this world's ranks, each
     rank computing between two (a burst of products, as a step's ops come between its
     collectives): on cores the ranks share, what a collective costs with its waits."""
@@ -188,10 +188,11 @@ def _collective_seconds(rounds: int = 40) -> float:
 def _measured_launch(profile, seconds: float, world: int):
     """``profile`` with its link's launch such that a 1 KiB all-reduce among ``world``
     ranks costs the measured ``seconds`` (at least the launch it had)."""
-    from globaltensor.step_simulation import _latency_hops
+    from globaltensor.step_simulation import collective_seconds
     link = profile.links[0]
-    sent = 1024 * 2 * (world - 1) / world
-    launch = seconds - _latency_hops("all_reduce", world) * link.latency - sent / link.bandwidth
+    sent = 2 * 1024 * (world - 1) // world   # (what comm/collectives.py records it sends)
+    launch = seconds - collective_seconds(dataclasses.replace(link, launch=0.0), "all_reduce",
+                                          sent, world)
     link = dataclasses.replace(link, launch=max(link.launch, launch))
     return dataclasses.replace(profile, links=(link,) + tuple(profile.links[1:]))
 

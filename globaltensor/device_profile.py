@@ -103,10 +103,11 @@ def cpu_profile() -> DeviceProfile:
     step (operands written long before, strided views, small batched products): the
     rates are scaled by how much slower a step's kernels ran (``_slower_in_a_step``)."""
     a, b, c = torch.randn(512, 256), torch.randn(256, 1024), torch.randn(512, 1024)
+    cores = os.cpu_count() or 1
     # first: after the calibration step's GlobalTensor ops (``_slower_in_a_step``, in a
     # simulated rank's thread) cores busy at once read 0.44-0.67 where they read
     # 0.85-0.99 before it, in the same process, and the ranks of a world run in fresh ones
-    together = _together(a, b, os.cpu_count() or 1)
+    together = _together(a, b, cores)
     with _one_thread():
         # a layer's three products: forward, and its backward's two (transposed operands)
         flops = 3 * 2 * 512 * 256 * 1024 / sum(map(_best_seconds, (
@@ -118,7 +119,7 @@ def cpu_profile() -> DeviceProfile:
             lambda: c + c, lambda: F.gelu(c), lambda: torch.softmax(c, -1),
             lambda: F.layer_norm(c, (1024,)))))
         faults = _fault_seconds()
-    host, cores = host_op_seconds(), os.cpu_count() or 1
+    host = host_op_seconds()
     slower = _slower_in_a_step(flops, bandwidth, host)
     return DeviceProfile("this CPU (measured)", {"float32": flops / slower}, bandwidth / slower,
                          (Link(None, 1 / cost.GLOO.beta, cost.GLOO.alpha, cost.GLOO.launch),),

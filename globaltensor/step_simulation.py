@@ -63,7 +63,7 @@ from . import heap, simulated
 from .boxing import plan as plans
 from .comm import stats
 from .comm.stats import CommCounter
-from .device_profile import Costing, DeviceProfile, host_op_seconds, profile_of
+from .device_profile import Costing, DeviceProfile, Link, host_op_seconds, profile_of
 from .placement import Placement
 from .planner import record
 
@@ -79,6 +79,12 @@ def _latency_hops(kind: str, n: int) -> int:
     if kind == "all_reduce":
         return min(2 * (n - 1), 2 * math.ceil(math.log2(n)))
     return n - 1 if kind in ("all_gather", "reduce_scatter", "all_to_all", "broadcast") else 1
+
+
+def collective_seconds(link: Link, kind: str, nbytes: int, members: int) -> float:
+    """What one collective costs on ``link``: its launch, its messages in a row at the
+    link's latency, and the ``nbytes`` this rank sends at its bandwidth."""
+    return link.launch + _latency_hops(kind, members) * link.latency + nbytes / link.bandwidth
 
 
 @dataclass(frozen=True)
@@ -128,9 +134,8 @@ class SimulatedStep:
     def comm_seconds(self) -> float:
         total = 0.0
         for kind, nbytes, ranks in self.events:
-            link = self.device.link(ranks, self.rank)
-            total += (link.launch + _latency_hops(kind, len(ranks)) * link.latency
-                      + nbytes / link.bandwidth)
+            total += collective_seconds(self.device.link(ranks, self.rank), kind, nbytes,
+                                        len(ranks))
         return total
 
     @property

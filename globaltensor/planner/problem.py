@@ -60,10 +60,12 @@ class Node:
                 ins = tuple(layout for layout, _, _ in self.inputs)   # operands as they
                 return ((ins, ins[:1]),)                       # come, writes the first)
             return ((self.greedy.targets, self.greedy.out_layouts),)
-        if self._made is None:   # (a call with no 0-d output reduces none: most calls)
-            self._made = tuple(self.opts.signatures) if self.in_backward or not \
-                _scalar_outputs(self.opts) else tuple((targets, _as_made(self, outs))
-                                                      for targets, outs in self.opts.signatures)
+        if self._made is None:
+            signatures = self.opts.signatures
+            if self.in_backward or not _scalar_outputs(self.opts):
+                self._made = tuple(signatures)   # no 0-d output to reduce: most calls
+            else:
+                self._made = tuple((targets, _as_made(self, outs)) for targets, outs in signatures)
         return self._made
 
     def reductions(self) -> tuple:
