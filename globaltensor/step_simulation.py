@@ -11,7 +11,8 @@ per-op decisions, the boxing plans, backward and gradient sync are those of a re
 rank. The step runs ``steps`` times (optimizer state is made at the first); the last
 is measured:
 
-- its collectives: kind, bytes this rank sends, the group (``SimulatedStep.events``);
+- its collectives: kind, bytes this rank sends, the group, the point-to-point messages
+  it posts for them (``SimulatedStep.events``);
 - its memory at its peak, by kind: torch's ``MemTracker`` on the local parts
   (parameters, gradients, optimizer state, activations, other);
 - its compute: multiply-adds of products (mm, bmm, addmm, baddbmm, fused attention) on
@@ -23,8 +24,9 @@ is measured:
   ``fault_seconds`` per byte, each call carried out as the host's
   ``op_seconds`` (overlapping the kernels on a GPU, added to them on a CPU, whose
   ``cores`` a node's ranks share), each collective as its link's launch, the latency
-  of its hops and its bytes over the slowest link its group spans (within a node,
-  across nodes), communication in sequence (no overlap counted).
+  of its hops (or of each message posted, where point-to-point messages carry it) and
+  its bytes over the slowest link its group spans (within a node, across nodes),
+  communication in sequence (no overlap counted).
 
 Profiles: ``PROFILES`` ("h100" and "h200" from their datasheets, dense rates, NCCL;
 edit or add your own) and ``"cpu"``, this machine measured at first use (gloo's
@@ -81,16 +83,22 @@ def _latency_hops(kind: str, n: int) -> int:
     return n - 1 if kind in ("all_gather", "reduce_scatter", "all_to_all", "broadcast") else 1
 
 
-def collective_seconds(link: Link, kind: str, nbytes: int, members: int) -> float:
+def collective_seconds(link: Link, kind: str, nbytes: int, members: int,
+                       messages: int = 0) -> float:
     """What one collective costs on ``link``: its launch, its messages in a row at the
-    link's latency, and the ``nbytes`` this rank sends at its bandwidth."""
-    return link.launch + _latency_hops(kind, members) * link.latency + nbytes / link.bandwidth
+    link's latency, and the ``nbytes`` this rank sends at its bandwidth. ``messages``:
+    the sends and receives this rank posts one by one where point-to-point messages
+    stand for the collective (fully_shard's gathers and reductions on gloo), each at
+    the latency, as boxing prices a transfer's messages (``cost.Costs.alpha``)."""
+    hops = max(_latency_hops(kind, members), messages)
+    return link.launch + hops * link.latency + nbytes / link.bandwidth
 
 
 @dataclass(frozen=True)
 class SimulatedStep:
     """What ``simulate_step`` measured for one rank of the step (module docstring):
-    ``counted`` (collectives by kind), ``events`` ((kind, bytes sent, group) each),
+    ``counted`` (collectives by kind), ``events`` ((kind, bytes sent, group, messages
+    posted one by one) each),
     ``memory`` (bytes at the step's peak by kind, and "peak"), ``macs`` (multiply-adds
     of products by dtype), ``other_bytes`` (read and written by the other ops), and the
     estimate: ``compute_seconds``, ``comm_seconds``, ``seconds``."""
@@ -133,9 +141,9 @@ class SimulatedStep:
     @property
     def comm_seconds(self) -> float:
         total = 0.0
-        for kind, nbytes, ranks in self.events:
+        for kind, nbytes, ranks, messages in self.events:
             total += collective_seconds(self.device.link(ranks, self.rank), kind, nbytes,
-                                        len(ranks))
+                                        len(ranks), messages)
         return total
 
     @property

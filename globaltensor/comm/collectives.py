@@ -366,8 +366,12 @@ def all_gather_p2p_batch(gathers: Sequence[tuple], ranks: tuple[int, ...]) -> P2
         pieces[me].copy_(mine.view(pieces[me].shape))
     if len(ranks) == 1:
         return P2PWork([])
+    # (counted without the lists: a simulated rank of 1024 gathers hundreds of tensors)
+    messages = sum((len(ranks) - 1) * bool(mine.numel())
+                   + sum(bool(p.numel()) for j, p in enumerate(pieces) if j != me)
+                   for pieces, mine in gathers)
     if stats.record("all_gather", sum(_nbytes(m) for _, m in gathers) * (len(ranks) - 1),
-                    ranks):
+                    ranks, messages):
         return P2PWork([])
     sends = [(mine, m) for pieces, mine in gathers
              for j, m in enumerate(ranks) if j != me and mine.numel()]

@@ -13,7 +13,8 @@ _dry = 0   # open dry runs: collectives are counted, not sent
 
 class CommCounter:
     """Calls and bytes sent by this rank, per kind ("all_gather", "send", ...); with
-    ``events``, also each one as (kind, bytes, the group's ranks or the peer's)."""
+    ``events``, also each one as (kind, bytes, the group's ranks or the peer's, the
+    point-to-point messages this rank posts for it: 0 for a collective of the backend)."""
 
     def __init__(self, events: bool = False) -> None:
         self.calls: Counter = Counter()
@@ -34,14 +35,16 @@ class CommCounter:
         return f"CommCounter({kinds or 'no communication'})"
 
 
-def record(kind: str, nbytes: int, ranks: tuple = ()) -> bool:
+def record(kind: str, nbytes: int, ranks: tuple = (), messages: int = 0) -> bool:
     """Count a collective of the group ``ranks`` (a send: its peer's), ``nbytes`` sent
-    by this rank; True in a dry run, where the caller sends nothing."""
+    by this rank, carried by ``messages`` sends and receives that this rank posts one by
+    one (a batch of point-to-point messages standing for the collective; 0: one call of
+    the backend's collective); True in a dry run, where the caller sends nothing."""
     for counter in _active:
         counter.calls[kind] += 1
         counter.bytes[kind] += int(nbytes)
         if counter.events is not None:
-            counter.events.append((kind, int(nbytes), ranks))
+            counter.events.append((kind, int(nbytes), ranks, messages))
     return _dry > 0
 
 

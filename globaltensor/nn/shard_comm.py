@@ -12,8 +12,8 @@ Gradients that come back partial on the data axis go to the parts a unit at a ti
 (``reduce_to_parts``): where the backend has a native reduce_scatter (NCCL) the large
 ones by one each and the small ones by one shared (a bucket, as the gather's), else all
 of them by one exchange of pieces: in each round every member sends the others their
-rows of every gradient at once (cast to the reduction dtype piece by piece) and adds
-what it receives to its own rows in the receive buffers.
+rows of every gradient at once (cast to the reduction dtype; the small ones packed in
+one message) and adds what it receives to its own rows.
 
 >>> fetch = Fetch(shards, layouts, data_axis=0, dtype=torch.bfloat16)   # doctest: +SKIP
 >>> gathered = fetch.finish()      # name -> this rank's local of the gathered parameter
@@ -319,36 +319,95 @@ def _exchange(locals_: list, group: tuple, rdtypes: list) -> list:
     """This rank's rows of the sum over ``group`` of each member's ``locals_[i]``. In
     n - 1 rounds, round k sends the rows of every gradient of the member k after this
     one and receives from the member k before it, in one batch of messages (counted as
-    one all_to_all): the first part received becomes the sum, the others arrive in one
-    buffer per gradient that is added and reused, so at most two parts of each are held
-    instead of n - 1 (a gradient's reduction is the peak of a sharded backward)."""
+    one all_to_all): the first part received becomes the sum, the others arrive in
+    receive buffers that are added and reused, so at most two parts of each are held
+    instead of n - 1 (a gradient's reduction is the peak of a sharded backward). Small
+    gradients (under ``OWN_GATHER_BYTES``) travel packed, one message per reduction
+    dtype each way and round (gloo posts each message at a cost of its own, which a
+    unit's many small gradients paid once each), at the price of a third part of each
+    held while a round's pack is sent; large ones in messages of their own."""
     n, me = len(group), group.index(comm.get_rank())
     if n == 1:   # a data axis of one rank: each gradient is its own sum, whole
         return [t if t.dtype == d else t.to(d) for t, d in zip(locals_, rdtypes)]
     splits = [balanced_split(t.shape[0], n) for t in locals_]
     mine = [t.narrow(0, *parts[me]) for t, parts in zip(locals_, splits)]
     out, bufs = [None] * len(locals_), [None] * len(locals_)
+    packs = _Packs(locals_, rdtypes, mine)
     for k in range(1, n):
         to, source = (me + k) % n, (me - k) % n
-        sends, recvs = [], []
-        for i, (local, parts, rdtype) in enumerate(zip(locals_, splits, rdtypes)):
+        sends, recvs = packs.messages([t.narrow(0, *parts[to]) for t, parts in
+                                       zip(locals_, splits)], group[to], group[source])
+        for i in packs.own:
+            local, rdtype = locals_[i], rdtypes[i]
             if bufs[i] is None and mine[i].numel():
                 bufs[i] = torch.empty(mine[i].shape, dtype=rdtype, device=local.device)
-            piece = local.narrow(0, *parts[to])
+            piece = local.narrow(0, *splits[i][to])
             if piece.numel():
                 sends.append((piece.to(rdtype).contiguous(), group[to]))
             if bufs[i] is not None:
                 recvs.append((bufs[i], group[source]))
         if sends:
             stats.record("all_to_all", sum(t.numel() * t.element_size() for t, _ in sends),
-                         (group[to],))
+                         (group[to],), len(sends) + len(recvs))
         comm.start_p2p(sends, recvs, kind=None).wait()
-        for i, buf in enumerate(bufs):
-            if buf is None:
+        for i, got in [(i, bufs[i]) for i in packs.own] + packs.received():
+            if got is None:
                 continue
             if out[i] is None:    # the first part received becomes the sum (2 ranks: the only)
-                out[i], bufs[i] = buf, None
-                out[i].add_(mine[i])
+                if i in packs.own:
+                    out[i], bufs[i] = got, None
+                    out[i].add_(mine[i])
+                else:   # (a storage of its own: the receive buffer is reused)
+                    out[i] = torch.add(got, mine[i]) if got.dtype == mine[i].dtype else \
+                        got.clone().add_(mine[i])
             else:
-                out[i].add_(buf)
+                out[i].add_(got)
     return [m.to(d, copy=True) if o is None else o for m, o, d in zip(mine, out, rdtypes)]
+
+
+class _Packs:
+    """The small gradients of an exchange, packed per reduction dtype: each round's
+    pieces for one member copied into one send buffer, the rows received from another
+    into one receive buffer (reused from round to round), cut into each gradient's."""
+
+    def __init__(self, locals_: list, rdtypes: list, mine: list):
+        self.own, self.by_dtype = [], {}
+        for i, (local, rdtype) in enumerate(zip(locals_, rdtypes)):
+            if local.numel() * rdtype.itemsize >= OWN_GATHER_BYTES:
+                self.own.append(i)
+            elif local.numel():
+                self.by_dtype.setdefault(rdtype, []).append(i)
+        self.mine, self.device = mine, locals_[0].device if locals_ else None
+        self.recv = {d: torch.empty(sum(mine[i].numel() for i in members), dtype=d,
+                                    device=self.device)
+                     for d, members in self.by_dtype.items()}
+
+    def messages(self, pieces: list, to: int, source: int) -> tuple:
+        """(sends, receives) of one round: ``pieces[i]``, gradient i's rows for ``to``."""
+        sends, recvs = [], []
+        for rdtype, members in self.by_dtype.items():
+            total = sum(pieces[i].numel() for i in members)
+            if total:
+                send = torch.empty(total, dtype=rdtype, device=self.device)
+                offset = 0
+                for i in members:
+                    size = pieces[i].numel()
+                    send[offset:offset + size].view(pieces[i].shape).copy_(pieces[i])
+                    offset += size
+                sends.append((send, to))
+            if self.recv[rdtype].numel():
+                recvs.append((self.recv[rdtype], source))
+        return sends, recvs
+
+    def received(self) -> list:
+        """(gradient index, its rows received this round) of the packed gradients."""
+        got = []
+        for rdtype, members in self.by_dtype.items():
+            offset = 0
+            for i in members:
+                size = self.mine[i].numel()
+                if size:
+                    got.append((i, self.recv[rdtype][offset:offset + size]
+                                .view(self.mine[i].shape)))
+                offset += size
+        return got

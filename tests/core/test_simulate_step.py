@@ -55,7 +55,7 @@ def test_data_parallel_reduces_every_gradient_once(world):
     assert ring * PARAMS <= reduced <= ring * PARAMS + 64, (reduced, ring * PARAMS)
     assert report.memory["parameters"] == PARAMS and report.memory["gradients"] == PARAMS
     assert report.memory["optimizer"] >= 2 * PARAMS, report.memory   # Adam's two moments
-    assert all(len(ranks) == world for _, _, ranks in report.events)
+    assert all(len(ranks) == world for _, _, ranks, _ in report.events)
     assert report.world == world and report.rank == 0
 
 
@@ -109,7 +109,7 @@ def test_estimated_time_follows_the_profile_and_the_links():
     # 16 ranks per the H100 profile: 2 nodes of 8, the gradient's all-reduce crosses them
     h100 = gt.debug.simulate_step(make, placement=_world(16), device="h100")
     assert h100.device is PROFILES["h100"] and "step, estimated" in str(h100)
-    kind, nbytes, ranks = max(h100.events, key=lambda e: e[1])
+    kind, nbytes, ranks, _ = max(h100.events, key=lambda e: e[1])
     assert PROFILES["h100"].link(ranks, 0).ranks is None   # the slower, inter-node link
 
 
@@ -227,6 +227,37 @@ def test_fully_shard_reduces_gradients_as_the_backend_does():
     assert cpu.counted.calls["all_to_all"] == units * (world - 1), cpu.counted
     assert "reduce_scatter" not in cpu.counted.calls, cpu.counted
     assert gpu.counted.bytes["reduce_scatter"] == cpu.counted.bytes["all_to_all"] == reduced
+
+
+def test_point_to_point_messages_are_counted_and_priced(monkeypatch):
+    """On gloo fully_shard's gathers and gradient exchanges are batches of messages
+    posted one by one: each event says how many this rank posts (a unit's small tensors
+    packed: one each way per peer and round; above OWN_GATHER_BYTES one per tensor),
+    each priced at its link's latency. NCCL's collectives post none of their own."""
+    from globaltensor.nn import shard_comm
+    from globaltensor.step_simulation import collective_seconds
+    world, peers = 4, 3
+
+    def messages(report, kind):
+        return sorted(m for k, _, _, m in report.events if k == kind)
+    packed = gt.debug.simulate_step(_make("fs"), placement=_world(world), device="cpu")
+    gpu = gt.debug.simulate_step(_make("fs"), placement=_world(world), device="h100")
+    monkeypatch.setattr(shard_comm, "OWN_GATHER_BYTES", 0)
+    alone = gt.debug.simulate_step(_make("fs"), placement=_world(world), device="cpu")
+    # two units (Linears) of a weight and a bias; the second Linear's weight again in
+    # backward; each unit's gradients in one round per peer
+    assert messages(packed, "all_gather") == [2 * peers] * 3
+    assert messages(packed, "all_to_all") == [2] * (2 * peers)
+    assert messages(alone, "all_gather") == [2 * peers, 4 * peers, 4 * peers]
+    assert messages(alone, "all_to_all") == [4] * (2 * peers)
+    assert all(m == 0 for *_, m in gpu.events)
+    link = Link(None, 1e9, 1e-4, 1e-3)
+    assert collective_seconds(link, "all_to_all", 0, 1, 6) == pytest.approx(1e-3 + 6e-4)
+    assert collective_seconds(link, "all_gather", 0, 4) == pytest.approx(1e-3 + 3e-4)
+    assert alone.comm_seconds > packed.comm_seconds
+    assert packed.comm_seconds == pytest.approx(sum(
+        collective_seconds(packed.device.link(r, 0), k, b, len(r), m)
+        for k, b, r, m in packed.events))
 
 
 def test_host_time_per_call_and_ranks_that_share_cores():
@@ -399,5 +430,5 @@ def test_an_uneven_all_to_all_is_counted_without_a_view_per_member(monkeypatch):
     report = gt.debug.simulate_step(make, placement=_world(64), device="cpu")
     rows = balanced_split(R, 64)[0][1]
     sends = [(rows * balanced_split(C, 64)[k][1] * 4, (k,)) for k in range(1, 64)]
-    assert [(n, r) for kind, n, r in report.events if kind == "all_to_all"] == sends
+    assert [(n, r) for kind, n, r, _ in report.events if kind == "all_to_all"] == sends
     assert len(narrowed) < 16, len(narrowed)   # a few per call, not two per member

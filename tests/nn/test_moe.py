@@ -173,7 +173,7 @@ def check_moe_data_x_expert_on_a_2d_placement():
             comm_stats.pop(stats)
         # tokens meet their experts within a row of the grid: all-to-alls of 2 ranks
         assert stats.calls["all_to_all"] >= 2 and all(
-            len(g) == 2 for k, _, g in stats.events if k == "all_to_all"), stats
+            len(g) == 2 for k, _, g, _ in stats.events if k == "all_to_all"), stats
         assert layer.last_dropped == ref.last_dropped, (step, layer.last_dropped)
         _close(got, want.detach(), f"step {step}: output")
         for name, p in layer.named_parameters():
