@@ -90,7 +90,7 @@ def collective_seconds(link: Link, kind: str, nbytes: int, members: int,
     the sends and receives this rank posts one by one where point-to-point messages
     stand for the collective (fully_shard's gathers and reductions on gloo), each at
     the latency, as boxing prices a transfer's messages (``cost.Costs.alpha``)."""
-    hops = max(_latency_hops(kind, members), messages)
+    hops = _latency_hops(kind, members) + messages
     return link.launch + hops * link.latency + nbytes / link.bandwidth
 
 
