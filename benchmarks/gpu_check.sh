@@ -13,6 +13,9 @@
 #   cuda_tests  pytest -m cuda tests/cuda (on one GPU the ranks share it: gloo)
 #   gpt         benchmarks/overhead.py --device cuda, world 1: plain / ours / DTensor,
 #               eager and compiled (49M-parameter nanoGPT, B=16, T=256)
+#   simulate    benchmarks/simulate.py --measure --device cuda: gt.debug.simulate_step's
+#               estimate of tp.py's GPT at world 1 (data parallel, fully_shard) against
+#               the measured step, on the GPU's profile
 #   quickstart  README command 1's program, 4 local processes
 #   suite       README command 2's tests (python -m pytest -q)
 set -uo pipefail
@@ -45,6 +48,8 @@ stage cuda_tests 200 "$PY" -m pytest -m cuda tests/cuda -q -p no:cacheprovider -
     --junitxml "$work/cuda.xml"
 stage gpt 200 "$PY" benchmarks/overhead.py --device cuda --rows w1dp --optim foreach \
     --compile --iters 20 --json "$work/gpt.json"
+stage simulate 120 "$PY" benchmarks/simulate.py --measure --device cuda --worlds 1 \
+    --layouts dp,fs --dim 768 --heads 12 --layers 6 --seq 256 --vocab 8192 --rows 16 --steps 10
 stage quickstart 90 "$PY" -m globaltensor.launch --nproc_per_node 4 examples/quickstart.py
 stage suite 300 "$PY" -m pytest -q -x -p no:cacheprovider --junitxml "$work/suite.xml"
 

@@ -1,6 +1,7 @@
 """The GPU check's one table (``gpu_check.sh`` runs it on its work folder): the
 device, each stage's exit status and time, every GPU test's result, the README
-commands' test counts, and the nanoGPT step at world 1 (``overhead.py --json``).
+commands' test counts, the simulated step against the measured one (``simulate.py``'s
+table), and the nanoGPT step at world 1 (``overhead.py --json``).
 
     python benchmarks/gpu_table.py /tmp/gpu_check_work
 """
@@ -58,6 +59,13 @@ def main(work: str) -> None:
     for name, outcome, message in suite:
         if outcome in ("FAILED", "ERROR"):
             print(f"- {outcome} {name}: {message}")
+    simulated = work / "simulate.log"
+    if simulated.exists():
+        lines = [line for line in simulated.read_text().splitlines()
+                 if not line.startswith(("[", "W1", "== ")) and line.strip()]
+        print("\n## gt.debug.simulate_step at world 1 against the measured step "
+              "(`simulate.py --measure --device cuda`)\n")
+        print("```text\n" + "\n".join(lines) + "\n```")
     gpt = work / "gpt.json"
     if gpt.exists():
         rows = json.loads(gpt.read_text())

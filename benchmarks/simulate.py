@@ -6,6 +6,7 @@
     python benchmarks/simulate.py --worlds 8,64 --layouts dp,fs --device cpu
     python benchmarks/simulate.py --measure --worlds 2,4 --layouts dp,tp,fs --dim 256 \
         --heads 8 --layers 2 --seq 128 --vocab 1024      # estimated against real worlds here
+    python benchmarks/simulate.py --measure --device cuda --worlds 1 --layouts dp  # a GPU's
 
 For each world size and layout, rank 0 of that world is simulated in this process (no
 other processes): its memory at the step's peak (parameters, gradients, optimizer state,
@@ -25,11 +26,14 @@ they leave out.
 ``--measure`` (``--device cpu``) also runs each point in a real world of that size on
 this machine (gloo, op by op): the median of ``--steps`` timed steps and the peak of
 the ranks' tensors (torch's ``MemTracker``, as the simulation counts), with the
-estimate's ratio to each. In that world it also times a 1 KiB all-reduce while the
-ranks compute between collectives (``_measured_all_reduce_seconds``): on a machine whose cores
-the ranks share, a collective waits for the others' turns, which the "cpu" profile's
-link (gloo's launch, ``cost.GLOO``) does not know. The estimate is given twice: with
-the profile as it is, and with its link's launch taken from that measurement
+estimate's ratio to each. ``--device cuda --measure`` does the same on this machine's
+GPUs (one per rank: the worlds up to their number), simulated on its GPU's profile
+(``gt.debug.PROFILES`` by the device's name), each step timed to its last kernel. In a
+world of more than one rank it also times a 1 KiB all-reduce while the ranks compute
+between collectives (``_measured_all_reduce_seconds``): on a machine whose cores the
+ranks share, a collective waits for the others' turns, which the "cpu" profile's link
+(gloo's launch, ``cost.GLOO``) does not know. The estimate is given twice: with the
+profile as it is, and with its link's launch taken from that measurement
 (``launch``, ``est/real`` beside it).
 """
 from __future__ import annotations
@@ -51,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", default="8,64,256,1024")
     ap.add_argument("--layouts", default="dp,fs,tp,2d")
-    ap.add_argument("--device", default="h100", help="cpu, h100, h200")
+    ap.add_argument("--device", default="h100",
+                    help="a profile: cpu, h100, h200; or cuda: this machine's GPU's")
     ap.add_argument("--model", default="gpt", choices=("gpt", "llama"))
     ap.add_argument("--dim", type=int, default=None, help="gpt 768, llama 2048")
     ap.add_argument("--heads", type=int, default=None, help="gpt 12, llama 32")
@@ -105,13 +110,13 @@ def _model(cfg):
             loss)
 
 
-def _make(cfg, layout: str, rows: int):
+def _make(cfg, layout: str, rows: int, device: str = "cpu"):
     def make():
         world = gt.get_world_size()
         if layout == "2d":
-            P = gt.placement("cpu", [list(range(r * 8, r * 8 + 8)) for r in range(world // 8)])
+            P = gt.placement(device, [list(range(r * 8, r * 8 + 8)) for r in range(world // 8)])
         else:
-            P = gt.placement.all("cpu")
+            P = gt.placement.all(device)
         # (simulate_step makes it of fake tensors: no memory)
         model, blocks, megatron, vocab, seq, loss_of = _model(cfg)
         if layout == "dp":
@@ -143,15 +148,20 @@ def _make(cfg, layout: str, rows: int):
 
 def _measured(argv) -> None:
     """One rank of a real world: the step's peak tensor memory and median time, and a
-    small collective's time among busy ranks (rank 0 writes them for the parent)."""
+    small collective's time among busy ranks (rank 0 writes them for the parent). On
+    cuda (``--device cuda``) each rank on its GPU, each step timed to its last kernel."""
     import torch.distributed as dist
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from globaltensor.step_simulation import _by_kind, _tracker
     args = _parser().parse_args(argv)
     gt.init()
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(gt.get_local_rank())
+    done = torch.cuda.synchronize if cuda else (lambda: None)
     torch.manual_seed(0)
-    step, model, opt = _make(_config(args), args.layout, args.rows)()
+    step, model, opt = _make(_config(args), args.layout, args.rows, "cuda" if cuda else "cpu")()
     for _ in range(3):
         step()
     tracker = _tracker(MemTracker)()   # (as the simulation's: gathered copies not hooked)
@@ -160,11 +170,13 @@ def _measured(argv) -> None:
         step()
     times = []
     for _ in range(args.steps):
+        done()
         dist.barrier()
         t0 = time.perf_counter()
         step()
+        done()
         times.append(time.perf_counter() - t0)
-    collective = _measured_all_reduce_seconds()
+    collective = _measured_all_reduce_seconds() if dist.get_world_size() > 1 else 0.0
     if dist.get_rank() == 0:
         with open(args.measured_to, "w") as f:
             f.write(f"{_by_kind(tracker)['peak']} {statistics.median(times)} {collective}")
@@ -216,8 +228,9 @@ def main(argv=None) -> None:
     args = _parser().parse_args(argv)
     if args.layout is not None:   # a rank of a measured world
         return _measured(argv)
-    if args.measure and args.device != "cpu":
-        raise SystemExit("--measure compares with this machine: use --device cpu")
+    if args.measure and args.device not in ("cpu", "cuda"):
+        raise SystemExit("--measure compares with this machine: use --device cpu or cuda")
+    profile = _this_gpu() if args.device == "cuda" else args.device
     cfg = _config(args)
     more = (f"{'real ms':>9}{'est/real':>9}{'launch':>8}{'est/real':>9}{'real MiB':>9}"
             f"{'est/real':>9}") if args.measure else ""
@@ -237,12 +250,16 @@ def main(argv=None) -> None:
         for world in map(int, args.worlds.split(",")):
             if layout == "2d" and world % 8:
                 continue
+            if args.device == "cuda" and world > torch.cuda.device_count():
+                print(f"{layout:<7}{world:>6}  (not run: {torch.cuda.device_count()} GPU(s) "
+                      f"here, one per rank)", flush=True)
+                continue
             if args.measure:   # the machine as it is now: its speed drifts over minutes
                 peak, seconds, collective = _measure(layout, world)
                 device_profile.cpu_profile.cache_clear()
                 device_profile.host_op_seconds.cache_clear()
             t0 = time.perf_counter()
-            r = _simulated(cfg, layout, args.rows, world, args.device)
+            r = _simulated(cfg, layout, args.rows, world, profile, args.device)
             m, mib = r.memory, 1 << 20
             line = (f"{layout:<7}{world:>6}{m['peak'] / mib:>10.0f}{m['parameters'] / mib:>9.0f}"
                     f"{m['gradients'] / mib:>9.0f}{m['optimizer'] / mib:>9.0f}"
@@ -250,18 +267,34 @@ def main(argv=None) -> None:
                     f"{r.comm_seconds * 1e3:>9.1f}{r.host_seconds * 1e3:>9.1f}"
                     f"{time.perf_counter() - t0:>7.1f}")
             if args.measure:
-                profile = _measured_launch(device_profile.cpu_profile(), collective, world)
-                again = _simulated(cfg, layout, args.rows, world, profile)
+                calibrated = _measured_launch(device_profile.profile_of(profile), collective,
+                                              world) if world > 1 else r.device
+                again = _simulated(cfg, layout, args.rows, world, calibrated, args.device)
                 line += (f"{seconds * 1e3:>9.1f}{r.seconds / seconds:>9.2f}"
-                         f"{profile.links[0].launch * 1e3:>8.2f}{again.seconds / seconds:>9.2f}"
+                         f"{calibrated.links[0].launch * 1e3:>8.2f}{again.seconds / seconds:>9.2f}"
                          f"{peak / mib:>9.1f}{m['peak'] / peak:>9.2f}")
             print(line, flush=True)
 
 
-def _simulated(cfg, layout: str, rows: int, world: int, device):
-    return gt.debug.simulate_step(_make(cfg, layout, rows),
-                                  placement=gt.placement("cpu", ranks=range(world)),
-                                  device=device)
+def _simulated(cfg, layout: str, rows: int, world: int, profile, device: str = "cpu"):
+    """Rank 0 of ``world`` simulated on ``profile``, its placements on ``device`` ("cpu"
+    for a profile's name: only the profile prices the step)."""
+    device = "cuda" if device == "cuda" else "cpu"
+    return gt.debug.simulate_step(_make(cfg, layout, rows, device),
+                                  placement=gt.placement(device, ranks=range(world)),
+                                  device=profile)
+
+
+def _this_gpu() -> str:
+    """The profile (``gt.debug.PROFILES``) of this machine's GPU, by its name."""
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here")
+    name = torch.cuda.get_device_name(0)
+    for key in gt.debug.PROFILES:
+        if key.lower() in name.lower():
+            return key
+    raise SystemExit(f"no profile for {name!r} in gt.debug.PROFILES "
+                     f"({', '.join(gt.debug.PROFILES)}): add one to compare with it")
 
 
 if __name__ == "__main__":
