@@ -19,6 +19,7 @@ from mp import checks_in_worlds, patched
 
 import globaltensor as gt
 from globaltensor import heap as fs_heap
+from globaltensor.layout import balanced_split
 from globaltensor.nn import shard_comm as fs_comm
 from globaltensor.nn import sharded as fs_module
 
@@ -212,6 +213,31 @@ def check_a_units_gradients_are_reduced_together():
                                        msg=lambda m, name=name: f"{name}: {m}")
 
 
+def check_an_exchange_sums_packed_and_own_gradients_exactly():
+    """A unit's gradient exchange (gloo) gives each rank its rows of the sum, exactly
+    (integer values), whether its gradients travel packed (small), in messages of their
+    own (large) or both; uneven and empty parts, reduction dtypes other than the
+    gradients' own."""
+    n, me = gt.get_world_size(), gt.get_rank()
+    shapes = [(7, 3), (2,), (1, 5), (9,), (0, 4), (3 * n, 2), (5, 1, 2)]
+    dtypes = [torch.float32, torch.float32, torch.bfloat16, torch.float32, torch.float32,
+              torch.float64, torch.float32]
+    rdtypes = [torch.float32, torch.bfloat16, torch.float32, torch.float32, torch.float32,
+               torch.float64, torch.bfloat16]
+
+    def grads(r):   # integers up to 8: every sum exact, in bf16 too
+        g = torch.Generator().manual_seed(100 + r)
+        return [torch.randint(-8, 9, s, generator=g).to(d) for s, d in zip(shapes, dtypes)]
+    total = [sum(t.to(torch.float64) for t in ts) for ts in zip(*map(grads, range(n)))]
+    for own in (1 << 30, 20, 0):   # all packed, the larger alone, all alone
+        with patched(fs_comm, "OWN_GATHER_BYTES", own):
+            got = fs_comm._exchange(grads(me), tuple(range(n)), rdtypes)
+        gt.comm.barrier()   # (every rank out of the patch before the next one's)
+        for i, (g, want, rdtype) in enumerate(zip(got, total, rdtypes)):
+            rows = balanced_split(want.shape[0], n)[me]
+            assert g.dtype == rdtype and torch.equal(g.double(), want.narrow(0, *rows)), (own, i)
+
+
 def check_large_parameters_gather_in_place():
     """Above OWN_GATHER_BYTES a parameter is gathered into its gathered storage (uneven
     parts included), with its unit's others in one batch of messages on gloo, and again
@@ -389,6 +415,7 @@ def check_a_data_axis_of_one_rank_hands_on_the_parts():
 CHECKS = ["check_training_equals_one_process", "check_gathered_copy_is_freed_after_forward",
           "check_tied_and_meta_modules", "check_reshard_after_forward",
           "check_large_parameters_gather_in_place", "check_a_units_gradients_are_reduced_together",
+          "check_an_exchange_sums_packed_and_own_gradients_exactly",
           "check_recompute_gathers_once_and_each_weight_again_in_its_backward",
           "check_host_blocks_go_back_to_the_system_when_freed",
           "check_a_data_axis_of_one_rank_hands_on_the_parts"]
