@@ -223,7 +223,6 @@ class VerifyingReader(FileSystemReader):
         self.verified = set()
 
 
-
 def carries_checksums(storage_data) -> bool:
     """Whether a checkpoint's storage entries (DCP's ``metadata.storage_data``) carry
     the CRC-32s ``ChecksummedWriter`` records."""

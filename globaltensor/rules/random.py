@@ -192,7 +192,6 @@ def native_dropout(x, p: float, train=True):
     return (GlobalTensor(out, x.global_layout, strides=strides), GlobalTensor(mask, mask_layout))
 
 
-
 def dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False):
     """``F.dropout`` on a GlobalTensor: torch's CPU dropout is empty_like + bernoulli_ +
     mul and keeps a float noise tensor for backward; ``native_dropout`` (the accelerator

@@ -384,7 +384,6 @@ def _view_groups(a, b):
     return groups
 
 
-
 def _local_size_direct(ctx):
     """``_to_local_size`` for one decision: its local size and op looked up once."""
     local_size, op = list(ctx.out_layouts[0].local_shape(ctx.rank)), ctx.call.func._op
