@@ -42,7 +42,6 @@ from typing import Callable
 import torch
 
 from . import comm, env, modes
-from .comm import simulated as sim
 from .propagation import cache as decisions
 
 # What globaltensor keeps per rank: module -> {name: fresh value (made from the module)}.
@@ -148,6 +147,15 @@ class _Ranks:
         return self.saved[rank][0][self.attrs.index((self.mods[module], attr))]
 
 
+def _sim():
+    """``comm/simulated.py``, imported with the first simulated rank: it builds on torch's
+    threaded process group, whose import registers a "threaded" backend with torch, which
+    a program that simulates nothing must not find (importing globaltensor changes
+    nothing of torch's: docs/torch_changes.md)."""
+    from .comm import simulated
+    return simulated
+
+
 _NOTE = "(rank {rank} of a simulated world of {n})"   # on the error that ended a world
 _NOTE_READ = re.compile(re.escape(_NOTE).replace(r"\{rank\}", r"(\d+)").replace(r"\{n\}", r"\d+") + "$")
 
@@ -166,6 +174,7 @@ def simulated_world(n: int, timeout: float | None = None) -> Callable:
     limit = env.timeout_seconds() if timeout is None else float(timeout)
 
     def run(fn: Callable, *args, **kwargs) -> list:
+        sim = _sim()
         ranks = _Ranks(n)
         turns = sim.Turns(n, ranks.swap_in, ranks.swap_out, limit)
         results, errors = [None] * n, {}
@@ -211,6 +220,7 @@ def failing_rank(error: BaseException) -> int | None:
 
 def _rank_main(rank: int, n: int, turns, store, limit: float, fn, args, kwargs, results,
                errors) -> None:
+    sim = _sim()
     try:
         turns.take(rank)
     except sim.WorldStopped:
@@ -261,7 +271,7 @@ def run_as_rank(world: int, rank: int, fn: Callable, *args, local_world: int | N
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not one of a world of {world}")
     local = world if local_world is None else local_world
-    ranks = _Ranks(1)
+    sim, ranks = _sim(), _Ranks(1)
     ranks.saved[0][2].update(RANK=str(rank), LOCAL_RANK=str(rank % local),
                              GROUP_RANK=str(rank // local), WORLD_SIZE=str(world),
                              LOCAL_WORLD_SIZE=str(local))

@@ -300,6 +300,7 @@ def _init_default_group() -> None:
         # A world of one needs no rendezvous: an in-memory store does.
         dist.init_process_group(_choose_backend(None, 1), store=dist.HashStore(),
                                 rank=0, world_size=1, timeout=timeout)
+        _name_default_backend(dist.group.WORLD)
     else:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
@@ -315,6 +316,18 @@ def _init_default_group() -> None:
             dist.PrefixStore(f"globaltensor/generation{_generation}", _store)
         dist.init_process_group(_choose_backend(store, world), store=store,
                                 rank=env.get_rank(), world_size=world, timeout=timeout)
+        _name_default_backend(dist.group.WORLD)
+
+
+def _name_default_backend(group) -> None:
+    """torch names a group's default backend (the one its destroy asks for hooks) from
+    its backend string, but names none for several backends without NCCL
+    ("cpu:gloo,cuda:gloo") once any backend is registered with it (importing torch._dynamo
+    registers "fake"): destroying the group then warns on every rank "No backend of type
+    0 found ... Assuming no hooks are registered". Gloo is named there, as torch names it
+    when no backend is registered."""
+    if getattr(group, "_get_backend_name", lambda: "")() == "undefined":
+        group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
 
 
 def init() -> None:

@@ -76,3 +76,31 @@ def test_destroy_joins_the_gloo_threads_and_the_world_can_be_made_again():
     world.check("_global_ops_after_the_program_destroys_the_group")
     world.check("_the_program_makes_the_group_again_itself")
     world.check("_gloo_threads_end_in_destroy")
+
+
+EXIT_SCRIPT = """
+import torch._dynamo  # (its import registers torch's "fake" backend)
+import torch.distributed as dist
+import globaltensor as gt
+gt.init()
+x = gt.randn(4, 4, placement=gt.placement.all("cpu"), sbp=gt.sbp.broadcast)
+print(dist.group.WORLD._get_backend_name(), float(x.sum()) == float(x.sum()))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_default_group_ends_without_a_warning():
+    """The default group names gloo its default backend: torch names none for
+    "cpu:gloo,cuda:gloo" once a backend is registered with it (torch._dynamo's import
+    registers one), and destroying the group at exit then warned "No backend of type 0
+    found ... Assuming no hooks are registered", on every rank of every program."""
+    import subprocess
+    import sys
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True,
+                         timeout=100, env=environ)
+    assert out.returncode == 0, out.stderr
+    name, equal = out.stdout.split()   # (nccl where this machine has a GPU)
+    assert name in ("gloo", "nccl") and equal == "True", out.stdout
+    assert "No backend of type" not in out.stderr, out.stderr

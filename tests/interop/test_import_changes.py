@@ -1,9 +1,9 @@
 """Importing globaltensor changes in torch exactly what docs/torch_changes.md lists (in a
 fresh process: every attribute of every torch module and of every class torch defines,
-the _foreach_ type lists, sys.meta_path, the random state, hooks and warnings filters,
-before and after ``import globaltensor``), with GLOBALTENSOR_LOCAL_ADDR and
-GLOBALTENSOR_TORCH_ADVICE set or not; and every function left in torch's place does what
-torch's own does on plain tensors."""
+the _foreach_ type lists, sys.meta_path, the random state, hooks, warnings filters and
+registered backends, before and after ``import globaltensor``), with
+GLOBALTENSOR_LOCAL_ADDR and GLOBALTENSOR_TORCH_ADVICE set or not; and every function left
+in torch's place does what torch's own does on plain tensors."""
 import io
 import json
 import os
@@ -59,7 +59,11 @@ SNAPSHOT = textwrap.dedent('''
                 "excepthook": id(sys.excepthook), "thread hook": id(threading.excepthook),
                 "signals": [id(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM)],
                 "warnings": [repr(f) for f in warnings.filters],
-                "loggers": [logging.getLogger(n).level for n in ("", "torch")]}
+                "loggers": [logging.getLogger(n).level for n in ("", "torch")],
+                # (a backend registered with torch changes how it makes groups of
+                # several backends: "cpu:gloo,cuda:gloo" then has no default one)
+                "backends": [list(torch.distributed.Backend.backend_list),
+                             sorted(torch.distributed.Backend._plugins)]}
 
     before, lists, finders, was = attributes(), {k: list(v) for k, v in LISTS.items()}, \\
         list(sys.meta_path), state()
