@@ -32,16 +32,19 @@ def note_pin(x: GlobalTensor, dst, calls: list, serial: int, sinks: list):
     if origin is None or len(origin) > 3:
         return None
     sinks.append((origin[1], origin[2], dst, x.element_size(), "pin"))
-    return origin[1], origin[2], dst
+    return serial, origin[1], origin[2], dst
 
 
 def note_pin_gradient(out: GlobalTensor, grad, link: tuple, calls: list, serial: int,
                       pin_grads: list) -> GlobalTensor:
     """The backward of a ``to_global`` noted by ``note_pin``: ``grad`` was boxed into
-    ``out``. Returns ``out``, a new tensor marked as made through the pin."""
-    if not isinstance(grad, GlobalTensor):
+    ``out``. Returns ``out``, a new tensor marked as made through the pin. A pin noted
+    in another recording (a step begins at each outermost forward of a module, and a
+    program may call its modules one by one, backward after the last) has no call of
+    this one to be made by: ``out`` is left as made before the step."""
+    if not isinstance(grad, GlobalTensor) or link[0] != serial:
         return out
-    u, k, dst = link
+    _, u, k, dst = link
     origin = record.recorded_origin(grad, calls, serial)
     made_by = origin[1:3] if origin is not None and len(origin) == 3 else None
     pin_grads.append((u, k, made_by, grad._layout, grad.element_size(), dst))
