@@ -107,7 +107,7 @@ def main():
         opt.step()
         sched.step()
         data["batch"] += 1
-        say(f"step {step + 1} loss {float(loss):.6f}")
+        say(f"step {step + 1} loss {loss.item():.6f}")
         if saver.step(step + 1):
             say(f"saved {os.path.join(args.ckpt, f'step_{step + 1}')}")
 
