@@ -111,7 +111,7 @@ def main():
         if saver.step(step + 1):
             say(f"saved {os.path.join(args.ckpt, f'step_{step + 1}')}")
 
-    whole = {name: p.full() for name, p in model.named_parameters()}
+    whole = {name: p.detach().full() for name, p in model.named_parameters()}
     if args.out and gt.get_rank() == 0:
         torch.save(whole, args.out)
     say(f"done: {args.steps} steps on {gt.get_world_size()} rank(s), layout {args.layout}, "
