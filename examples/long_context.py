@@ -136,6 +136,10 @@ def main() -> None:
     plain = copy.deepcopy(initial)
     want = train(plain, args.seq, args.steps)
     for way in ("in order", "zig-zag order"):
+        if way == "zig-zag order" and args.seq % (2 * n):
+            say(f"zig-zag order skipped: a sequence of {args.seq} does not cut into 2 x {n} "
+                f"equal chunks (--seq a multiple of {2 * n})")
+            continue
         model = gt.nn.to_global(copy.deepcopy(initial), P, gt.sbp.broadcast)
         if way == "zig-zag order":   # a balanced causal ring
             model.order = gt.nn.zigzag_order(args.seq, n)
