@@ -55,12 +55,28 @@ def check_consistency() -> Iterator[None]:
         yield
 
 
+def _layout_of(x, what: str, layouts: bool = False) -> Layout:
+    """``x``'s layout (``layouts``: ``x`` may be a Layout itself); a TypeError naming what
+    was given instead."""
+    if isinstance(x, GlobalTensor):
+        return x.global_layout
+    if layouts and isinstance(x, Layout):
+        return x
+    hint = " (a function's step: gt.debug.explain_step)" if callable(x) else ""
+    raise TypeError(f"gt.debug.{what}: expected a GlobalTensor{' or a Layout' * layouts}, "
+                    f"got {type(x).__name__}{hint}")
+
+
 def explain(x: GlobalTensor, placement: Placement | None = None, sbp=None) -> Plan:
     """The plan ``x.to_global(placement, sbp)`` would run: its steps, process groups,
-    bytes per rank and estimated cost (print it). No communication."""
-    placement = x.placement if placement is None else placement
-    sbp = x.sbp if sbp is None else sbp
-    return plan_route(x.global_layout, Layout.make(x.shape, placement, sbp), x.element_size())
+    bytes per rank and estimated cost (print it). No communication.
+
+    >>> print(gt.debug.explain(x, sbp=gt.sbp.broadcast))      # doctest: +SKIP
+    """
+    layout = _layout_of(x, "explain")
+    placement = layout.placement if placement is None else placement
+    sbp = layout.sbp if sbp is None else sbp
+    return plan_route(layout, Layout.make(x.shape, placement, sbp), x.element_size())
 
 
 @contextlib.contextmanager
@@ -90,7 +106,7 @@ def show_layout(x: GlobalTensor, file=None) -> str:
       ...
       rank 0 [0, 0]: [0:4, 0:4] shape (4, 4)
     """
-    layout = x.global_layout
+    layout = _layout_of(x, "show_layout")
     lines = [f"{tuple(x.shape)} {x.dtype} on {layout.placement}, sbp {layout.sbp}"]
     lines += ["  " + line for line in draw_layout(layout).splitlines()]
     for rank in layout.placement:
@@ -112,7 +128,6 @@ def notation(x: "GlobalTensor | Layout") -> str:
     >>> gt.debug.notation(gt.randn(8, 4, placement=p, sbp=gt.sbp.split(0)))  # doctest: +SKIP
     'f32[8@0, 4]'
     """
-    if isinstance(x, GlobalTensor):
-        return _notation(x.global_layout, x.dtype)
-    return _notation(x)
+    layout = _layout_of(x, "notation", layouts=True)
+    return _notation(layout, x.dtype) if isinstance(x, GlobalTensor) else _notation(layout)
 

@@ -104,8 +104,11 @@ def plot_layout(x: "GlobalTensor | Layout", path: str) -> None:
 
     >>> gt.debug.plot_layout(x, "layout.png")      # doctest: +SKIP
     """
+    layout = x if isinstance(x, Layout) else getattr(x, "global_layout", None)
+    if not isinstance(layout, Layout):
+        raise TypeError(f"gt.debug.plot_layout: expected a GlobalTensor or a Layout, got "
+                        f"{type(x).__name__}")
     plt = _pyplot()
-    layout = x if isinstance(x, Layout) else x.global_layout
     blocks = layout_blocks(layout)
     if len(blocks.row_cuts) * len(blocks.col_cuts) > MAX_PLOTTED:
         raise ValueError(f"{layout.shape} with sbp {layout.sbp}: {len(blocks.row_cuts) - 1} x "

@@ -232,3 +232,16 @@ def test_pictures_need_matplotlib_and_say_how_to_get_it(tmp_path, world_of_eight
     with pytest.raises(ImportError, match="pip install matplotlib"):
         plot_step(_report(4), str(tmp_path / "s.png"))
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name, args", [
+    ("show_layout", (torch.ones(2),)), ("notation", (torch.ones(2),)),
+    ("plot_layout", (torch.ones(2), "unwritten.png")), ("explain", (torch.ones(2),))])
+def test_a_plain_tensor_is_refused_by_name(name, args):
+    with pytest.raises(TypeError, match=f"gt.debug.{name}: expected a GlobalTensor.* got Tensor"):
+        getattr(gt.debug, name)(*args)
+
+
+def test_explain_of_a_function_points_to_explain_step():
+    with pytest.raises(TypeError, match="got function .*gt.debug.explain_step"):
+        gt.debug.explain(lambda: None)
