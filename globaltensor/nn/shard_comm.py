@@ -335,8 +335,7 @@ def _exchange(locals_: list, group: tuple, rdtypes: list) -> list:
     packs = _Packs(locals_, rdtypes, mine)
     for k in range(1, n):
         to, source = (me + k) % n, (me - k) % n
-        sends, recvs = packs.messages([t.narrow(0, *parts[to]) for t, parts in
-                                       zip(locals_, splits)], group[to], group[source])
+        sends, recvs = packs.messages(locals_, splits, to, group[to], group[source])
         for i in packs.own:
             local, rdtype = locals_[i], rdtypes[i]
             if bufs[i] is None and mine[i].numel():
@@ -354,7 +353,7 @@ def _exchange(locals_: list, group: tuple, rdtypes: list) -> list:
             if got is None:
                 continue
             if out[i] is None:    # the first part received becomes the sum (2 ranks: the only)
-                if i in packs.own:
+                if got is bufs[i]:   # (a large gradient's own receive buffer)
                     out[i], bufs[i] = got, None
                     out[i].add_(mine[i])
                 else:   # (a storage of its own: the receive buffer is reused)
@@ -382,18 +381,19 @@ class _Packs:
                                     device=self.device)
                      for d, members in self.by_dtype.items()}
 
-    def messages(self, pieces: list, to: int, source: int) -> tuple:
-        """(sends, receives) of one round: ``pieces[i]``, gradient i's rows for ``to``."""
+    def messages(self, locals_: list, splits: list, k: int, to: int, source: int) -> tuple:
+        """(sends, receives) of one round: the packed gradients' rows of member ``k``
+        (``splits``: each gradient's parts) to rank ``to``, theirs from ``source``."""
         sends, recvs = [], []
         for rdtype, members in self.by_dtype.items():
-            total = sum(pieces[i].numel() for i in members)
+            pieces = [locals_[i].narrow(0, *splits[i][k]) for i in members]
+            total = sum(piece.numel() for piece in pieces)
             if total:
                 send = torch.empty(total, dtype=rdtype, device=self.device)
                 offset = 0
-                for i in members:
-                    size = pieces[i].numel()
-                    send[offset:offset + size].view(pieces[i].shape).copy_(pieces[i])
-                    offset += size
+                for piece in pieces:
+                    send[offset:offset + piece.numel()].view(piece.shape).copy_(piece)
+                    offset += piece.numel()
                 sends.append((send, to))
             if self.recv[rdtype].numel():
                 recvs.append((self.recv[rdtype], source))
