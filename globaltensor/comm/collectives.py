@@ -8,7 +8,7 @@ can hold, and write it into the caller's buffer (functionalization turns the cop
 into a plain use); point-to-point transfers have no such form and refuse to trace.
 Where the group's backend lacks a collective on the tensors' device (gloo, which serves
 cuda when local ranks share a GPU, lacks all but broadcast and all_reduce there), it runs
-on host copies (``_HostCopies``), the same code whatever the device.
+on host copies (``HostCopies``), the same code whatever the device.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from .groups import get_group, init
 from .guard import DivergenceError, Waiting, guarded
 from .guard import all_gather_single as _all_gather_single
 from .guard import reduce_scatter_single as _reduce_scatter_single
+from .host_copies import CopiedBack, HostCopies
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 # torch 2.13 renamed reduce_scatter_tensor (deprecated there), with the same signature
@@ -73,50 +74,41 @@ def _reduce(buf: torch.Tensor, reduce: str, ranks: tuple[int, ...], async_op=Fal
         buf, op=_REDUCE_OPS[reduce], group=get_group(ranks), async_op=async_op))
 
 
-class _HostCopies:
-    """Host stand-ins for a collective's device tensors: ``send`` copies an input in,
-    ``receive`` gives an output buffer and ``both`` an in-place one, whose contents
-    ``finish`` copies back. The copies are fresh host tensors also for cpu tensors."""
-
-    def __init__(self):
-        self._kept: list = []   # inputs' copies: alive until the collective is done
-        self._back: list = []   # (device tensor, its host buffer)
-
-    def send(self, t: torch.Tensor) -> torch.Tensor:
-        copy = torch.empty(t.shape, dtype=t.dtype).copy_(t)
-        self._kept.append(copy)
-        return copy
-
-    def receive(self, t: torch.Tensor) -> torch.Tensor:
-        buffer = torch.empty(t.shape, dtype=t.dtype)
-        self._back.append((t, buffer))
-        return buffer
-
-    def both(self, t: torch.Tensor) -> torch.Tensor:
-        buffer = torch.empty(t.shape, dtype=t.dtype).copy_(t)
-        self._back.append((t, buffer))
-        return buffer
-
-    def finish(self) -> None:
-        for t, buffer in self._back:
-            t.copy_(buffer)
-        self._kept.clear()
-        self._back.clear()
+# gloo's all_gather stages the whole output in a buffer of its own and passes the parts
+# around a ring; point-to-point messages straight into the output's parts took 0.6-0.75x
+# its time for parts of 1-8 MiB, 0.9x at 512 KiB, between 2 and 4 cpu ranks. Smaller
+# parts stay with the one collective, which carries their tags in its payload (a part
+# over fingerprint.PACK_LIMIT is compared first either way).
+GATHER_BY_MESSAGES_BYTES = 512 << 10
 
 
-class _CopiedBack:
-    """A started collective on host copies: ``wait()`` waits, then copies back."""
+def _gathers_by_messages(part: torch.Tensor) -> bool:
+    """Whether an all-gather of ``part`` (a cpu tensor, each member's) goes by
+    point-to-point messages (``GATHER_BY_MESSAGES_BYTES``): the members agree, deciding
+    by its size."""
+    return part.device.type == "cpu" and _nbytes(part) >= GATHER_BY_MESSAGES_BYTES \
+        and groups.backend_of("cpu") != "nccl"   # (a simulated rank priced as NCCL)
 
-    def __init__(self, work, host: _HostCopies):
-        self._work, self._host = work, host
 
-    def wait(self) -> None:
-        self._work.wait()
-        self._host.finish()
+def _gather_by_messages(pieces: list, src: torch.Tensor, ranks: tuple[int, ...]) -> None:
+    """Every member's ``src`` into ``pieces`` (in member order; ours copied) by one
+    batch of point-to-point messages, posted once the tags agree (compared as before
+    gloo's all_gather of this size: the messages carry none of their own)."""
+    n = len(ranks)
+    if stats.record("all_gather", _nbytes(src) * (n - 1), ranks, 2 * (n - 1)):
+        return
+    if fingerprint.ON:
+        fingerprint.exchange(fingerprint.tag("all_gather", ranks, src.numel(), src.dtype))
+    me = ranks.index(dist.get_rank())
+    pieces[me].copy_(src)
+    others = [(p, m) for j, (p, m) in enumerate(zip(pieces, ranks)) if j != me]
+    start_p2p([(src, m) for _, m in others], others, kind=None, tag=False).wait()
 
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...]) -> None:
-    """``out`` (contiguous, len(ranks) * inp.numel()) receives every member's ``inp``."""
+    """``out`` (contiguous, len(ranks) * inp.numel()) receives every member's ``inp``
+    (on gloo, for parts of ``GATHER_BY_MESSAGES_BYTES`` or more, by point-to-point
+    messages into its parts, counted as one all_gather)."""
     if len(ranks) == 1:
         out.view(-1).copy_(inp.reshape(-1))
         return
@@ -124,11 +116,14 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...]
         src, back = _traced_on_host("all_gather", inp.contiguous().view(-1))
         out.view(-1).copy_(back(funcol.all_gather_tensor(src, 0, get_group(ranks))))
         return
-    if stats.record("all_gather", _nbytes(inp) * (len(ranks) - 1), ranks):
-        return
     # Flat views: backends check the output as len(ranks) chunks of the input's shape.
     dst, src = out.view(-1), inp.contiguous().view(-1)
-    host = _HostCopies() if _staged("all_gather", out.device) else None
+    if _gathers_by_messages(src):
+        _gather_by_messages(list(dst.chunk(len(ranks))), src, ranks)
+        return
+    if stats.record("all_gather", _nbytes(inp) * (len(ranks) - 1), ranks):
+        return
+    host = HostCopies() if _staged("all_gather", out.device) else None
     if host is not None:
         dst, src = host.receive(dst), host.send(src)
     _gather(dst, src, ranks)
@@ -146,7 +141,7 @@ def all_reduce_(t: torch.Tensor, reduce: str, ranks: tuple[int, ...]) -> None:
         return
     if stats.record("all_reduce", 2 * _nbytes(t) * (len(ranks) - 1) // len(ranks), ranks):
         return
-    host = _HostCopies() if _staged("all_reduce" if reduce == "sum" else "all_reduce:max",
+    host = HostCopies() if _staged("all_reduce" if reduce == "sum" else "all_reduce:max",
                                     t.device) else None
     buf = t if host is None else host.both(t)
     _reduce(buf, reduce, ranks)
@@ -170,7 +165,7 @@ def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, reduce: str,
     if stats.record("reduce_scatter", _nbytes(inp) * (len(ranks) - 1) // len(ranks), ranks):
         return
     dst, src = out, inp.contiguous()
-    host = _HostCopies() if _staged("reduce_scatter", out.device) else None
+    host = HostCopies() if _staged("reduce_scatter", out.device) else None
     if host is not None:
         dst, src = host.receive(out), host.send(src)
     if fingerprint.ON:
@@ -197,11 +192,11 @@ def all_reduce_async(t: torch.Tensor, ranks: tuple[int, ...], what: str = "all_r
         return _Done()
     if stats.record("all_reduce", 2 * _nbytes(t) * (len(ranks) - 1) // len(ranks), ranks):
         return _Done()
-    host = _HostCopies() if _staged("all_reduce", t.device) else None
+    host = HostCopies() if _staged("all_reduce", t.device) else None
     buf = t if host is None else host.both(t)
     work = _reduce(buf, "sum", ranks, async_op=True)
     waiting = Waiting("all_reduce", ranks, work, what)
-    return waiting if host is None else _CopiedBack(waiting, host)
+    return waiting if host is None else CopiedBack(waiting, host)
 
 
 def all_gather_async(out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...],
@@ -217,12 +212,12 @@ def all_gather_async(out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...
     if stats.record("all_gather", _nbytes(inp) * (len(ranks) - 1), ranks):
         return _Done()
     dst, src = out.view(-1), inp.contiguous().view(-1)
-    host = _HostCopies() if _staged("all_gather", out.device) else None
+    host = HostCopies() if _staged("all_gather", out.device) else None
     if host is not None:
         dst, src = host.receive(dst), host.send(src)
     work = _gather(dst, src, ranks, async_op=True)
     waiting = Waiting("all_gather", ranks, work, what)
-    return waiting if host is None else _CopiedBack(waiting, host)
+    return waiting if host is None else CopiedBack(waiting, host)
 
 
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int],
@@ -242,7 +237,7 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence
                     ranks):
         return
     dst, src = out, inp
-    host = _HostCopies() if _staged("all_to_all", out.device) else None
+    host = HostCopies() if _staged("all_to_all", out.device) else None
     if host is not None:
         dst, src = host.receive(out), host.send(inp)
     if fingerprint.ON:
@@ -265,7 +260,7 @@ def broadcast_(t: torch.Tensor, src: int, ranks: tuple[int, ...]) -> None:
     if (stats.record("broadcast", _nbytes(t) * (len(ranks) - 1), ranks) if dist.get_rank() == src
             else stats.dry()):
         return
-    host = _HostCopies() if _staged("broadcast", t.device) else None
+    host = HostCopies() if _staged("broadcast", t.device) else None
     buf = t if host is None else host.both(t)
     if fingerprint.ON:
         tagged.broadcast(buf, src, ranks)
@@ -284,7 +279,7 @@ class P2PWork:
     ``tagged.post_p2p``'s, None when fingerprints are off: the word messages before the
     payloads are waited for, the words in payloads after)."""
 
-    def __init__(self, works, peers=(), host: _HostCopies | None = None, tags=None):
+    def __init__(self, works, peers=(), host: HostCopies | None = None, tags=None):
         self._works, self._peers, self._host, self._tags = works, peers, host, tags
 
     def wait(self) -> None:
@@ -312,10 +307,12 @@ class P2PWork:
 
 
 def start_p2p(sends: Sequence[tuple[torch.Tensor, int]],
-              recvs: Sequence[tuple[torch.Tensor, int]], kind: str | None = "send") -> P2PWork:
+              recvs: Sequence[tuple[torch.Tensor, int]], kind: str | None = "send",
+              tag: bool = True) -> P2PWork:
     """Post every send and receive (tensor, peer global rank) at once; messages between
     one pair of ranks match in the order posted. Receive tensors must be contiguous.
-    Each send is counted as ``kind`` (None: not counted, the caller counts)."""
+    Each send is counted as ``kind`` (None: not counted, the caller counts).
+    ``tag=False``: the messages carry no tags (the caller compared them before)."""
     if not sends and not recvs:
         return P2PWork([])
     for t, peer in sends if kind is not None else ():
@@ -328,12 +325,12 @@ def start_p2p(sends: Sequence[tuple[torch.Tensor, int]],
             "(moving between placements, or the eager exchange of a reduce-scatter or "
             "all-to-all); keep to_global across placements outside the compiled function")
     init()
-    host = _HostCopies()
+    host = HostCopies()
     sends = [(host.send(t) if _staged("send", t.device) else t.contiguous(), peer)
              for t, peer in sends]
     recvs = [(host.receive(t) if _staged("recv", t.device) else t, peer) for t, peer in recvs]
     # (tags may put a message into a buffer with its words: in these lists)
-    tags = tagged.post_p2p(sends, recvs, dist.get_rank()) if fingerprint.ON else None
+    tags = tagged.post_p2p(sends, recvs, dist.get_rank()) if fingerprint.ON and tag else None
     if len(sends) + len(recvs) == 1:
         # One message (a hand-off between single ranks): batch_isend_irecv's coalescing
         # adds nothing to one message but its own cost.
