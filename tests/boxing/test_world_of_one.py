@@ -56,3 +56,49 @@ def test_a_training_step_at_world_one_runs_no_boxing_step(monkeypatch):
             opt.zero_grad()
         torch.testing.assert_close(losses[0].to_local(), losses[1])
     assert started == [], [str(p) for p in started[:3]]
+
+
+def test_gradients_at_one_rank_arrive_in_their_parameters_layout(monkeypatch):
+    """At a one-rank placement a parameter's gradient takes its layout as it arrives
+    (before accumulation): fresh, added to a kept ``.grad`` (the same tensor after each
+    backward) and inside ``no_sync()``, equal to plain torch's, with nothing left for
+    the after-accumulation hook to settle."""
+    from globaltensor import gradsync
+    settled = []
+    real_settle = gradsync._settle
+    monkeypatch.setattr(gradsync, "_settle", lambda *a: settled.append(a) or real_settle(*a))
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model = copy.deepcopy(plain)
+    P = gt.placement("cpu", [0])
+    gt.nn.to_global(model, P, gt.sbp.broadcast)
+    x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+
+    def backward(sync=True):
+        loss = F.cross_entropy(model(gt.tensor(x, placement=P, sbp=gt.sbp.split(0))),
+                               gt.tensor(y, placement=P, sbp=gt.sbp.split(0)))
+        if sync:
+            loss.backward()
+        else:
+            with gt.no_sync():
+                loss.backward()
+        F.cross_entropy(plain(x), y).backward()
+
+    def check():
+        for p, q in zip(model.parameters(), plain.parameters()):
+            assert p.grad.global_layout == p.global_layout, p.grad.sbp
+            torch.testing.assert_close(p.grad.to_local(), q.grad)
+    backward()
+    check()
+    kept = [p.grad for p in model.parameters()]
+    backward()                      # added to the kept .grad
+    check()
+    assert all(p.grad is k for p, k in zip(model.parameters(), kept))
+    for m in (model, plain):
+        m.zero_grad(set_to_none=False)
+    backward(sync=False)            # micro-batches, then the synced one
+    backward(sync=False)
+    backward()
+    check()
+    assert all(p.grad is k for p, k in zip(model.parameters(), kept))
+    assert settled == []
