@@ -90,13 +90,14 @@ def _gathers_by_messages(part: torch.Tensor) -> bool:
         and groups.backend_of("cpu") != "nccl"   # (a simulated rank priced as NCCL)
 
 
-def _gather_by_messages(pieces: list, src: torch.Tensor, ranks: tuple[int, ...]) -> None:
-    """Every member's ``src`` into ``pieces`` (in member order; ours copied) by one
-    batch of point-to-point messages, posted once the tags agree (compared as before
-    gloo's all_gather of this size: the messages carry none of their own)."""
+def _gather_by_messages(dst: torch.Tensor, src: torch.Tensor, ranks: tuple[int, ...]) -> None:
+    """Every member's ``src`` into its chunk of flat ``dst`` (ours copied) by one batch
+    of point-to-point messages, posted once the tags agree (compared as before gloo's
+    all_gather of this size: the messages carry none of their own)."""
     n = len(ranks)
     if stats.record("all_gather", _nbytes(src) * (n - 1), ranks, 2 * (n - 1)):
-        return
+        return   # (a dry run: before n views are made, which 1024 simulated ranks feel)
+    pieces = dst.chunk(n)
     if fingerprint.ON:
         fingerprint.exchange(fingerprint.tag("all_gather", ranks, src.numel(), src.dtype))
     me = ranks.index(dist.get_rank())
@@ -119,7 +120,7 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...]
     # Flat views: backends check the output as len(ranks) chunks of the input's shape.
     dst, src = out.view(-1), inp.contiguous().view(-1)
     if _gathers_by_messages(src):
-        _gather_by_messages(list(dst.chunk(len(ranks))), src, ranks)
+        _gather_by_messages(dst, src, ranks)
         return
     if stats.record("all_gather", _nbytes(inp) * (len(ranks) - 1), ranks):
         return
