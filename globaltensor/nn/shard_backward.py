@@ -93,6 +93,13 @@ class _LinearWeightLast(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         if ctx.refetch is not None:
             weight = ctx.refetch()
+        # Under autocast the forward ran in the output's dtype (bf16, say) on casts of
+        # an fp32 input and weight: so does its backward (autograd casts each gradient
+        # back to its input's dtype)
+        if weight is not None and weight.dtype != grad.dtype:
+            weight = weight.to(grad.dtype)
+        if x is not None and x.dtype != grad.dtype:
+            x = x.to(grad.dtype)
         grad_x = grad @ weight if ctx.needs_input_grad[0] else None
         del weight      # the regather drops its copy at its last unpack (_Regather.local)
         grad = grad.reshape(-1, grad.shape[-1])

@@ -220,4 +220,16 @@ def einsum(equation: "str | torch.Tensor", *operands) -> "GlobalTensor | NotImpl
     eq = explicit_equation(equation, tuple(tuple(t.shape) for t in operands))
     if eq is None:
         return NotImplemented
-    return _contract(eq, operands)
+    return _contract(eq, _autocast(operands))
+
+
+def _autocast(operands: tuple) -> tuple:
+    """``operands`` as autocast gives them to torch's einsum (whose bmm it casts): under
+    ``torch.autocast`` for their device, floating ones other than fp64 in its dtype.
+    (``einsum_pair`` is an op of ours, which autocast does not know.)"""
+    device = operands[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return operands
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype not in (dtype, torch.float64)
+                 else t for t in operands)

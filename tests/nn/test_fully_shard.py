@@ -73,6 +73,31 @@ def check_training_equals_one_process():
         assert isinstance(state, gt.GlobalTensor) and state.to_local().numel() == t.to_local().numel()
 
 
+def check_training_under_autocast_follows_torch():
+    # A unit's Linear runs its own backward (the weight let go first): under autocast it
+    # computes in the forward's dtype, as torch's does (it met a bf16 gradient with the
+    # fp32 weight before); bf16 sums of each rank's rows differ from the whole batch's
+    p = gt.placement.all("cpu")
+    reference, model = _mlp(), gt.nn.fully_shard(_mlp(), p)
+    x, y = _data()
+    losses, ref_losses = [], []
+    for m, xs, ys, out in ((reference, x, y, ref_losses),
+                           (model, gt.tensor(x, placement=p, sbp=S(0)), gt.tensor(y, placement=p, sbp=S(0)),
+                            losses)):
+        opt = torch.optim.AdamW(m.parameters(), lr=0.02, weight_decay=0.1)
+        for _ in range(3):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):   # (forward only, as torch asks)
+                loss = F.cross_entropy(m(xs), ys)
+            loss.backward()
+            opt.step()
+            out.append(float(loss))
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 2e-2, (losses, ref_losses)
+    for (name, got), (_, want) in zip(model.named_parameters(), reference.named_parameters()):
+        assert got.dtype == got.grad.dtype == torch.float32, name
+        torch.testing.assert_close(got.full(), want.detach(), rtol=2e-2, atol=2e-2)
+
+
 def check_gathered_copy_is_freed_after_forward():
     p = gt.placement.all("cpu")
     model = gt.nn.fully_shard(_mlp(), p)
@@ -412,7 +437,8 @@ def check_a_data_axis_of_one_rank_hands_on_the_parts():
     assert not fs_module._gathered
 
 
-CHECKS = ["check_training_equals_one_process", "check_gathered_copy_is_freed_after_forward",
+CHECKS = ["check_training_equals_one_process", "check_training_under_autocast_follows_torch",
+          "check_gathered_copy_is_freed_after_forward",
           "check_tied_and_meta_modules", "check_reshard_after_forward",
           "check_large_parameters_gather_in_place", "check_a_units_gradients_are_reduced_together",
           "check_an_exchange_sums_packed_and_own_gradients_exactly",

@@ -58,6 +58,38 @@ def _check_complex_einsum_grads():
             close(g.grad.full(), v.grad, f"complex einsum {sbps}: grad of operand {k}")
 
 
+@checked
+def check_einsum_under_autocast_computes_as_torchs():
+    # torch's einsum runs a bmm, which autocast casts: the result is in autocast's dtype,
+    # and its gradients in the operands' own, equal to torch's on the whole value where
+    # no rank's bf16 partial sums are added (else within bf16's rounding); fp64
+    # operands are left as they are
+    p = line()
+    values = [randn(shape, f"ac{k}", dtype=torch.float32) for k, shape in enumerate([(4, 6), (6, 3)])]
+    for sbps in [(S(0), B), (S(1), S(0))]:
+        gs = [gt.tensor(v, placement=p, sbp=nd(s, p)).requires_grad_() for v, s in zip(values, sbps)]
+        plains = [v.clone().requires_grad_() for v in values]
+        outs = []
+        for xs in (gs, plains):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                outs.append(torch.einsum("ij,jk->ik", *xs))
+            (outs[-1].float() * 1.5).sum().backward()
+        expect(outs[0].dtype == outs[1].dtype == torch.bfloat16, f"autocast einsum {sbps}: {outs[0].dtype}")
+        exact = 0 if sbps[0] == S(0) else BF16   # (the contraction split: partial sums)
+        close(outs[0].full(), outs[1], f"autocast einsum {sbps}", rtol=exact, atol=exact)
+        for k, (g, v) in enumerate(zip(gs, plains)):
+            expect(g.grad.dtype == torch.float32, f"autocast einsum {sbps}: grad {k} {g.grad.dtype}")
+            close(g.grad.full(), v.grad, f"autocast einsum {sbps}: grad of operand {k}",
+                  rtol=BF16, atol=BF16)
+    wide = gt.tensor(randn((4, 6), "ac64"), placement=p, sbp=nd(S(0), p))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        kept = torch.einsum("ij,kj->ik", wide, wide)
+    expect(kept.dtype == torch.float64, f"autocast einsum of fp64: {kept.dtype}")
+
+
+BF16 = 2e-2   # a few roundings of bfloat16 (8 bits of mantissa)
+
+
 def _moved(fn):
     """What fn() communicates on this rank: {kind: bytes}."""
     with gt.debug.comm_stats() as stats:
@@ -104,5 +136,6 @@ def check_einsum_moves_what_matmul_would():
            ValueError, "different placements")
 
 
-CHECKS = ["check_einsum", "check_einsum_moves_what_matmul_would"]
+CHECKS = ["check_einsum", "check_einsum_moves_what_matmul_would",
+          "check_einsum_under_autocast_computes_as_torchs"]
 test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)
