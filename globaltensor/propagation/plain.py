@@ -50,19 +50,19 @@ def as_broadcast(t: torch.Tensor, leaves, func) -> GlobalTensor:
     if is_dtensor(t):
         raise dtensor_operand_error(func)
     placement = next(x._layout.placement for x in leaves if type(x) is GlobalTensor)
-    try:
-        layout = _layouts.get((t.shape, placement))
-    except TypeError:   # a symbolic dim does not hash
-        raise TypeError(
-            f"{func}: an operand of shape {tuple(t.shape)} has a symbolic dim: torch.compile "
-            f"made it dynamic (dynamo's automatic dynamic shapes, after a recompile for "
-            f"another shape), and a layout holds static shapes; compile with "
-            f"torch.compile(..., dynamic=False)") from None
+    shape = t.shape
+    if not all(d.__class__ is int for d in shape):
+        # A symbolic dim: torch.compile made it dynamic (its automatic dynamic shapes,
+        # after a recompile for another shape: one nn.Embedding's forward for tokens,
+        # then for positions). A layout holds static shapes: the trace specializes the
+        # dim (int() guards on its value), and another size compiles again.
+        shape = torch.Size(int(d) for d in shape)
+    layout = _layouts.get((shape, placement))
     if layout is None:   # (made per call it costs more than the op: positions, each step)
         if len(_layouts) >= 64:
             _layouts.clear()
-        layout = _layouts[t.shape, placement] = Layout.make(
-            t.shape, placement, (broadcast,) * placement.ndim)
+        layout = _layouts[shape, placement] = Layout.make(
+            shape, placement, (broadcast,) * placement.ndim)
     rank = comm.get_rank()
     if rank not in placement:
         return wrap_part(empty_local(layout, t.dtype), layout)
