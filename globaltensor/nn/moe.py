@@ -231,8 +231,10 @@ class MoE(torch.nn.Module):
         done = self._experts(sent, plan, w1, w2)
         if len(group) > 1:
             done = _Exchange.apply(done, plan.recv_rows(), plan.send_rows(), tuple(group))
-        out = flat.new_zeros(flat.shape).index_add(0, token[kept],
-                                                   done * gates[kept].unsqueeze(1))
+        # (in the input's dtype: under autocast the experts' products and the gates
+        # come in bf16, and a rank outside the placement returns zeros of x's dtype)
+        out = flat.new_zeros(flat.shape).index_add(
+            0, token[kept], (done * gates[kept].unsqueeze(1)).to(flat.dtype))
         return out.reshape(shape)
 
     def _experts(self, received: torch.Tensor, plan: "_Plan", w1: torch.Tensor,

@@ -27,9 +27,9 @@ def _line():
     return gt.placement("cpu", list(range(gt.get_world_size())))
 
 
-def _close(got, want, what):
+def _close(got, want, what, tol=TOL):
     got = got.full() if isinstance(got, gt.GlobalTensor) else got
-    torch.testing.assert_close(got, want, msg=lambda m: f"{what}: {m}", **TOL)
+    torch.testing.assert_close(got, want, msg=lambda m: f"{what}: {m}", **tol)
 
 
 def _layer(capacity_factor=0.75):
@@ -37,8 +37,12 @@ def _layer(capacity_factor=0.75):
     return gt.nn.MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=capacity_factor)
 
 
-def _one_layer_against_one_process(shape, layout, what, capacity_factor=0.75, x_sbp=S(0)):
+def _one_layer_against_one_process(shape, layout, what, capacity_factor=0.75, x_sbp=S(0),
+                                   autocast=False):
     P = _line()
+    # (bf16 under autocast: each rank's bf16 sums of its rows against the whole batch's)
+    tol = dict(atol=2e-2, rtol=2e-2) if autocast else TOL
+    cast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
     ref = _layer(capacity_factor)
     layer = copy.deepcopy(ref)
     gt.nn.to_global(layer, P, gt.nn.MoE.expert_sbp(layer) if layout == "expert" else B)
@@ -46,12 +50,15 @@ def _one_layer_against_one_process(shape, layout, what, capacity_factor=0.75, x_
     gen = torch.Generator().manual_seed(5)
     x, grad = torch.randn(*shape, DIM, generator=gen), torch.randn(*shape, DIM, generator=gen)
     xr = x.clone().requires_grad_()
-    want = ref(xr)
+    with cast:
+        want = ref(xr)
     ((want * grad).sum() + 0.3 * ref.aux_loss).backward()
     xg = gt.tensor(x, placement=P, sbp=x_sbp).requires_grad_()
     with gt.debug.comm_stats() as stats:
-        got = layer(xg)
+        with cast:
+            got = layer(xg)
         ((got * gt.tensor(grad, placement=P, sbp=x_sbp)).sum() + 0.3 * layer.aux_loss).backward()
+    assert got.dtype == want.dtype == x.dtype, (what, got.dtype, want.dtype)
     if P.shape[0] > 1:
         assert stats.calls["all_to_all"] >= 4, (what, stats)   # there, back; and in backward
         assert stats.calls["all_gather"] >= 1, (what, stats)   # the counts
@@ -60,11 +67,11 @@ def _one_layer_against_one_process(shape, layout, what, capacity_factor=0.75, x_
     assert layer.last_dropped == ref.last_dropped, (what, layer.last_dropped, ref.last_dropped)
     assert isinstance(layer.last_dropped, int)
     assert layer.aux_loss.sbp == (B,), (what, layer.aux_loss.sbp)
-    _close(layer.aux_loss, ref.aux_loss.detach(), f"{what}: aux_loss")
-    _close(got, want.detach(), f"{what}: output")
-    _close(xg.grad, xr.grad, f"{what}: input gradient")
+    _close(layer.aux_loss, ref.aux_loss.detach(), f"{what}: aux_loss", tol)
+    _close(got, want.detach(), f"{what}: output", tol)
+    _close(xg.grad, xr.grad, f"{what}: input gradient", tol)
     for name, p in layer.named_parameters():
-        _close(p.grad, dict(ref.named_parameters())[name].grad, f"{what}: gradient of {name}")
+        _close(p.grad, dict(ref.named_parameters())[name].grad, f"{what}: gradient of {name}", tol)
         assert p.grad.sbp == p.sbp, (what, name, p.grad.sbp, p.sbp)
 
 
@@ -80,6 +87,10 @@ def check_moe_other_layouts_equal_one_process():
     _one_layer_against_one_process((3 * n,), "broadcast", "broadcast expert weights")
     _one_layer_against_one_process((3 * n,), "expert", "nothing dropped", capacity_factor=4.0)
     _one_layer_against_one_process((2, 3 * n), "expert", "input split(1)", x_sbp=S(1))
+    # under autocast the experts compute in bf16 and the output stays in the input's
+    # dtype (an index_add of bf16 rows into fp32 zeros raised before)
+    _one_layer_against_one_process((3 * n,), "expert", "under autocast", capacity_factor=4.0,
+                                   autocast=True)
 
 
 class Tiny(torch.nn.Module):
