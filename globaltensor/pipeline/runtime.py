@@ -46,7 +46,8 @@ class _Routes:
     ins: tuple
     outs: tuple
     loss: Layout | None
-    dtype: torch.dtype  # of the last stage's output and of the loss
+    dtype: torch.dtype  # of the last stage's output
+    loss_dtype: "torch.dtype | None"   # of the loss (fp32 under autocast, say)
     forward: tuple   # forward[k]: Handoff of stage k's output to stage k + 1's input
     backward: tuple  # backward[k]: Handoff of stage k's input gradient to stage k - 1
     local: frozenset  # the stages this rank runs on plain tensors (see plain_stage.py)
@@ -181,7 +182,7 @@ class Pipeline:
             if comm.get_rank() in layout.placement:
                 loss = functools.reduce(torch.add, results)
             else:
-                loss = GlobalTensor(empty_local(layout, routes[-1].dtype), layout)
+                loss = GlobalTensor(empty_local(layout, routes[-1].loss_dtype), layout)
             self._same_origins([loss] + [p.grad for s in self.stages for p in s.parameters()])
             # to every rank of the pipeline, so that each can read it without
             # communication: `if rank == 0: log(loss.item())` with rank 0 in stage 0
@@ -225,6 +226,7 @@ class Pipeline:
         if routes is not None:
             return routes
         ins, outs, local, local_loss, h = [], [], set(), False, x0
+        dtypes, loss_dtype = [], None   # each stage's output's; the loss's
         with torch.no_grad(), _buffers_kept(self.stages):
             for k, stage in enumerate(self.stages):
                 if k:
@@ -236,6 +238,7 @@ class Pipeline:
                     raise ValueError(f"stage {k} must return one GlobalTensor on its own "
                                      f"placement {self.placements[k]}, got {describe(h)}")
                 outs.append(h.global_layout)
+                dtypes.append(h.dtype)
                 if k in self._local:
                     plain = get_draw() == draws and \
                         self._local[k].agrees(inp.local_part, h.local_part)
@@ -247,21 +250,22 @@ class Pipeline:
                 if not isinstance(value, GlobalTensor) or value.numel() != 1:
                     raise ValueError(f"loss_fn must return a one-element GlobalTensor, got "
                                      f"{describe(value)}")
-                loss = (value * 1.0).global_layout
+                loss, loss_dtype = (value * 1.0).global_layout, value.dtype
                 last = self._local.get(len(self.stages) - 1)
                 local_loss = last is not None and not last.shared and \
                     len(self.stages) - 1 in local and get_draw() == draws and \
                     agrees(self.loss_fn, (h.local_part, t0.local_part), value.local_part)
-        dtype = h.dtype
-        forward = tuple(Handoff(outs[k], ins[k + 1], dtype,
+        # (each hand-off in its own dtype: under autocast, or a stage that casts, the
+        # stages' outputs and the loss differ)
+        forward = tuple(Handoff(outs[k], ins[k + 1], dtypes[k],
                                 f"pipeline hand-off: stage {k} output to stage {k + 1}")
                         for k in range(len(outs) - 1))
         backward = (None,) + tuple(
-            Handoff(ins[k].without_partials(), outs[k - 1].without_partials(), dtype,
+            Handoff(ins[k].without_partials(), outs[k - 1].without_partials(), dtypes[k - 1],
                     f"pipeline hand-off: stage {k} input gradient to stage {k - 1}")
             for k in range(1, len(ins)))
-        routes = self._routes[key] = _Routes(tuple(ins), tuple(outs), loss, dtype, forward,
-                                             backward, frozenset(local), local_loss)
+        routes = self._routes[key] = _Routes(tuple(ins), tuple(outs), loss, h.dtype, loss_dtype,
+                                             forward, backward, frozenset(local), local_loss)
         return routes
 
     def _agreed(self, k: int, plain: bool) -> bool:

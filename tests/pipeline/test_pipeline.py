@@ -106,6 +106,42 @@ def check_1f1b_uneven_micro_batches():
     train_and_compare([(P(0), B), (P(1), B)], "1f1b", micro=3, rows=7)
 
 
+class _Cast(torch.nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x):
+        return x.to(self.dtype)
+
+
+def check_stages_in_other_dtypes_and_under_autocast():
+    # Each hand-off moves its stage's output in that output's dtype, and ranks outside
+    # the last stage make the loss in the loss's: a stage ending in bf16 before an fp32
+    # one (the hand-off took the last stage's dtype: its fingerprints differed), and
+    # under torch.autocast (bf16 activations, an fp32 cross-entropy) train as plain torch
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    for autocast in (False, True):
+        mods = layers()
+        casts = ([], []) if autocast else ([_Cast(torch.bfloat16)], [_Cast(torch.float32)])
+        s0 = torch.nn.Sequential(*mods[:3], *casts[0])
+        s1 = torch.nn.Sequential(*casts[1], *mods[3:])
+        reference = copy.deepcopy(torch.nn.Sequential(s0, s1))
+        gt.nn.to_global(s0, P(0), B)
+        gt.nn.to_global(s1, P(1), B)
+        pipe = gt.pipeline.Pipeline([s0, s1], micro_batches=2, schedule="1f1b",
+                                    loss_fn=F.cross_entropy)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = pipe.step(x, y)
+            want = F.cross_entropy(reference(x), y)
+        want.backward()
+        tol = 2e-2 if autocast else 1e-6   # (bf16 sums over each micro-batch's rows)
+        assert loss.dtype == torch.float32 and abs(loss.item() - want.item()) < tol, (loss, want)
+        for p, q in zip([p for s in (s0, s1) for p in s.parameters()], reference.parameters()):
+            assert p.grad.dtype == torch.float32
+            torch.testing.assert_close(p.grad.full(), q.grad, rtol=tol, atol=tol)
+
+
 def check_1f1b_one_micro_batch_cross_entropy():
     train_and_compare([(P(0), B), (P(1), B)], "1f1b", micro=1, rows=5,
                       loss_fn=F.cross_entropy)
