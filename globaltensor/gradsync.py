@@ -196,22 +196,6 @@ def has_other_hooks(leaf: torch.Tensor) -> bool:
     return bool(post or pre)
 
 
-def _reducible_axes(grad: Layout, leaf: Layout):
-    """Axes where the gradient is partial_sum and the leaf broadcast, if that is the
-    only difference (an all-reduce over those axes); else None."""
-    if grad.placement != leaf.placement or grad.shape != leaf.shape:
-        return None
-    axes = []
-    for a, (g, l) in enumerate(zip(grad.sbp, leaf.sbp)):
-        if g == l:
-            continue
-        if isinstance(g, Partial) and g.reduce == "sum" and isinstance(l, Broadcast):
-            axes.append(a)
-        else:
-            return None
-    return tuple(axes)
-
-
 def _by_compiled_autograd() -> bool:
     """Whether compiled autograd runs a hook: dynamo traces its graph, and calls the
     hooks, whose frames it skips (``skipped_by_dynamo``, which keeps them eager when
@@ -238,7 +222,7 @@ def _after_accumulate(leaf: GlobalTensor) -> None:
         # differs only on axes of one rank (a world of one): nothing to reduce or move
         _settle(leaf, grad, wrap_part(grad._local, dst))
         return
-    axes = _reducible_axes(src, dst)
+    axes = src.summed_axes_to(dst)
     if axes is None:  # anything but a plain partial-sum reduction: box right away
         _settle(leaf, grad, to_layout(grad, leaf.global_layout))
         return
@@ -340,7 +324,7 @@ def _accumulation_meets(leaf: GlobalTensor | None, grad) -> None:
     way the pass's other gradients are not looked at again."""
     global _decided_task
     if leaf is None or not isinstance(grad, GlobalTensor) \
-            or not _reducible_axes(grad.global_layout, leaf.global_layout):
+            or not grad.global_layout.summed_axes_to(leaf.global_layout):
         return
     _decided_task = torch._C._current_graph_task_id()
     kept = leaf.grad

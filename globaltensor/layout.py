@@ -136,6 +136,26 @@ class Layout:
                                  and all(a == b or n == 1 for a, b, n in
                                          zip(self.sbp, other.sbp, self.placement.shape)))
 
+    def summed_axes_to(self, other: "Layout") -> "tuple[int, ...] | None":
+        """The axes where this layout is partial_sum and ``other`` broadcast, if that is
+        all that differs (an all-reduce over them gives ``other``: a gradient to its
+        parameter's layout); else None.
+
+        >>> Layout.make((4,), p, (split(0), partial_sum)).summed_axes_to(
+        ...     Layout.make((4,), p, (split(0), broadcast)))  # doctest: +SKIP
+        (1,)
+        """
+        if self.placement != other.placement or self.shape != other.shape:
+            return None
+        axes = []
+        for a, (g, l) in enumerate(zip(self.sbp, other.sbp)):
+            if g == l:
+                continue
+            if not (isinstance(g, Partial) and g.reduce == "sum" and isinstance(l, Broadcast)):
+                return None
+            axes.append(a)
+        return tuple(axes)
+
     def without_partials(self) -> "Layout":
         """This layout with every partial axis made broadcast: where the reduced value
         lives (a gradient, a saved value, a read), each rank holding its region whole.

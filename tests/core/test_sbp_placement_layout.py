@@ -256,3 +256,18 @@ def test_region_intersect():
     assert a.intersect(Region((0, 5), (4, 1))) is None
     assert Region((0,), (3,)).intersect(Region((1,), (0,))) is None  # empty region
     assert Region((), ()).intersect(Region((), ())) == Region((), ())
+
+
+def test_summed_axes_to_names_the_axes_an_all_reduce_settles(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    mesh = Placement("cpu", [[0, 1], [2, 3]])
+    S0, B, P, M = sbp.split(0), sbp.broadcast, sbp.partial_sum, sbp.partial_max
+
+    def lay(*s):
+        return Layout.make((4, 6), mesh, s)
+    assert lay(S0, P).summed_axes_to(lay(S0, B)) == (1,)
+    assert lay(P, P).summed_axes_to(lay(B, B)) == (0, 1)
+    assert lay(S0, B).summed_axes_to(lay(S0, B)) == ()
+    assert lay(M, B).summed_axes_to(lay(B, B)) is None        # a max is no sum
+    assert lay(P, B).summed_axes_to(lay(S0, B)) is None       # a reduce-scatter, not this
+    assert lay(P, B).summed_axes_to(Layout.make((4, 7), mesh, (B, B))) is None
