@@ -100,6 +100,13 @@ class Layout:
     def make(shape: Sequence[int], placement: Placement, sbp) -> "Layout":
         """The layout, checked and normalised; equal layouts come back as one object,
         so the hot paths can compare them with ``is``."""
+        try:   # one made before: found as given (an sbp tuple already normalised)
+            found = _interned.get((tuple(shape), placement,
+                                   (sbp,) if isinstance(sbp, SbpParallel) else sbp))
+        except TypeError:   # (a symbolic dim, a list of sbps: the checks below)
+            found = None
+        if found is not None:
+            return found
         shape = tuple(int(s) for s in shape)
         nd_sbp = normalize(sbp, placement.ndim, len(shape))
         for s in nd_sbp:
