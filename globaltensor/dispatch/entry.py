@@ -102,6 +102,15 @@ def _take_leaves(func, leaves: list, args: tuple) -> tuple:
             if viewed is not None:
                 return False, viewed
             leaves[i] = x.realized()
+        elif isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled() \
+                and not _in_backward():
+            # a plain parameter, or a tensor computed from one (F.linear's weight.t()):
+            # its gradient made plain (and it taken as broadcast where allowed, as below)
+            plain.watch_gradient(x)
+            if x._base is not None:   # (and the parameter: a recompute makes a new view)
+                plain.watch_gradient(x._base)
+            if x.numel() > 1 and (modes.implicit or comm.tracing()):
+                taken.append(i)
         elif isinstance(x, torch.Tensor) and x.numel() > 1 and (
                 modes.implicit or _in_backward() or comm.tracing()):
             # While torch.compile traces, converted modules' scopes are skipped (dynamo

@@ -8,6 +8,7 @@ placement inside ``implicit_broadcast()`` and in backward formulas, refused else
 from __future__ import annotations
 
 import contextlib
+import weakref
 import zlib
 from typing import Iterator
 
@@ -76,3 +77,34 @@ def as_broadcast(t: torch.Tensor, leaves, func) -> GlobalTensor:
 
 
 _layouts: dict = {}   # (shape, placement) -> the broadcast layout of a plain operand
+
+
+# id(leaf) -> a weak reference to it, per plain leaf whose gradient is made plain again
+_watched: dict = {}
+_PLAIN_CLASSES = (torch.Tensor, torch.nn.Parameter)
+
+
+def watch_gradient(t: torch.Tensor) -> None:
+    """A plain tensor that requires grad (a parameter added to a global model after
+    ``gt.nn.to_global``, a learnable scale, or a view or result of one), used with
+    GlobalTensors: its gradient comes out of their backward as a GlobalTensor, which
+    would reach the plain parameter's ``.grad``, where a plain optimizer cannot use it.
+    A hook makes it the plain whole value as it arrives: the sum of every rank's part,
+    as a broadcast operand's gradient is (``x.full()``), so the ranks' copies of the
+    parameter stay equal, as DDP's are. (A leaf is hooked once; a view or result, made
+    anew each step, each time it is used.)"""
+    if t.__class__ not in _PLAIN_CLASSES or torch._C._current_graph_task_id() != -1 \
+            or comm.tracing():
+        return
+    if t.is_leaf:
+        ref = _watched.get(id(t))
+        if ref is not None and ref() is t:
+            return
+        key = id(t)
+        _watched[key] = weakref.ref(t, lambda r: _watched.get(key) is r and _watched.pop(key))
+    t.register_hook(_whole)
+
+
+def _whole(grad):
+    return grad.full() if isinstance(grad, GlobalTensor) else None
+

@@ -299,7 +299,56 @@ def check_clip_grad_norm_across_placements():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1, error_if_nonfinite=True)
 
 
+class _Adapted(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(6, 8), torch.nn.Linear(8, 3)
+        self.adapter = self.scale = None
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        if self.adapter is not None:
+            h = h + self.adapter(h) * self.scale * 2.0   # (scale * 2.0 made each step)
+        return self.b(h)
+
+
+def check_plain_parameters_added_after_to_global_train_alike():
+    # A plain adapter and a one-element plain scale added to a global model (its own
+    # layers frozen): their gradients come back plain, the sum over the ranks (they
+    # were GlobalTensors, which AdamW's lerp_ refused to mix with its plain state), in
+    # accumulation too, and every rank's copy trains to one process's.
+    p = gt.placement.all("cpu")
+    reference, model = _Adapted(), _Adapted()
+    gt.nn.to_global(model, p, gt.sbp.broadcast)
+    for m in (reference, model):
+        for q in m.parameters():
+            q.requires_grad_(False)
+        torch.manual_seed(1)
+        m.adapter, m.scale = torch.nn.Linear(8, 8), torch.nn.Parameter(torch.tensor([0.5]))
+    g, rows = torch.Generator().manual_seed(2), 2 * gt.get_world_size() + 1   # (uneven)
+    x, y = torch.randn(rows, 6, generator=g), torch.randint(0, 3, (rows,), generator=g)
+    split = gt.sbp.split(0)
+    losses = []
+    for m, xs, ys in ((reference, x, y), (model, gt.tensor(x, placement=p, sbp=split),
+                                          gt.tensor(y, placement=p, sbp=split))):
+        trained = [m.adapter.weight, m.adapter.bias, m.scale]
+        opt = torch.optim.AdamW(trained, lr=0.05)
+        for _ in range(3):
+            opt.zero_grad()
+            for _ in range(2):   # two backward passes accumulate
+                F.cross_entropy(m(xs), ys).backward()
+            assert all(type(t.grad) is torch.Tensor for t in trained)
+            opt.step()
+        losses.append(float(F.cross_entropy(m(xs), ys)))
+    for got, want in zip((model.adapter.weight, model.adapter.bias, model.scale),
+                         (reference.adapter.weight, reference.adapter.bias, reference.scale)):
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+    assert abs(losses[0] - losses[1]) < 1e-5, losses
+
+
 CHECKS = ["check_data_parallel", "check_tensor_parallel",
+          "check_plain_parameters_added_after_to_global_train_alike",
           "check_vocab_parallel_loss_does_not_gather_logits", "check_op_without_rule_falls_back",
           "check_gradient_accumulation_with_no_sync", "check_strides_follow_torch",
           "check_load_state_dict_after_to_global", "check_kept_gradients_stay",
