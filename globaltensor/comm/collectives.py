@@ -95,15 +95,12 @@ def _gather_by_messages(dst: torch.Tensor, src: torch.Tensor, ranks: tuple[int, 
     of point-to-point messages, posted once the tags agree (compared as before gloo's
     all_gather of this size: the messages carry none of their own)."""
     n = len(ranks)
-    if stats.record("all_gather", _nbytes(src) * (n - 1), ranks, 2 * (n - 1)):
-        return   # (a dry run: before n views are made, which 1024 simulated ranks feel)
-    pieces = dst.chunk(n)
+    if stats.dry():   # counted as all_gather_p2p counts it, before n views are made
+        stats.record("all_gather", _nbytes(src) * (n - 1), ranks, 2 * (n - 1))
+        return
     if fingerprint.ON:
         fingerprint.exchange(fingerprint.tag("all_gather", ranks, src.numel(), src.dtype))
-    me = ranks.index(dist.get_rank())
-    pieces[me].copy_(src)
-    others = [(p, m) for j, (p, m) in enumerate(zip(pieces, ranks)) if j != me]
-    start_p2p([(src, m) for _, m in others], others, kind=None, tag=False).wait()
+    all_gather_p2p(list(dst.chunk(n)), src, ranks, tag=False).wait()
 
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...]) -> None:
@@ -347,15 +344,17 @@ def start_p2p(sends: Sequence[tuple[torch.Tensor, int]],
 
 
 def all_gather_p2p(pieces: Sequence[torch.Tensor], mine: torch.Tensor,
-                   ranks: tuple[int, ...]) -> P2PWork:
+                   ranks: tuple[int, ...], tag: bool = True) -> P2PWork:
     """Start an all-gather by point-to-point messages: ``pieces[i]`` (contiguous, any
     sizes) receives member ``i``'s ``mine`` (ours is copied here). Unlike gloo's
     all_gather, which stages the whole output in a buffer of its own, the parts land in
-    place. Counted as one all_gather."""
-    return all_gather_p2p_batch([(pieces, mine)], ranks)
+    place. Counted as one all_gather. ``tag=False``: the messages carry no tags (the
+    caller compared them before)."""
+    return all_gather_p2p_batch([(pieces, mine)], ranks, tag)
 
 
-def all_gather_p2p_batch(gathers: Sequence[tuple], ranks: tuple[int, ...]) -> P2PWork:
+def all_gather_p2p_batch(gathers: Sequence[tuple], ranks: tuple[int, ...],
+                         tag: bool = True) -> P2PWork:
     """``all_gather_p2p`` of several tensors over one group, ``gathers`` (pieces, mine)
     each, posted as one batch of messages (one round per peer), counted as one
     all_gather."""
@@ -375,7 +374,7 @@ def all_gather_p2p_batch(gathers: Sequence[tuple], ranks: tuple[int, ...]) -> P2
              for j, m in enumerate(ranks) if j != me and mine.numel()]
     recvs = [(p, m) for pieces, _ in gathers
              for j, (p, m) in enumerate(zip(pieces, ranks)) if j != me and p.numel()]
-    return start_p2p(sends, recvs, kind=None)
+    return start_p2p(sends, recvs, kind=None, tag=tag)
 
 
 def batched_p2p(sends: Sequence[tuple[torch.Tensor, int]],
