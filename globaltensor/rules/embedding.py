@@ -66,7 +66,15 @@ register(aten.embedding, local=_embedding_local)(embedding_rule)
 
 
 @register(aten.embedding, decompose=True)
-def embedding_checks_indices(weight, indices, *args, **kwargs):
+def embedding_checks_indices(weight, indices, padding_idx=-1, scale_grad_by_freq=False,
+                             sparse=False):
+    if sparse and weight.requires_grad and torch.is_grad_enabled():
+        # (its backward would make a sparse gradient, which no sbp describes; without
+        # a gradient the lookup is the dense one)
+        raise ValueError(
+            "embedding on GlobalTensors: sparse gradients (nn.Embedding(sparse=True)) "
+            "are not supported; use sparse=False (the dense gradient, reduced like any "
+            "parameter's) or gt.ps.EmbeddingTable for tables too large for one")
     held = indices if isinstance(indices, GlobalTensor) else weight   # (plain: broadcast)
     if not (isinstance(held, GlobalTensor) and held.placement.size == 1):
         # (on one rank the lookup gets the whole table: torch's kernel checks)

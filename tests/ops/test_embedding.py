@@ -1,11 +1,15 @@
 """Embedding lookups (row-split, i.e. vocab-parallel, tables; padding_idx; repeated
-indices accumulate their gradient).
+indices accumulate their gradient; sparse gradients refused before backward, the lookup
+of a sparse=True table without a gradient is the dense one).
 
 Run in the shared worlds of tests/ops/ops_battery.py (2, 4, and 3 with bystanders)."""
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
-from ops_battery import B, P, S, battery_tests, case, checked, placements, randint, randn
+from ops_battery import B, P, S, battery_tests, case, checked, close, guard, line, placements, raises, randint, randn
+
+import globaltensor as gt
 
 
 @checked
@@ -21,6 +25,15 @@ def check_embedding():
          [idx0, weight], choices=[[B, S(0)], [B, S(0)]], places=placements(4, 0, 3))
     case("embedding then sum", lambda i, w: F.embedding(i, w).sum(1), [idx, weight],
          choices=[[B, S(0)], [B, S(0)]], places=placements(4, 0, 2))
+    table = gt.tensor(weight, placement=line(), sbp=S(0)).requires_grad_()
+    split_idx = gt.tensor(idx, placement=line(), sbp=S(0))
+    raises("embedding sparse=True with a gradient", lambda: F.embedding(
+        split_idx, table, sparse=True), ValueError, "sparse gradients")
+    with torch.no_grad():
+        got = guard("embedding sparse=True without a gradient",
+                    lambda: F.embedding(split_idx, table, sparse=True))
+    if got is not None:
+        close(got.full(), F.embedding(idx, weight), "embedding sparse=True without a gradient")
 
 
 CHECKS = ["check_embedding"]
