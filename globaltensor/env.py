@@ -38,7 +38,8 @@ VARIABLES = {
         "the address the hostname resolves to; read at import"),
     "GLOBALTENSOR_TORCH_ADVICE": (
         "1", "0: no import hook, and torch's fully_shard, parallelize_module and DTensor's "
-        "dispatcher are left unwrapped (no advice when they meet a GlobalTensor); read "
+        "dispatcher are left unwrapped (no advice when they meet a GlobalTensor), and "
+        "get_state_dict's full_state_dict=True leaves GlobalTensors as they are; read "
         "at import"),
     "GLOBALTENSOR_PLAN_STEPS": (
         "1", "0: turn whole-step planning (record and replay of a step's decisions) off; "
@@ -161,7 +162,8 @@ def debug_enabled() -> bool:
 
 def torch_advice_enabled() -> bool:
     """Whether torch's FSDP2/TP/DTensor entry points are wrapped to refuse GlobalTensors
-    with advice (an import hook): ``GLOBALTENSOR_TORCH_ADVICE``, default on."""
+    with advice, and DCP's full state dicts to take them (an import hook):
+    ``GLOBALTENSOR_TORCH_ADVICE``, default on."""
     return _flag("GLOBALTENSOR_TORCH_ADVICE", True)
 
 

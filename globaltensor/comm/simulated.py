@@ -115,6 +115,13 @@ class SimulatedGroup(threaded.ProcessLocalGroup):
     """torch's threaded process group, handing the turn on while a collective waits,
     with sends and receives (in order per sender, receiver and tag)."""
 
+    @property
+    def _device_types(self) -> list:
+        # (torch's group reports none: it is a group of its own, not a group holding a
+        # backend per device; torch's tools that pick a device by it, set_state_dict's
+        # broadcast_from_rank0, need the one gloo's reports)
+        return [torch.device("cpu")]
+
     def send(self, tensors: list, dst: int, tag: int = 0):
         key = self.pg_name, self._rank, dst, tag
         with _mail_cond:

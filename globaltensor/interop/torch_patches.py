@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import advice, comm, env
+from ..nn.state import gathering_global_tensors, placing_global_tensors
 from ..random import carrying_draws
 from ..rules import einsum as einsum_rules
 from ..rules import functional as functional_rules
@@ -193,6 +194,11 @@ def _unwrap_torch_tools() -> None:
             original = getattr(getattr(module, name, None), "__wrapped_by_globaltensor__", None)
             if original is not None:
                 setattr(module, name, original)
+    state_dict = sys.modules.get(_STATE_DICT)
+    for name in _FULL_STATE_DICT_FUNCTIONS:
+        original = getattr(getattr(state_dict, name, None), "__wrapped_by_globaltensor__", None)
+        if original is not None:
+            setattr(state_dict, name, original)
     dispatch = sys.modules.get("torch.distributed.tensor._dispatch")
     if dispatch is not None:
         method = dispatch.OpDispatcher._try_replicate_spec_for_scalar_tensor
@@ -218,9 +224,28 @@ def _refuse_global_in_dtensor_ops() -> None:
             advice.refusing_global_operands(original)
 
 
+def _whole_values_in_full_state_dicts() -> None:
+    # get_state_dict(..., options=StateDictOptions(full_state_dict=True)) gathers DTensors
+    # to whole plain tensors (_gather_state_dict), and set_state_dict with it puts whole
+    # values back into the DTensors' layouts (_distribute_state_dict,
+    # _broadcast_state_dict), all three imported by name into this module: GlobalTensors
+    # came back as they were (torch.save refused them), and an optimizer loaded plain
+    # whole moments for its global parameters.
+    module = sys.modules[_STATE_DICT]
+    for name, wrap in _FULL_STATE_DICT_FUNCTIONS.items():
+        original = getattr(module, name)
+        if not hasattr(original, "__wrapped_by_globaltensor__"):
+            setattr(module, name, wrap(original))
+
+
+_STATE_DICT = "torch.distributed.checkpoint.state_dict"
+_FULL_STATE_DICT_FUNCTIONS = {"_gather_state_dict": gathering_global_tensors,
+                              "_distribute_state_dict": placing_global_tensors,
+                              "_broadcast_state_dict": placing_global_tensors}
 _AFTER_IMPORT = {name: functools.partial(_refuse_global_modules, name)
                  for name in advice.REFUSING_GLOBAL_MODULES}
 _AFTER_IMPORT["torch.distributed.tensor._dispatch"] = _refuse_global_in_dtensor_ops
+_AFTER_IMPORT[_STATE_DICT] = _whole_values_in_full_state_dicts
 
 
 class _Loader(importlib.abc.Loader):

@@ -8,17 +8,20 @@ invalid one; it gets the error of ``raw_memory`` instead, which points to
 """
 from __future__ import annotations
 
+import functools
 import sys
-from typing import Iterable, Union
+from typing import Any, Callable, Iterable, Sequence, Union
 
 import torch
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .. import comm
 from ..placement import Placement
 from ..sbp import broadcast
-from ..tensor import GlobalTensor, install_methods
+from ..tensor import GlobalTensor, from_full, install_methods
 
-__all__ = ["full_state_dict", "raw_memory"]
+__all__ = ["full_state_dict", "gathering_global_tensors", "placing_global_tensors", "raw_memory",
+           "whole_values"]
 
 
 def full_state_dict(module: torch.nn.Module,
@@ -38,29 +41,64 @@ def full_state_dict(module: torch.nn.Module,
     """
     if not isinstance(module, torch.nn.Module):
         raise ValueError(f"full_state_dict needs a torch.nn.Module, got {type(module).__name__}")
-    comm.init()
     ranks = [ranks] if isinstance(ranks, int) else list(ranks)
-    state = module.state_dict(keep_vars=True)
-    types = {t.placement.type for t in state.values() if isinstance(t, GlobalTensor)}
+    state = whole_values(module.state_dict(keep_vars=True), ranks)
+    return state if comm.get_rank() in ranks else {}
+
+
+def whole_values(state: Any, ranks: Sequence[int] = ()) -> Any:
+    """``state`` (nested dicts, lists and tuples) with every GlobalTensor replaced by a
+    plain tensor of its whole value on ``ranks`` (all ranks when empty) and an empty
+    tensor on the others; each GlobalTensor gathered once (tied ones stay one tensor),
+    in the state's order, so every rank calls it with the same state."""
+    comm.init()
+    ranks = list(ranks) or list(range(comm.get_world_size()))
+    kinds = {t.placement.type for t in tree_leaves(state) if isinstance(t, GlobalTensor)}
     # bad ranks raise here, on every rank, before any communication
-    targets = {kind: Placement(kind, ranks) for kind in types or {"cpu"}}
-    mine = comm.get_rank() in ranks
-    whole: dict = {}            # id(tensor) -> its whole value here (tied tensors once)
-    out = {}
-    for name, t in state.items():
+    targets = {kind: Placement(kind, ranks) for kind in kinds or {"cpu"}}
+    whole: dict = {}            # id(tensor) -> its whole value here
+
+    def one(t: GlobalTensor) -> torch.Tensor:
         if id(t) not in whole:
-            whole[id(t)] = _whole(t.detach(), targets)
-        if mine:
-            out[name] = whole[id(t)]
-    return out
+            gathered = t.detach().to_global(targets[t.placement.type], (broadcast,))
+            whole[id(t)] = gathered.local_part.contiguous()
+        return whole[id(t)]
+    return tree_map_only(GlobalTensor, one, state)
 
 
-def _whole(t: torch.Tensor, targets: dict) -> torch.Tensor:
-    """``t``'s whole value as a plain tensor on the target ranks (empty elsewhere)."""
-    if not isinstance(t, GlobalTensor):
-        return t
-    gathered = t.to_global(targets[t.placement.type], (broadcast,))
-    return gathered.local_part.contiguous()
+def gathering_global_tensors(gather_state_dict: Callable) -> Callable:
+    """torch's ``_gather_state_dict`` (what ``get_model_state_dict``,
+    ``get_optimizer_state_dict`` and ``get_state_dict`` call with
+    ``StateDictOptions(full_state_dict=True)``), made to give GlobalTensors' whole values
+    as plain tensors, as it does DTensors' (only on rank 0 with ``cpu_offload=True``);
+    a state without GlobalTensors goes to torch's own unchanged."""
+    @functools.wraps(gather_state_dict)
+    def gather(state_dict, *args, ranks_only=(), **kwargs):
+        if any(isinstance(t, GlobalTensor) for t in tree_leaves(state_dict)):
+            state_dict = whole_values(state_dict, ranks_only)
+        return gather_state_dict(state_dict, *args, ranks_only=ranks_only, **kwargs)
+    gather.__wrapped_by_globaltensor__ = gather_state_dict
+    return gather
+
+
+def placing_global_tensors(distribute: Callable) -> Callable:
+    """torch's ``_distribute_state_dict`` / ``_broadcast_state_dict`` (what
+    ``set_state_dict`` and its kin call with ``full_state_dict=True``: they put the whole
+    values, given on every rank or on rank 0, in place of the state the model and
+    optimizer hold), made to keep a GlobalTensor's layout as they keep a DTensor's: its
+    whole value becomes a GlobalTensor of that layout, each rank keeping its part. Without
+    it an optimizer took plain whole tensors for its moments."""
+    @functools.wraps(distribute)
+    def place(full_state_dict, local_state_dict, *args, **kwargs):
+        held = {k: v for k, v in local_state_dict.items() if isinstance(v, GlobalTensor)}
+        distribute(full_state_dict, local_state_dict, *args, **kwargs)
+        for key, before in held.items():
+            value = local_state_dict.get(key)
+            if (torch.is_tensor(value) and not isinstance(value, GlobalTensor)
+                    and value.shape == before.shape):
+                local_state_dict[key] = from_full(value, before.global_layout)
+    place.__wrapped_by_globaltensor__ = distribute
+    return place
 
 
 def raw_memory(method: str, torch_method):

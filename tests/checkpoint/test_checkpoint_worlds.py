@@ -4,8 +4,9 @@ One world of 4 saves a state dict holding every kind of layout (uneven and
 smaller-than-rank-count splits, broadcast, partial sum/max, 2-D meshes, a sub-placement,
 0-d, empty, bf16, plain tensors, non-tensors) and loads it back into other layouts; a
 world of 2 then loads that checkpoint (4 -> 2 ranks), resumes an optimizer through
-torch's get_state_dict/set_state_dict, and saves one that this (plain, undistributed)
-process loads into plain tensors. Values are small integers, so every comparison is exact.
+torch's get_state_dict/set_state_dict (also as whole plain values, full_state_dict=True),
+and saves one that this (plain, undistributed) process loads into plain tensors. Values
+are small integers, so every comparison is exact.
 The worlds are simulated (each one process running its ranks as threads, through the same
 dcp and store code); the launched jobs of test_resume.py and test_autosave.py save and
 load from processes.
@@ -296,6 +297,60 @@ def optimizer_state_through_get_and_set_state_dict():
         torch.testing.assert_close(a.full(), b.full(), rtol=0, atol=1e-6, msg=name)
 
 
+def full_state_dicts_through_get_state_dict():
+    """StateDictOptions(full_state_dict=True) gives plain tensors of the whole values (on
+    rank 0 only with cpu_offload=True), as for DTensors; torch.save takes them, and
+    set_state_dict loads them into another layout that trains on as the first."""
+    import io
+
+    from torch.distributed.checkpoint import state_dict as sd
+    model = _model(TENSOR_PARALLEL)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    _steps(model, opt, 2, first=3)
+    last = gt.nn.to_global(torch.nn.Linear(3, 2), gt.placement("cpu", [1]), B)  # one rank's
+    full = sd.StateDictOptions(full_state_dict=True)
+    for name, t in sd.get_model_state_dict(model, options=full).items():
+        assert type(t) is torch.Tensor, (name, type(t))
+        assert torch.equal(t, model.state_dict()[name].full()), name
+    offload = sd.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    got, want = sd.get_model_state_dict(last, options=offload), last.weight.full()
+    if gt.get_rank() == 0:
+        assert type(got["weight"]) is torch.Tensor and torch.equal(got["weight"], want)
+    else:
+        assert got == {}, got
+    model_sd, optim_sd = sd.get_state_dict(model, opt, options=offload)
+    moments = {name: opt.state[p]["exp_avg"].full() for name, p in model.named_parameters()}
+    if gt.get_rank() == 0:
+        for name, want in moments.items():
+            moment = optim_sd["state"][name]["exp_avg"]
+            assert type(moment) is torch.Tensor, (name, type(moment))
+            assert torch.equal(moment, want), name
+        torch.save({"model": model_sd, "optim": optim_sd}, io.BytesIO())
+    else:
+        assert model_sd == {} and optim_sd == {}, (model_sd, optim_sd)
+    saved = io.BytesIO()   # (a file: the whole values alias the broadcast parts, as torch's)
+    torch.save(sd.get_state_dict(model, opt, options=full), saved)
+    saved.seek(0)
+    model_sd, optim_sd = torch.load(saved)
+    resumed, first_only = _model(DATA_PARALLEL), _model(TENSOR_PARALLEL)
+    opt2 = torch.optim.Adam(resumed.parameters(), lr=0.05)
+    opt3 = torch.optim.Adam(first_only.parameters(), lr=0.05)
+    sd.set_state_dict(resumed, opt2, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                      options=full)
+    saved.seek(0)   # (set_state_dict put the loaded model's tensors in the dicts given)
+    model_sd, optim_sd = torch.load(saved)
+    on_first = gt.get_rank() == 0   # the values given on rank 0 only
+    from_first = sd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    sd.set_model_state_dict(first_only, model_sd if on_first else {}, options=from_first)
+    sd.set_optimizer_state_dict(first_only, opt3, optim_sd if on_first else {}, options=from_first)
+    for trained, optimizer in ((model, opt), (resumed, opt2), (first_only, opt3)):
+        _steps(trained, optimizer, 2, first=4)
+    for (name, a), b, c in zip(model.named_parameters(), resumed.parameters(),
+                               first_only.parameters()):
+        torch.testing.assert_close(a.full(), b.full(), rtol=0, atol=1e-6, msg=name)
+        torch.testing.assert_close(a.full(), c.full(), rtol=0, atol=1e-6, msg=name)
+
+
 def half_written_checkpoint_is_refused():
     path, broken = f"{_root()}/w2", f"{_root()}/w2_broken"
     if gt.get_rank() == 0:
@@ -312,7 +367,8 @@ def half_written_checkpoint_is_refused():
 
 
 W2 = ["load_from_four_ranks", "save_for_a_plain_process", "load_a_plain_checkpoint",
-      "optimizer_state_through_get_and_set_state_dict", "half_written_checkpoint_is_refused"]
+      "optimizer_state_through_get_and_set_state_dict", "full_state_dicts_through_get_state_dict",
+      "half_written_checkpoint_is_refused"]
 
 
 # --- fixtures: the plain checkpoint first, then 4 ranks, then 2 -------------------------

@@ -25,6 +25,7 @@ SNAPSHOT = textwrap.dedent('''
     import json, logging, signal, sys, threading, types, warnings
     warnings.simplefilter("ignore")      # torch's deprecated attributes, read below
     import torch, torch.distributed, torch.distributed.checkpoint, torch.optim
+    import torch.distributed.checkpoint.state_dict
     import torch.nn.functional, torch.utils, torch.utils.checkpoint, torch.serialization
     import torch.nn.utils.clip_grad, torch.random
     from torch.optim import optimizer
@@ -139,21 +140,24 @@ def test_advice_off_removes_the_hook_and_unwraps_on_reread(monkeypatch):
     """A worker forked from a process that imported globaltensor with the hook on, whose
     own environment turns it off (env.reread), gets torch's functions back, and the
     hook back again when it is on."""
+    import torch.distributed.checkpoint.state_dict as dcp_state_dict
     import torch.distributed.fsdp as fsdp
 
     from globaltensor import env
     from globaltensor.interop import torch_patches
     assert hasattr(fsdp.fully_shard, "__wrapped_by_globaltensor__")
     original = fsdp.fully_shard.__wrapped_by_globaltensor__
+    gather = dcp_state_dict._gather_state_dict.__wrapped_by_globaltensor__
     try:
         monkeypatch.setenv("GLOBALTENSOR_TORCH_ADVICE", "0")
         env.reread()
-        assert fsdp.fully_shard is original
+        assert fsdp.fully_shard is original and dcp_state_dict._gather_state_dict is gather
         assert not any(isinstance(f, torch_patches._Finder) for f in sys.meta_path)
     finally:
         monkeypatch.delenv("GLOBALTENSOR_TORCH_ADVICE")
         env.reread()
     assert fsdp.fully_shard.__wrapped_by_globaltensor__ is original
+    assert dcp_state_dict._gather_state_dict.__wrapped_by_globaltensor__ is gather
     assert sum(isinstance(f, torch_patches._Finder) for f in sys.meta_path) == 1
 
 
@@ -230,6 +234,21 @@ def test_clip_grad_norm_on_plain_tensors_is_torch_own():
     assert all(torch.equal(p.grad, r.grad) for p, r in zip(ps, ref))
     assert torch.equal(torch.nn.utils.get_total_norm(grads_ref, 3.0),
                        original(torch.nn.utils.get_total_norm)(grads_ref, 3.0))
+
+
+def test_full_state_dicts_of_plain_tensors_are_torch_own():
+    """No process group: get/set_model_state_dict with full_state_dict=True run torch's
+    own functions (through the wrappers) on a plain model."""
+    from torch.distributed.checkpoint import state_dict as sd
+    model, other = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    assert all(hasattr(getattr(sd, name), "__wrapped_by_globaltensor__")
+               for name in ("_gather_state_dict", "_distribute_state_dict", "_broadcast_state_dict"))
+    full = sd.StateDictOptions(full_state_dict=True)
+    state = sd.get_model_state_dict(model, options=full)
+    assert state.keys() == model.state_dict().keys()
+    assert all(state[k] is v or torch.equal(state[k], v) for k, v in model.state_dict().items())
+    sd.set_model_state_dict(other, state, options=full)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
 
 
 def test_foreach_lists_keep_torch_entries():
