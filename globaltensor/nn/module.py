@@ -123,8 +123,11 @@ def _open_scope(module, args):
 
 def _close_scope(module, args, output):
     # Runs also when forward raised, or when a pre-hook ran before ours raised: then
-    # the innermost entry is not this module's and stays for its own module.
-    if _scopes and _scopes[-1][0] is module:
+    # the innermost entry is not this module's and stays for its own module. Compiled
+    # code opened none, and does not read the list: dynamo, meeting there the wrapper
+    # of a module compiled before to_global (torch.compile(block) inside the model),
+    # failed tracking that module twice.
+    if not torch.compiler.is_compiling() and _scopes and _scopes[-1][0] is module:
         scope = _scopes.pop()[1]
         if scope is not None:
             scope.__exit__(None, None, None)

@@ -628,6 +628,40 @@ def check_fully_shard_embeddings_compile_with_static_shapes():
             torch.testing.assert_close(t.grad.full(), w.grad, rtol=1e-5, atol=1e-6)
 
 
+def check_blocks_compiled_before_to_global_train_as_eager():
+    # torch.compile(block) for each block, then to_global of the whole model (the order
+    # of a model built with compiled blocks): the scope hooks of the block inside its
+    # compiled wrapper are traced, and dynamo failed there ("already tracked for
+    # mutation") reading the list of open scopes, which holds the wrapper.
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    import globaltensor as gt
+    P = gt.placement.all("cpu")
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 8), torch.nn.GELU())
+              for _ in range(2)]
+    reference = torch.nn.Sequential(*blocks, torch.nn.Linear(8, 3))
+    model = copy.deepcopy(reference)
+    for i in range(2):
+        model[i] = torch.compile(model[i], backend="aot_eager")
+    gt.nn.to_global(model, P, gt.sbp.broadcast)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        x, y = torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)
+        loss = F.cross_entropy(model(gt.tensor(x, placement=P, sbp=gt.sbp.split(0))),
+                               gt.tensor(y, placement=P, sbp=gt.sbp.split(0)))
+        loss.backward()
+        want = F.cross_entropy(reference(x), y)
+        want.backward()
+        torch.testing.assert_close(loss.full(), want.detach())
+    for t, w in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(t.grad.full(), w.grad, rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()
+
+
 def test_compiled_train_step_with_backward_in_one_process():
     check_compiled_train_step_with_backward_equals_eager()
 
@@ -647,7 +681,8 @@ CHECKS = ["check_data_parallel_mlp_graphs_hold_only_local_ops",
           "check_compiled_train_step_with_backward_equals_eager",
           "check_fully_shard_compiles_equal_to_eager",
           "check_fully_shard_of_many_units_compiles_each_forward_once",
-          "check_fully_shard_embeddings_compile_with_static_shapes"]
+          "check_fully_shard_embeddings_compile_with_static_shapes",
+          "check_blocks_compiled_before_to_global_train_as_eager"]
 
 
 # torch.compile's caches are the process's: every check runs in a world of processes
