@@ -23,6 +23,7 @@ from . import (  # noqa: F401
                foreach,
                functional,
                like,
+               linalg,
                losses,
                matmul,
                norm,
