@@ -14,6 +14,8 @@ per-op hot path, where a property call per operand is measurable.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -27,10 +29,11 @@ from ..planner import pins, record, traced  # noqa: F401  (pins: watches to_glob
 from ..propagation import plain
 from ..propagation.cache import cached_decision, direct_call
 from ..propagation.call import flatten_args, unflatten_args
-from ..propagation.decide import Decision
+from ..propagation.decide import Decision, NoMetaKernel
 from ..propagation.options import options
 from ..rules.attention_scores import AttentionScores
-from ..rules.registry import lookup_decomposition
+from ..rules.data_dependent import run_on_whole_values
+from ..rules.registry import FallbackWarning, lookup_decomposition
 from ..tensor import GlobalTensor, install_dispatcher, wrap_as, wrap_part
 
 aten = torch.ops.aten
@@ -73,11 +76,15 @@ def dispatch(func, types, args, kwargs):
     if viewed is not None:
         return viewed
     tracing = fake and comm.tracing()   # torch.compile traces with fake or functional parts
-    if mode is not None:
-        return mode.call(func, leaves, spec, tracing)
-    if tracing:
-        return PLAIN_PATH.call(func, leaves, spec, tracing)
-    return _carry_out(func, cached_decision(func, leaves, spec), leaves, spec)
+    try:
+        if mode is not None:
+            return mode.call(func, leaves, spec, tracing)
+        if tracing:
+            return PLAIN_PATH.call(func, leaves, spec, tracing)
+        return _carry_out(func, cached_decision(func, leaves, spec), leaves, spec)
+    except NoMetaKernel:   # (raised before anything is sent; the op runs so from now on)
+        run = _special[func._op] = _on_whole_values(func)
+        return run(*args, **kwargs)
 
 
 def _take_leaves(func, leaves: list, args: tuple) -> tuple:
@@ -267,6 +274,20 @@ def _sending_moves(gidx: tuple, targets: tuple, leaves) -> list:
 
 _NORMAL = object()  # in ``_special``: the op takes the rule path
 _special: dict = {}  # per op (its C++ callable): its decomposition, or _NORMAL
+
+
+def _on_whole_values(func):
+    """How an op without a Meta kernel runs from now on: on its operands' whole values,
+    gathered to broadcast, as an op whose output shape depends on the values (warned
+    once: correct but slow)."""
+    warnings.warn(f"globaltensor: {func} cannot run on meta tensors (torch has no Meta "
+                  f"kernel for it), so its output shapes are known only by running it: "
+                  f"its inputs are gathered to broadcast and it runs on the whole values "
+                  f"(correct but slow)", FallbackWarning, stacklevel=4)
+
+    def run(*args, **kwargs):
+        return run_on_whole_values(func, args, kwargs)
+    return run
 
 
 def _special_handler(func):

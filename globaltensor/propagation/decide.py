@@ -81,6 +81,12 @@ class _MetaRun:
 _warned: set = set()  # ops warned of as falling back
 
 
+class NoMetaKernel(Exception):
+    """The op cannot run on meta tensors (torch has no Meta kernel for it:
+    ``multi_margin_loss_backward``, ``_ctc_loss``), so its outputs' shapes are known
+    only from a real run; raised before any communication."""
+
+
 def decide(func, leaves: list, spec, choice: "tuple | None" = None) -> Decision:
     """How to run ``func`` on these operands' layouts; ``choice``: the ``Decision.choice``
     of this call decided on another rank of this process (a simulated world). Its meta
@@ -170,7 +176,10 @@ def _meta_run(func, leaves: list, spec) -> _MetaRun:
     args, kwargs = unflatten_args(meta_leaves, spec)
     if kwargs.get("device") is not None:
         kwargs = dict(kwargs, device="meta")  # shape inference stays on meta
-    out = func(*args, **kwargs)
+    try:
+        out = func(*args, **kwargs)
+    except NotImplementedError as e:
+        raise NoMetaKernel(func) from e
     out_leaves, out_spec = tree_flatten(out)
     return _MetaRun(meta_leaves, out, out_leaves, out_spec,
                     [i for i, o in enumerate(out_leaves) if isinstance(o, torch.Tensor)])

@@ -1,9 +1,11 @@
 """Softmax and log_softmax over every dim, cross_entropy (vocab-parallel logits, ignore_index,
-label smoothing, (N, C, d) inputs), nll_loss, mse_loss and the elementwise losses.
+label smoothing, (N, C, d) inputs), nll_loss, mse_loss, the elementwise losses, and losses torch has no Meta kernel for
+(multi_margin_loss's backward, ctc_loss: run on the whole values).
 
 Run in the shared worlds of tests/ops/ops_battery.py (2, 4, and 3 with bystanders)."""
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from ops_battery import B, P, S, battery_tests, case, checked, placements, randint, randn
 
@@ -51,6 +53,17 @@ def check_softmax_and_losses():
         for red in ("mean", "sum", "none"):
             case(f"{name} {red}", lambda a, b, loss=loss, red=red: loss(a, b, red), [x, y],
                  nograd=(1,) if name == "soft_margin_loss" else (), places=placements(3, 0, 2))
+    # torch has no Meta kernel for these (multi_margin_loss's backward, ctc_loss): they
+    # run on the whole values (a FallbackWarning), equal to torch
+    classes = randint(4, (5,), "mm_target")
+    for red in ("mean", "none"):
+        case(f"multi_margin_loss {red}", lambda a, t, red=red: F.multi_margin_loss(a, t, reduction=red),
+             [x, classes], choices=[[B, S(0), S(1)], [B, S(0)]], places=placements(3, 0, 2))
+    log_probs, targets = randn((7, 5, 4), "ctc_in"), randint(3, (5, 3), "ctc_targets") + 1
+    lengths, target_lengths = torch.full((5,), 7), randint(3, (5,), "ctc_lengths") + 1
+    case("ctc_loss", lambda lp, t, il, tl: F.ctc_loss(lp.log_softmax(2), t, il, tl),
+         [log_probs, targets, lengths, target_lengths],
+         choices=[[B, S(1)], [B, S(0)], [B, S(0)], [B, S(0)]], places=placements(3, 0, 2))
 
 
 @checked
