@@ -88,8 +88,8 @@ class _LinearWeightLast(torch.autograd.Function):
         return torch.nn.functional.linear(x, weight, bias)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
+        _no_second_order()
         x, weight = ctx.saved_tensors
         if ctx.refetch is not None:
             weight = ctx.refetch()
@@ -220,6 +220,21 @@ class _Regather:
         return self.fulls[name] if self.saved[name] > 0 else self.fulls.pop(name)
 
 
+def _no_second_order() -> None:
+    """A backward that builds a graph (``create_graph=True``: a gradient penalty, a
+    Hessian-vector product) would differentiate the gathered copies that backward
+    makes afresh, which have no history to the shards: their terms would be missing
+    from the second-order gradient. Refused before anything is computed or sent."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "fully_shard: a backward with create_graph=True (torch.autograd.grad(..., "
+            "create_graph=True): a gradient penalty, a Hessian-vector product) through a "
+            "fully sharded unit is not supported: the parameters backward gathers again "
+            "have no history to their shards. Lay such parameters out with "
+            "gt.nn.to_global (broadcast or tensor-parallel sbps), whose double backward "
+            "works")
+
+
 def _pack(t):
     if type(t) is GlobalTensor and t.local_part.numel():
         found = _gathered.get(t.local_part.untyped_storage()._cdata)
@@ -235,6 +250,7 @@ def _pack(t):
 def _unpack(packed):
     if type(packed) is not tuple:
         return packed
+    _no_second_order()
     regather, name, layout, strides, size, stride, offset = packed
     local = regather.local(name).as_strided(size, stride, offset)
     return GlobalTensor(local, layout, strides=None if strides == layout.strides else strides)

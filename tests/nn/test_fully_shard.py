@@ -13,6 +13,7 @@ import gc
 import types
 import weakref
 
+import pytest
 import torch
 import torch.nn.functional as F
 from mp import checks_in_worlds, patched
@@ -437,6 +438,36 @@ def check_a_data_axis_of_one_rank_hands_on_the_parts():
     assert not fs_module._gathered
 
 
+class _MatmulNet(torch.nn.Module):
+    """A parameter used by a matmul (not nn.Linear): saved by autograd, gathered again."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(12, 5))
+
+    def forward(self, x):
+        return torch.tanh(x @ self.w)
+
+
+def check_double_backward_is_refused_before_it_differentiates():
+    # A gradient penalty differentiates backward's own gathered copies, which have no
+    # history to the shards: refused with advice (nn.Linear's own backward, and a saved
+    # parameter gathered again), where it would miss terms; a first-order
+    # torch.autograd.grad still equals torch's
+    p = gt.placement.all("cpu")
+    x, _ = _data()
+    for make in (_mlp, _MatmulNet):
+        reference, model = make(), gt.nn.fully_shard(make(), p)
+        gx = gt.tensor(x, placement=p, sbp=S(0)).requires_grad_()
+        px = x.clone().requires_grad_()
+        got, = torch.autograd.grad(model(gx).square().sum(), gx)
+        want, = torch.autograd.grad(reference(px).square().sum(), px)
+        torch.testing.assert_close(got.full(), want, rtol=1e-5, atol=1e-6)
+        with pytest.raises(RuntimeError, match=r"create_graph=True.*gt\.nn\.to_global"):
+            torch.autograd.grad(model(gx).square().sum(), gx, create_graph=True)
+
+
 CHECKS = ["check_training_equals_one_process", "check_training_under_autocast_follows_torch",
           "check_gathered_copy_is_freed_after_forward",
           "check_tied_and_meta_modules", "check_reshard_after_forward",
@@ -444,11 +475,13 @@ CHECKS = ["check_training_equals_one_process", "check_training_under_autocast_fo
           "check_an_exchange_sums_packed_and_own_gradients_exactly",
           "check_recompute_gathers_once_and_each_weight_again_in_its_backward",
           "check_host_blocks_go_back_to_the_system_when_freed",
-          "check_a_data_axis_of_one_rank_hands_on_the_parts"]
+          "check_a_data_axis_of_one_rank_hands_on_the_parts",
+          "check_double_backward_is_refused_before_it_differentiates"]
 
 test_world2, test_world4 = checks_in_worlds(
     __name__, CHECKS, only_in_4=["check_tensor_parallel_on_a_2d_placement"],
-    only_in_2=["check_linear_backward_lets_the_weight_go_before_its_gradient"],
+    only_in_2=["check_linear_backward_lets_the_weight_go_before_its_gradient",
+               "check_double_backward_is_refused_before_it_differentiates"],
     # (the process's resident memory, and gathers counted per process)
     in_processes=["check_linear_backward_lets_the_weight_go_before_its_gradient",
                   "check_host_blocks_go_back_to_the_system_when_freed",
