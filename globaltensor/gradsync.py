@@ -40,6 +40,7 @@ FIRST_BUCKET_MB = 1.0  # small first bucket: communication starts early in backw
 
 _sync = True
 _serial = 0
+_serials = WeakIdKeyDictionary()  # leaf -> serial number (dropped with the leaf)
 _pending: "_Reducer | None" = None
 # leaf -> weak references to (its kept .grad, the partial .grad that replaced it until
 # the reducing backward); see ``keep_partial``
@@ -66,40 +67,17 @@ def no_sync() -> Iterator[None]:
         _sync = previous
 
 
+# id(leaf) -> a weak reference to it (which tells a reused id apart), per watched leaf:
+# asked on every call, where a WeakIdKeyDictionary look-up costs several times more.
+_watched: dict = {}
 _MODULE_APPLY = torch.nn.Module._apply.__code__
-
-
-class _Watch:
-    """A watched leaf's entry, kept in the leaf's own ``__dict__`` (under ``_WATCH``),
-    not in a table of weak references: ``nn.Module._apply`` (``model.to(dtype)``,
-    ``model.cpu()``) swaps a GlobalTensor parameter's contents for its cast with
-    ``torch.utils.swap_tensors``, which refuses a tensor with weak references; the swap
-    takes the entry away with the old contents and their hooks, so the cast is watched
-    anew when first used. The hooks hold a weak reference to the entry, which holds the
-    leaf: a strong one from a hook would never be freed (the garbage collector does not
-    see a tensor's hooks). A deep copy of the leaf is another leaf: its entry is None."""
-    __slots__ = ("leaf", "serial", "buffers", "__weakref__")
-
-    def __init__(self, leaf: GlobalTensor, serial: int):
-        self.leaf, self.serial = leaf, serial
-        self.buffers = None   # the flat buffers of the buckets it is first in
-
-    def __deepcopy__(self, memo):
-        return None
-
-
-_WATCH = "_gradsync_watch"
-
-
-def _serial_of(leaf: GlobalTensor) -> int:
-    return leaf.__dict__[_WATCH].serial
 
 
 def watch(leaf: GlobalTensor) -> None:
     """Make ``leaf``'s gradient end in its layout (called when a leaf is first used)."""
     global _serial
-    entry = leaf.__dict__.get(_WATCH)
-    if entry is not None and entry.leaf is leaf:
+    ref = _watched.get(id(leaf))
+    if ref is not None and ref() is leaf:
         return
     if torch._C._current_graph_task_id() != -1 or comm.tracing() or (
             not torch.is_grad_enabled() and called_from(_MODULE_APPLY)):
@@ -107,11 +85,13 @@ def watch(leaf: GlobalTensor) -> None:
         # parameter was first used in forward); traced: a stand-in; cast by model.half()
         # (nn.Module._apply swaps a parameter for its cast: refused with weak references)
         return
+    key = id(leaf)
+    _watched[key] = weakref.ref(leaf, lambda r: _watched.get(key) is r and _watched.pop(key))
     # A serial number, not id(): ids are reused after garbage collection and differ
     # between ranks, while serials follow the program order, the same on every rank.
     _serial += 1
-    entry = leaf.__dict__[_WATCH] = _Watch(leaf, _serial)
-    leaf.register_hook(_before_accumulate(entry, leaf._layout.placement.size == 1))
+    _serials[leaf] = _serial
+    leaf.register_hook(_before_accumulate(leaf, leaf._layout.placement.size == 1))
     leaf.register_post_accumulate_grad_hook(_after_accumulate)
 
 
@@ -130,7 +110,7 @@ def grads_kept() -> Iterator[None]:
             leaf.grad = grad
 
 
-def _before_accumulate(entry: _Watch, one_rank: bool):
+def _before_accumulate(leaf: GlobalTensor, one_rank: bool):
     """A hook that, inside ``no_sync()``, gives a kept ``.grad`` (e.g. zeroed with
     ``zero_grad(set_to_none=False)``) the incoming gradient's partial axes before
     autograd adds to it in place: adding a partial sum to a broadcast ``.grad`` in place
@@ -141,12 +121,8 @@ def _before_accumulate(entry: _Watch, one_rank: bool):
     right away, whatever its sbp (the same part: nothing to reduce or move, in
     ``no_sync()`` either), so that ``_after_accumulate`` has nothing to do: there, cold
     after the backward's kernels, the same re-labelling cost 7 us per parameter."""
-    watched = weakref.ref(entry)
-
-    def ref():   # the leaf (None once its entry went: its contents swapped away)
-        entry = watched()
-        return None if entry is None else entry.leaf
-    mine = entry.leaf._layout if one_rank else None
+    ref = weakref.ref(leaf)
+    mine = leaf._layout if one_rank else None
     relabelled = [None]   # the last gradient layout found to hold ``mine``'s part
 
     @skipped_by_dynamo
@@ -277,6 +253,11 @@ def _finish() -> None:
         reducer.finish()
 
 
+# first leaf of a bucket -> {bucket key: (flat buffer, its storage's use count alone)};
+# buffers die with their model.
+_buffers = WeakIdKeyDictionary()
+
+
 def _storage_uses(t: torch.Tensor) -> int:
     """How many tensors (views, aliases) hold ``t``'s memory, ``t`` included."""
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
@@ -291,12 +272,9 @@ def _flat_buffer(items, serials: tuple) -> torch.Tensor:
     gradients; DDP reuses its buckets only with ``gradient_as_bucket_view=True``).
     ``serials``: the leaves' serial numbers."""
     key = tuple((serial, g.local_part.shape, g.dtype) for serial, (_, g) in zip(serials, items))
-    # (kept by the bucket's first leaf, with which they die: {bucket key: (flat buffer,
-    # its storage's use count alone)})
-    entry = items[0][0].__dict__[_WATCH]
-    owned = entry.buffers
+    owned = _buffers.get(items[0][0])
     if owned is None:
-        owned = entry.buffers = {}
+        owned = _buffers[items[0][0]] = {}
     flat, alone = owned.get(key, (None, 0))
     if flat is None or _storage_uses(flat) != alone:
         total = sum(g.local_part.numel() for _, g in items)
@@ -352,7 +330,7 @@ def _accumulation_meets(leaf: GlobalTensor | None, grad) -> None:
     kept = leaf.grad
     if isinstance(kept, GlobalTensor) and kept.global_layout == leaf.global_layout \
             and not comm.tracing() and not _by_compiled_autograd():
-        _gradients_meet(leaf.placement, grad.dtype, [(leaf, grad)], (_serial_of(leaf),),
+        _gradients_meet(leaf.placement, grad.dtype, [(leaf, grad)], (_serials[leaf],),
                         " to add them to the kept .grad")
 
 
@@ -414,7 +392,7 @@ class _Reducer:
     def add(self, leaf, grad, axes) -> None:
         kind = (leaf.placement, grad.dtype, axes)
         nbytes = grad.local_part.numel() * grad.element_size()
-        serial = _serial_of(leaf)
+        serial = _serials[leaf]
         self.order.append((serial, kind, nbytes))
         b = self.plan.get(serial)
         if b is not None and self.planned.get(b, (kind,))[0] == kind:
@@ -435,7 +413,7 @@ class _Reducer:
         if rank not in placement:
             self.sent.append((kind, items, None, None))
             return
-        serials = tuple(_serial_of(leaf) for leaf, _ in items)
+        serials = tuple(_serials[leaf] for leaf, _ in items)  # (a weak-key look-up each)
         if not comm.tracing():
             _gradients_meet(placement, dtype, items, serials)
         flat = _flat_buffer(items, serials)

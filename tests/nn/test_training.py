@@ -211,9 +211,8 @@ def check_gradient_accumulation_with_no_sync():
 def _bucket_buffers(model):
     """Weak references to the flat buffers gradient sync keeps for ``model``'s buckets."""
     from globaltensor import gradsync
-    entries = [q.__dict__.get(gradsync._WATCH) for q in model.parameters()]
-    return [weakref.ref(flat) for entry in entries if entry is not None
-            for flat, _ in (entry.buffers or {}).values()]
+    return [weakref.ref(flat) for q in model.parameters()
+            for flat, _ in gradsync._buffers.get(q, {}).values()]
 
 
 def _same_buffers(model, refs):
