@@ -53,6 +53,8 @@ def test_blas_buffers_kept_after_a_large_product_are_freed():
         del product
     finally:
         torch.set_num_threads(threads)
-    assert kept_bytes(ctypes.byref(buffers)) > 8 << 20   # 16.6 MiB of packed copies
+    # packed copies, sized by the CPU's kernels: 16.6 MiB on an AVX-512 Xeon, 5.3 MiB
+    # on an AVX2 EPYC
+    assert kept_bytes(ctypes.byref(buffers)) > 1 << 20
     assert heap.release_blas_buffers()
     assert kept_bytes(ctypes.byref(buffers)) == 0 and buffers.value == 0
