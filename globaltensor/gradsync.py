@@ -26,11 +26,10 @@ import weakref
 from typing import Iterator
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import comm
-from .boxing.run import call_path, called_from, where
-from .comm.meet import meet_once, met_before
+from .boxing.run import called_from
+from .gradient_meet import gradients_meet
 from .layout import Layout
 from .sbp import Broadcast, Partial
 from .tensor import GlobalTensor, hidden_from_dynamo, install_leaf_watch, skipped_by_dynamo, to_layout, wrap_part
@@ -40,11 +39,7 @@ FIRST_BUCKET_MB = 1.0  # small first bucket: communication starts early in backw
 
 _sync = True
 _serial = 0
-_serials = WeakIdKeyDictionary()  # leaf -> serial number (dropped with the leaf)
 _pending: "_Reducer | None" = None
-# leaf -> weak references to (its kept .grad, the partial .grad that replaced it until
-# the reducing backward); see ``keep_partial``
-_kept = WeakIdKeyDictionary()
 # Called as fn(grad, leaf layout) when a gradient not in its leaf's layout reaches
 # ``.grad`` (the step planner prices boxing it there: the dispatcher installs it).
 _grad_arrived = None
@@ -67,32 +62,81 @@ def no_sync() -> Iterator[None]:
         _sync = previous
 
 
-# id(leaf) -> a weak reference to it (which tells a reused id apart), per watched leaf:
-# asked on every call, where a WeakIdKeyDictionary look-up costs several times more.
-_watched: dict = {}
+class _OwnCopy:
+    """Gradient-sync state kept in a leaf's own ``__dict__``, never a weak reference to
+    the leaf: ``nn.Module._apply`` (``model.double()``, ``model.cpu()``) swaps a
+    GlobalTensor parameter's contents for its cast with ``torch.utils.swap_tensors``,
+    which refuses a tensor with weak references. The swap takes the state away with the
+    old contents (and their hooks): the cast is watched anew when first used. A copy of
+    the leaf (``copy.deepcopy``, pickling) is another leaf: it gets None."""
+    __slots__ = ()
+
+    def __deepcopy__(self, memo) -> None:
+        return None
+
+    def __reduce__(self):
+        return type(None), ()
+
+
+class _Entry(_OwnCopy):
+    """A watched leaf's serial number and the flat buffers of the buckets it is first in
+    ({bucket key: (flat buffer, its storage's use count alone)}; they die with it)."""
+    __slots__ = ("serial", "buffers")
+
+    def __init__(self, serial: int):
+        self.serial, self.buffers = serial, {}
+
+
+_ENTRY, _KEPT = "_gradsync_entry", "_gradsync_kept"
 _MODULE_APPLY = torch.nn.Module._apply.__code__
 
 
 def watch(leaf: GlobalTensor) -> None:
     """Make ``leaf``'s gradient end in its layout (called when a leaf is first used)."""
     global _serial
-    ref = _watched.get(id(leaf))
-    if ref is not None and ref() is leaf:
+    if leaf.__dict__.get(_ENTRY) is not None:
         return
-    if torch._C._current_graph_task_id() != -1 or comm.tracing() or (
-            not torch.is_grad_enabled() and called_from(_MODULE_APPLY)):
+    if torch._C._current_graph_task_id() != -1 or comm.tracing() or called_from(_MODULE_APPLY):
         # in backward: a saved view of a parameter, unpacked anew, shows as a leaf (the
         # parameter was first used in forward); traced: a stand-in; cast by model.half()
-        # (nn.Module._apply swaps a parameter for its cast: refused with weak references)
+        # or model.cpu() (nn.Module._apply, which needs no gradient, swaps a parameter
+        # for its cast: refused with hooks in between)
         return
-    key = id(leaf)
-    _watched[key] = weakref.ref(leaf, lambda r: _watched.get(key) is r and _watched.pop(key))
     # A serial number, not id(): ids are reused after garbage collection and differ
     # between ranks, while serials follow the program order, the same on every rank.
     _serial += 1
-    _serials[leaf] = _serial
-    leaf.register_hook(_before_accumulate(leaf, leaf._layout.placement.size == 1))
+    leaf.__dict__[_ENTRY] = _Entry(_serial)
+    if leaf._backward_hooks or leaf._post_accumulate_grad_hooks:
+        _reattach_hooks(leaf)
+    leaf.register_hook(_before_accumulate(leaf._layout if leaf._layout.placement.size == 1
+                                          else None))
     leaf.register_post_accumulate_grad_hook(_after_accumulate)
+
+
+def _reattach_hooks(leaf: GlobalTensor) -> None:
+    """After ``torch.utils.swap_tensors`` (a cast by ``nn.Module._apply``) a leaf's hook
+    dicts are still attached to its old contents: a hook added to them would never run.
+    Where gradient sync's own hooks show it, they are dropped (they are registered
+    anew), and the dicts, with any of the program's hooks, are attached to the current
+    contents (their setters do that), so that those run on as on a plain module's cast."""
+    pre, post = leaf._backward_hooks or {}, leaf._post_accumulate_grad_hooks or {}
+    ours = [k for k, h in pre.items() if getattr(h, "_gradsync", False)]
+    if not ours:
+        return
+    for k in ours:
+        del pre[k]
+    for k in [k for k, h in post.items() if h is _after_accumulate]:
+        del post[k]
+    leaf._backward_hooks = pre or None
+    leaf._post_accumulate_grad_hooks = post or None
+
+
+def _hooked_leaf() -> GlobalTensor | None:
+    """The leaf whose gradient hook runs: the autograd engine's current node is its
+    AccumulateGrad, which holds it (None under compiled autograd). A hook holds no
+    reference to its leaf: the collector does not see a tensor's hooks, so a strong one
+    would never be freed, and a weak one makes ``torch.utils.swap_tensors`` refuse it."""
+    return getattr(torch._C._current_autograd_node(), "variable", None)
 
 
 _kept_grads: list = []   # open ``grads_kept()``: {id(leaf): (leaf, its .grad before)}
@@ -110,27 +154,26 @@ def grads_kept() -> Iterator[None]:
             leaf.grad = grad
 
 
-def _before_accumulate(leaf: GlobalTensor, one_rank: bool):
+def _before_accumulate(mine: Layout | None):
     """A hook that, inside ``no_sync()``, gives a kept ``.grad`` (e.g. zeroed with
     ``zero_grad(set_to_none=False)``) the incoming gradient's partial axes before
     autograd adds to it in place: adding a partial sum to a broadcast ``.grad`` in place
     would all-reduce it at every micro-batch. The other ranks' share of the kept value
     becomes zero (free), and the first backward outside reduces the total once.
 
-    A leaf of a one-rank placement (``one_rank``) takes its gradient in its own layout
+    A leaf of a one-rank placement (its layout ``mine``) takes its gradient in that layout
     right away, whatever its sbp (the same part: nothing to reduce or move, in
     ``no_sync()`` either), so that ``_after_accumulate`` has nothing to do: there, cold
     after the backward's kernels, the same re-labelling cost 7 us per parameter."""
-    ref = weakref.ref(leaf)
-    mine = leaf._layout if one_rank else None
     relabelled = [None]   # the last gradient layout found to hold ``mine``'s part
 
     @skipped_by_dynamo
     def hook(grad):
-        if _kept_grads:
-            _kept_grads[-1].setdefault(id(ref()), (ref(), ref().grad))
+        if _kept_grads and _hooked_leaf() is not None:
+            leaf = _hooked_leaf()
+            _kept_grads[-1].setdefault(id(leaf), (leaf, leaf.grad))
         if _sync and _decided_task != torch._C._current_graph_task_id():
-            _accumulation_meets(ref(), grad)
+            _accumulation_meets(_hooked_leaf(), grad)
         if mine is not None and grad.__class__ is GlobalTensor and grad._layout is not mine:
             if (grad._layout is relabelled[0] or grad._layout.same_parts(mine)) \
                     and not _by_compiled_autograd():   # (which boxes in _after_accumulate)
@@ -140,7 +183,7 @@ def _before_accumulate(leaf: GlobalTensor, one_rank: bool):
             return None
         if _by_compiled_autograd() or not isinstance(grad, GlobalTensor):
             return None
-        leaf = ref()
+        leaf = _hooked_leaf()
         kept = None if leaf is None else leaf.grad
         if not isinstance(kept, GlobalTensor) or kept.placement != grad.placement:
             return None
@@ -165,22 +208,29 @@ def keep_partial(leaf: GlobalTensor, partial: GlobalTensor) -> None:
 
     >>> keep_partial(p, p.grad + contribution)   # doctest: +SKIP
     """
-    kept, earlier = leaf.grad, _kept.get(leaf)
-    if earlier is not None and earlier[1]() is kept:  # kept stands in for an earlier one
-        _kept[leaf] = (earlier[0], weakref.ref(partial))
+    kept, earlier = leaf.grad, leaf.__dict__.get(_KEPT)
+    if earlier is not None and earlier.partial() is kept:  # kept stands in for an earlier one
+        leaf.__dict__[_KEPT] = _Kept(earlier.kept, weakref.ref(partial))
     elif isinstance(kept, GlobalTensor) and kept.global_layout == leaf.global_layout:
-        _kept[leaf] = (weakref.ref(kept), weakref.ref(partial))
+        leaf.__dict__[_KEPT] = _Kept(weakref.ref(kept), weakref.ref(partial))
     leaf.grad = partial
 
 
-_NONE = (lambda: None, lambda: None)
+class _Kept(_OwnCopy):
+    """Weak references to a leaf's kept ``.grad`` and the partial ``.grad`` that
+    replaced it until the reducing backward (``keep_partial``)."""
+    __slots__ = ("kept", "partial")
+
+    def __init__(self, kept: weakref.ref, partial: weakref.ref):
+        self.kept, self.partial = kept, partial
 
 
 def _settle(leaf: GlobalTensor, source: GlobalTensor, grad: GlobalTensor) -> None:
     """``leaf.grad = grad`` (``source`` reduced): into the kept tensor that ``source``
     stood in for, if that is still alive (``keep_partial``)."""
-    kept, partial = (r() for r in _kept.pop(leaf, _NONE)) if _kept else (None, None)
-    if kept is not None and partial is source and kept.dtype == grad.dtype:
+    record = leaf.__dict__.pop(_KEPT, None)
+    kept = None if record is None else record.kept()
+    if kept is not None and record.partial() is source and kept.dtype == grad.dtype:
         kept.local_part.copy_(grad.local_part)
         grad = kept
     leaf.grad = grad
@@ -253,11 +303,6 @@ def _finish() -> None:
         reducer.finish()
 
 
-# first leaf of a bucket -> {bucket key: (flat buffer, its storage's use count alone)};
-# buffers die with their model.
-_buffers = WeakIdKeyDictionary()
-
-
 def _storage_uses(t: torch.Tensor) -> int:
     """How many tensors (views, aliases) hold ``t``'s memory, ``t`` included."""
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
@@ -272,9 +317,7 @@ def _flat_buffer(items, serials: tuple) -> torch.Tensor:
     gradients; DDP reuses its buckets only with ``gradient_as_bucket_view=True``).
     ``serials``: the leaves' serial numbers."""
     key = tuple((serial, g.local_part.shape, g.dtype) for serial, (_, g) in zip(serials, items))
-    owned = _buffers.get(items[0][0])
-    if owned is None:
-        owned = _buffers[items[0][0]] = {}
+    owned = items[0][0].__dict__[_ENTRY].buffers   # (kept by the bucket's first leaf)
     flat, alone = owned.get(key, (None, 0))
     if flat is None or _storage_uses(flat) != alone:
         total = sum(g.local_part.numel() for _, g in items)
@@ -319,7 +362,7 @@ def _accumulation_meets(leaf: GlobalTensor | None, grad) -> None:
     parameter is broadcast): if the parameter keeps a reduced ``.grad`` from an earlier
     backward (no ``zero_grad()`` in between: gradient accumulation, or
     ``set_to_none=False``), autograd adds the gradient to it with an op that all-reduces
-    it, outside the buckets; its ranks meet first, as a bucket's (``_gradients_meet``).
+    it, outside the buckets; its ranks meet first, as a bucket's (``gradient_meet.gradients_meet``).
     Without a kept ``.grad`` the gradients go to buckets, which meet when sent. Either
     way the pass's other gradients are not looked at again."""
     global _decided_task
@@ -330,49 +373,8 @@ def _accumulation_meets(leaf: GlobalTensor | None, grad) -> None:
     kept = leaf.grad
     if isinstance(kept, GlobalTensor) and kept.global_layout == leaf.global_layout \
             and not comm.tracing() and not _by_compiled_autograd():
-        _gradients_meet(leaf.placement, grad.dtype, [(leaf, grad)], (_serials[leaf],),
+        gradients_meet(leaf.placement, grad.dtype, [(leaf, grad)], (leaf.__dict__[_ENTRY].serial,),
                         " to add them to the kept .grad")
-
-
-GRADIENT_ADVICE = (
-    "backward() reduces the gradients of parameters used on split data (data parallel) "
-    "among the ranks of their placement: a collective, which every one of them must run, "
-    "on the same loss. A rank that skips backward() (if its loss is not finite, or once "
-    "it has no batches left) leaves the others waiting there. Decide on every rank alike, "
-    "from a value every rank has: the loss itself is broadcast, so if not "
-    "torch.isfinite(loss): continue skips the step on every rank; and give every rank the "
-    "same number of batches.")
-
-
-def _gradients_meet(placement, dtype: torch.dtype, items: list, serials: tuple,
-                    how: str = "") -> None:
-    """Before the gradients ``items`` ((leaf, gradient) pairs, ``serials`` their leaves'
-    serial numbers) are first all-reduced from a call path (the program's line that
-    called ``backward()``, and the lines that called it), the ranks of their placement
-    meet through the store, as a read's do: a rank that skipped ``backward()`` makes the
-    others raise ``CollectiveError`` within GLOBALTENSOR_READ_TIMEOUT, naming it, and
-    ranks whose buckets differ (other parameters got gradients) raise
-    ``DivergenceError`` naming both, where their all-reduces would wait or pair up.
-
-    Told apart by placement, dtype, ``how`` and the serials (the same on every rank): a
-    training loop meets in its first steps (the second one's buckets follow the first
-    one's gradient order; the first backward into kept gradients meets once more), and
-    then pays the call path and a set look-up per bucket, no communication. A rank that
-    skips a later backward is not caught so, as a reduction's path run on every rank
-    first and later on some only is not (``boxing.run.reduction_meets``; check mode
-    meets every time): the others' all-reduce meets that rank's next collective, or
-    fails after GLOBALTENSOR_TIMEOUT, or at once when that rank's process ends."""
-    ranks = tuple(sorted(placement.flat_ranks))
-    if len(ranks) == 1:
-        return
-    path = call_path()
-    key = ("gradients", how, placement, dtype, serials, path)
-    if met_before(ranks, key):
-        return
-    elements = sum(leaf.numel() for leaf, _ in items)
-    same = (f"all-reduce the {dtype} gradients of {len(items)} parameter(s) ({elements} "
-            f"elements) on {placement}{how}, in backward() called from {where(path)}")
-    meet_once(ranks, key, "backward()", same, GRADIENT_ADVICE, same)
 
 
 class _Reducer:
@@ -392,7 +394,7 @@ class _Reducer:
     def add(self, leaf, grad, axes) -> None:
         kind = (leaf.placement, grad.dtype, axes)
         nbytes = grad.local_part.numel() * grad.element_size()
-        serial = _serials[leaf]
+        serial = leaf.__dict__[_ENTRY].serial
         self.order.append((serial, kind, nbytes))
         b = self.plan.get(serial)
         if b is not None and self.planned.get(b, (kind,))[0] == kind:
@@ -413,9 +415,9 @@ class _Reducer:
         if rank not in placement:
             self.sent.append((kind, items, None, None))
             return
-        serials = tuple(_serials[leaf] for leaf, _ in items)  # (a weak-key look-up each)
+        serials = tuple(leaf.__dict__[_ENTRY].serial for leaf, _ in items)
         if not comm.tracing():
-            _gradients_meet(placement, dtype, items, serials)
+            gradients_meet(placement, dtype, items, serials)
         flat = _flat_buffer(items, serials)
         # Several partial axes reduce one after another; the first runs asynchronously.
         work = comm.all_reduce_async(flat, placement.group(rank, axes[0]),

@@ -67,7 +67,10 @@ def check_cache_and_layouts_bounded_over_many_shapes():
 
 
 def check_gradient_buffers_die_with_their_model():
+    """The flat buffers gradient sync keeps for a model's buckets are freed with the
+    model, at once (no reference cycle through its parameters for the collector)."""
     import gc
+    import weakref
 
     import torch
 
@@ -75,13 +78,21 @@ def check_gradient_buffers_die_with_their_model():
     from globaltensor import gradsync
     P = gt.placement("cpu", [0, 1])
     x = gt.randn(4, 16, placement=P, sbp=gt.sbp.split(0))
-    for _ in range(5):
-        m = gt.nn.to_global(torch.nn.Linear(16, 16), P, gt.sbp.broadcast)
-        m(x).sum().backward()
-        assert m.weight.grad.sbp == (gt.sbp.broadcast,)
-    del m
-    gc.collect()
-    assert len(gradsync._buffers) == 0, len(gradsync._buffers)
+    buffers = []
+    gc.disable()
+    try:
+        for _ in range(5):
+            m = gt.nn.to_global(torch.nn.Linear(16, 16), P, gt.sbp.broadcast)
+            m(x).sum().backward()
+            assert m.weight.grad.sbp == (gt.sbp.broadcast,)
+            entries = [q.__dict__.get(gradsync._ENTRY) for q in m.parameters()]
+            buffers += [weakref.ref(flat) for e in entries if e is not None
+                        for flat, _ in e.buffers.values()]
+        assert buffers
+        del m, entries
+        assert all(b() is None for b in buffers), [b() for b in buffers]
+    finally:
+        gc.enable()
 
 
 def check_megatron_layout_keeps_weights_in_place():
@@ -175,7 +186,7 @@ CHECKS = ["check_cache_bounded_over_long_run", "check_cache_and_layouts_bounded_
           "check_addmm_partial_bias_on_rank_without_contracted_part"]
 
 
-# (a model's buffers die with it: the process's garbage, seen by gc)
+# (a model's buffers die with it: the process's garbage)
 # (the first sizes caches the ranks of a simulated world would share)
 test_world2 = world_test(__name__, 2, CHECKS, in_processes=[
     "check_cache_and_layouts_bounded_over_many_shapes", "check_gradient_buffers_die_with_their_model"])

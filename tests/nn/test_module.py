@@ -266,27 +266,38 @@ def check_meta_buffers_raise_or_come_real():
 
 
 def check_casting_a_converted_module_then_training():
-    """``model.bfloat16()`` / ``.double()`` / ``.half()`` / ``.to(dtype)`` of a global
-    module before its first forward (nn.Module swaps its parameters, which refuses
-    tensors with weak references: its own casts must not make any), then data-parallel
-    training: one process's. After a forward the swap is refused (docs/ops.md)."""
+    """``model.cpu()`` / ``.to("cpu")`` and ``model.bfloat16()`` / ``.double()`` /
+    ``.to(dtype)`` of a global module before its first forward, data-parallel training,
+    then ``model.float().cpu()`` after training and training on with the same optimizer:
+    one process's. nn.Module swaps a GlobalTensor parameter's contents for its cast
+    (``torch.utils.swap_tensors``), which refuses a tensor with weak references: gradient
+    sync keeps none to its leaves."""
     torch.manual_seed(0)
     plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
     p = gt.placement.all("cpu")
-    for cast in (lambda m: m.bfloat16(), lambda m: m.double(), lambda m: m.to(torch.float16)):
-        ref, model = cast(copy.deepcopy(plain)), cast(gt.nn.to_global(copy.deepcopy(plain), p, B))
-        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1)).to(ref[0].weight.dtype)
-        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
-        for _ in range(2):
+    g = torch.Generator().manual_seed(1)
+
+    def train(model, ref, opts, steps):
+        x = torch.randn(6, 8, generator=g).to(ref[0].weight.dtype)
+        for _ in range(steps):
             for m, data, opt in zip((model, ref), (gt.tensor(x, placement=p, sbp=S(0)), x), opts):
                 m(data).float().square().mean().backward()
+                if m is model:   # reduced by gradient sync, in the parameters' layout
+                    assert all(q.grad.sbp == (B,) for q in m.parameters())
                 opt.step()
                 opt.zero_grad()
         for got, want in zip(model.parameters(), ref.parameters()):
-            assert got.dtype == want.dtype and got.sbp == (B,), (got.dtype, got.sbp)
+            assert type(got) is type(model[0].weight) and got.dtype == want.dtype, got.dtype
+            assert got.sbp == (B,), got.sbp
             torch.testing.assert_close(got.full(), want.detach(), rtol=1e-2, atol=1e-3)
-        with pytest.raises(RuntimeError, match="swap"):
-            model.float()
+    for cast in (lambda m: m.cpu().bfloat16(), lambda m: m.to("cpu").double(),
+                 lambda m: m.to(torch.float16)):
+        ref, model = cast(copy.deepcopy(plain)), cast(gt.nn.to_global(copy.deepcopy(plain), p, B))
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref)]
+        train(model, ref, opts, 2)
+        for m in (model, ref):
+            m.float().cpu()
+        train(model, ref, opts, 2)
 
 
 CHECKS = ["check_memory_is_the_part", "check_values_come_from_the_first_rank",

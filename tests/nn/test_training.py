@@ -211,8 +211,9 @@ def check_gradient_accumulation_with_no_sync():
 def _bucket_buffers(model):
     """Weak references to the flat buffers gradient sync keeps for ``model``'s buckets."""
     from globaltensor import gradsync
-    return [weakref.ref(flat) for q in model.parameters()
-            for flat, _ in gradsync._buffers.get(q, {}).values()]
+    entries = [q.__dict__.get(gradsync._ENTRY) for q in model.parameters()]
+    return [weakref.ref(flat) for entry in entries if entry is not None
+            for flat, _ in entry.buffers.values()]
 
 
 def _same_buffers(model, refs):
