@@ -1,5 +1,6 @@
 """Reading a GlobalTensor's value into Python: ``x.item()``, ``float(x)``, ``int(x)``,
-``bool(x)``, ``x.tolist()``, ``x.numpy()``, ``torch.equal``, ``f"{x:.4f}"``.
+``bool(x)``, ``x.tolist()``, ``x.numpy()``, ``torch.equal``, ``torch.allclose``,
+``f"{x:.4f}"``.
 
 A read gives the whole value on every rank that calls it, as ``x.full()`` does. When
 ``x`` is broadcast on every rank of the world (a loss: dispatch makes the scalar result
@@ -87,6 +88,17 @@ def equal(a: GlobalTensor, b: GlobalTensor) -> bool:
     call = "torch.equal(a, b)"
     values = [whole_value(t, call) if isinstance(t, GlobalTensor) else t for t in (a, b)]
     return bool(values[0].equal(values[1].to(values[0].device)))
+
+
+def allclose(a, b, rtol: float = 1e-05, atol: float = 1e-08, equal_nan: bool = False) -> bool:
+    """``torch.allclose(a, b)``. Two GlobalTensors compare part by part and read one
+    bool (their parts are not gathered); a plain operand (an expected value in a test)
+    is compared with the other's whole value, as ``torch.equal`` does."""
+    if isinstance(a, GlobalTensor) and isinstance(b, GlobalTensor):
+        return bool(torch.isclose(a, b, rtol, atol, equal_nan).all())
+    call = "torch.allclose(a, b)"
+    a, b = (whole_value(t, call) if isinstance(t, GlobalTensor) else t for t in (a, b))
+    return torch.allclose(a, b.to(a.device), rtol, atol, equal_nan)
 
 
 def _format(x: GlobalTensor, format_spec: str) -> str:

@@ -1,5 +1,5 @@
 """Ops that return a Python value: ``x.item()`` / ``float(x)`` / ``int(x)``
-(``_local_scalar_dense``), ``torch.equal`` and ``bool(x)`` (``is_nonzero``).
+(``_local_scalar_dense``), ``torch.equal``, ``torch.allclose`` and ``bool(x)`` (``is_nonzero``).
 
 They run as ``reads.py`` reads: a tensor broadcast on every rank reads its local copy,
 any other is gathered by every rank of the world, which all need the value.
@@ -23,6 +23,7 @@ def local_scalar_dense(x):
 
 
 register(aten.equal.default, decompose=True)(reads.equal)
+register(aten.allclose.default, decompose=True)(reads.allclose)
 
 
 @register(aten.is_nonzero.default, decompose=True)

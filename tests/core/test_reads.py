@@ -394,6 +394,30 @@ def check_metric_on_every_rank_read_on_one():
         assert abs(local - right[rows].float().mean().item()) < 1e-6
 
 
+def check_allclose_compares_parts_or_the_whole_value():
+    # two GlobalTensors compare part by part (one bool is read, not their parts); a plain
+    # expected value is compared with the whole value, as torch.equal does
+    import torch
+
+    import globaltensor as gt
+    P = gt.placement.all("cpu")
+    v = torch.randn(64, 32, generator=torch.Generator().manual_seed(5))
+    a = gt.tensor(v, placement=P, sbp=gt.sbp.split(0))
+    b = gt.tensor(v + 1e-9, placement=P, sbp=gt.sbp.split(0))
+    with gt.debug.comm_stats() as stats:
+        assert torch.allclose(a, b) and a.allclose(b)
+    assert set(stats.calls) == {"all_reduce"} and stats.total_bytes < 64, stats
+    b = gt.tensor(v + 1e-9, placement=P, sbp=gt.sbp.split(1))
+    assert torch.allclose(a, b) and torch.allclose(b, a)
+    far = gt.tensor(v + 1e-3 * (v.abs() > 2), placement=P, sbp=gt.sbp.split(1))
+    assert not torch.allclose(a, far) and torch.allclose(a, far, atol=1e-2)
+    nan = gt.tensor(torch.full((64, 32), float("nan")), placement=P, sbp=gt.sbp.split(0))
+    assert not torch.allclose(nan, nan) and torch.allclose(nan, nan, equal_nan=True)
+    assert torch.allclose(a, v) and torch.allclose(v, b) and not torch.allclose(v + 1e-3, a)
+    row = gt.tensor(v[:1], placement=P, sbp=gt.sbp.broadcast)   # broadcast shapes, as torch
+    assert torch.allclose(gt.tensor(v[:1].expand(4, 32), placement=P, sbp=gt.sbp.split(0)), row)
+
+
 CHECKS = ["check_loss_is_broadcast_and_read_on_one_rank",
           "check_reads_of_a_sub_placement_reach_every_rank",
           "check_split_read_on_some_ranks_fails_fast", "check_read_after_the_others_gave_up_fails",
@@ -403,7 +427,8 @@ CHECKS = ["check_loss_is_broadcast_and_read_on_one_rank",
           "check_reductions_met_once_are_not_met_again",
           "check_metric_on_one_rank_fails_fast_while_the_others_wait_elsewhere",
           "check_next_reduction_after_a_metric_on_one_rank_names_it",
-          "check_metric_on_every_rank_read_on_one"]
+          "check_metric_on_every_rank_read_on_one",
+          "check_allclose_compares_parts_or_the_whole_value"]
 # (a rank waiting for a reduction the others never join times out inside the collective)
 test_world2, test_world4 = checks_in_worlds(
     __name__, CHECKS, in_processes=["check_next_reduction_after_a_metric_on_one_rank_names_it"])
