@@ -4,7 +4,10 @@ A dim that is not reduced keeps its split (shifted when the dim disappears). Red
 split dim gives a partial: ``sum``/``mean`` -> partial_sum, ``amax``/``max`` ->
 partial_max. ``mean`` runs locally as a sum divided by the *global* count, so the
 partial is right. Other reductions over a split dim need the dim whole (boxing does
-that), except the norms, which decompose into partial sums (or maxima).
+that), except those that decompose into partial sums or maxima: the norms, ``amin`` /
+``min()`` (the maximum of ``-x``), ``any`` / ``all`` (the maximum of a 0/1 flag), so
+that ``x.min()`` or ``(x > 0).all()`` of a split tensor all-reduce one value per
+output element instead of gathering ``x``.
 """
 from __future__ import annotations
 
@@ -87,3 +90,41 @@ def vector_norm_decomposition(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     if ord == 2:
         return (x * x).sum(dim=reduce_dims, keepdim=keepdim).sqrt()
     return x.abs().pow(ord).sum(dim=reduce_dims, keepdim=keepdim).pow(1.0 / ord)
+
+
+def _splits_a_reduced_dim(x, dim) -> bool:
+    ndim = x.dim()
+    dims = set(range(ndim)) if dim is None or (isinstance(dim, (list, tuple)) and not dim) else {
+        normalize_dim(d, ndim) for d in (dim if isinstance(dim, (list, tuple)) else [dim])}
+    return any(isinstance(s, Split) and s.dim in dims for s in x.sbp)
+
+
+def _dims(dim) -> list | None:
+    return None if dim is None else list(dim) if isinstance(dim, (list, tuple)) else [dim]
+
+
+@register(aten.amin, aten.min.default, decompose=True)
+def amin_decomposition(x, dim=(), keepdim=False):
+    """A minimum over a split dim: the maximum of ``-x``, negated (the same gradient:
+    amax and amin share ties evenly). Unsigned and bool values, which ``-x`` would not
+    order, take the op's rule."""
+    if x.dtype == torch.bool or not x.dtype.is_signed or not _splits_a_reduced_dim(x, dim):
+        return NotImplemented
+    return x.neg().amax(dim=_dims(dim) or [], keepdim=keepdim).neg()
+
+
+def _flag_maximum(is_all: bool):
+    def decomposition(x, dim=None, keepdim=False):
+        """``any`` / ``all`` over a split dim: the maximum of a 0/1 uint8 flag (which
+        every backend all-reduces), "is nonzero" for ``any``; for ``all``, "is zero",
+        negated."""
+        if not _splits_a_reduced_dim(x, dim):
+            return NotImplemented
+        flag = ((x == 0) if is_all else (x != 0)).to(torch.uint8)
+        found = flag.amax(dim=_dims(dim) or [], keepdim=keepdim)
+        return found == 0 if is_all else found != 0
+    return decomposition
+
+
+register(aten.any, decompose=True)(_flag_maximum(is_all=False))
+register(aten.all, decompose=True)(_flag_maximum(is_all=True))

@@ -1,6 +1,7 @@
 """Reductions: sum, mean, amax/amin, max/min (with indices), var, std, vector norms,
-over all dims or some, keepdim, on dims smaller than the rank count; a reduced split
-dim gives a partial.
+any/all, over all dims or some, keepdim, on dims smaller than the rank count; a reduced
+split dim gives a partial, and amin, min(), any and all over one all-reduce one value
+per output element.
 
 Run in the shared worlds of tests/ops/ops_battery.py (2, 4, and 3 with bystanders)."""
 from __future__ import annotations
@@ -33,6 +34,12 @@ def check_reductions():
         "vector_norm(dim=1)": lambda x: torch.linalg.vector_norm(x, dim=1),
         "vector_norm(ord=1,dim=0)": lambda x: torch.linalg.vector_norm(x, ord=1, dim=0),
         "x.norm()": lambda x: x.norm(), "x.norm(dim=0)": lambda x: x.norm(dim=0),
+        "amin()": lambda x: x.amin(), "min()": lambda x: torch.min(x),
+        "amin((0,1),keepdim)": lambda x: x.amin((0, 1), keepdim=True),
+        "any()": lambda x: (x > 1).any(), "all()": lambda x: (x > -1).all(),
+        "any(0)": lambda x: (x > 0).any(0), "all(1,keepdim)": lambda x: (x > 0).all(1, True),
+        "all((0,1))": lambda x: torch.all(x > -1, dim=(0, 1)),
+        "any(int)": lambda x: (x > 0).to(torch.int32).any(),
     }
     for name, op in ops.items():
         case(name, op, [x], places=placements(4, 1, 3))
@@ -51,7 +58,20 @@ def check_reductions():
         out = guard(where, lambda: op(gt.tensor(x, placement=p, sbp=S(0))))
         if out is not None:
             expect(out.sbp == want, f"{where}: sbp {out.sbp}, expected {want}")
-
+    # a minimum, any or all over a split dim reduces the result (at most 4 values here,
+    # all-reduced or reduce-scattered), not the input (512 B gathered)
+    big = gt.tensor(torch.arange(-64.0, 64.0).reshape(32, 4), placement=p, sbp=S(0))
+    for label, op, want in (("amin()", lambda t: t.amin(), -64.0),
+                            ("min()", lambda t: t.min(), -64.0),
+                            ("amin(0)", lambda t: t.amin(0), [-64.0, -63.0, -62.0, -61.0]),
+                            ("all()", lambda t: (t > -65).all(), True),
+                            ("any(0)", lambda t: (t > 62).any(0), [False] * 3 + [True])):
+        where = describe(f"communication of {label}", (S(0),), p)
+        with gt.debug.comm_stats() as stats:
+            out = guard(where, lambda: op(big))
+        expect(out is None or out.tolist() == want, f"{where}: {out}, expected {want}")
+        expect("all_gather" not in stats.calls and stats.total_bytes <= 16,
+               f"{where}: {stats}")
 
 CHECKS = ["check_reductions"]
 test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)
