@@ -1,5 +1,7 @@
-"""This rank's local parts: the device they live on, and what a rank outside a placement
-holds (an empty part of the right rank, so that shapes and dtypes still flow).
+"""This rank's local parts: the device they live on, what a rank outside a placement
+holds (an empty part of the right rank, so that shapes and dtypes still flow), uneven
+parts padded for one collective, and ``traced_from`` for parts made from nothing in a
+compiled graph.
 
 >>> import globaltensor as gt
 >>> from globaltensor.layout import Layout
@@ -36,6 +38,35 @@ def empty_local(layout: Layout, dtype: torch.dtype, like: torch.Tensor | None = 
     return torch.empty(shape, dtype=dtype, device=device_of(layout.placement))
 
 
+def traced_from(value: torch.Tensor, sources) -> torch.Tensor:
+    """``value``, made in a graph that torch.compile traces from ``sources`` too.
+
+    Where a rank holds an empty part it makes an op's output without running the op
+    (the identity of its layout), or pads an empty part to send, from nothing; the
+    other ranks compute theirs from the incoming values. AOTAutograd's partitioner puts
+    a collective that depends on no backward input in the forward graph, so without
+    this edge the ranks split one step's collectives differently between forward and
+    backward, and the step hangs. An op of our own carries the edge: inductor folds
+    arithmetic that reads nothing (the sum of an empty view) back into a constant, and
+    drops an empty operand of a cat.
+
+    >>> traced_from(torch.zeros(2), [torch.ones(3)]).tolist()
+    [0.0, 0.0]
+    """
+    return _traced_from(value, list(sources))
+
+
+@torch.library.custom_op("globaltensor::traced_from", mutates_args=(),
+                         schema="(Tensor value, Tensor[] sources) -> Tensor")
+def _traced_from(value, sources):
+    return value.clone()
+
+
+@_traced_from.register_fake
+def _(value, sources):
+    return torch.empty_like(value)
+
+
 # Balanced parts (``layout.balanced_split``) padded to the largest and laid end to end:
 # what one all-gather or reduce-scatter of uneven parts moves. Made and undone in a few
 # ops whatever the number of parts (a cat of n slices launches n kernels, 1024 of them
@@ -52,6 +83,8 @@ def padded_to(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
         return x
     pad = list(x.shape)
     pad[dim] = size - x.shape[dim]
+    if not x.numel() and comm.tracing():   # inductor drops an empty operand of a cat
+        return traced_from(x.new_zeros(pad), [x])
     return torch.cat([x, x.new_zeros(pad)], dim=dim)
 
 

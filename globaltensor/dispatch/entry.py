@@ -17,13 +17,13 @@ from __future__ import annotations
 import warnings
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from .. import comm, explicit_mode, gradsync, modes, rules  # noqa: F401  (rules: every family registers)
 from ..boxing.plan import plan_route
 from ..boxing.run import box
 from ..layout import Layout
-from ..local_parts import device_of, empty_local
+from ..local_parts import device_of, empty_local, traced_from
 from ..partials import identity_value
 from ..planner import pins, record, traced  # noqa: F401  (pins: watches to_global)
 from ..propagation import plain
@@ -321,6 +321,9 @@ def _run(func, decision: Decision, leaves, spec, why=None):
         out = None
     elif decision.empty_shortcut:
         out = _identities(decision, rank)
+        if comm.tracing():  # (the same data edges on every rank: ``traced_from``)
+            sources = [t for t in local_leaves if isinstance(t, torch.Tensor)]
+            out = tree_map_only(torch.Tensor, lambda o: traced_from(o, sources), out)
     else:
         args, kwargs = unflatten_args(local_leaves, spec)
         if decision.local is not None:

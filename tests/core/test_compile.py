@@ -6,7 +6,8 @@ of local aten ops and functional collectives (checked op by op), with "aot_eager
 graph is compiled once for every step. Code that moves between placements inside a
 compiled function breaks the graph there and still gives the eager values. A compiled
 train step with ``loss.backward()`` inside breaks the graph at backward, as for plain
-tensors (also checked in this process, a world of one).
+tensors (also checked in this process, a world of one). A rank holding an empty part
+compiles the same collectives, in the same graphs, as the others.
 """
 from __future__ import annotations
 
@@ -445,6 +446,31 @@ def check_data_dependent_ops_break_the_graph():
     assert x.grad.sbp == x.sbp
 
 
+def check_a_rank_holding_an_empty_part_compiles_the_same_collectives():
+    # x.amin()'s backward splits a (1, 1) count over the ranks: the second holds an
+    # empty part and makes its share from nothing. Its graph must still read the
+    # backward's input there, or the partitioner moves the all-gather that follows
+    # into its forward graph while the first rank runs it in the backward: a hang.
+    import torch
+
+    import globaltensor as gt
+    plain = torch.arange(48.0).view(8, 6).sin()
+
+    def f(t):
+        return t.amin() + t.amin(1).sum()
+
+    torch._dynamo.reset()
+    x = gt.tensor(plain, placement=gt.placement.all("cpu"), sbp=gt.sbp.split(0),
+                  requires_grad=True)
+    out = torch.compile(f)(x)
+    out.backward()
+    want = plain.clone().requires_grad_()
+    f(want).backward()
+    torch.testing.assert_close(out.full(), f(plain))
+    torch.testing.assert_close(x.grad.full(), want.grad)
+    torch._dynamo.reset()
+
+
 def _train(model, batches: list, compiled: bool) -> tuple:
     """``model`` trained by ``train_step`` (forward, ``loss.backward()``, AdamW's step,
     zero_grad) on ``batches``, compiled or not: (the losses, the parameters after the
@@ -678,6 +704,7 @@ CHECKS = ["check_data_parallel_mlp_graphs_hold_only_local_ops",
           "check_recompile_after_reset_keeps_values",
           "check_gpt_with_embeddings_compiles_whole",
           "check_data_dependent_ops_break_the_graph",
+          "check_a_rank_holding_an_empty_part_compiles_the_same_collectives",
           "check_compiled_train_step_with_backward_equals_eager",
           "check_fully_shard_compiles_equal_to_eager",
           "check_fully_shard_of_many_units_compiles_each_forward_once",
