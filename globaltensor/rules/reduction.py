@@ -5,9 +5,9 @@ split dim gives a partial: ``sum``/``mean`` -> partial_sum, ``amax``/``max`` ->
 partial_max. ``mean`` runs locally as a sum divided by the *global* count, so the
 partial is right. Other reductions over a split dim need the dim whole (boxing does
 that), except those that decompose into partial sums or maxima: the norms, ``amin`` /
-``min()`` (the maximum of ``-x``), ``any`` / ``all`` (the maximum of a 0/1 flag), so
-that ``x.min()`` or ``(x > 0).all()`` of a split tensor all-reduce one value per
-output element instead of gathering ``x``.
+``min()`` (the maximum of ``-x``, or ``~x``), ``any`` / ``all`` (the maximum of a 0/1
+flag), so that ``x.min()`` or ``(x > 0).all()`` of a split tensor all-reduce one value
+per output element instead of gathering ``x``.
 """
 from __future__ import annotations
 
@@ -106,11 +106,13 @@ def _dims(dim) -> list | None:
 @register(aten.amin, aten.min.default, decompose=True)
 def amin_decomposition(x, dim=(), keepdim=False):
     """A minimum over a split dim: the maximum of ``-x``, negated (the same gradient:
-    amax and amin share ties evenly). Unsigned and bool values, which ``-x`` would not
-    order, take the op's rule."""
+    amax and amin share ties evenly); of ``~x`` for signed integers, whose lowest value
+    has no negative (``~x`` is ``-x - 1``, which orders them all). Unsigned and bool
+    values take the op's rule."""
     if x.dtype == torch.bool or not x.dtype.is_signed or not _splits_a_reduced_dim(x, dim):
         return NotImplemented
-    return x.neg().amax(dim=_dims(dim) or [], keepdim=keepdim).neg()
+    flip = torch.neg if x.is_floating_point() or x.is_complex() else torch.bitwise_not
+    return flip(flip(x).amax(dim=_dims(dim) or [], keepdim=keepdim))
 
 
 def _flag_maximum(is_all: bool):

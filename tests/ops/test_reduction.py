@@ -40,6 +40,9 @@ def check_reductions():
         "any(0)": lambda x: (x > 0).any(0), "all(1,keepdim)": lambda x: (x > 0).all(1, True),
         "all((0,1))": lambda x: torch.all(x > -1, dim=(0, 1)),
         "any(int)": lambda x: (x > 0).to(torch.int32).any(),
+        # int8's lowest value has no negative: the minimum of [-128, 5] is -128
+        "amin(int8)": lambda x: torch.where(x > 0, 5, -128).to(torch.int8).amin(),
+        "min(int64,0)": lambda x: x.mul(100).to(torch.int64).amin(0),
     }
     for name, op in ops.items():
         case(name, op, [x], places=placements(4, 1, 3))
