@@ -93,8 +93,9 @@ def watch_gradient(t: torch.Tensor) -> None:
     as a broadcast operand's gradient is (``x.full()``), so the ranks' copies of the
     parameter stay equal, as DDP's are. (A leaf is hooked once; a view or result, made
     anew each step, each time it is used.)"""
-    if t.__class__ not in _PLAIN_CLASSES or torch._C._current_graph_task_id() != -1 \
-            or comm.tracing():
+    if t.__class__ not in _PLAIN_CLASSES or not t.requires_grad \
+            or torch._C._current_graph_task_id() != -1 or comm.tracing():
+        # (not requires_grad: the base of a view that does, ``x.to_local()``'s)
         return
     if t.is_leaf:
         ref = _watched.get(id(t))

@@ -150,6 +150,15 @@ def check_implicit_broadcast_of_plain_operands():
         bias = emb + torch.ones(10, 4)
     torch.testing.assert_close(out.full(), F.embedding(pos, table))
     torch.testing.assert_close(bias.full(), table + 1)
+    # a local part that requires grad is a view whose base does not: the same error
+    # without the scope, and its gradient back to the GlobalTensor within it
+    w = gt.ones(4, placement=P, sbp=gt.sbp.broadcast, requires_grad=True)
+    part = (w * 2).to_local()
+    with pytest.raises(ValueError, match="implicit_broadcast"):
+        part + w
+    with gt.implicit_broadcast():
+        (part * w).sum().backward()
+    torch.testing.assert_close(w.grad.full(), torch.full((4,), 4.0))
     differs = torch.full((10, 4), float(gt.get_rank()))
     with gt.implicit_broadcast(), gt.debug.check_consistency():
         with pytest.raises(gt.debug.DivergenceError, match="plain operand"):
