@@ -1,8 +1,9 @@
 """``__torch_dispatch__`` for GlobalTensor: every op on global tensors enters here.
 
 ``entry.py`` is the entry (``dispatch``), installed into GlobalTensor when imported
-(``import globaltensor`` does), and the run step: boxing the operands, the local op,
-wrapping the outputs, reducing 0-d partial outputs. It is the top of the op path: a
+(``import globaltensor`` does), and the run step: boxing the operands, the local op;
+``outputs.py`` wraps the outputs and reduces 0-d partial ones; ``copied_views.py``
+carries in-place writes through views of boxed copies back to their source. It is the top of the op path: a
 call goes to the whole-step planner (``globaltensor/planner/``) while a step is
 recorded, replayed or traced, and otherwise to per-op choice (sharding propagation,
 ``globaltensor/propagation/``: ``decide``, ``cache``, ``call``, ``plain``), which both

@@ -5,9 +5,10 @@ variants, ``_foreach_*``, value reads), which may decline. Otherwise plain tenso
 operands become broadcast where allowed (``plain.py``), the decision is looked up or
 made (``cache.py``, ``decide.py``), and a call that needs no boxing runs its local op
 directly; the rest goes through ``_run``: inputs are boxed, the op (or its local
-implementation) runs on this rank's parts, outputs are wrapped. A 0-d output that the
-chosen signature makes partial (a loss, ``x.sum()`` over split rows) is reduced to
-broadcast at once, outside backward, so any one rank can read it.
+implementation) runs on this rank's parts, outputs are wrapped (``outputs.py``). A 0-d
+output that the chosen signature makes partial (a loss, ``x.sum()`` over split rows) is
+reduced to broadcast at once, outside backward, so any one rank can read it. A view of
+a boxed input, and in-place ops through it, go by ``copied_views.py``.
 
 This module reads GlobalTensor's fields (``_local``, ``_layout``) directly: this is the
 per-op hot path, where a property call per operand is measurable.
@@ -22,9 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 from .. import comm, explicit_mode, gradsync, modes, rules  # noqa: F401  (rules: every family registers)
 from ..boxing.plan import plan_route
 from ..boxing.run import box
-from ..layout import Layout
-from ..local_parts import device_of, empty_local, traced_from
-from ..partials import identity_value
+from ..local_parts import traced_from
 from ..planner import pins, record, traced  # noqa: F401  (pins: watches to_global)
 from ..propagation import plain
 from ..propagation.cache import cached_decision, direct_call
@@ -34,7 +33,10 @@ from ..propagation.options import options
 from ..rules.attention_scores import AttentionScores
 from ..rules.data_dependent import run_on_whole_values
 from ..rules.registry import FallbackWarning, lookup_decomposition
-from ..tensor import GlobalTensor, install_dispatcher, wrap_as, wrap_part
+from ..tensor import GlobalTensor, install_dispatcher, wrap_as
+from . import copied_views
+from .copied_views import records as _copied_views
+from .outputs import identities, wrap_outputs
 
 aten = torch.ops.aten
 _PLAIN = torch.Tensor
@@ -204,11 +206,17 @@ def _direct(decision: Decision, local: list, args, names):
     else:
         out = decision.direct(*local)
     if decision.inplace:
+        if _copied_views:
+            copied_views.write_back(args[0])
         return args[0]
     if decision.view and torch.is_inference_mode_enabled():
         with torch.inference_mode(False):   # (see ``_carry_out``)
-            return _wrapped(decision, out)
-    return _wrapped(decision, out)
+            result = _wrapped(decision, out)
+    else:
+        result = _wrapped(decision, out)
+    if decision.view and _copied_views:
+        copied_views.propagate(result, args[0])
+    return result
 
 
 def _wrapped(decision: Decision, out):
@@ -320,7 +328,7 @@ def _run(func, decision: Decision, leaves, spec, why=None):
     if not inside:
         out = None
     elif decision.empty_shortcut:
-        out = _identities(decision, rank)
+        out = identities(decision, rank)
         if comm.tracing():  # (the same data edges on every rank: ``traced_from``)
             sources = [t for t in local_leaves if isinstance(t, torch.Tensor)]
             out = tree_map_only(torch.Tensor, lambda o: traced_from(o, sources), out)
@@ -331,89 +339,18 @@ def _run(func, decision: Decision, leaves, spec, why=None):
         else:
             out = func(*args, **kwargs)
     if decision.inplace:
+        if _copied_views:
+            copied_views.write_back(leaves[0])
         return leaves[0]
-    like = None if inside else leaves[gidx[0]]._local  # empty parts are made from it
-    if decision.reduced:
-        return _wrap_reduced(why or func, decision, out, inside, like)
-    if decision.single:  # one tensor out: skip the pytree round trip
-        layout = decision.out_layouts[0]
-        return wrap_part(out if inside else empty_local(layout, decision.out_dtypes[0], like),
-                         layout, decision.out_strides[0])
-    if inside:
-        out_leaves, out_spec = tree_flatten(out)
-    else:
-        out_leaves, out_spec = [None] * len(decision.out_layouts), decision.out_spec
-    return tree_unflatten(_wrap(decision, out_leaves, decision.out_layouts, inside, like),
-                          out_spec)
-
-
-def _wrap(decision: Decision, out_leaves: list, layouts, inside: bool, like) -> list:
-    """The output leaves as GlobalTensors of ``layouts`` (non-tensors as they are); on a
-    rank outside, empty parts made from ``like`` and the meta run's constants."""
-    wrapped = []
-    for o, layout, dtype, strides, const in zip(out_leaves, layouts, decision.out_dtypes,
-                                                decision.out_strides, decision.out_consts):
-        if layout is None:
-            wrapped.append(o if inside else const)
-        else:
-            wrapped.append(wrap_part(o if inside else empty_local(layout, dtype, like), layout,
-                                     strides))
-    return wrapped
-
-
-def _identities(decision: Decision, rank: int):
-    """The outputs of a rank that holds no part of some input (``empty_shortcut``): the
-    identity of each (partial or empty) output, which some kernels refuse to compute
-    from nothing."""
-    computed = decision.reduced or decision.out_layouts
-    return tree_unflatten([_identity(r or layout, dtype, rank) for layout, r, dtype
-                           in zip(decision.out_layouts, computed, decision.out_dtypes)],
-                          decision.out_spec)
-
-
-def _identity(layout: Layout, dtype, rank: int) -> torch.Tensor:
-    shape = layout.local_shape(rank)
-    fill = 0
-    for axis in layout.partial_axes:
-        fill = identity_value(layout.sbp[axis].reduce, dtype)
-        break
-    return torch.full(shape, fill, dtype=dtype, device=device_of(layout.placement))
-
-
-def _wrap_reduced(func, decision: Decision, out, inside: bool, like):
-    """The outputs of a decision with 0-d partial outputs, those reduced to broadcast:
-    one all-reduce per (layout, dtype) among them. In backward they stay partial: there
-    a scalar's partial gradient (of a 0-d parameter) joins the bucketed gradient sync,
-    or stays local under ``no_sync()``, as any other."""
-    if inside:
-        out_leaves = [out] if decision.single else tree_flatten(out)[0]
-    else:
-        out_leaves = [None] * len(decision.out_layouts)
-    layouts = list(decision.out_layouts)
-    if _in_backward() or explicit_mode.active():   # explicit: the program reduces them
-        layouts = [layout if r is None else r for layout, r in zip(layouts, decision.reduced)]
-    elif inside:
-        together: dict = {}
-        for k, r in enumerate(decision.reduced):
-            if r is not None:
-                together.setdefault((r, decision.out_dtypes[k]), []).append(k)
-        for (src, _), ks in together.items():
-            for k, local in zip(ks, _reduce_together([out_leaves[k] for k in ks], src, func)):
-                out_leaves[k] = local
-    wrapped = _wrap(decision, out_leaves, layouts, inside, like)
-    return wrapped[0] if decision.single else tree_unflatten(wrapped, decision.out_spec)
-
-
-def _reduce_together(scalars: list, src: Layout, why) -> list:
-    """0-d partial parts of one layout and dtype, reduced to broadcast in one collective
-    (its ranks meet first, as a read's: one rank reducing alone fails, see box)."""
-    dst = src.without_partials()
-    if len(scalars) == 1:
-        return [box(scalars[0], src, dst, donate=True, why=why, meet=True)]
-    n = len(scalars)
-    stacked = box(torch.stack(scalars), Layout.make((n,), src.placement, src.sbp),
-                  Layout.make((n,), dst.placement, dst.sbp), donate=True, why=why, meet=True)
-    return [stacked[k] for k in range(n)]  # selects: unbind would trace as getitem calls
+    result = wrap_outputs(func, decision, out, inside, leaves[gidx[0]]._local, why)
+    if decision.view and inside:
+        # a view of a boxed copy: an in-place write through it goes back to the source
+        source, target = leaves[gidx[0]], decision.targets[0]
+        if source._layout is not target and source._layout != target:
+            copied_views.remember(result, source, local_leaves[gidx[0]], target)
+        elif _copied_views:
+            copied_views.propagate(result, source)
+    return result
 
 
 def _inplace_via_functional(func, leaves, spec):
@@ -429,6 +366,8 @@ def _inplace_via_functional(func, leaves, spec):
     local = box(result._local, result._layout, target._layout, why=func)
     if comm.get_rank() in target.placement:
         target._local.copy_(local)
+    if _copied_views:
+        copied_views.write_back(target)
     return target
 
 

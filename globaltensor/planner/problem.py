@@ -70,7 +70,7 @@ class Node:
 
     def reductions(self) -> tuple:
         """Per option: the 0-d partial outputs the call reduces (one collective per
-        layout, ``entry._reduce_together``), or () when it reduces none."""
+        layout, ``outputs._reduce_together``), or () when it reduces none."""
         if self.opts is None or self.in_backward or not _scalar_outputs(self.opts):
             return ((),) * len(self.signatures())
         out = []

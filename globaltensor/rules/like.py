@@ -121,8 +121,11 @@ def to_copy_rule(call):
 @register(aten.copy_.default, decompose=True)
 def copy_from_whole_value(dst, src, non_blocking=False):
     """``global.copy_(plain)``: the plain tensor is the whole value, the same on every
-    rank (what ``load_state_dict`` passes); each rank copies its part, no communication."""
-    if not isinstance(dst, GlobalTensor) or isinstance(src, GlobalTensor) or src.numel() <= 1:
+    rank (what ``load_state_dict`` passes); each rank copies its part, no communication.
+    A one-element source is taken so too where ``dst`` is partial (``w[i, j] = v`` on a
+    partial view): copied into every rank's addend, it would count once per rank."""
+    if not isinstance(dst, GlobalTensor) or isinstance(src, GlobalTensor) \
+            or (src.numel() <= 1 and not dst._layout.partial_axes):
         return NotImplemented
     if not _broadcasts_to(tuple(src.shape), tuple(dst.shape)):
         raise ValueError(f"copy_: a plain source of shape {tuple(src.shape)} does not "

@@ -1,6 +1,6 @@
 """Views and shape ops: view/reshape (merging and splitting dims), flatten, transpose,
 permute, unsqueeze/squeeze, expand, indexing and slicing, split/chunk/unbind, cat,
-stack, contiguous.
+stack, contiguous, and in-place writes through views.
 
 Run in the shared worlds of tests/ops/ops_battery.py (2, 4, and 3 with bystanders)."""
 from __future__ import annotations
@@ -82,7 +82,73 @@ def check_views():
             case(name, op, [x816], choices=[[S(0), S(2)]], places=[(mesh(), 4)])
     case("view then add", lambda a, b: a.view(4, 5) + b.reshape(4, 5), [x, z],
          places=placements(6, 0, 3))
+    # In-place writes through views: where a view needs its dim gathered (a select or
+    # slice of a split dim), it is a copy on each rank, and the write must still reach
+    # the tensor (it was lost: w[1] = 0 left w unchanged).
+    for name, write in _WRITES:
+        case(name, lambda x, write=write: _written(x, write), [x], places=placements(6, 1, 3))
+    # (autograd refuses writes to the views of unbind)
+    case("unbind rows mul_", lambda x: _written(x, _add_to_rows), [x], grad=False,
+         places=placements(6, 1, 3))
+    case("y[2] = x2[0] * 3", lambda a, b: _written(a, lambda y: y.__setitem__(2, b[0] * 3)),
+         [x, z], places=placements(6, 1, 3))
 
 
-CHECKS = ["check_views"]
+def _written(x, write):
+    y = x * 1          # (a non-leaf of x's layout, which autograd lets be written)
+    write(y)
+    return y
+
+
+def _add_to_rows(y):
+    for row in y.unbind(0):    # views of one copy, written one after another
+        row.mul_(2)
+
+
+_WRITES = [
+    ("y[1] = 0", lambda y: y.__setitem__(1, 0.0)),
+    ("y[1, 2] = 7", lambda y: y.__setitem__((1, 2), 7.0)),
+    ("y[:, 2] = -5", lambda y: y.__setitem__((slice(None), 2), -5.0)),
+    ("y[1:4] *= 2", lambda y: y[1:4].mul_(2)),
+    ("y[::2, 1:3].zero_()", lambda y: y[::2, 1:3].zero_()),
+    ("y.narrow(0,1,3).add_(1)", lambda y: y.narrow(0, 1, 3).add_(1)),
+    ("y.diagonal().fill_(3)", lambda y: y.diagonal().fill_(3)),
+    ("y.t()[1] = y.t()[0]", lambda y: y.t().__setitem__(1, y.t()[0] * 1)),
+    ("y[-1][0] = 4 (a view of a view)", lambda y: y[-1].__setitem__(0, 4.0)),
+]
+
+
+@checked
+def check_writes_through_copied_views():
+    p = gt.placement.all("cpu")
+    split = gt.sbp.split
+    # a view taken before its tensor changed: a copy would be stale, so the write raises
+    w = gt.zeros(6, 3, placement=p, sbp=split(0))
+    row = w[1]
+    w.add_(1)
+    try:
+        row.fill_(0)
+    except RuntimeError as e:
+        assert "out of date" in str(e), e
+    else:
+        raise AssertionError("a write through a stale copy did not raise")
+    # where the view shares the part (no copy), torch's semantics hold
+    w = gt.zeros(6, 3, placement=p, sbp=split(1))
+    row = w[1]
+    w.add_(1)
+    row.fill_(5)
+    torch.testing.assert_close(w.full(), torch.ones(6, 3).index_fill_(0, torch.tensor([1]), 5))
+    # torch's initialisers write through such views: a vocabulary-parallel embedding's
+    # padding row, nn.init.dirac_ on a convolution split over output channels
+    with torch.device("meta"):
+        emb = torch.nn.Embedding(10, 4, padding_idx=7)
+    gt.nn.to_global(emb, p, split(0))
+    emb.reset_parameters()
+    torch.testing.assert_close(emb.weight.full()[7], torch.zeros(4))
+    conv = gt.empty(4, 4, 3, 3, placement=p, sbp=split(0))
+    torch.nn.init.dirac_(conv)
+    torch.testing.assert_close(conv.full(), torch.nn.init.dirac_(torch.empty(4, 4, 3, 3)))
+
+
+CHECKS = ["check_views", "check_writes_through_copied_views"]
 test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)
