@@ -136,4 +136,34 @@ def _data_ptr(self):
     return raw_memory("data_ptr", lambda: torch.Tensor.data_ptr(self))
 
 
-install_methods(untyped_storage=_untyped_storage, storage=_storage, data_ptr=_data_ptr)
+_torch_data = torch._C.TensorBase.data   # torch's descriptor of ``x.data``
+
+
+def _set_data(self, value) -> None:
+    """``x.data = value`` (``vector_to_parameters``, ``p.data = p.data * 2`` in older
+    code): torch's setter alone changes only the wrapper's shape and dtype, so the value
+    was silently ignored. A value of ``x``'s shape takes ``x``'s layout (a parameter
+    keeps its sbp; a plain value is the whole value, each rank keeps its part, as in
+    ``copy_``); another shape keeps its own, partial sums reduced."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"x.data = value: the value must be a tensor, not {type(value).__name__}")
+    value = value.detach()
+    if value.shape == self.shape:
+        value = value.to_global(self.placement, self.sbp) if isinstance(value, GlobalTensor) \
+            else from_full(value, self._layout)
+    elif not isinstance(value, GlobalTensor):
+        raise TypeError(f"x.data = value: a plain value of shape {tuple(value.shape)} for a "
+                        f"GlobalTensor of shape {tuple(self.shape)}: give a GlobalTensor "
+                        f"(a plain value of another shape has no layout)")
+    elif value._layout.partial_axes:
+        value = value.to_global(sbp=value._layout.without_partials().sbp)
+    _torch_data.__set__(self, value)
+    for name in GlobalTensor.__slots__:
+        if hasattr(value, name):
+            setattr(self, name, getattr(value, name))
+        elif hasattr(self, name):
+            delattr(self, name)
+
+
+install_methods(untyped_storage=_untyped_storage, storage=_storage, data_ptr=_data_ptr,
+                data=property(lambda self: _torch_data.__get__(self, type(self)), _set_data))

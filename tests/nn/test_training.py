@@ -348,7 +348,38 @@ def check_plain_parameters_added_after_to_global_train_alike():
     assert abs(losses[0] - losses[1]) < 1e-5, losses
 
 
-CHECKS = ["check_data_parallel", "check_tensor_parallel",
+def check_assigning_data_keeps_layouts():
+    # p.data = value (torch's vector_to_parameters, older init and EMA code) was
+    # ignored: torch's setter changed the wrapper's shape and dtype, not its part. A
+    # value of p's shape takes p's layout (plain: the whole value); training goes on
+    # equal to one process's.
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+    p, S, B = gt.placement.all("cpu"), gt.sbp.split, gt.sbp.broadcast
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+    reference = copy.deepcopy(model)
+    sbps = {"0.weight": S(0), "2.weight": S(1)}
+    gt.nn.to_global(model, p, lambda name, t: sbps.get(name, B))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
+    for m, xs, ys in ((model, gt.tensor(x, placement=p, sbp=S(0)), gt.tensor(y, placement=p, sbp=S(0))),
+                      (reference, x, y)):
+        vector_to_parameters(parameters_to_vector(m.parameters()) * 2, m.parameters())
+        m[0].weight.data = m[0].weight.data * 0.5
+        m[2].bias.data = torch.tensor([0.1, 0.2, 0.3])
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(2):
+            opt.zero_grad()
+            F.cross_entropy(m(xs), ys).backward()
+            opt.step()
+    assert [q.sbp for q in model.parameters()] == [(S(0),), (B,), (S(1),), (B,)]
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.full(), want.detach())
+    with pytest.raises(TypeError, match="plain value of shape"):
+        model[0].weight.data = torch.zeros(2, 2)
+
+
+CHECKS = ["check_data_parallel", "check_tensor_parallel", "check_assigning_data_keeps_layouts",
           "check_plain_parameters_added_after_to_global_train_alike",
           "check_vocab_parallel_loss_does_not_gather_logits", "check_op_without_rule_falls_back",
           "check_gradient_accumulation_with_no_sync", "check_strides_follow_torch",
