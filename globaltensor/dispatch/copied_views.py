@@ -66,7 +66,7 @@ def write_back(target: GlobalTensor) -> None:
     covers go into the copy's source (and on, where the source is such a view itself)."""
     record = records.get(id(target))
     source = None if record is None else record.source()
-    if source is None or comm.tracing() or comm.get_rank() not in source._layout.placement:
+    if source is None or comm.get_rank() not in source._layout.placement:
         return
     version = _version(source)
     if version is not None and record.version is not None and not (

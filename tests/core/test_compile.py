@@ -471,6 +471,44 @@ def check_a_rank_holding_an_empty_part_compiles_the_same_collectives():
     torch._dynamo.reset()
 
 
+def check_writes_through_views_of_split_dims_compile_as_eager():
+    # y[1] = 0 on a tensor split on dim 0 writes through a view of a boxed copy
+    # (dispatch/copied_views.py); traced, the write was lost as it was eagerly. Also a
+    # write into an input under no_grad, which AOTAutograd applies to the input.
+    import torch
+
+    import globaltensor as gt
+    p, split = gt.placement.all("cpu"), gt.sbp.split
+
+    def f(w, x):
+        y = x * 2
+        y[1] = 0
+        y[:, 1:3] *= 3
+        return (y + w).sum(), y.detach()
+
+    def into_input(w, x):
+        with torch.no_grad():
+            w[2] = 7
+        return w * x
+
+    for fn in (f, into_input):
+        torch._dynamo.reset()
+        results = []
+        for run in (fn, torch.compile(fn)):
+            w = gt.ones(5, 4, placement=p, sbp=split(0))
+            x = gt.tensor(torch.arange(20.0).view(5, 4), placement=p, sbp=split(0),
+                          requires_grad=fn is f)
+            out = run(w, x)
+            if fn is f:
+                out[0].backward()
+                results.append((out[1].full(), x.grad.full()))
+            else:
+                results.append((out.full(), w.full()))
+        for got, want in zip(*results[::-1]):
+            torch.testing.assert_close(got, want)
+    torch._dynamo.reset()
+
+
 def _train(model, batches: list, compiled: bool) -> tuple:
     """``model`` trained by ``train_step`` (forward, ``loss.backward()``, AdamW's step,
     zero_grad) on ``batches``, compiled or not: (the losses, the parameters after the
@@ -705,6 +743,7 @@ CHECKS = ["check_data_parallel_mlp_graphs_hold_only_local_ops",
           "check_gpt_with_embeddings_compiles_whole",
           "check_data_dependent_ops_break_the_graph",
           "check_a_rank_holding_an_empty_part_compiles_the_same_collectives",
+          "check_writes_through_views_of_split_dims_compile_as_eager",
           "check_compiled_train_step_with_backward_equals_eager",
           "check_fully_shard_compiles_equal_to_eager",
           "check_fully_shard_of_many_units_compiles_each_forward_once",
