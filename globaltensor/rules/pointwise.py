@@ -60,6 +60,8 @@ def _partial_cands(call, n_in):
     if packet in _LINEAR_ALL and (len(operands) == n_in or packet in _UNARY):
         return [((partial_sum,) * n_in, (partial_sum,))]
     if packet in _LINEAR_IN:
+        if call.arg("rounding_mode", None) is not None:   # div's floor / trunc: not linear
+            return []
         where = [i for i, a in enumerate(args) if isinstance(a, GlobalTensor)]
         return [(tuple(partial_sum if j == k else broadcast for j in range(n_in)), (partial_sum,))
                 for k, pos in enumerate(where) if pos in _LINEAR_IN[packet]]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from ops_battery import F64, battery_tests, case, checked, placements, randn
+from ops_battery import F64, P, battery_tests, case, checked, placements, randn
 
 
 @checked
@@ -33,6 +33,11 @@ def check_pointwise():
     for name, op in scalar_ops.items():
         case(name, op, [a], places=placements(4, 1, 3))
     case("1/x", lambda x: 1 / x, [pos], places=placements(4, 1, 3))
+    # rounding division is not linear: a partial sum is reduced first (it was divided
+    # and rounded addend by addend)
+    for mode in ("floor", "trunc"):
+        case(f"div(3x, 2, {mode})", lambda x, mode=mode: torch.div(x * 3, 2, rounding_mode=mode),
+             [a], grad=False, must=[(P,)], places=placements(4, 1, 3))
     unary = {"relu": F.relu, "gelu": F.gelu, "tanh": torch.tanh, "sigmoid": torch.sigmoid,
              "exp": torch.exp, "neg": torch.neg, "-x": lambda x: -x, "abs": torch.abs,
              "pow(2)": lambda x: x.pow(2), "x**2": lambda x: x ** 2,
