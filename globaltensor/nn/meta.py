@@ -14,7 +14,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["meta_init", "check_meta_buffers"]
+__all__ = ["meta_init", "check_meta_buffers", "drop_initialised_marks"]
 
 
 @contextlib.contextmanager
@@ -85,3 +85,17 @@ def check_meta_buffers(module: torch.nn.Module, slots: list) -> None:
             f"computes them again: {', '.join(empty)} (they would stay zero). Build the "
             f"module under gt.nn.meta_init() instead of torch.device('meta'): parameters "
             f"go to meta, buffers keep the values __init__ computes")
+
+
+def drop_initialised_marks(slots: list) -> None:
+    """A module whose parameters were on the meta device holds no values yet, whatever it
+    says. transformers marks a module initialised (``_is_hf_initialized``) once its
+    ``post_init()`` ran the initialisers, also on meta parameters under ``meta_init()``
+    (its own check for meta looks at torch's default device, which ``meta_init`` leaves
+    alone), and its ``init_weights()`` then skipped the module: the allocated parts kept
+    zeros. The marks are dropped so that ``init_weights()`` fills them. ``slots`` are
+    ``tensor_slots(module)``, taken before the conversion."""
+    for _, sub, kind, _, t in slots:
+        if kind == "_parameters" and t.device.type == "meta" \
+                and getattr(sub, "_is_hf_initialized", False):
+            sub._is_hf_initialized = False

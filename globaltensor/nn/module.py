@@ -25,7 +25,7 @@ from ..placement import Placement, check_placement
 from ..planner.record import step_boundary
 from ..sbp import broadcast
 from ..tensor import GlobalTensor, to_layout
-from .meta import check_meta_buffers
+from .meta import check_meta_buffers, drop_initialised_marks
 
 SbpChoice = Union[object, Callable[[str, torch.Tensor], object]]
 
@@ -80,6 +80,7 @@ def to_global(module: torch.nn.Module, placement: Placement, sbp: SbpChoice) -> 
         converted[key] = (t, value)
     for _, sub, kind, name, t in slots:
         getattr(sub, kind)[name] = converted[id(t)][1]
+    drop_initialised_marks(slots)
     for sub in module.modules():
         forward_in_implicit_broadcast(sub)
     return module

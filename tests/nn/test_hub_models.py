@@ -233,8 +233,33 @@ def check_transformers_generate_inside_implicit_broadcast():
             assert torch.equal(got.full(), want), (type(model).__name__, layout)
 
 
+def check_transformers_init_weights_after_meta_init():
+    # Built under gt.nn.meta_init(), a transformers model's post_init() ran its
+    # initialisers on meta parameters and marked its modules initialised, so
+    # init_weights() after to_global skipped them: every weight stayed zero. Now it
+    # fills them, the vocabulary-split padding row included, whatever the layout.
+    import transformers as tf
+    config = tf.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1,
+                           num_attention_heads=2, intermediate_size=32, pad_token_id=3)
+    filled = []
+    for sbp in (lambda name, t: S(0) if "word_embeddings" in name else B, lambda n, t: B):
+        with gt.nn.meta_init():
+            model = tf.BertModel(config)
+        gt.nn.to_global(model, gt.placement.all("cpu"), sbp)
+        gt.manual_seed(0)
+        model.init_weights()
+        filled.append({n: t.full() for n, t in model.named_parameters()})
+    for name, value in filled[0].items():
+        torch.testing.assert_close(value, filled[1][name])   # placement-invariant draws
+        if name.endswith("dense.weight"):
+            assert 0.01 < float(value.std()) < 0.03, (name, float(value.std()))
+    embeddings = filled[0]["embeddings.word_embeddings.weight"]
+    assert float(embeddings.std()) > 0.01 and not embeddings[3].any()
+
+
 # GPT2LMHeadModel, LlamaForCausalLM and BertForMaskedLM from tiny configs, unchanged, in
 # the session's world of 2 (transformers is in the test extra: CI runs them).
 test_transformers_models_train_unchanged = world_test(
     __name__, 2, ["check_transformers_models_train_unchanged",
-                  "check_transformers_generate_inside_implicit_broadcast"])
+                  "check_transformers_generate_inside_implicit_broadcast",
+                  "check_transformers_init_weights_after_meta_init"])
