@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from . import fingerprint, groups, stats, tagged
+from . import fingerprint, float_keys, groups, stats, tagged
 from .groups import get_group, init
 from .guard import DivergenceError, Waiting, guarded
 from .guard import all_gather_single as _all_gather_single
@@ -130,8 +130,14 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...]
 
 
 def all_reduce_(t: torch.Tensor, reduce: str, ranks: tuple[int, ...]) -> None:
-    """In-place all-reduce of a contiguous tensor with "sum" or "max"."""
+    """In-place all-reduce of a contiguous tensor with "sum" or "max" (of floats: NaN
+    wins, as in ``torch.amax``; ``float_keys``)."""
     if len(ranks) == 1:
+        return
+    if reduce == "max" and float_keys.has_keys(t):
+        keys = float_keys.to_keys(t)
+        all_reduce_(keys, "max", ranks)
+        t.copy_(float_keys.from_keys(keys, t.dtype))
         return
     if tracing():
         src, back = _traced_on_host("all_reduce" if reduce == "sum" else "all_reduce:max", t)
@@ -154,6 +160,12 @@ def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, reduce: str,
     ``i`` this rank's place in ``ranks``: one native collective (NCCL's kernel)."""
     if len(ranks) == 1:
         out.copy_(inp.view(out.shape))
+        return
+    if reduce == "max" and float_keys.has_keys(inp):
+        keys = float_keys.to_keys(inp)
+        reduced = torch.empty(out.shape, dtype=keys.dtype, device=out.device)
+        reduce_scatter_into(reduced, keys, "max", ranks)
+        out.copy_(float_keys.from_keys(reduced, out.dtype))
         return
     if tracing():
         src, back = _traced_on_host("reduce_scatter", inp.contiguous())

@@ -7,6 +7,7 @@ Run in the shared worlds of tests/ops/ops_battery.py (2, 4, and 3 with bystander
 from __future__ import annotations
 
 import torch
+from mp import world_test
 from ops_battery import P, S, battery_tests, case, checked, describe, expect, guard, line, placements, randn
 
 import globaltensor as gt
@@ -76,5 +77,33 @@ def check_reductions():
         expect("all_gather" not in stats.calls and stats.total_bytes <= 16,
                f"{where}: {stats}")
 
+def check_maxima_keep_nan():
+    # gloo's MAX of floats kept whichever operand its comparison favoured: a NaN held by
+    # rank 1 was dropped (x.amax() gave 3.0 where torch gives nan), so a non-finite check
+    # on a maximum, or an inf-norm of gradients, missed it. Real gloo: in processes.
+    p, n = gt.placement.all("cpu"), gt.get_world_size()
+    ops = {"amax()": lambda t: t.amax(), "max()": lambda t: t.max(),
+           "amin()": lambda t: t.amin(), "max(0).values": lambda t: t.max(0).values,
+           "amax(0)": lambda t: t.amax(0), "inf-norm": lambda t: torch.linalg.vector_norm(t, float("inf"))}
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        for holder in range(n):
+            whole = torch.arange(4.0 * n, dtype=dtype).view(2 * n, 2)
+            whole[2 * holder + 1, 0] = float("nan")
+            x = gt.tensor(whole, placement=p, sbp=S(0))
+            for name, op in ops.items():
+                torch.testing.assert_close(op(x).full(), op(whole), equal_nan=True,
+                                           msg=f"{name} {dtype} nan on rank {holder}")
+            # partial maxima reduced and reduce-scattered
+            parts = torch.zeros(n, 2 * n, dtype=dtype)
+            parts[holder, 1] = float("nan")
+            pmax = gt.from_local(parts[gt.get_rank()], placement=p, sbp=gt.sbp.partial_max)
+            for sbp in (gt.sbp.broadcast, S(0)):
+                torch.testing.assert_close(pmax.to_global(sbp=sbp).full(), parts.amax(0),
+                                           equal_nan=True, msg=f"partial_max -> {sbp}")
+
+
 CHECKS = ["check_reductions"]
 test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)
+# gloo's own MAX, not the simulated world's
+test_nan_world2 = world_test(__name__, 2, ["check_maxima_keep_nan"],
+                             in_processes=["check_maxima_keep_nan"])
