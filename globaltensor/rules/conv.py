@@ -3,7 +3,9 @@
 The batch may be split (data parallel): everything runs locally and the weight/bias
 gradients are partial sums. A convolution may also split its output channels (the
 weight's dim 0), giving a channel-split output. Pooling works per sample and channel,
-so a batch or channel split passes through, and average pooling is linear.
+so a batch or channel split passes through, and average pooling is linear. Padding by
+reflection or replication (``F.pad(mode="reflect")``, ``padding_mode="reflect"``) fills
+the last 1-3 dims from their own elements: the dims before them keep a split.
 """
 from __future__ import annotations
 
@@ -68,3 +70,19 @@ def pool_backward_rule(call):
     if call.func.overloadpacket is not aten.adaptive_max_pool2d_backward:
         cands.append(((P,) + (B,) * (n_in - 1), (P,)))
     return cands
+
+
+# padded dims (the last k) of reflection / replication padding, and their backwards
+_MIRROR_PADS = {getattr(aten, f"{kind}_pad{k}d{backward}"): k
+                for kind in ("reflection", "replication") for k in (1, 2, 3)
+                for backward in ("", "_backward")}
+
+
+@register(*_MIRROR_PADS)
+def mirror_pad_rule(call):
+    """(input) -> padded, or (grad, input) -> grad of input: a split on a dim before the
+    padded ones stays; copies of elements, so partial sums stay too (the gradient's)."""
+    n_in = len(call.inputs)
+    kept = len(call.in_shapes[-1]) - _MIRROR_PADS[call.func.overloadpacket]
+    return [((B,) * n_in, (B,)), ((P,) + (B,) * (n_in - 1), (P,))] + \
+        [((Split(d),) * n_in, (Split(d),)) for d in range(kept)]

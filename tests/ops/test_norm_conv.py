@@ -85,6 +85,17 @@ def check_norm_conv_pool():
         case(name, op, [img], choices=[[B, S(0), S(1), P]], places=placements(4, 0, 3))
     case("max_pool2d batch 2", lambda x: F.max_pool2d(x, 2), [small],
          choices=[[B, S(0)]], places=placements(2, 0, 2))
+    # reflection / replication padding (padding_mode="reflect") keep a batch or channel
+    # split and partial sums, forward and backward (they gathered the batch)
+    for mode in ("reflect", "replicate"):
+        for pad, x in (((1, 2), randn((5, 3, 6), "pad1d")), ((1, 2, 2, 1), img),
+                       ((1, 1, 2, 0, 1, 1), randn((2, 3, 4, 4, 4), "pad3d"))):
+            case(f"pad {mode} {len(pad) // 2}-D", lambda x, pad=pad, mode=mode: F.pad(x, pad, mode=mode),
+                 [x], choices=[[B, S(0), S(1), P]], places=placements(4, 0, 3))
+            if gt.get_world_size() == 2:
+                batch = gt.tensor(x, placement=gt.placement.all("cpu"), sbp=S(0))
+                out = F.pad(batch, pad, mode=mode)
+                expect(out.sbp == (S(0),), f"pad {mode} {pad}: {out.sbp}, expected split(0)")
 
 
 _BN_KINDS = ((torch.nn.BatchNorm1d, (6, 3)), (torch.nn.BatchNorm1d, (4, 3, 5)),
