@@ -1,6 +1,7 @@
 """Ops that work along one dim: scans (cumsum, cumprod, logcumsumexp, cummax, cummin),
 sorts and selections (sort, argsort, topk, kthvalue, median/mode over a dim), flip and
-roll, gather and scatter; and tril/triu, which mask by position.
+roll, gather and scatter, ``F.glu`` (halves of its dim); and tril/triu, which mask by
+position.
 
 Each treats the slices across its dim independently, so a split on any other dim stays
 local and the op runs on the parts as they are; a split on the dim itself is boxed to
@@ -40,6 +41,13 @@ def kthvalue_rule(call):
     dim = normalize_dim(call.arg("dim", -1), ndim)
     drop = not call.arg("keepdim", False)
     return _split_elsewhere(call, 1, 2, {dim}, lambda d: d - (drop and d > dim))
+
+
+@register(aten.glu, aten.glu_backward)
+def glu_rule(call):
+    """(x, dim) -> x's first half gated by its second, or (grad, x, dim) -> x's grad."""
+    ndim = len(call.in_shapes[-1])
+    return _split_elsewhere(call, len(call.inputs), 1, {normalize_dim(call.arg("dim", -1), ndim)})
 
 
 @register(aten.flip)

@@ -53,6 +53,13 @@ def pointwise_rule(call):
     return cands
 
 
+# Elementwise ops that torch does not tag pointwise (hardswish in MobileNets, log_sigmoid
+# in preference losses, and backwards), taken by the same rule instead of gathering
+for _packet in (aten.hardswish, aten.hardswish_, aten.hardswish_backward,
+                aten.hardsigmoid_backward, aten.log_sigmoid_forward, aten.log_sigmoid_backward):
+    register(_packet)(pointwise_rule)
+
+
 def _partial_cands(call, n_in):
     packet = call.func.overloadpacket
     args, _ = call.args_kwargs

@@ -201,6 +201,30 @@ register(aten.slice_backward, aten.select_backward,
          local=_slice_backward_local)(slice_backward_rule)
 
 
+@register(aten.diagonal, aten.diagonal_backward)
+def diagonal_rule(call):
+    """The diagonal of two dims, a view appended last (and its backward, zeros with the
+    gradient on the diagonal): a split of any other dim stays."""
+    backward = call.func.overloadpacket is aten.diagonal_backward
+    ndim = len(call.out_shapes[0] if backward else call.in_shapes[0])
+    pair = {normalize_dim(call.arg("dim1", 0), ndim), normalize_dim(call.arg("dim2", 1), ndim)}
+    rest = [d for d in range(ndim) if d not in pair]   # in order, then the diagonal
+    moved = {k: d for k, d in enumerate(rest)} if backward else {d: k for k, d in enumerate(rest)}
+    return _same_sbp(1, 1, moved, partial_ok=True, max_ok=not backward)
+
+
+register(aten.diagonal_backward, local=_slice_backward_local)(diagonal_rule)
+
+
+@register(aten.diag_embed)
+def diag_embed_rule(call):
+    """A last dim laid on the diagonal of two new dims: a split of any other dim stays."""
+    ndim = len(call.out_shapes[0])
+    pair = {normalize_dim(call.arg("dim1", -2), ndim), normalize_dim(call.arg("dim2", -1), ndim)}
+    rest = [d for d in range(ndim) if d not in pair]
+    return _same_sbp(1, 1, dict(enumerate(rest)), partial_ok=True, max_ok=False)
+
+
 @register(aten.split, aten.split_with_sizes, aten.unbind)
 def split_rule(call):
     args, kwargs = _args(call)

@@ -42,9 +42,23 @@ def check_along_dim_and_attention():
         ("cummax(1).values", lambda x: x.cummax(1).values),
         ("cumprod(2)", lambda x: x.cumprod(2)),
         ("trace of x[0]", lambda x: x[0].trace()),
+        ("glu(-1)", lambda x: torch.nn.functional.glu(x, -1)),
+        ("glu(0)", lambda x: torch.nn.functional.glu(x[:4], 0)),
+        ("diagonal(0,1,2)", lambda x: x.diagonal(0, 1, 2)),
+        ("diagonal(1,0,2)", lambda x: x.diagonal(1, 0, 2)),
+        ("diag_embed(x[0])", lambda x: torch.diag_embed(x[0])),
     ]
     for name, op in unary:
         case(name, op, [x3], places=placements(4, 1, 3))
+    split = gt.tensor(x3, placement=gt.placement.all("cpu"), sbp=S(0), requires_grad=True)
+    for name, op, want in (("glu(-1)", lambda x: torch.nn.functional.glu(x, -1), S(0)),
+                           ("diagonal(0,1,2)", lambda x: x.diagonal(0, 1, 2), S(0)),
+                           ("diag_embed", torch.diag_embed, S(0))):   # (they gathered)
+        out = op(split)
+        out.sum().backward()
+        expect(out.sbp == (want,) and split.grad.sbp == (S(0),),
+               f"{name} of split(0): {out.sbp}, gradient {split.grad.sbp}")
+        split.grad = None
     index = randint(5, (2, 3, 4), "adidx")
 
     def index_like(a):

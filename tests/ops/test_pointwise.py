@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from ops_battery import F64, P, battery_tests, case, checked, placements, randn
+from ops_battery import F64, P, S, battery_tests, case, checked, expect, placements, randn
+
+import globaltensor as gt
 
 
 @checked
@@ -41,9 +43,17 @@ def check_pointwise():
     unary = {"relu": F.relu, "gelu": F.gelu, "tanh": torch.tanh, "sigmoid": torch.sigmoid,
              "exp": torch.exp, "neg": torch.neg, "-x": lambda x: -x, "abs": torch.abs,
              "pow(2)": lambda x: x.pow(2), "x**2": lambda x: x ** 2,
-             "where(x>0,x,0)": lambda x: torch.where(x > 0, x, 0.0)}
+             "where(x>0,x,0)": lambda x: torch.where(x > 0, x, 0.0),
+             # elementwise, though torch does not tag them pointwise
+             "hardswish": F.hardswish, "logsigmoid": F.logsigmoid}
     for name, op in unary.items():
         case(name, op, [a], places=placements(4, 1, 3))
+    rows = gt.tensor(a, placement=gt.placement.all("cpu"), sbp=S(0), requires_grad=True)
+    for op in (F.hardswish, F.logsigmoid):    # (they gathered the rows, backward too)
+        out = op(rows)
+        out.sum().backward()
+        expect(out.sbp == rows.grad.sbp == (S(0),), f"{op.__name__}: {out.sbp}, {rows.grad.sbp}")
+        rows.grad = None
     case("where(x>y,x,y)", lambda x, y: torch.where(x > y, x, y), [a, row],
          places=placements(6, 1, 3))
 
