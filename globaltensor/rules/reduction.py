@@ -40,7 +40,7 @@ def reduced_dims(call, ndim: int):
 
 @register(aten.sum, aten.mean, aten.amax, aten.amin, aten.max, aten.min, aten.var, aten.std,
           aten.argmax, aten.argmin, aten.any, aten.all, aten.linalg_vector_norm, aten.nansum,
-          aten.prod, aten.logsumexp)
+          aten.prod, aten.logsumexp, aten.var_mean, aten.std_mean, aten.aminmax)
 def reduction_rule(call):
     in_shape = call.in_shapes[0]
     ndim = len(in_shape)

@@ -29,6 +29,8 @@ def check_reductions():
         "max(dim=1,keepdim)": lambda x: tuple(torch.max(x, 1, keepdim=True)),
         "var()": lambda x: x.var(), "var(0)": lambda x: x.var(0),
         "var(1,unbiased=False)": lambda x: x.var(1, unbiased=False),
+        "var_mean(1)": lambda x: torch.var_mean(x, 1), "std_mean(0)": lambda x: torch.std_mean(x, 0),
+        "aminmax(dim=1)": lambda x: tuple(torch.aminmax(x, dim=1)),
         "std(0)": lambda x: x.std(0), "std(unbiased=False)": lambda x: x.std(unbiased=False),
         "std(1,keepdim)": lambda x: x.std(1, keepdim=True),
         "vector_norm": torch.linalg.vector_norm,
@@ -62,6 +64,12 @@ def check_reductions():
         out = guard(where, lambda: op(gt.tensor(x, placement=p, sbp=S(0))))
         if out is not None:
             expect(out.sbp == want, f"{where}: sbp {out.sbp}, expected {want}")
+    # two results over the other dim keep the split (they gathered it)
+    rows = gt.tensor(x, placement=p, sbp=S(0))
+    for name, op in (("var_mean", torch.var_mean), ("std_mean", torch.std_mean),
+                     ("aminmax", lambda t, d: tuple(torch.aminmax(t, dim=d)))):
+        outs = guard(describe(name, (S(0),), p), lambda: op(rows, 1))
+        expect(outs is None or all(o.sbp == (S(0),) for o in outs), f"{name}(1) of split(0) rows")
     # a minimum, any or all over a split dim reduces the result (at most 4 values here,
     # all-reduced or reduce-scattered), not the input (512 B gathered)
     big = gt.tensor(torch.arange(-64.0, 64.0).reshape(32, 4), placement=p, sbp=S(0))
