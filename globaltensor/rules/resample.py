@@ -1,5 +1,6 @@
 """Ops that rearrange or resample the trailing dims: repeat, Tensor.unfold, im2col /
-col2im (F.unfold / F.fold), pixel_shuffle / pixel_unshuffle, F.interpolate.
+col2im (F.unfold / F.fold), pixel_shuffle / pixel_unshuffle, F.interpolate,
+F.grid_sample (at points a grid gives per sample).
 
 All are linear (copies, or weighted sums for interpolation), so partial sums pass
 through. Dims the op leaves alone keep their split: the batch and channel dims of the
@@ -125,3 +126,20 @@ def _upsample_backward_local(ctx, grad, output_size, input_size, *args, **kwargs
 
 
 register(*_UPSAMPLE_BACKWARD, local=_upsample_backward_local)(upsample_rule)
+
+
+@register(aten.grid_sampler_2d, aten.grid_sampler_3d)
+def grid_sampler_rule(call):
+    """(input, grid) -> samples: per sample (the batch split on both), per channel (the
+    input's channels split, the grid whole); linear in the input."""
+    return [((B, B), (B,)), ((Split(0), Split(0)), (Split(0),)), ((Split(1), B), (Split(1),)),
+            ((P, B), (P,))]
+
+
+@register(aten.grid_sampler_2d_backward, aten.grid_sampler_3d_backward)
+def grid_sampler_backward_rule(call):
+    """(grad, input, grid) -> (grad of input, grad of grid; both made whatever the
+    output mask): per sample; a channel split leaves the grid's gradient a partial sum
+    over the channels."""
+    return [((B, B, B), (B, B)), ((Split(0),) * 3, (Split(0), Split(0))),
+            ((Split(1), Split(1), B), (Split(1), P))]

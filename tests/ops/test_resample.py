@@ -53,6 +53,13 @@ def check_resampling_rules():
                    "repeat with a new dim", lambda s: S(s.dim + 1))
     # A dim repeated more than once cannot stay split: the value is still right.
     _against_torch(lambda x: x.repeat(2, 1, 1), t, (S(0),), "repeat of a split dim")
+    # grid_sample at a grid given whole: per sample and per channel (it gathered them)
+    grid = torch.rand(4, 5, 5, 2, generator=_gen(8)) * 2 - 1
+    whole = _g(grid, B)
+
+    def sample(x):
+        return F.grid_sample(x, grid if x.__class__ is torch.Tensor else whole, align_corners=False)
+    _against_torch(sample, img, (S(0), S(1), B), "grid_sample", same)
 
 
 CHECKS = ["check_resampling_rules"]
