@@ -1,7 +1,8 @@
 """Ops that work along one dim: scans (cumsum, cumprod, logcumsumexp, cummax, cummin),
 sorts and selections (sort, argsort, topk, kthvalue, median/mode over a dim), flip and
-roll, gather and scatter, ``F.glu`` (halves of its dim); and tril/triu, which mask by
-position.
+roll, rot90, gather and scatter, ``F.glu`` (halves of its dim), renorm (each slice along
+its dim on its own); bucketize / searchsorted against whole boundaries (each element on
+its own); and tril/triu, which mask by position.
 
 Each treats the slices across its dim independently, so a split on any other dim stays
 local and the op runs on the parts as they are; a split on the dim itself is boxed to
@@ -48,6 +49,30 @@ def glu_rule(call):
     """(x, dim) -> x's first half gated by its second, or (grad, x, dim) -> x's grad."""
     ndim = len(call.in_shapes[-1])
     return _split_elsewhere(call, len(call.inputs), 1, {normalize_dim(call.arg("dim", -1), ndim)})
+
+
+@register(aten.rot90)
+def rot90_rule(call):
+    ndim = len(call.in_shapes[0])
+    return _split_elsewhere(call, 1, 1, {normalize_dim(d, ndim) for d in call.arg("dims", [0, 1])})
+
+
+@register(aten.renorm)
+def renorm_rule(call):
+    """Each slice along ``dim`` scaled by its own norm: a split of ``dim`` stays."""
+    dim = normalize_dim(call.arg("dim"), len(call.in_shapes[0]))
+    return [((B,), (B,)), ((Split(dim),), (Split(dim),))]
+
+
+@register(aten.bucketize.Tensor, aten.searchsorted.Tensor)
+def bucketize_rule(call):
+    """Each element looked up in 1-D boundaries given whole: the elements' splits stay."""
+    at = 0 if call.func.overloadpacket is aten.bucketize else 1   # the elements' operand
+    if len(call.in_shapes[1 - at]) != 1:   # (a batch of sorted rows: not handled)
+        return [((B, B), (B,))]
+    order = (lambda s: (s, B)) if at == 0 else (lambda s: (B, s))
+    return [((B, B), (B,))] + [(order(Split(d)), (Split(d),))
+                               for d in range(len(call.in_shapes[at]))]
 
 
 @register(aten.flip)

@@ -6,7 +6,9 @@ them for "mk,kn->mn" (``einsum.pair_signatures``): (B, B) -> B, (S0, B) -> S0 (r
 (B, S1) -> S1 (columns), (S1, S0) -> P (the contracted dim), (P, B) -> P,
 (B, P) -> P. Batched products ("bmk,bkn->bmn") add (S0, S0) -> S0 on the batch dim;
 mv is "mk,k->m", dot "k,k->". A bias (addmm's ``self``) follows the output, except
-that under a partial output it must be partial too, so it is added once.
+that under a partial output it must be partial too, so it is added once. ``torch.cdist``
+(where it does not run as a product) keeps the splits of the batch and of either
+operand's rows.
 """
 from __future__ import annotations
 
@@ -52,3 +54,26 @@ def biased_product_rule(call):
     bias_shape, out_shape = call.in_shapes[0], call.out_shapes[0]
     return [((_bias_sbp(bias_shape, out_shape, o), a, b), (o,))
             for a, b, o in pair_signatures(equation, tuple(call.in_shapes[1:]))]
+
+
+@register(aten._cdist_forward)
+def cdist_rule(call):
+    """(x1 (..., r1, c), x2 (..., r2, c)) -> distances (..., r1, r2): a batch split of
+    both stays, a split of x1's rows or x2's rows gives a split of the output's."""
+    n = len(call.out_shapes[0])
+    cands = [((B, B), (B,)), ((Split(n - 2), B), (Split(n - 2),)), ((B, Split(n - 2)), (Split(n - 1),))]
+    if call.in_shapes[0][:-2] == call.in_shapes[1][:-2]:
+        cands += [((Split(d), Split(d)), (Split(d),)) for d in range(n - 2)]
+    return cands
+
+
+@register(aten._cdist_backward)
+def cdist_backward_rule(call):
+    """(grad, x1, x2, distances) -> x1's gradient: x1's rows split stay; x2's rows split
+    leave a partial sum over them."""
+    n = len(call.out_shapes[0])
+    rows, cols = Split(n - 2), Split(n - 1)
+    cands = [((B,) * 4, (B,)), ((rows, rows, B, rows), (rows,)), ((cols, B, rows, cols), (P,))]
+    if call.in_shapes[1][:-2] == call.in_shapes[2][:-2]:
+        cands += [((Split(d),) * 4, (Split(d),)) for d in range(n - 2)]
+    return cands

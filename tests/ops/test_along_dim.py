@@ -47,18 +47,31 @@ def check_along_dim_and_attention():
         ("diagonal(0,1,2)", lambda x: x.diagonal(0, 1, 2)),
         ("diagonal(1,0,2)", lambda x: x.diagonal(1, 0, 2)),
         ("diag_embed(x[0])", lambda x: torch.diag_embed(x[0])),
+        ("rot90(1,(1,2))", lambda x: x.rot90(1, (1, 2))),
+        ("renorm(2,0,1)", lambda x: x.renorm(2, 0, 1.0)), ("renorm(1,2,1)", lambda x: x.renorm(1, 2, 1.0)),
     ]
     for name, op in unary:
         case(name, op, [x3], places=placements(4, 1, 3))
+    bounds = torch.tensor([-1.0, 0.0, 0.5], dtype=x3.dtype)
     split = gt.tensor(x3, placement=gt.placement.all("cpu"), sbp=S(0), requires_grad=True)
     for name, op, want in (("glu(-1)", lambda x: torch.nn.functional.glu(x, -1), S(0)),
                            ("diagonal(0,1,2)", lambda x: x.diagonal(0, 1, 2), S(0)),
-                           ("diag_embed", torch.diag_embed, S(0))):   # (they gathered)
+                           ("diag_embed", torch.diag_embed, S(0)),
+                           ("rot90", lambda x: x.rot90(1, (1, 2)), S(0)),
+                           ("renorm(2,0,1)", lambda x: x.renorm(2, 0, 1.0), S(0))):   # (they gathered)
         out = op(split)
         out.sum().backward()
         expect(out.sbp == (want,) and split.grad.sbp == (S(0),),
                f"{name} of split(0): {out.sbp}, gradient {split.grad.sbp}")
         split.grad = None
+    edges = gt.tensor(bounds, placement=split.placement, sbp=B)
+    for name, found in (("bucketize", torch.bucketize(split.detach(), edges)),
+                        ("searchsorted", torch.searchsorted(edges, split.detach()))):
+        expect(found.sbp == (S(0),), f"{name} of split(0): {found.sbp}")
+    case("bucketize", lambda x, b: torch.bucketize(x, b), [x3, bounds], grad=False,
+         choices=[[B, S(0), S(1), S(2)], [B]], places=placements(4, 1, 3))
+    case("searchsorted", lambda x, b: torch.searchsorted(b, x), [x3, bounds], grad=False,
+         choices=[[B, S(0), S(1), S(2)], [B]], places=placements(4, 1, 3))
     index = randint(5, (2, 3, 4), "adidx")
 
     def index_like(a):

@@ -70,6 +70,15 @@ def check_matmul():
         if out is not None:
             expect(out.sbp == (so,), f"{where}: sbp {out.sbp}, expected {(so,)}")
 
+    # torch.cdist keeps the batch's split and either operand's rows' (it gathered them)
+    a, b = randn((2, 5, 3), "cd1"), randn((2, 4, 3), "cd2")
+    for norm in (2.0, 1.0):
+        case(f"cdist p={norm}", lambda x, y, norm=norm: torch.cdist(x, y, p=norm), [a, b],
+             choices=[[B, S(0), S(1)], [B, S(0), S(1)]], places=placements(6, 1, 3))
+    for (sa, sb), so in (((S(0), S(0)), S(0)), ((S(1), B), S(1)), ((B, S(1)), S(2))):
+        out = torch.cdist(gt.tensor(a, placement=p, sbp=sa), gt.tensor(b, placement=p, sbp=sb))
+        expect(out.sbp == (so,), f"cdist of {sa}, {sb}: {out.sbp}, expected {so}")
+
 
 CHECKS = ["check_matmul"]
 test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)
