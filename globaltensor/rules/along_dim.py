@@ -90,9 +90,10 @@ def roll_rule(call):
     return _split_elsewhere(call, 1, 1, {normalize_dim(d, ndim) for d in dims})
 
 
-@register(aten.gather, aten.scatter, aten.scatter_add)
+@register(aten.gather, aten.scatter, aten.scatter_add, aten.scatter_reduce)
 def gather_scatter_rule(call):
-    # gather(self, dim, index); scatter(self, dim, index, src | value). Index and src may
+    # gather(self, dim, index); scatter(self, dim, index, src | value), scatter_add and
+    # scatter_reduce(self, dim, index, src, reduce). Index and src may
     # be smaller than self on other dims: a split there only lines up when the sizes match.
     ndim = len(call.in_shapes[0])
     dim = normalize_dim(call.arg("dim"), ndim)

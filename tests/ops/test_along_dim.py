@@ -80,6 +80,14 @@ def check_along_dim_and_attention():
 
     case("scatter_add(1)", lambda a, b: a.scatter_add(1, index_like(a), b),
          [randn((2, 5, 4), "adsa"), randn((2, 3, 4), "adsb")], places=placements(4, 0, 2))
+    for reduce in ("amax", "mean"):
+        case(f"scatter_reduce(1, {reduce})",
+             lambda a, b, reduce=reduce: a.scatter_reduce(1, index_like(a), b, reduce),
+             [randn((2, 5, 4), "adsa"), randn((2, 3, 4), "adsb")], places=placements(4, 0, 2))
+    into, values = (gt.tensor(randn(shape, name), placement=gt.placement.all("cpu"), sbp=S(0))
+                    for shape, name in (((2, 5, 4), "adsa"), ((2, 3, 4), "adsb")))
+    reduced = into.scatter_reduce(1, index_like(into), values, "amax")
+    expect(reduced.sbp == (S(0),), f"scatter_reduce of split(0): {reduced.sbp}")   # (gathered)
 
     q, k, v = (randn((2, 2, 5, 4), f"attn{c}", dtype=torch.float32) for c in "qkv")
     attention = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa
