@@ -68,8 +68,8 @@ def renorm_rule(call):
 def bucketize_rule(call):
     """Each element looked up in 1-D boundaries given whole: the elements' splits stay."""
     at = 0 if call.func.overloadpacket is aten.bucketize else 1   # the elements' operand
-    if len(call.in_shapes[1 - at]) != 1:   # (a batch of sorted rows: not handled)
-        return [((B, B), (B,))]
+    if len(call.inputs) != 2 or len(call.in_shapes[1 - at]) != 1:
+        return [((B,) * len(call.inputs), (B,))]   # (a sorter, or batches of sorted rows)
     order = (lambda s: (s, B)) if at == 0 else (lambda s: (B, s))
     return [((B, B), (B,))] + [(order(Split(d)), (Split(d),))
                                for d in range(len(call.in_shapes[at]))]
