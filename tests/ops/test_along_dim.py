@@ -68,6 +68,11 @@ def check_along_dim_and_attention():
     for name, found in (("bucketize", torch.bucketize(split.detach(), edges)),
                         ("searchsorted", torch.searchsorted(edges, split.detach()))):
         expect(found.sbp == (S(0),), f"{name} of split(0): {found.sbp}")
+    shuffled = bounds[torch.tensor([2, 0, 1])]     # with a sorter: three operands
+    found = torch.searchsorted(gt.tensor(shuffled, placement=split.placement, sbp=B), split.detach(),
+                               sorter=gt.tensor(shuffled.argsort(), placement=split.placement, sbp=B))
+    expect(torch.equal(found.full(), torch.searchsorted(shuffled, x3, sorter=shuffled.argsort())),
+           "searchsorted with a sorter")
     case("bucketize", lambda x, b: torch.bucketize(x, b), [x3, bounds], grad=False,
          choices=[[B, S(0), S(1), S(2)], [B]], places=placements(4, 1, 3))
     case("searchsorted", lambda x, b: torch.searchsorted(b, x), [x3, bounds], grad=False,
