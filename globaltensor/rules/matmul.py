@@ -61,6 +61,8 @@ def cdist_rule(call):
     """(x1 (..., r1, c), x2 (..., r2, c)) -> distances (..., r1, r2): a batch split of
     both stays, a split of x1's rows or x2's rows gives a split of the output's."""
     n = len(call.out_shapes[0])
+    if any(len(s) != n for s in call.in_shapes):   # batch dims broadcast: whole values
+        return [((B, B), (B,))]
     cands = [((B, B), (B,)), ((Split(n - 2), B), (Split(n - 2),)), ((B, Split(n - 2)), (Split(n - 1),))]
     if call.in_shapes[0][:-2] == call.in_shapes[1][:-2]:
         cands += [((Split(d), Split(d)), (Split(d),)) for d in range(n - 2)]
@@ -72,6 +74,8 @@ def cdist_backward_rule(call):
     """(grad, x1, x2, distances) -> x1's gradient: x1's rows split stay; x2's rows split
     leave a partial sum over them."""
     n = len(call.out_shapes[0])
+    if any(len(s) != n for s in call.in_shapes):
+        return [((B,) * 4, (B,))]
     rows, cols = Split(n - 2), Split(n - 1)
     cands = [((B,) * 4, (B,)), ((rows, rows, B, rows), (rows,)), ((cols, B, rows, cols), (P,))]
     if call.in_shapes[1][:-2] == call.in_shapes[2][:-2]:

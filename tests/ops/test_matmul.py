@@ -75,6 +75,8 @@ def check_matmul():
     for norm in (2.0, 1.0):
         case(f"cdist p={norm}", lambda x, y, norm=norm: torch.cdist(x, y, p=norm), [a, b],
              choices=[[B, S(0), S(1)], [B, S(0), S(1)]], places=placements(6, 1, 3))
+    case("cdist (2,5,3) to (4,3), batch dims broadcast", torch.cdist, [a, randn((4, 3), "cd3")],
+         choices=[[B, S(0), S(1)], [B, S(0)]], places=placements(4, 1, 3))
     for (sa, sb), so in (((S(0), S(0)), S(0)), ((S(1), B), S(1)), ((B, S(1)), S(2))):
         out = torch.cdist(gt.tensor(a, placement=p, sbp=sa), gt.tensor(b, placement=p, sbp=sb))
         expect(out.sbp == (so,), f"cdist of {sa}, {sb}: {out.sbp}, expected {so}")
