@@ -210,16 +210,16 @@ def test_an_op_without_a_rule_warns_a_fallback_warning_once():
 
     import globaltensor as gt
     from globaltensor.propagation import decide
-    decide._warned.discard(torch.ops.aten.rot90.default)
-    plain = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+    decide._warned.discard(torch.ops.aten.linalg_cross.default)
+    plain = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
     x = gt.tensor(plain, placement=gt.placement("cpu", [0]), sbp=gt.sbp.split(0))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
-            turned = torch.rot90(x)
+            crossed = torch.linalg.cross(x, x)
     fallbacks = [w for w in caught if issubclass(w.category, gt.debug.FallbackWarning)]
     assert len(fallbacks) == 1 and "no sbp rule" in str(fallbacks[0].message), caught
-    torch.testing.assert_close(turned.full(), torch.rot90(plain))
+    torch.testing.assert_close(crossed.full(), torch.linalg.cross(plain, plain))
 
 
 def _pad_a_partial_sum():

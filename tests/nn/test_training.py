@@ -107,15 +107,15 @@ def check_op_without_rule_falls_back():
     x = gt.tensor(value, placement=p, sbp=gt.sbp.split(0), requires_grad=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        y = torch.renorm(x, 2, 0, 5.0)  # no rule: gathered to broadcast, correct anyway
-        torch.renorm(x, 2, 0, 5.0)
-    named = [w for w in caught if "renorm" in str(w.message)]
+        y = torch.linalg.cross(x, x.flip(1))  # no rule: gathered to broadcast, correct anyway
+        torch.linalg.cross(x, x.flip(1))
+    named = [w for w in caught if "linalg_cross" in str(w.message)]
     assert len(named) == 1, [str(w.message) for w in caught]  # once per op
     assert y.sbp == (gt.sbp.broadcast,)
-    torch.testing.assert_close(y.full(), torch.renorm(value, 2, 0, 5.0))
+    torch.testing.assert_close(y.full(), torch.linalg.cross(value, value.flip(1)))
     (y * y).sum().backward()
     reference = value.clone().requires_grad_()
-    (torch.renorm(reference, 2, 0, 5.0) ** 2).sum().backward()
+    (torch.linalg.cross(reference, reference.flip(1)) ** 2).sum().backward()
     assert x.grad.sbp == x.sbp
     torch.testing.assert_close(x.grad.full(), reference.grad)
 
