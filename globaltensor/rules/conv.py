@@ -51,6 +51,13 @@ def max_pool_backward_rule(call):
         [((P, B, B), (P,))]
 
 
+@register(aten.max_unpool2d, aten.max_unpool3d)
+def max_unpool_rule(call):
+    """(values, indices) -> each value placed at its index within its sample's channel:
+    a batch or channel split of both stays; linear in the values."""
+    return [((s, s), (s,)) for s in (B, Split(0), Split(1))] + [((P, B), (P,))]
+
+
 @register(aten.avg_pool2d, aten.avg_pool3d, aten._adaptive_avg_pool2d,
           aten._adaptive_avg_pool3d, aten.adaptive_max_pool2d)
 def pool_rule(call):

@@ -85,6 +85,12 @@ def check_norm_conv_pool():
         case(name, op, [img], choices=[[B, S(0), S(1), P]], places=placements(4, 0, 3))
     case("max_pool2d batch 2", lambda x: F.max_pool2d(x, 2), [small],
          choices=[[B, S(0)]], places=placements(2, 0, 2))
+    # max_unpool2d places each value at its index, per sample and channel (it gathered)
+    unpool = lambda x: F.max_unpool2d(*F.max_pool2d(x, 2, return_indices=True), 2)  # noqa: E731
+    case("max_unpool2d", unpool, [img], choices=[[B, S(0), S(1)]], places=placements(3, 0, 3))
+    if gt.get_world_size() == 2:
+        out = unpool(gt.tensor(img, placement=gt.placement.all("cpu"), sbp=S(0)))
+        expect(out.sbp == (S(0),), f"max_unpool2d of split(0): {out.sbp}")
     # reflection / replication padding (padding_mode="reflect") keep a batch or channel
     # split and partial sums, forward and backward (they gathered the batch)
     for mode in ("reflect", "replicate"):
