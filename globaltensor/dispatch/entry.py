@@ -37,6 +37,7 @@ from ..tensor import GlobalTensor, install_dispatcher, wrap_as
 from . import copied_views
 from .copied_views import records as _copied_views
 from .outputs import identities, wrap_outputs
+from .outputs import in_backward as _in_backward
 
 aten = torch.ops.aten
 _PLAIN = torch.Tensor
@@ -303,10 +304,6 @@ def _special_handler(func):
     variants, ``_foreach_*``, value reads), from the registry."""
     decomposition = lookup_decomposition(func)
     return _NORMAL if decomposition is None else decomposition
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 def _run(func, decision: Decision, leaves, spec, why=None):

@@ -16,7 +16,8 @@ from ..propagation.decide import Decision
 from ..tensor import wrap_part
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward pass now."""
     return torch._C._current_graph_task_id() != -1
 
 
@@ -81,7 +82,7 @@ def _wrap_reduced(func, decision: Decision, out, inside: bool, like):
     else:
         out_leaves = [None] * len(decision.out_layouts)
     layouts = list(decision.out_layouts)
-    if _in_backward() or explicit_mode.active():   # explicit: the program reduces them
+    if in_backward() or explicit_mode.active():   # explicit: the program reduces them
         layouts = [layout if r is None else r for layout, r in zip(layouts, decision.reduced)]
     elif inside:
         together: dict = {}
