@@ -2,8 +2,9 @@
 
 Some composites cannot run op by op on parts: ``F.one_hot`` and ``F.embedding_bag``
 build plain helper tensors (an arange of classes, bag offsets) inside their kernels,
-and ``F.scaled_dot_product_attention`` with dropout takes torch's math path, which
-builds a plain causal mask, and would draw dropout per rank. Here they are written
+and ``F.scaled_dot_product_attention`` with dropout, or causal where no fused kernel
+runs (inputs other than 4-D, or the fused kernels turned off), takes torch's math path,
+which builds a plain causal mask, and would draw dropout per rank. Here they are written
 with global ops (and the placement-invariant ``F.dropout``), so every layout works
 and gives the value of the whole-tensor computation. ``interop/torch_patches.py``
 installs them in ``torch.nn.functional``, taken when a GlobalTensor is an argument.
@@ -109,10 +110,13 @@ def _padded_bags(input, offsets, per_sample_weights, include_last_offset, weight
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False):
-    """With dropout: attention on each rank's batch or head part, the probabilities
-    wrapped as a GlobalTensor and dropped out placement-invariantly. Without dropout
-    the fused kernels run (rules/attention.py)."""
-    if dropout_p == 0.0 or not all(isinstance(t, GlobalTensor) for t in (query, key, value)):
+    """With dropout, or causal on torch's math path: attention on each rank's batch or
+    head part, the probabilities wrapped as a GlobalTensor and dropped out
+    placement-invariantly. Otherwise the fused kernels run (rules/attention.py), or the
+    math path op by op (no plain mask to build)."""
+    if not all(isinstance(t, GlobalTensor) for t in (query, key, value)):
+        return NotImplemented
+    if dropout_p == 0.0 and not (is_causal and _math_path(query)):
         return NotImplemented
     placement = query.placement
     outer = query.dim() - 2  # batch and head dims; the rest are (sequence, features)
@@ -137,10 +141,25 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                 else scores + mask
     probs_shape = tuple(q.shape[:-1]) + (source,)
     probs = from_local_part(torch.softmax(scores, -1), Layout.make(probs_shape, placement, sbp))
-    probs = F.dropout(probs, dropout_p)
+    if dropout_p:
+        probs = F.dropout(probs, dropout_p)
     out = probs.to_local() @ vl
     out_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
     return from_local_part(out, Layout.make(out_shape, placement, sbp))
+
+
+def _math_path(query: GlobalTensor) -> bool:
+    """Whether torch's ``scaled_dot_product_attention`` takes its math path (which builds
+    a plain causal mask) rather than a fused kernel: decided from what every rank knows
+    alike (the global rank of the inputs, the device type, the enabled kernels), so the
+    ranks choose the same way. Erring towards the math path costs speed, not values."""
+    if query.dim() != 4:
+        return True
+    kernels = torch.backends.cuda
+    if device_of(query.placement).type == "cpu":
+        return not kernels.flash_sdp_enabled()
+    return not (kernels.flash_sdp_enabled() or kernels.mem_efficient_sdp_enabled()
+                or kernels.cudnn_sdp_enabled())
 
 
 def _mask_part(mask, scores_shape, q: GlobalTensor) -> torch.Tensor:

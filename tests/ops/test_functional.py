@@ -1,6 +1,6 @@
 """Composites written with global ops (rules/functional.py; issue #10 items 4 and 15):
 F.one_hot, F.embedding_bag (sum, mean, max; offsets, padding_idx, per-sample weights)
-and F.scaled_dot_product_attention with dropout. Values and gradients are compared
+and F.scaled_dot_product_attention with dropout or causal on torch's math path. Values and gradients are compared
 with plain torch on the whole tensors, in worlds of 2 and 4 processes.
 """
 from __future__ import annotations
@@ -80,5 +80,31 @@ def check_attention_with_dropout():
                 _close(x.grad, want.grad, what + " gradient")
 
 
-CHECKS = ["check_one_hot_and_embedding_bag", "check_attention_with_dropout"]
+def check_causal_attention_on_the_math_path():
+    # torch's math path (inputs other than 4-D, or the fused kernels turned off) builds a
+    # plain causal mask inside the composite: it used to fail with the plain-operand error.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    gen = _gen(10)
+    shapes = [((6, 3, 8), (6, 5, 8)), ((3, 8), (5, 8)), ((2, 2, 2, 3, 8), (2, 2, 2, 5, 8)),
+              ((2, 4, 3, 8), (2, 4, 5, 8))]
+    for qs, ks in shapes:
+        q, k, v = torch.randn(qs, generator=gen), torch.randn(ks, generator=gen), torch.randn(ks, generator=gen)
+        ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = F.scaled_dot_product_attention(*ref_in, is_causal=True)
+        weight = torch.linspace(-1.0, 1.0, ref.numel()).reshape(ref.shape)
+        (ref * weight).sum().backward()
+        for sbp in ((S(0), B) if len(qs) > 2 else (B,)):
+            ins = [_g(t, sbp, grad=True) for t in (q, k, v)]
+            with sdpa_kernel(SDPBackend.MATH):  # a 4-D input takes the math path too
+                out = F.scaled_dot_product_attention(*ins, is_causal=True)
+            what = f"causal attention {qs} on {sbp}"
+            assert out.sbp == (sbp,), f"{what}: output {out.sbp}"
+            _close(out, ref.detach(), what)
+            (out * gt.tensor(weight, placement=_line(), sbp=B)).sum().backward()
+            for x, want in zip(ins, ref_in):
+                _close(x.grad, want.grad, what + " gradient")
+
+
+CHECKS = ["check_one_hot_and_embedding_bag", "check_attention_with_dropout",
+          "check_causal_attention_on_the_math_path"]
 test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
