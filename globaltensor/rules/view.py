@@ -99,7 +99,7 @@ def _kept_after_squeeze(call, in_shape):
         dims = {d for d in range(ndim) if in_shape[d] == 1}
     else:
         given = args[1] if isinstance(args[1], (list, tuple)) else [args[1]]
-        dims = {d for d in (normalize_dim(g, ndim) for g in given) if in_shape[d] == 1}
+        dims = {d for d in (normalize_dim(g, ndim) for g in given) if d < ndim and in_shape[d] == 1}
     return [d for d in range(ndim) if d not in dims]
 
 

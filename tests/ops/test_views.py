@@ -34,6 +34,7 @@ def check_views():
         ("unsqueeze(-1)", lambda x: x.unsqueeze(-1), x),
         ("squeeze(1)", lambda x: x.squeeze(1), randn((5, 1, 3), "vsq")),
         ("squeeze()", lambda x: x.squeeze(), randn((1, 5, 1), "vsq2")),
+        ("sum().squeeze(0) of a 0-d", lambda x: x.sum().squeeze(0), x),
         ("expand(5,4)", lambda x: x.expand(5, 4), randn((5, 1), "vex")),
         ("expand(3,5,4)", lambda x: x.expand(3, -1, -1), x),
         ("x[1:4]", lambda x: x[1:4], x),
