@@ -33,6 +33,7 @@ from ..propagation.options import options
 from ..rules.attention_scores import AttentionScores
 from ..rules.data_dependent import run_on_whole_values
 from ..rules.registry import FallbackWarning, lookup_decomposition
+from ..sbp import broadcast
 from ..tensor import GlobalTensor, install_dispatcher, wrap_as
 from . import copied_views
 from .copied_views import records as _copied_views
@@ -360,6 +361,12 @@ def _inplace_via_functional(func, leaves, spec):
     result = functional(*args, **kwargs)
     if not isinstance(result, GlobalTensor):
         raise RuntimeError(f"{func}: unexpected functional result {type(result).__name__}")
+    if not isinstance(target, GlobalTensor):   # a plain one-element target: the whole value
+        whole = result._layout.with_sbp((broadcast,) * result._layout.placement.ndim)
+        local = box(result._local, result._layout, whole, why=func)
+        if comm.get_rank() in whole.placement:
+            target.copy_(local)
+        return target
     local = box(result._local, result._layout, target._layout, why=func)
     if comm.get_rank() in target.placement:
         target._local.copy_(local)

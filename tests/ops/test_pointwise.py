@@ -4,6 +4,7 @@ plain operands, unary ops, where, in-place ops, comparisons.
 Run in the shared worlds of tests/ops/ops_battery.py (2, 4, and 3 with bystanders)."""
 from __future__ import annotations
 
+import ops_battery as battery
 import torch
 import torch.nn.functional as F
 from ops_battery import F64, P, S, battery_tests, case, checked, expect, placements, randn
@@ -80,5 +81,28 @@ def check_pointwise():
         case(name, op, ins, grad=False, places=placements(6, 1, 3))
 
 
-CHECKS = ["check_pointwise"]
+@checked
+def check_plain_one_element_targets_of_in_place_ops():
+    # A plain one-element tensor written in place with a GlobalTensor operand (a running
+    # total += loss, a buffer inside torch's own code) holds the whole value on every
+    # rank of the placement; a partial operand left each rank its own addend (mul_,
+    # copy_) or raised AttributeError (add_, addcmul_).
+    value = torch.tensor(3.0, dtype=F64)
+    ops = {"add_": (lambda o, g: o.add_(g), 5.0), "mul_": (lambda o, g: o.mul_(g), 6.0),
+           "copy_": (lambda o, g: o.copy_(g), 3.0), "addcmul_": (lambda o, g: o.addcmul_(g, g), 11.0),
+           "+=": (lambda o, g: o.__iadd__(g), 5.0), "sub_(2g)": (lambda o, g: o.sub_(g * 2), -4.0)}
+    places = [battery.line()] + ([battery.mesh()] if gt.get_world_size() == 4 else [])
+    for placement in places:
+        for s in (gt.sbp.broadcast, P):
+            for name, (op, want) in ops.items():
+                g = battery.make_global(value, placement, battery.nd(s, placement))
+                target = torch.tensor(2.0, dtype=F64)
+                out = op(target, g)
+                where = f"plain target {name} of {s} on {placement.ranks}"
+                expect(out is target and type(out) is torch.Tensor, f"{where}: returned {type(out).__name__}")
+                if gt.get_rank() in placement:
+                    expect(float(target) == want, f"{where}: {float(target)} != {want}")
+
+
+CHECKS = ["check_pointwise", "check_plain_one_element_targets_of_in_place_ops"]
 test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)
