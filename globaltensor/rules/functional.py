@@ -102,9 +102,11 @@ def _padded_bags(input, offsets, per_sample_weights, include_last_offset, weight
         torch.zeros_like(where)
     weights = None
     if per_sample_weights is not None:
-        w = per_sample_weights.full() if isinstance(per_sample_weights, GlobalTensor) \
-            else per_sample_weights
-        weights = _whole(torch.where(present, w[where], torch.zeros((), dtype=w.dtype)), weight)
+        # laid out by global indexing, so that their gradient reaches them
+        w = per_sample_weights if isinstance(per_sample_weights, GlobalTensor) \
+            else _whole(per_sample_weights, weight)
+        weights = w[_whole(where, weight)] * _whole(present, weight) if n else \
+            _whole(torch.zeros(where.shape, dtype=w.dtype), weight)
     return _whole(bags, weight), _whole(present, weight), weights
 
 

@@ -48,6 +48,15 @@ def check_one_hot_and_embedding_bag():
                 _close(out, ref.detach(), what)
                 out.square().sum().backward()
                 _close(gw.grad, want_w.grad, what + " gradient")
+    # the per-sample weights' own gradient (it was None: they were laid out as a copy)
+    for sbp in (S(0), B):
+        ref_w, ref_p = w.clone().requires_grad_(), psw.clone().requires_grad_()
+        F.embedding_bag(flat, ref_w, offsets, per_sample_weights=ref_p, mode="sum").square().sum().backward()
+        gw, gp = _g(w, S(1), grad=True), _g(psw, sbp, grad=True)
+        out = F.embedding_bag(_g(flat, sbp), gw, offsets, per_sample_weights=gp, mode="sum")
+        out.square().sum().backward()
+        _close(gp.grad, ref_p.grad, f"embedding_bag per_sample_weights {sbp} gradient")
+        _close(gw.grad, ref_w.grad, f"embedding_bag table, per_sample_weights {sbp}, gradient")
 
 
 def _attention_reference(q, k, v, keep, causal):
