@@ -3,7 +3,8 @@
 The batch may be split (data parallel): everything runs locally and the weight/bias
 gradients are partial sums. A convolution may also split its output channels (the
 weight's dim 0), giving a channel-split output. Pooling works per sample and channel,
-so a batch or channel split passes through, and average pooling is linear. Padding by
+so a batch or channel split passes through (an unbatched ``(C, H, W)`` input has only its
+channels before the pooled dims), and average pooling is linear. Padding by
 reflection or replication (``F.pad(mode="reflect")``, ``padding_mode="reflect"``) fills
 the last 1-3 dims from their own elements: the dims before them keep a split.
 """
@@ -40,14 +41,26 @@ def convolution_backward_rule(call):
     return cands
 
 
+def _per_sample(call, spatial: int) -> tuple:
+    """B and the splits that pooling over the last ``spatial`` dims keeps: the batch and
+    channel dims of an ``(N, C, ...)`` input, the channels of an unbatched ``(C, ...)``
+    one (its dim 1 is pooled)."""
+    leading = len(call.in_shapes[-1]) - spatial
+    return (B,) + tuple(Split(d) for d in range(leading))
+
+
+def _spatial(call) -> int:
+    return 3 if "3d" in call.func.overloadpacket.__name__ else 2
+
+
 @register(aten.max_pool2d_with_indices, aten.max_pool3d_with_indices)
 def max_pool_rule(call):
-    return [((s,), (s, s)) for s in (B, Split(0), Split(1))]
+    return [((s,), (s, s)) for s in _per_sample(call, _spatial(call))]
 
 
 @register(aten.max_pool2d_with_indices_backward, aten.max_pool3d_with_indices_backward)
 def max_pool_backward_rule(call):
-    return [((s, s, s), (s,)) for s in (B, Split(0), Split(1))] + \
+    return [((s, s, s), (s,)) for s in _per_sample(call, _spatial(call))] + \
         [((P, B, B), (P,))]
 
 
@@ -55,14 +68,14 @@ def max_pool_backward_rule(call):
 def max_unpool_rule(call):
     """(values, indices) -> each value placed at its index within its sample's channel:
     a batch or channel split of both stays; linear in the values."""
-    return [((s, s), (s,)) for s in (B, Split(0), Split(1))] + [((P, B), (P,))]
+    return [((s, s), (s,)) for s in _per_sample(call, _spatial(call))] + [((P, B), (P,))]
 
 
 @register(aten.avg_pool2d, aten.avg_pool3d, aten._adaptive_avg_pool2d,
           aten._adaptive_avg_pool3d, aten.adaptive_max_pool2d)
 def pool_rule(call):
     n_out = len(call.out_shapes)
-    cands = [((s,), (s,) * n_out) for s in (B, Split(0), Split(1))]
+    cands = [((s,), (s,) * n_out) for s in _per_sample(call, _spatial(call))]
     if call.func.overloadpacket is not aten.adaptive_max_pool2d:
         cands.append(((P,), (P,)))
     return cands
@@ -73,7 +86,7 @@ def pool_rule(call):
           aten.adaptive_max_pool2d_backward)
 def pool_backward_rule(call):
     n_in = len(call.inputs)
-    cands = [((s,) * n_in, (s,)) for s in (B, Split(0), Split(1))]
+    cands = [((s,) * n_in, (s,)) for s in _per_sample(call, _spatial(call))]
     if call.func.overloadpacket is not aten.adaptive_max_pool2d_backward:
         cands.append(((P,) + (B,) * (n_in - 1), (P,)))
     return cands

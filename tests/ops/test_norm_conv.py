@@ -85,6 +85,14 @@ def check_norm_conv_pool():
         case(name, op, [img], choices=[[B, S(0), S(1), P]], places=placements(4, 0, 3))
     case("max_pool2d batch 2", lambda x: F.max_pool2d(x, 2), [small],
          choices=[[B, S(0)]], places=placements(2, 0, 2))
+    # an unbatched (C, H, W) input pools its dims 1 and 2: only a channel split stays (a
+    # split of H stayed, and each part pooled its own rows)
+    chw = randn((3, 6, 6), "chw")
+    for name, op in (("adaptive_max_pool2d unbatched", lambda x: F.adaptive_max_pool2d(x, (2, 3))),
+                     ("adaptive_avg_pool2d unbatched", lambda x: F.adaptive_avg_pool2d(x, (4, 3))),
+                     ("max_pool2d(3,2,1) unbatched", lambda x: F.max_pool2d(x, 3, stride=2, padding=1)),
+                     ("avg_pool2d(3,2,1) unbatched", lambda x: F.avg_pool2d(x, 3, stride=2, padding=1))):
+        case(name, op, [chw], choices=[[B, S(0), S(1), S(2)]], must=[(S(1),)], places=placements(4, 0, 3))
     # max_unpool2d places each value at its index, per sample and channel (it gathered)
     unpool = lambda x: F.max_unpool2d(*F.max_pool2d(x, 2, return_indices=True), 2)  # noqa: E731
     case("max_unpool2d", unpool, [img], choices=[[B, S(0), S(1)]], places=placements(3, 0, 3))
