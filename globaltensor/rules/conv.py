@@ -10,6 +10,8 @@ the last 1-3 dims from their own elements: the dims before them keep a split.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..sbp import Split, broadcast, partial_sum
@@ -19,12 +21,20 @@ aten = torch.ops.aten
 B, P = broadcast, partial_sum
 
 
+def _splits_channels(call, weight_shape) -> bool:
+    """Whether the output channels (the weight's dim 0) may be split: an ungrouped,
+    untransposed convolution with a channel for every rank (torch refuses an empty
+    weight, which an uneven split would leave some rank)."""
+    return call.arg("groups") == 1 and not call.arg("transposed") and \
+        weight_shape[0] >= math.prod(call.axis_sizes)
+
+
 @register(aten.convolution)
 def convolution_rule(call):
     """(input, weight, bias?) -> out."""
     bias = (B,) * (len(call.inputs) - 2)
     cands = [((B, B) + bias, (B,)), ((Split(0), B) + bias, (Split(0),))]
-    if call.arg("groups") == 1 and not call.arg("transposed"):
+    if _splits_channels(call, call.in_shapes[1]):
         cands.append(((B, Split(0)) + (Split(0),) * len(bias), (Split(1),)))
     return cands
 
@@ -36,7 +46,7 @@ def convolution_backward_rule(call):
     pick = lambda outs: tuple(o for o, keep in zip(outs, mask) if keep)  # noqa: E731
     cands = [((B, B, B), pick((B, B, B))),
              ((Split(0), Split(0), B), pick((Split(0), P, P)))]
-    if call.arg("groups") == 1 and not call.arg("transposed"):
+    if _splits_channels(call, call.in_shapes[2]):
         cands.append(((Split(1), B, Split(0)), pick((P, Split(0), Split(0)))))
     return cands
 
