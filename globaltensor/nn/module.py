@@ -70,9 +70,15 @@ def to_global(module: torch.nn.Module, placement: Placement, sbp: SbpChoice) -> 
     converted: dict = {}   # id(old tensor) -> (old tensor, layout)
     slots = list(tensor_slots(module))
     check_meta_buffers(module, slots)
-    for qualified, _, _, _, t in slots:
+    for qualified, _, kind, _, t in slots:
         if id(t) not in converted:
-            converted[id(t)] = (t, Layout.make(t.shape, placement, choose(qualified, t)))
+            try:
+                converted[id(t)] = (t, Layout.make(t.shape, placement, choose(qualified, t)))
+            except ValueError as e:   # say which tensor: one sbp for all rarely fits a 0-d buffer
+                what = "parameter" if kind == "_parameters" else "buffer"
+                raise ValueError(f"to_global: {what} {qualified!r} of shape {tuple(t.shape)}: {e} "
+                                 f"(give a callable (name, tensor) -> sbp to lay tensors out one by "
+                                 f"one)") from None
     for key, (t, layout) in converted.items():
         value = globalize(t.detach(), layout)
         if isinstance(t, torch.nn.Parameter):

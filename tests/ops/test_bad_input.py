@@ -39,6 +39,11 @@ def check_bad_input():
     got = guard(where, lambda: (x + torch.ones(1, dtype=F64)) * torch.tensor(2.0, dtype=F64))
     if got is not None:
         close(got.full(), (v + 1) * 2, where)
+    # one sbp for a whole module that a tensor cannot take names that tensor
+    raises("to_global(BatchNorm1d, split(0))", lambda: gt.nn.to_global(torch.nn.BatchNorm1d(4), p, S(0)),
+           ValueError, "buffer 'num_batches_tracked' of shape ()")
+    raises("to_global(Linear, split(1))", lambda: gt.nn.to_global(torch.nn.Linear(4, 4), p, S(1)),
+           ValueError, "parameter 'bias' of shape (4,)")
 
 
 CHECKS = ["check_bad_input"]
