@@ -353,7 +353,8 @@ def _finish(call: Call, meta: _MetaRun, local, gidx: tuple, targets: tuple,
         out_layouts = [l if r is None else r.without_partials()
                        for l, r in zip(out_layouts, reduced)]
         reduced = ()
-    shortcut = not inplace and _empty_shortcut(meta.out_leaves, targets, out_layouts, rank)
+    shortcut = not inplace and not getattr(local, "communicates", False) and \
+        _empty_shortcut(meta.out_leaves, targets, out_layouts, rank)
     single = len(meta.out_leaves) == 1 and isinstance(meta.out, torch.Tensor)
     multi = None if single or inplace else flat_outputs(meta.out)
     # Direct: no boxing (inputs hold their targets' parts), nothing to reduce, one output

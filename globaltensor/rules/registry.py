@@ -120,6 +120,18 @@ def with_direct(make: Callable):
     return wrap
 
 
+def communicating(local: Callable) -> Callable:
+    """Decorator of a local implementation that communicates (ring attention passes
+    key and value blocks around): every rank of the placement must run it, also one
+    whose part is empty, which otherwise returns empty outputs without running the op.
+
+    >>> @communicating                                  # doctest: +SKIP
+    ... def flash_forward_local(ctx, query, key, value): ...
+    """
+    local.communicates = True
+    return local
+
+
 def has_out_arguments(func) -> bool:
     """True for an op with out= arguments (``torch.add(a, b, out=c)``'s overload)."""
     return any(a.is_out for a in func._schema.arguments)

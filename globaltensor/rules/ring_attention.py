@@ -31,6 +31,7 @@ import torch
 
 from .. import comm
 from ..sbp import Split
+from .registry import communicating
 
 aten = torch.ops.aten
 _FORWARD = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -199,6 +200,7 @@ def _is_ring(ctx, index: int) -> bool:
     return ring is not None and len(ring[0]) > 1
 
 
+@communicating
 def flash_forward_local(ctx, query, key, value, dropout_p=0.0, is_causal=False, *,
                         attn_mask=None, scale=None):
     """``_scaled_dot_product_flash_attention_for_cpu`` on this rank's parts: the kernel
@@ -266,6 +268,7 @@ def _merge(out, lse, rows: slice, o, l) -> None:
     lse[..., rows] = total
 
 
+@communicating
 def flash_backward_local(ctx, grad_out, query, key, value, out, logsumexp, dropout_p,
                          is_causal, *, attn_mask=None, scale=None):
     """``_scaled_dot_product_flash_attention_for_cpu_backward`` on this rank's parts:
@@ -313,6 +316,7 @@ def ring_backward(ring: _Ring, grad_out, query, key, value, out, logsumexp, caus
     return grad_q.to(query.dtype), held[2].to(key.dtype), held[3].to(value.dtype)
 
 
+@communicating
 def cuda_flash_forward_local(ctx, query, key, value, dropout_p=0.0, is_causal=False,
                              return_debug_mask=False, *, scale=None):
     """``_scaled_dot_product_flash_attention`` (the CUDA flash kernel) on this rank's
@@ -336,6 +340,7 @@ def cuda_flash_forward_local(ctx, query, key, value, dropout_p=0.0, is_causal=Fa
     return (out, lse, *rest)
 
 
+@communicating
 def cuda_flash_backward_local(ctx, grad_out, query, key, value, out, logsumexp, cum_seq_q,
                               cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed,
                               philox_offset, *, scale=None):
