@@ -54,10 +54,28 @@ def pointwise_rule(call):
 
 
 # Elementwise ops that torch does not tag pointwise (hardswish in MobileNets, log_sigmoid
-# in preference losses, and backwards), taken by the same rule instead of gathering
+# in preference losses, PReLU, and the backwards of LeakyReLU, ELU, Hardtanh, ReLU6,
+# Softplus, the shrinks and Mish), taken by the same rule instead of gathering
 for _packet in (aten.hardswish, aten.hardswish_, aten.hardswish_backward,
-                aten.hardsigmoid_backward, aten.log_sigmoid_forward, aten.log_sigmoid_backward):
+                aten.hardsigmoid_backward, aten.log_sigmoid_forward, aten.log_sigmoid_backward,
+                aten.leaky_relu_backward, aten.elu_backward, aten.hardtanh_backward,
+                aten.softplus_backward, aten.hardshrink_backward, aten.softshrink_backward,
+                aten.mish_backward, aten._prelu_kernel):
     register(_packet)(pointwise_rule)
+
+
+@register(aten._prelu_kernel_backward)
+def prelu_backward_rule(call):
+    """(grad, input, weight) -> (grad of input, grad of weight): elementwise, the
+    weight's gradient summed over the dims it broadcasts along (a split one: partial)."""
+    out = call.in_shapes[1]
+    weight = call.in_shapes[2]
+    cands = [((broadcast,) * 3, (broadcast, broadcast)),
+             ((partial_sum, broadcast, broadcast), (partial_sum, partial_sum))]
+    for d in range(len(out)):
+        w = aligned_sbp(weight, out, d)
+        cands.append(((Split(d), Split(d), w), (Split(d), w if isinstance(w, Split) else partial_sum)))
+    return cands
 
 
 def _partial_cands(call, n_in):

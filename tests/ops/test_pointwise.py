@@ -55,6 +55,22 @@ def check_pointwise():
         out.sum().backward()
         expect(out.sbp == rows.grad.sbp == (S(0),), f"{op.__name__}: {out.sbp}, {rows.grad.sbp}")
         rows.grad = None
+    # activations whose backward (and PReLU's kernel) torch does not tag pointwise: their
+    # backward gathered the batch; now nothing is sent
+    acts = {"leaky_relu": lambda x: F.leaky_relu(x, 0.1), "elu": F.elu, "hardtanh": F.hardtanh,
+            "relu6": F.relu6, "softplus": F.softplus, "hardshrink": F.hardshrink,
+            "softshrink": F.softshrink, "mish": F.mish}
+    prelu_w = randn((3,), "prelu_w")
+    for name, op in acts.items():
+        case(name, op, [a], places=placements(4, 1, 3))
+    case("prelu", F.prelu, [a, prelu_w], places=placements(6, 1, 3))
+    acts["prelu"] = lambda x: F.prelu(x, gt.tensor(prelu_w, placement=x.placement, sbp=gt.sbp.broadcast))
+    for name, op in acts.items():
+        rows = gt.tensor(a, placement=gt.placement.all("cpu"), sbp=S(0), requires_grad=True)
+        seed = gt.tensor(torch.ones_like(a), placement=rows.placement, sbp=S(0))
+        with gt.debug.comm_stats() as stats:
+            op(rows).backward(seed)
+        expect(stats.total_bytes == 0, f"{name} of split rows, backward: sent {stats.total_bytes} bytes")
     case("where(x>y,x,y)", lambda x, y: torch.where(x > y, x, y), [a, row],
          places=placements(6, 1, 3))
 
