@@ -81,23 +81,26 @@ def max_unpool_rule(call):
     return [((s, s), (s,)) for s in _per_sample(call, _spatial(call))] + [((P, B), (P,))]
 
 
+_ADAPTIVE_MAX = (aten.adaptive_max_pool2d, aten.adaptive_max_pool3d)
+
+
 @register(aten.avg_pool2d, aten.avg_pool3d, aten._adaptive_avg_pool2d,
-          aten._adaptive_avg_pool3d, aten.adaptive_max_pool2d)
+          aten._adaptive_avg_pool3d, *_ADAPTIVE_MAX)
 def pool_rule(call):
     n_out = len(call.out_shapes)
     cands = [((s,), (s,) * n_out) for s in _per_sample(call, _spatial(call))]
-    if call.func.overloadpacket is not aten.adaptive_max_pool2d:
+    if call.func.overloadpacket not in _ADAPTIVE_MAX:   # average pooling is linear
         cands.append(((P,), (P,)))
     return cands
 
 
 @register(aten.avg_pool2d_backward, aten.avg_pool3d_backward,
           aten._adaptive_avg_pool2d_backward, aten._adaptive_avg_pool3d_backward,
-          aten.adaptive_max_pool2d_backward)
+          aten.adaptive_max_pool2d_backward, aten.adaptive_max_pool3d_backward)
 def pool_backward_rule(call):
     n_in = len(call.inputs)
     cands = [((s,) * n_in, (s,)) for s in _per_sample(call, _spatial(call))]
-    if call.func.overloadpacket is not aten.adaptive_max_pool2d_backward:
+    if n_in == 2:   # average pooling's: linear in the gradient (max's takes indices too)
         cands.append(((P,) + (B,) * (n_in - 1), (P,)))
     return cands
 

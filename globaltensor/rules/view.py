@@ -225,7 +225,8 @@ def diag_embed_rule(call):
     return _same_sbp(1, 1, dict(enumerate(rest)), partial_ok=True, max_ok=False)
 
 
-@register(aten.split, aten.split_with_sizes, aten.unbind)
+@register(aten.split, aten.split_with_sizes, aten.unbind, aten.unsafe_split,
+          aten.unsafe_split_with_sizes)   # (unsafe_: GRU and LSTM cells' gates)
 def split_rule(call):
     args, kwargs = _args(call)
     ndim = len(call.in_shapes[0])

@@ -97,6 +97,21 @@ def check_norm_conv_pool():
                      ("max_pool2d(3,2,1) unbatched", lambda x: F.max_pool2d(x, 3, stride=2, padding=1)),
                      ("avg_pool2d(3,2,1) unbatched", lambda x: F.avg_pool2d(x, 3, stride=2, padding=1))):
         case(name, op, [chw], choices=[[B, S(0), S(1), S(2)]], must=[(S(1),)], places=placements(4, 0, 3))
+    # 3-D adaptive max pooling and a GRU cell's gates (unsafe_split) keep a split batch,
+    # forward and backward: they gathered it
+    vol = randn((4, 3, 4, 4, 4), "vol")
+    case("adaptive_max_pool3d", lambda x: F.adaptive_max_pool3d(x, (2, 3, 2)), [vol],
+         choices=[[B, S(0), S(1)]], places=placements(3, 0, 3))
+    whole = gt.placement.all("cpu")
+    cell = gt.nn.to_global(torch.nn.GRUCell(3, 4).double(), whole, B).requires_grad_(False)  # (no sync)
+    hx = gt.tensor(randn((4, 4), "hx"), placement=whole, sbp=S(0))   # (a default one is broadcast)
+    for name, fn, value in (("adaptive_max_pool3d", lambda x: F.adaptive_max_pool3d(x, 2), vol),
+                            ("GRUCell", lambda x: cell(x, hx), randn((4, 3), "gru"))):
+        batch = gt.tensor(value, placement=whole, sbp=S(0), requires_grad=True)
+        with gt.debug.comm_stats() as stats:
+            out = fn(batch)
+            out.backward(gt.tensor(torch.ones(out.shape, dtype=F64), placement=whole, sbp=S(0)))
+        expect(stats.total_bytes == 0, f"{name} of a split batch: sent {stats.total_bytes} bytes")
     # max_unpool2d places each value at its index, per sample and channel (it gathered)
     unpool = lambda x: F.max_unpool2d(*F.max_pool2d(x, 2, return_indices=True), 2)  # noqa: E731
     case("max_unpool2d", unpool, [img], choices=[[B, S(0), S(1)]], places=placements(3, 0, 3))
