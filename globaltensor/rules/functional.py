@@ -157,6 +157,8 @@ def _math_path(query: GlobalTensor) -> bool:
     ranks choose the same way. Erring towards the math path costs speed, not values."""
     if query.dim() != 4:
         return True
+    if torch.compiler.is_compiling():   # (as before: dynamo would stop at the flags)
+        return False
     kernels = torch.backends.cuda
     if device_of(query.placement).type == "cpu":
         return not kernels.flash_sdp_enabled()
