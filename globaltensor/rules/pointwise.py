@@ -55,12 +55,14 @@ def pointwise_rule(call):
 
 # Elementwise ops that torch does not tag pointwise (hardswish in MobileNets, log_sigmoid
 # in preference losses, PReLU, and the backwards of LeakyReLU, ELU, Hardtanh, ReLU6,
-# Softplus, the shrinks and Mish), taken by the same rule instead of gathering
+# Softplus, the shrinks and Mish; masked_fill with a tensor value, x // y, complex and
+# polar), taken by the same rule instead of gathering
 for _packet in (aten.hardswish, aten.hardswish_, aten.hardswish_backward,
                 aten.hardsigmoid_backward, aten.log_sigmoid_forward, aten.log_sigmoid_backward,
                 aten.leaky_relu_backward, aten.elu_backward, aten.hardtanh_backward,
                 aten.softplus_backward, aten.hardshrink_backward, aten.softshrink_backward,
-                aten.mish_backward, aten._prelu_kernel):
+                aten.mish_backward, aten._prelu_kernel, aten.masked_fill, aten.masked_fill_,
+                aten.floor_divide, aten.floor_divide_, aten.complex, aten.polar):
     register(_packet)(pointwise_rule)
 
 

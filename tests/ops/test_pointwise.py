@@ -71,6 +71,16 @@ def check_pointwise():
         with gt.debug.comm_stats() as stats:
             op(rows).backward(seed)
         expect(stats.total_bytes == 0, f"{name} of split rows, backward: sent {stats.total_bytes} bytes")
+    # elementwise, not tagged pointwise by torch: they gathered a split operand
+    untagged = {"masked_fill(x>0, tensor)": lambda x, y: x.masked_fill(x > 0, torch.tensor(2.0, dtype=F64)),
+                "x // y": lambda x, y: torch.floor_divide(x, y.abs() + 0.5),
+                "complex(x, y)": torch.complex, "polar(|x|, y)": lambda x, y: torch.polar(x.abs(), y)}
+    for name, op in untagged.items():
+        case(name, op, [a, d], grad=False, places=placements(4, 1, 3))
+        xs, ys = (gt.tensor(t, placement=gt.placement.all("cpu"), sbp=S(0)) for t in (a, d))
+        with gt.debug.comm_stats() as stats:
+            op(xs, ys)
+        expect(stats.total_bytes == 0, f"{name} of split rows: sent {stats.total_bytes} bytes")
     case("where(x>y,x,y)", lambda x, y: torch.where(x > y, x, y), [a, row],
          places=placements(6, 1, 3))
 
