@@ -153,7 +153,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 def _math_path(query: GlobalTensor) -> bool:
     """Whether torch's ``scaled_dot_product_attention`` takes its math path (which builds
     a plain causal mask) rather than a fused kernel: decided from what every rank knows
-    alike (the global rank of the inputs, the device type, the enabled kernels), so the
+    alike (the inputs' number of dims, the device type, the enabled kernels), so the
     ranks choose the same way. Erring towards the math path costs speed, not values."""
     if query.dim() != 4:
         return True
