@@ -1,6 +1,6 @@
 """Ops that work along one dim: scans (cumsum, cumprod, logcumsumexp, cummax, cummin),
 sorts and selections (sort, argsort, topk, kthvalue, median/mode over a dim), flip and
-roll, rot90, gather and scatter, ``F.glu`` (halves of its dim), renorm (each slice along
+roll, rot90, gather and scatter, index_select and index_add, ``F.glu`` (halves of its dim), renorm (each slice along
 its dim on its own); bucketize / searchsorted against whole boundaries (each element on
 its own); and tril/triu, which mask by position.
 
@@ -102,6 +102,36 @@ def gather_scatter_rule(call):
     busy = {dim} | {d for d in range(ndim)
                     if any(len(s) != ndim or s[d] != shape[d] for s in call.in_shapes)}
     return _split_elsewhere(call, n_in, 1, busy)
+
+
+@register(aten.index_select)
+def index_select_rule(call):
+    """(self, dim, index): rows of ``self`` along ``dim``. A split elsewhere stays; a split
+    index selects a split of the rows; linear in ``self``."""
+    ndim = len(call.in_shapes[0])
+    dim = normalize_dim(call.arg("dim"), ndim)
+    cands = [((B, B), (B,)), ((partial_sum, B), (partial_sum,))]
+    cands += [((Split(d), B), (Split(d),)) for d in range(ndim) if d != dim]
+    if len(call.in_shapes[1]) == 1:
+        cands.append(((B, Split(0)), (Split(dim),)))
+    return cands
+
+
+@register(aten.index_add, aten.index_add_)
+def index_add_rule(call):
+    """(self, dim, index, source): ``source``'s rows added into ``self`` at ``index``
+    along ``dim``. A split elsewhere (of self and source alike) stays; linear in self and
+    source together; a split index with its source rows adds each rank's rows into a
+    partial sum (index_select's backward: the gradient of split rows)."""
+    ndim = len(call.in_shapes[0])
+    dim = normalize_dim(call.arg("dim"), ndim)
+    source = call.in_shapes[2]
+    same = [d for d in range(ndim) if d != dim and len(source) == ndim and source[d] == call.in_shapes[0][d]]
+    cands = [((B, B, B), (B,)), ((partial_sum, B, partial_sum), (partial_sum,))]
+    cands += [((Split(d), B, Split(d)), (Split(d),)) for d in same]
+    if len(call.in_shapes[1]) == 1 and len(source) == ndim:
+        cands.append(((partial_sum, Split(0), Split(dim)), (partial_sum,)))
+    return cands
 
 
 @register(aten.tril, aten.triu)

@@ -94,6 +94,25 @@ def check_along_dim_and_attention():
     reduced = into.scatter_reduce(1, index_like(into), values, "amax")
     expect(reduced.sbp == (S(0),), f"scatter_reduce of split(0): {reduced.sbp}")   # (gathered)
 
+    # index_select and index_add (message passing, index_select's backward): rows split
+    # elsewhere, a split index, partial sums; they gathered
+    idx = torch.tensor([0, 5, 2, 2, 1, 3, 5, 0])
+    case("index_select(0)", lambda x, i: x.index_select(0, i), [randn((6, 4), "isx"), idx],
+         places=placements(6, 1, 3), must=[(B, S(0)), (S(1), B), (S(0), B)])
+    case("index_add(0)", lambda x, i, y: x.index_add(0, i, y, alpha=0.5),
+         [randn((6, 4), "iax"), idx, randn((8, 4), "iay")], places=placements(6, 1, 3),
+         must=[(S(1), B, S(1)), (B, S(0), S(0))])
+    whole = gt.placement.all("cpu")
+    for x_sbp, i_sbp in ((S(1), B), (S(0), B), (B, S(0))):
+        x = gt.tensor(randn((6, 4), "isx"), placement=whole, sbp=x_sbp, requires_grad=True)
+        with gt.debug.comm_stats() as stats:
+            rows = x.index_select(0, gt.tensor(idx, placement=whole, sbp=i_sbp))
+            rows.backward(gt.tensor(torch.ones(8, 4, dtype=rows.dtype), placement=whole,
+                                    sbp=B if rows.sbp == (gt.sbp.partial_sum,) else rows.sbp))
+        # nothing moves but, for a split index, x.grad's one sum of the rows' gradients
+        expect(str(stats) == ("CommCounter(no communication)" if i_sbp == B else
+                              f"CommCounter(all_reduce: 1 call(s), {stats.total_bytes} B)"),
+               f"index_select of {x_sbp} at {i_sbp}: sent {stats}")
     q, k, v = (randn((2, 2, 5, 4), f"attn{c}", dtype=torch.float32) for c in "qkv")
     attention = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa
     same = [(s, s, s) for s in (B, S(0), S(1), S(2))]
