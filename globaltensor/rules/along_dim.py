@@ -1,8 +1,9 @@
 """Ops that work along one dim: scans (cumsum, cumprod, logcumsumexp, cummax, cummin),
 sorts and selections (sort, argsort, topk, kthvalue, median/mode over a dim), flip and
-roll, rot90, gather and scatter, index_select and index_add, ``F.glu`` (halves of its dim), renorm (each slice along
-its dim on its own); bucketize / searchsorted against whole boundaries (each element on
-its own); and tril/triu, which mask by position.
+roll, rot90, gather and scatter, index_select and index_add, the FFTs, ``F.glu``
+(halves of its dim), renorm (each slice along its dim on its own); bucketize /
+searchsorted against whole boundaries (each element on its own); and tril/triu, which
+mask by position.
 
 Each treats the slices across its dim independently, so a split on any other dim stays
 local and the op runs on the parts as they are; a split on the dim itself is boxed to
@@ -132,6 +133,14 @@ def index_add_rule(call):
     if len(call.in_shapes[1]) == 1 and len(source) == ndim:
         cands.append(((partial_sum, Split(0), Split(dim)), (partial_sum,)))
     return cands
+
+
+@register(aten._fft_r2c, aten._fft_c2r, aten._fft_c2c)
+def fft_rule(call):
+    """``torch.fft``'s transforms over ``dim``: a split of any other dim stays; linear."""
+    ndim = len(call.in_shapes[0])
+    dims = {normalize_dim(d, ndim) for d in call.arg("dim")}
+    return _split_elsewhere(call, 1, 1, dims) + [((partial_sum,), (partial_sum,))]
 
 
 @register(aten.tril, aten.triu)

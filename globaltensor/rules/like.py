@@ -5,7 +5,7 @@
 ``copy_`` keeps its target's layout and boxes the source to it; a plain source is the
 whole value (as for ``gt.tensor``), so ``module.load_state_dict`` takes a full, plain
 state dict. ``new_*`` of the source's own size follow the same rules; of another size
-they are broadcast.
+they keep a split of a dim whose size is the same, else are broadcast.
 """
 from __future__ import annotations
 
@@ -51,11 +51,16 @@ def new_tensor_rule(call):
     of the source's own size, it takes the source's layout (listed first, so it wins
     the tie). Autograd makes such tensors when it copies a gradient into the memory
     order of its leaf; a broadcast one would gather the gradient."""
-    sources = candidates(len(call.in_shapes[0]), partials=(partial_sum, partial_max))
+    source, out = call.in_shapes[0], call.out_shapes[0]
+    sources = candidates(len(source), partials=(partial_sum, partial_max))
     cands = [((s,), (broadcast,)) for s in sources]
-    if call.in_shapes[0] == call.out_shapes[0]:
+    if source == out:
         values = call.func.overloadpacket in (aten.new_ones, aten.new_full)
-        cands = _same_layout_cands(call, partials=not values) + cands
+        return _same_layout_cands(call, partials=not values) + cands
+    if len(source) == len(out):
+        # a dim of the source's size keeps its split: the FFTs' and slices' backwards
+        # make a larger gradient of zeros and copy the split gradient into part of it
+        cands = [((Split(d),), (Split(d),)) for d in range(len(out)) if source[d] == out[d]] + cands
     return cands
 
 

@@ -113,6 +113,16 @@ def check_along_dim_and_attention():
         expect(str(stats) == ("CommCounter(no communication)" if i_sbp == B else
                               f"CommCounter(all_reduce: 1 call(s), {stats.total_bytes} B)"),
                f"index_select of {x_sbp} at {i_sbp}: sent {stats}")
+    # the FFTs over some dims keep a split of the others, and partial sums (they gathered)
+    for name, fft in (("rfft", lambda x: torch.fft.rfft(x, dim=-1)),
+                      ("irfft(rfft)", lambda x: torch.fft.irfft(torch.fft.rfft(x), n=6)),
+                      ("fft2 ortho", lambda x: torch.fft.fft2(x, norm="ortho").abs())):
+        case(name, fft, [randn((4, 3, 6), "fftx")], places=placements(4, 0, 2), must=[(S(0),), (S(1),)])
+        x = gt.tensor(randn((4, 3, 6), "fftx"), placement=whole, sbp=S(0), requires_grad=True)
+        with gt.debug.comm_stats() as stats:
+            y = fft(x)
+            y.backward(gt.tensor(torch.ones(y.shape, dtype=y.dtype), placement=whole, sbp=S(0)))
+        expect(stats.total_bytes == 0 and y.sbp == (S(0),), f"{name} of split(0): {y.sbp}, sent {stats}")
     q, k, v = (randn((2, 2, 5, 4), f"attn{c}", dtype=torch.float32) for c in "qkv")
     attention = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa
     same = [(s, s, s) for s in (B, S(0), S(1), S(2))]
