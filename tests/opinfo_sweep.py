@@ -35,7 +35,7 @@ S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 RANDOM = ("rand", "normal", "bernoulli", "dropout", "multinomial", "empty", "uniform",
           "exponential", "geometric", "cauchy", "poisson", "nondeterministic", "sparse",
           "lowrank", "jiterator", "item", "equal", "tolist", "histogramdd", "resize_",
-          "_scaled_mm", "unique", "storage", "_segment_reduce")
+          "_scaled_mm", "unique", "storage", "_segment_reduce", "rrelu")
 
 
 def variants(sample, mesh: bool) -> list:
