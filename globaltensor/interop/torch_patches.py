@@ -109,6 +109,9 @@ def _override_functionals() -> None:
     # torch.einsum decomposes into a dozen views and a bmm per call (forward; more in
     # backward), each dispatched on its own: it runs as one op (rules/einsum.py).
     override_function(torch, "einsum", einsum_rules.einsum)
+    # torch.stft frames its signal with as_strided, which only a whole copy allows: a
+    # batch of signals is transformed rank by rank (rules/functional.py).
+    override_function(torch, "stft", functional_rules.stft)
 
 
 def _override_clip_grad() -> None:

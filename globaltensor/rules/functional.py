@@ -4,7 +4,8 @@ Some composites cannot run op by op on parts: ``F.one_hot`` and ``F.embedding_ba
 build plain helper tensors (an arange of classes, bag offsets) inside their kernels,
 and ``F.scaled_dot_product_attention`` with dropout, or causal where no fused kernel
 runs (inputs other than 4-D, or the fused kernels turned off), takes torch's math path,
-which builds a plain causal mask, and would draw dropout per rank. Here they are written
+which builds a plain causal mask, and would draw dropout per rank; ``torch.stft`` frames
+its signal with ``as_strided``, which only a whole copy allows. Here they are written
 with global ops (and the placement-invariant ``F.dropout``), so every layout works
 and gives the value of the whole-tensor computation. ``interop/torch_patches.py``
 installs them in ``torch.nn.functional``, taken when a GlobalTensor is an argument.
@@ -164,6 +165,35 @@ def _math_path(query: GlobalTensor) -> bool:
         return not kernels.flash_sdp_enabled()
     return not (kernels.flash_sdp_enabled() or kernels.mem_efficient_sdp_enabled()
                 or kernels.cudnn_sdp_enabled())
+
+
+def stft(input, n_fft, hop_length=None, win_length=None, window=None, center=True,
+         pad_mode="reflect", normalized=False, onesided=None, return_complex=None,
+         align_to_window=None):
+    """``torch.stft`` of a batch of signals ``(B, T)``: each rank transforms its rows, the
+    frames never gathered (torch frames a signal with ``as_strided``, which only a whole
+    copy allows; other layouts are made broadcast first). A window that requires grad,
+    or a single signal, takes the general path."""
+    if not isinstance(input, GlobalTensor) or input.dim() != 2 or (
+            isinstance(window, torch.Tensor) and window.requires_grad):
+        return NotImplemented
+    placement = input.placement
+    sbp = tuple(s if s == Split(0) else broadcast for s in input.sbp)
+    x = input if sbp == input.sbp else input.to_global(sbp=sbp)
+    whole = window.full() if isinstance(window, GlobalTensor) else window
+    args = (n_fft, hop_length, win_length)
+    kwargs = dict(center=center, pad_mode=pad_mode, normalized=normalized, onesided=onesided,
+                  return_complex=return_complex, align_to_window=align_to_window)
+    meta = torch.stft(torch.empty(input.shape, dtype=input.dtype, device="meta"), *args,
+                      window=None if whole is None else whole.to("meta"), **kwargs)
+    layout = Layout.make(meta.shape, placement, sbp)
+    part = x.to_local()
+    if comm.get_rank() in placement and part.shape[0]:
+        out = torch.stft(part, *args, window=whole, **kwargs)
+    else:   # an empty part (torch refuses it), kept in the graph for the backward's turn
+        out = torch.zeros(layout.local_shape(comm.get_rank()), dtype=meta.dtype,
+                          device=part.device) + part.sum() * 0
+    return from_local_part(out, layout)
 
 
 def _mask_part(mask, scores_shape, q: GlobalTensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Composites written with global ops (rules/functional.py; issue #10 items 4 and 15):
 F.one_hot, F.embedding_bag (sum, mean, max; offsets, padding_idx, per-sample weights)
-and F.scaled_dot_product_attention with dropout or causal on torch's math path. Values and gradients are compared
+F.scaled_dot_product_attention with dropout or causal on torch's math path, and
+torch.stft of a batch. Values and gradients are compared
 with plain torch on the whole tensors, in worlds of 2 and 4 processes.
 """
 from __future__ import annotations
@@ -114,6 +115,31 @@ def check_causal_attention_on_the_math_path():
                 _close(x.grad, want.grad, what + " gradient")
 
 
+def check_stft_of_a_batch():
+    # torch frames the signal with as_strided, which gathered the batch: each rank now
+    # transforms its own rows (or addend), forward and backward
+    gen = _gen(12)
+    n = gt.get_world_size()
+    window = torch.hann_window(16)
+    for rows in (2 * n, n - 1):   # (fewer rows than ranks: an empty part)
+        signal = torch.randn(rows, 64, generator=gen)
+        ref_in = signal.clone().requires_grad_()
+        ref = torch.stft(ref_in, 16, hop_length=4, window=window, return_complex=True)
+        weight = torch.linspace(-1.0, 1.0, ref.numel()).reshape(ref.shape)
+        (ref.abs() * weight).sum().backward()
+        for sbp, win in ((S(0), window), (S(0), _g(window, B)), (gt.sbp.partial_sum, window)):
+            x = _g(signal, sbp, grad=True)
+            what = f"stft of {rows} rows on {sbp}"
+            with gt.debug.comm_stats() as stats:
+                out = x.stft(16, hop_length=4, window=win, return_complex=True)
+            if sbp == S(0):
+                assert out.sbp == (sbp,), f"{what}: {out.sbp}"
+                assert stats.total_bytes == 0, f"{what}: sent {stats}"
+            _close(out, ref.detach(), what)
+            (out.abs() * _g(weight, B)).sum().backward()
+            _close(x.grad, ref_in.grad, what + " gradient")
+
+
 CHECKS = ["check_one_hot_and_embedding_bag", "check_attention_with_dropout",
-          "check_causal_attention_on_the_math_path"]
+          "check_causal_attention_on_the_math_path", "check_stft_of_a_batch"]
 test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
