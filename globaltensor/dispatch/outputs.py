@@ -58,8 +58,8 @@ def identities(decision: Decision, rank: int):
     identity of each (partial or empty) output, which some kernels refuse to compute
     from nothing."""
     computed = decision.reduced or decision.out_layouts
-    return tree_unflatten([_identity(r or layout, dtype, rank) for layout, r, dtype
-                           in zip(decision.out_layouts, computed, decision.out_dtypes)],
+    return tree_unflatten([None if layout is None else _identity(r or layout, dtype, rank)
+                           for layout, r, dtype in zip(decision.out_layouts, computed, decision.out_dtypes)],
                           decision.out_spec)
 
 

@@ -391,14 +391,17 @@ def _empty_shortcut(out_leaves: list, targets: tuple, out_layouts: list, rank: i
     empty parts (a max over nothing): when the rank holds an empty part of some input
     and every output is empty here or partial, and no input it holds a part of is
     partial. A partial input's addend is part of the result (``addmm``'s bias under a
-    partial product): where one is held, the op runs."""
-    if not all(isinstance(o, torch.Tensor) for o in out_leaves):
+    partial product): where one is held, the op runs. Outputs a mask left out (None,
+    batch norm's backward) stay None; kernels may crash on empty parts (batch norm's
+    backward divides by their size)."""
+    if not all(isinstance(o, torch.Tensor) or o is None for o in out_leaves):
         return False
     if not any(0 in t.local_shape(rank) for t in targets):
         return False
-    if all(0 in l.local_shape(rank) for l in out_layouts):
+    made = [l for l in out_layouts if l is not None]
+    if all(0 in l.local_shape(rank) for l in made):
         return True
-    return (all(l.partial_axes for l in out_layouts if 0 not in l.local_shape(rank))
+    return (all(l.partial_axes for l in made if 0 not in l.local_shape(rank))
             and not any(t.partial_axes and 0 not in t.local_shape(rank) for t in targets))
 
 
