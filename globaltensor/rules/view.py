@@ -142,10 +142,20 @@ def slice_rule(call):
     return _same_sbp(1, 1, moved)
 
 
+def _holds_plain(call, n_in: int) -> bool:
+    """Whether cat's or stack's list holds plain (one-element) tensors besides the
+    ``n_in`` GlobalTensors: each rank puts such a one into its part whole, so only a
+    broadcast output holds it once (a partial sum counted it on every rank: the
+    gradient of ``x.prod()`` of a split tensor came out times the ranks)."""
+    return len(_args(call)[0][0]) != n_in
+
+
 @register(aten.cat)
 def cat_rule(call):
     args, kwargs = _args(call)
     n_in = len(call.inputs)
+    if _holds_plain(call, n_in):
+        return [((broadcast,) * n_in, (broadcast,))]
     shapes = [s for s in call.in_shapes if len(s) > 1 or s != (0,)]
     ndim = len(call.out_shapes[0])
     dim = normalize_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), ndim)
@@ -162,6 +172,8 @@ def cat_rule(call):
 @register(aten.stack)
 def stack_rule(call):
     args, kwargs = _args(call)
+    if _holds_plain(call, len(call.inputs)):
+        return [((broadcast,) * len(call.inputs), (broadcast,))]
     ndim = len(call.out_shapes[0])
     dim = normalize_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), ndim)
     return _same_sbp(len(call.inputs), 1, {d: d + (d >= dim) for d in range(ndim - 1)})

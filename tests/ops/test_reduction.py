@@ -52,6 +52,13 @@ def check_reductions():
     for name in ("sum(0)", "mean()", "amax(0)", "max(dim=1,keepdim)", "var(0)",
                  "vector_norm(dim=1)"):
         case(f"{name} on (3,2)", ops[name], [small], places=placements(4, 0, 3))
+    # prod()'s backward concatenates a plain one-element tensor with a slice of the
+    # flattened input; the slice of a split input was partial, and the plain 1 counted
+    # once per rank (the gradient came out times the ranks)
+    for name, op in (("prod()", lambda x: x.prod()), ("prod(0)", lambda x: x.prod(0)),
+                     ("cat(plain 1, x.view(-1)[:-1])",
+                      lambda x: torch.cat([torch.ones(1, dtype=x.dtype), x.reshape(-1)[:-1]]))):
+        case(name, op, [x], places=placements(4, 1, 3))
     x3 = randn((2, 5, 3), "rx3")
     case("sum(1) 3-D", lambda x: x.sum(1), [x3], places=placements(5, 0, 3))
     case("mean((0,2)) 3-D", lambda x: x.mean((0, 2)), [x3], places=placements(5, 0, 3))
