@@ -1,9 +1,9 @@
 """Ops that work along one dim: scans (cumsum, cumprod, logcumsumexp, cummax, cummin),
 sorts and selections (sort, argsort, topk, kthvalue, median/mode over a dim), flip and
-roll, rot90, gather and scatter, index_select and index_add, the FFTs, ``F.glu``
-(halves of its dim), renorm (each slice along its dim on its own); bucketize /
-searchsorted against whole boundaries (each element on its own); and tril/triu, which
-mask by position.
+roll, rot90, gather and scatter, index_select, index_add, index_copy and index_fill,
+the FFTs, ``F.glu`` (halves of its dim), renorm (each slice along its dim on its own);
+bucketize / searchsorted against whole boundaries (each element on its own); and
+tril/triu, which mask by position.
 
 Each treats the slices across its dim independently, so a split on any other dim stays
 local and the op runs on the parts as they are; a split on the dim itself is boxed to
@@ -132,6 +132,27 @@ def index_add_rule(call):
     cands += [((Split(d), B, Split(d)), (Split(d),)) for d in same]
     if len(call.in_shapes[1]) == 1 and len(source) == ndim:
         cands.append(((partial_sum, Split(0), Split(dim)), (partial_sum,)))
+    return cands
+
+
+@register(aten.index_copy, aten.index_copy_, aten.index_fill, aten.index_fill_)
+def index_copy_rule(call):
+    """index_copy(self, dim, index, source) and index_fill(self, dim, index, value): rows
+    of ``self`` along ``dim`` replaced (a key-value cache's update). A split elsewhere
+    stays (with the source's, which must match there); index_copy is linear in self and
+    source together (a fill value is not)."""
+    shape = call.in_shapes[0]
+    ndim = len(shape)
+    dim = normalize_dim(call.arg("dim"), ndim)
+    copies = call.func.overloadpacket in (aten.index_copy, aten.index_copy_)
+    extra = call.in_shapes[2:]   # index_copy's source, or index_fill's 0-d value tensor
+    cands = [((B,) * len(call.inputs), (B,))]
+    for d in range(ndim):
+        if d == dim or (copies and any(len(s) != ndim or s[d] != shape[d] for s in extra)):
+            continue
+        cands.append(((Split(d), B) + ((Split(d),) if copies else (B,)) * len(extra), (Split(d),)))
+    if copies:
+        cands.append(((partial_sum, B, partial_sum), (partial_sum,)))
     return cands
 
 

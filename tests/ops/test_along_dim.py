@@ -113,6 +113,25 @@ def check_along_dim_and_attention():
         expect(str(stats) == ("CommCounter(no communication)" if i_sbp == B else
                               f"CommCounter(all_reduce: 1 call(s), {stats.total_bytes} B)"),
                f"index_select of {x_sbp} at {i_sbp}: sent {stats}")
+    # index_copy_ and index_fill (a key-value cache's update at some positions) keep a
+    # split of the other dims, head-split caches among them (they gathered the cache)
+    pos = torch.tensor([1, 4])
+
+    def at(c):   # the positions, as a broadcast GlobalTensor beside a global cache
+        return gt.tensor(pos, placement=c.placement, sbp=nd(B, c.placement)) if gt.is_global(c) else pos
+
+    case("index_copy(2)", lambda c, k: c.index_copy(2, at(c), k),
+         [randn((2, 4, 6, 3), "icc"), randn((2, 4, 2, 3), "ick")], places=placements(6, 1, 3),
+         must=[(S(1), S(1)), (S(0), S(0))])
+    case("index_fill(2)", lambda c: c.index_fill(2, at(c), -1.0), [randn((2, 4, 6, 3), "icc")],
+         places=placements(4, 1, 3))
+    cache = gt.tensor(randn((2, 4, 6, 3), "icc"), placement=whole, sbp=S(1))
+    keys = gt.tensor(randn((2, 4, 2, 3), "ick"), placement=whole, sbp=S(1))
+    with gt.debug.comm_stats() as stats:
+        cache.index_copy_(2, gt.tensor(pos, placement=whole, sbp=B), keys)
+        filled = cache.index_fill(2, gt.tensor(pos, placement=whole, sbp=B), 0.0)
+    expect(stats.total_bytes == 0 and cache.sbp == filled.sbp == (S(1),),
+           f"a head-split cache's update: {cache.sbp}, {filled.sbp}, sent {stats}")
     # the FFTs over some dims keep a split of the others, and partial sums (they gathered)
     for name, fft in (("rfft", lambda x: torch.fft.rfft(x, dim=-1)),
                       ("irfft(rfft)", lambda x: torch.fft.irfft(torch.fft.rfft(x), n=6)),
