@@ -79,9 +79,10 @@ def check_along_dim_and_attention():
          choices=[[B, S(0), S(1), S(2)], [B]], places=placements(4, 1, 3))
     index = randint(5, (2, 3, 4), "adidx")
 
-    def index_like(a):
-        return gt.tensor(index, placement=a.placement, sbp=nd(B, a.placement)) \
-            if gt.is_global(a) else index
+    def index_like(a, values=index):
+        """``values`` (an index), broadcast beside a global ``a``; plain beside a plain one."""
+        return gt.tensor(values, placement=a.placement, sbp=nd(B, a.placement)) \
+            if gt.is_global(a) else values
 
     case("scatter_add(1)", lambda a, b: a.scatter_add(1, index_like(a), b),
          [randn((2, 5, 4), "adsa"), randn((2, 3, 4), "adsb")], places=placements(4, 0, 2))
@@ -116,10 +117,7 @@ def check_along_dim_and_attention():
     # index_copy_ and index_fill (a key-value cache's update at some positions) keep a
     # split of the other dims, head-split caches among them (they gathered the cache)
     pos = torch.tensor([1, 4])
-
-    def at(c):   # the positions, as a broadcast GlobalTensor beside a global cache
-        return gt.tensor(pos, placement=c.placement, sbp=nd(B, c.placement)) if gt.is_global(c) else pos
-
+    at = lambda c: index_like(c, pos)  # noqa: E731
     case("index_copy(2)", lambda c, k: c.index_copy(2, at(c), k),
          [randn((2, 4, 6, 3), "icc"), randn((2, 4, 2, 3), "ick")], places=placements(6, 1, 3),
          must=[(S(1), S(1)), (S(0), S(0))])
