@@ -184,7 +184,8 @@ class GlobalTensor(torch.Tensor):
     @hidden_from_dynamo
     def to_local(self, grad_sbp=None) -> torch.Tensor:
         """This rank's part, plain (none outside the placement); its gradient comes back
-        in ``grad_sbp`` (default: this tensor's sbp; DTensor's ``grad_placements``)."""
+        in ``grad_sbp`` (DTensor's ``grad_placements``; default: this tensor's sbp, a
+        partial one made broadcast: an addend's gradient is the whole sum's)."""
         return _ToLocal.apply(self, grad_sbp)
 
     @hidden_from_dynamo
@@ -374,7 +375,11 @@ class _ToGlobal(torch.autograd.Function):
 class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: GlobalTensor, sbp=None):   # (the gradient's, to_local's grad_sbp)
-        ctx.layout = x._layout if sbp is None else Layout.make(x.shape, x.placement, sbp)
+        # The part of a partial sum is one addend: the loss's gradient in it is the
+        # whole gradient of the sum, on each rank (as ``from_local_part`` hands the
+        # gradient of a partial output to each addend), so by default it comes back
+        # broadcast; labelled partial it would be counted once per rank.
+        ctx.layout = x._layout.without_partials() if sbp is None else Layout.make(x.shape, x.placement, sbp)
         return x._local.view_as(x._local)
 
     @staticmethod

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from .. import comm
 from ..layout import Layout
 from ..local_parts import device_of
-from ..sbp import Split, broadcast
+from ..sbp import Split, broadcast, partial_sum
 from ..tensor import GlobalTensor, from_full, from_local_part
 from .indices import check_index_range
 from .pointwise import aligned_sbp
@@ -170,15 +170,16 @@ def _math_path(query: GlobalTensor) -> bool:
 def stft(input, n_fft, hop_length=None, win_length=None, window=None, center=True,
          pad_mode="reflect", normalized=False, onesided=None, return_complex=None,
          align_to_window=None):
-    """``torch.stft`` of a batch of signals ``(B, T)``: each rank transforms its rows, the
-    frames never gathered (torch frames a signal with ``as_strided``, which only a whole
-    copy allows; other layouts are made broadcast first). A window that requires grad,
-    or a single signal, takes the general path."""
+    """``torch.stft`` of a batch of signals ``(B, T)``: each rank transforms its rows (or
+    its addend of a partial sum: the transform is linear), the frames never gathered
+    (torch frames a signal with ``as_strided``, which only a whole copy allows; other
+    layouts are made broadcast first). A window that requires grad, or a single signal,
+    takes the general path."""
     if not isinstance(input, GlobalTensor) or input.dim() != 2 or (
             isinstance(window, torch.Tensor) and window.requires_grad):
         return NotImplemented
     placement = input.placement
-    sbp = tuple(s if s == Split(0) else broadcast for s in input.sbp)
+    sbp = tuple(s if s in (Split(0), partial_sum) else broadcast for s in input.sbp)
     x = input if sbp == input.sbp else input.to_global(sbp=sbp)
     whole = window.full() if isinstance(window, GlobalTensor) else window
     args = (n_fft, hop_length, win_length)

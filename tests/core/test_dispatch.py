@@ -188,11 +188,34 @@ def check_addmm_partial_bias_on_rank_without_contracted_part():
     torch.testing.assert_close(gt.tensor(t, placement=P, sbp=S(1)).amax(1).full(), t.amax(1))
 
 
+def check_partial_addends_round_trip_through_local_parts_with_the_sums_gradient():
+    # A partial sum's part is one addend: computed on locally and declared partial again
+    # (a linear map, as a user writes around a kernel of their own), the gradient of the
+    # input is the map's adjoint of the output's gradient, not that times the ranks (the
+    # part's gradient came back labelled partial: each rank's whole gradient counted).
+    import torch
+
+    import globaltensor as gt
+    P = gt.placement("cpu", [0, 1])
+    g = torch.Generator().manual_seed(0)
+    addends, weight = [torch.randn(4, 3, generator=g) for _ in range(2)], torch.randn(4, 3, generator=g)
+    x = gt.from_local(addends[gt.get_rank()], placement=P, sbp=gt.sbp.partial_sum).requires_grad_()
+    y = gt.from_local(x.to_local() * 3, placement=P, sbp=gt.sbp.partial_sum)
+    (y * gt.tensor(weight, placement=P, sbp=gt.sbp.broadcast)).sum().backward()
+    torch.testing.assert_close(y.full(), 3 * (addends[0] + addends[1]))
+    torch.testing.assert_close(x.grad.full(), 3 * weight)
+    # An explicit grad_sbp is kept: a broadcast weight used with each rank's own data
+    w = gt.tensor(weight, placement=P, sbp=gt.sbp.broadcast).requires_grad_()
+    (w.to_local(grad_sbp=gt.sbp.partial_sum) * (gt.get_rank() + 1)).sum().backward()
+    torch.testing.assert_close(w.grad.full(), torch.full((4, 3), 3.0))
+
+
 CHECKS = ["check_cache_bounded_over_long_run", "check_cache_and_layouts_bounded_over_many_shapes",
           "check_gradient_buffers_die_with_their_model",
           "check_megatron_layout_keeps_weights_in_place",
           "check_implicit_broadcast_of_plain_operands",
-          "check_addmm_partial_bias_on_rank_without_contracted_part"]
+          "check_addmm_partial_bias_on_rank_without_contracted_part",
+          "check_partial_addends_round_trip_through_local_parts_with_the_sums_gradient"]
 
 
 # (a model's buffers die with it: the process's garbage)

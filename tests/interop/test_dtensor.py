@@ -8,7 +8,7 @@ through both conversions.
 import pytest
 import torch
 from mp import checks_in_worlds
-from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import globaltensor as gt
 from globaltensor.layout import Layout
@@ -122,6 +122,15 @@ def gradients_flow_through_both_conversions():
         y = gt.from_dtensor(leaf)
         (y * y * 3).sum().backward()
         assert torch.equal(leaf.grad.full_tensor(), 6 * v), shape
+    # A partial sum both ways: each addend's gradient is the whole sum's
+    w = value((2, 3))
+    x = gt.from_local(torch.ones(2, 3) * (gt.get_rank() + 1), placement=P, sbp=PSUM).requires_grad_()
+    d = x.to_dtensor()
+    (d * distribute_tensor(w, d.device_mesh, [Replicate()])).sum().backward()
+    assert torch.equal(x.grad.full(), w), x.grad.full()
+    leaf = DTensor.from_local(torch.ones(2, 3), d.device_mesh, [Partial()]).detach().requires_grad_()
+    (gt.from_dtensor(leaf) * gt.tensor(w, placement=P, sbp=B)).sum().backward()
+    assert torch.equal(leaf.grad.full_tensor(), w), leaf.grad.full_tensor()
 
 
 def bad_input_raises():
