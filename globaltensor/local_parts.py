@@ -38,6 +38,15 @@ def empty_local(layout: Layout, dtype: torch.dtype, like: torch.Tensor | None = 
     return torch.empty(shape, dtype=dtype, device=device_of(layout.placement))
 
 
+def empty_part_of(t: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """``empty_local`` for ``t``, a part given on a rank outside the placement: cut from
+    ``t`` when it requires grad, so that what is made of it requires grad there as on
+    the members, and that rank's backward runs as theirs."""
+    if not t.requires_grad:
+        return empty_local(layout, t.dtype)
+    return t.flatten()[:0].reshape(empty_local(layout, t.dtype).shape).to(device_of(layout.placement))
+
+
 def traced_from(value: torch.Tensor, sources) -> torch.Tensor:
     """``value``, made in a graph that torch.compile traces from ``sources`` too.
 

@@ -32,7 +32,7 @@ import torch
 from . import comm, explicit_mode, modes, origins, retrace
 from .boxing.run import box
 from .layout import Layout
-from .local_parts import device_of, empty_local
+from .local_parts import device_of, empty_local, empty_part_of
 from .partials import local_part
 from .placement import Placement, check_placement
 from .sbp import broadcast
@@ -40,9 +40,8 @@ from .sbp import broadcast
 _dispatcher = None  # set by dispatch.py
 _watch_leaf = None  # gradsync.watch, set by gradsync.py
 
-__all__ = ["GlobalTensor", "is_global", "hidden_from_dynamo", "skipped_by_dynamo", "wrap_part",
-           "wrapping", "wrap_as",
-           "from_local_part", "from_full", "to_layout", "install_dispatcher", "install_leaf_watch",
+__all__ = ["GlobalTensor", "is_global", "hidden_from_dynamo", "skipped_by_dynamo", "wrap_part", "wrapping",
+           "wrap_as", "from_local_part", "from_full", "to_layout", "install_dispatcher", "install_leaf_watch",
            "install_methods"]
 
 
@@ -97,15 +96,14 @@ def skipped_by_dynamo(fn: Callable) -> Callable:
     flatten and unflatten, autograd hooks and backward functions), with its frame and
     every frame it calls skipped by dynamo, as dynamo skips torch's own files.
 
-    Code run eagerly inside a compiled function (after a graph break, such as
-    ``loss.backward()`` in a compiled train step) runs with dynamo's frame callback
-    set: dynamo would compile our runtime's frames as if they were the user's, and
-    break it (resuming ``_wrap`` after ``_make_wrapper_subclass`` with a GlobalTensor
-    that has no part yet). The mark costs nothing per call (``hidden_from_dynamo``'s
-    wrapper costs about 0.5 us, too much for every op). Dynamo does not trace into
-    ``fn`` either: compiled autograd calls gradient sync's hooks from its compiled
-    graph (``gradsync._by_compiled_autograd``). Before torch 2.7, which cannot mark
-    code, ``fn`` is hidden as ``torch._disable_dynamo`` hides it."""
+    Code run eagerly inside a compiled function (after a graph break, such as ``loss.backward()`` in a
+    compiled train step) runs with dynamo's frame callback set: dynamo would compile our runtime's
+    frames as if they were the user's, and break it (resuming ``_wrap`` after ``_make_wrapper_subclass``
+    with a GlobalTensor that has no part yet). The mark costs nothing per call (``hidden_from_dynamo``'s
+    wrapper costs about 0.5 us, too much for every op). Dynamo does not trace into ``fn`` either:
+    compiled autograd calls gradient sync's hooks from its compiled graph
+    (``gradsync._by_compiled_autograd``). Before torch 2.7, which cannot mark code, ``fn`` is hidden as
+    ``torch._disable_dynamo`` hides it."""
     if _SKIP_RECURSIVELY is None:
         return torch._disable_dynamo(fn)
     set_code_exec_strategy(fn.__code__, _SKIP_RECURSIVELY)
@@ -184,8 +182,7 @@ class GlobalTensor(torch.Tensor):
     @hidden_from_dynamo
     def to_local(self, grad_sbp=None) -> torch.Tensor:
         """This rank's part, plain (none outside the placement); its gradient comes back
-        in ``grad_sbp`` (DTensor's ``grad_placements``; default: this tensor's sbp, a
-        partial one made broadcast: an addend's gradient is the whole sum's)."""
+        in ``grad_sbp`` (DTensor's ``grad_placements``; default: this sbp, partial made broadcast)."""
         return _ToLocal.apply(self, grad_sbp)
 
     @hidden_from_dynamo
@@ -375,10 +372,8 @@ class _ToGlobal(torch.autograd.Function):
 class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: GlobalTensor, sbp=None):   # (the gradient's, to_local's grad_sbp)
-        # The part of a partial sum is one addend: the loss's gradient in it is the
-        # whole gradient of the sum, on each rank (as ``from_local_part`` hands the
-        # gradient of a partial output to each addend), so by default it comes back
-        # broadcast; labelled partial it would be counted once per rank.
+        # An addend's gradient is the whole sum's on each rank (``_FromLocal``'s too):
+        # labelled partial, it would be counted once per rank.
         ctx.layout = x._layout.without_partials() if sbp is None else Layout.make(x.shape, x.placement, sbp)
         return x._local.view_as(x._local)
 
@@ -435,7 +430,7 @@ def from_local_part(t: torch.Tensor, layout: Layout, requires_grad: bool = False
     >>> out = from_local_part(torch.softmax(scores_part, -1), layout)   # doctest: +SKIP
     """
     if comm.get_rank() not in layout.placement:
-        t = empty_local(layout, t.dtype)
+        t = empty_part_of(t, layout)
     if t.requires_grad:
         return _FromLocal.apply(t, layout)
     return GlobalTensor(t, layout, requires_grad=requires_grad)

@@ -169,8 +169,42 @@ def to_dtensor(x: GlobalTensor):
         return value.redistribute(mesh, placements)
     else:
         local = _Rechunk.apply(x.to_local(), x.global_layout, chunked, "to_dtensor")
+    if comm.get_rank() not in x.placement and local.requires_grad:
+        return _ToDTensorOutside.apply(local, mesh, placements, x.shape, x.stride())
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=x.shape,
                               stride=x.stride())
+
+
+# On a rank outside the mesh, DTensor's ``from_local`` makes a new leaf (so the
+# GlobalTensor got no gradient there, None, while the members' got one) and its
+# ``to_local`` backward fails (it gives the empty part's one-dim stride to a gradient of
+# the tensor's ndim); these two keep that rank's graph as the members'.
+class _ToDTensorOutside(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local, mesh, placements, shape, stride):
+        from torch.distributed.tensor import DTensor
+        ctx.part = (local.shape, local.dtype, local.device)
+        return DTensor.from_local(local.detach(), mesh, placements, run_check=False, shape=shape,
+                                  stride=stride)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.part
+        return torch.zeros(shape, dtype=dtype, device=device), None, None, None, None
+
+
+class _PartOutside(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, d):
+        ctx.dtensor = (d.device_mesh, d.placements, d.shape, d.stride())
+        return d._local_tensor.view_as(d._local_tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.distributed.tensor import DTensor
+        mesh, placements, shape, stride = ctx.dtensor
+        return DTensor.from_local(grad.new_empty(0), mesh, placements, run_check=False,
+                                  shape=shape, stride=stride)
 
 
 def from_dtensor(d) -> GlobalTensor:
@@ -193,16 +227,23 @@ def from_dtensor(d) -> GlobalTensor:
         if not _even_strided(layout):
             raise ValueError(f"from_dtensor: {d.placements} of shape {tuple(d.shape)} cut "
                              f"blocks unevenly; redistribute it to Shard first")
-        return from_local_part(d.to_local(), layout)
+        return from_local_part(_local_of(d, placement), layout)
     chunked = _ChunkLayout(layout)
     if chunked.coincides():
-        return from_local_part(d.to_local(), layout)
+        return from_local_part(_local_of(d, placement), layout)
     if layout.partial_axes:
         reduced = d.redistribute(mesh, [_dtensor_placement(s) for s in
                                         layout.without_partials().sbp])
         value = from_dtensor(reduced)
         return value.to_global(sbp=layout.sbp)
-    return from_local_part(_Rechunk.apply(d.to_local(), chunked, layout, "from_dtensor"), layout)
+    return from_local_part(_Rechunk.apply(_local_of(d, placement), chunked, layout, "from_dtensor"), layout)
+
+
+def _local_of(d, placement: Placement) -> torch.Tensor:
+    """``d.to_local()``, by ``_PartOutside`` on a rank outside the mesh."""
+    if comm.get_rank() in placement or not d.requires_grad:
+        return d.to_local()
+    return _PartOutside.apply(d)
 
 
 def _even_strided(layout: Layout) -> bool:

@@ -188,7 +188,7 @@ def check_addmm_partial_bias_on_rank_without_contracted_part():
     torch.testing.assert_close(gt.tensor(t, placement=P, sbp=S(1)).amax(1).full(), t.amax(1))
 
 
-def check_partial_addends_round_trip_through_local_parts_with_the_sums_gradient():
+def check_parts_round_trip_with_their_gradients():
     # A partial sum's part is one addend: computed on locally and declared partial again
     # (a linear map, as a user writes around a kernel of their own), the gradient of the
     # input is the map's adjoint of the output's gradient, not that times the ranks (the
@@ -204,6 +204,15 @@ def check_partial_addends_round_trip_through_local_parts_with_the_sums_gradient(
     (y * gt.tensor(weight, placement=P, sbp=gt.sbp.broadcast)).sum().backward()
     torch.testing.assert_close(y.full(), 3 * (addends[0] + addends[1]))
     torch.testing.assert_close(x.grad.full(), 3 * weight)
+    # On a rank outside the placement the part is empty, and what is made of it requires
+    # grad there too (it did not: that rank's backward raised while the members' ran)
+    one = gt.placement("cpu", [1])
+    for shape in ((4, 3), None):
+        x = gt.tensor(weight, placement=one, sbp=gt.sbp.broadcast).requires_grad_()
+        y = gt.from_local(x.to_local() * 2, placement=one, sbp=gt.sbp.broadcast, shape=shape)
+        assert y.requires_grad, (gt.get_rank(), shape)
+        (y * gt.tensor(weight, placement=one, sbp=gt.sbp.broadcast)).sum().backward()
+        torch.testing.assert_close(x.grad.full(), 2 * weight)
     # An explicit grad_sbp is kept: a broadcast weight used with each rank's own data
     w = gt.tensor(weight, placement=P, sbp=gt.sbp.broadcast).requires_grad_()
     (w.to_local(grad_sbp=gt.sbp.partial_sum) * (gt.get_rank() + 1)).sum().backward()
@@ -215,7 +224,7 @@ CHECKS = ["check_cache_bounded_over_long_run", "check_cache_and_layouts_bounded_
           "check_megatron_layout_keeps_weights_in_place",
           "check_implicit_broadcast_of_plain_operands",
           "check_addmm_partial_bias_on_rank_without_contracted_part",
-          "check_partial_addends_round_trip_through_local_parts_with_the_sums_gradient"]
+          "check_parts_round_trip_with_their_gradients"]
 
 
 # (a model's buffers die with it: the process's garbage)

@@ -131,6 +131,13 @@ def gradients_flow_through_both_conversions():
     leaf = DTensor.from_local(torch.ones(2, 3), d.device_mesh, [Partial()]).detach().requires_grad_()
     (gt.from_dtensor(leaf) * gt.tensor(w, placement=P, sbp=B)).sum().backward()
     assert torch.equal(leaf.grad.full_tensor(), w), leaf.grad.full_tensor()
+    # Through DTensor and back on a placement that leaves rank 0 out: the gradient there
+    # too (DTensor's from_local made a new leaf on that rank: None; its to_local's
+    # backward failed there)
+    sub = gt.placement("cpu", list(range(1, n, 2)))
+    x = gt.tensor(w, placement=sub, sbp=S(0), requires_grad=True)
+    (gt.from_dtensor(x.to_dtensor()) * gt.tensor(w, placement=sub, sbp=B)).sum().backward()
+    assert torch.equal(x.grad.full(), w), x.grad
 
 
 def bad_input_raises():
