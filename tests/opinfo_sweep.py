@@ -12,6 +12,7 @@ exception: a clear one is fine), and the ops that fell back (no sbp rule).
     python tests/opinfo_sweep.py --ranks 3 --grad
     python tests/opinfo_sweep.py --ranks 4 --mesh --grad --samples 8
     python tests/opinfo_sweep.py --ops nn.functional.conv1d,matmul --ranks 4 --mesh
+    python tests/opinfo_sweep.py --inplace --ranks 3      # x.add_(y) and the like
 
 Known reports that are not bugs: samples whose reference run changes an input in place
 before the global run sees it (batch norm's running statistics), ``as_strided`` of a
@@ -118,7 +119,7 @@ def compare_grads(op, sample, got, global_args, placement, what: str) -> None:
         compare(a, b, f"{what} gradient {k}")
 
 
-def run_cases(op, cases: list, mesh: bool, grad: bool) -> list:
+def run_cases(op, cases: list, mesh: bool, grad: bool, inplace: bool = False) -> list:
     """On every rank of the world: each case's result ("ok" / "MISMATCH" / "error")."""
     n = gt.get_world_size()
     placement = gt.placement("cpu", [[0, 1], [2, 3]] if mesh else list(range(n)))
@@ -133,7 +134,11 @@ def run_cases(op, cases: list, mesh: bool, grad: bool) -> list:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 args = tree_map(to_global, (sample.input, sample.args, sample.kwargs))
-                got = op.op(args[0], *args[1], **args[2])
+                if inplace:   # what is compared is the written input (a copy, for gradients)
+                    got = args[0].clone() if grad else args[0]
+                    op.inplace_variant(got, *args[1], **args[2])
+                else:
+                    got = op.op(args[0], *args[1], **args[2])
                 compare(got, want, name)
                 if grad:
                     compare_grads(op, sample, got, args, placement, name)
@@ -147,13 +152,17 @@ def run_cases(op, cases: list, mesh: bool, grad: bool) -> list:
     return results
 
 
-def cases_of(op, samples: int, mesh: bool, grad: bool) -> list:
+def cases_of(op, samples: int, mesh: bool, grad: bool, inplace: bool = False) -> list:
     out = []
     for s in list(op.sample_inputs("cpu", torch.float32, requires_grad=grad))[:samples]:
         if s.kwargs.get("dropout_p", 0) or (s.kwargs.get("training") and "attention" in op.name):
             continue
         try:
-            want = op.op(s.input, *s.args, **s.kwargs)
+            if inplace:
+                want = s.input.clone()
+                op.inplace_variant(want, *s.args, **s.kwargs)
+            else:
+                want = op.op(s.input, *s.args, **s.kwargs)
         except Exception:
             continue
         shapes = [tuple(t.shape) for t in tree_flatten((s.input, s.args))[0] if isinstance(t, torch.Tensor)]
@@ -168,6 +177,9 @@ def main() -> None:
     parser.add_argument("--grad", action="store_true", help="compare gradients too")
     parser.add_argument("--samples", type=int, default=4, help="samples per op")
     parser.add_argument("--ops", default="", help="comma-separated op names (default: all)")
+    parser.add_argument("--inplace", action="store_true",
+                        help="the ops' in-place variants (x.add_(y)), comparing the written input "
+                             "(with --grad, written on a copy of it)")
     opts = parser.parse_args()
     if opts.mesh and opts.ranks != 4:
         parser.error("--mesh needs --ranks 4")
@@ -175,14 +187,15 @@ def main() -> None:
     world = gt.testing.simulated_world(opts.ranks, timeout=60)
     for op in op_db:
         if (only and op.name not in only) or (not only and any(w in op.name for w in RANDOM)) \
-                or torch.float32 not in op.supported_dtypes("cpu"):
+                or torch.float32 not in op.supported_dtypes("cpu") \
+                or (opts.inplace and op.inplace_variant is None):
             continue
         start = time.time()
-        cases = cases_of(op, opts.samples, opts.mesh, opts.grad)
+        cases = cases_of(op, opts.samples, opts.mesh, opts.grad, opts.inplace)
         if not cases:
             continue
         try:
-            results = world(run_cases, op, cases, opts.mesh, opts.grad)[0]
+            results = world(run_cases, op, cases, opts.mesh, opts.grad, opts.inplace)[0]
         except BaseException as e:   # a rank stuck or failed outside a case: a bug too
             print(f"{op.name} {op.variant_test_name}: WORLD {type(e).__name__}: {str(e)[:600]}", flush=True)
             continue

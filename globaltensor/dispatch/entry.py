@@ -15,6 +15,7 @@ per-op hot path, where a property call per operand is measurable.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -354,11 +355,10 @@ def _run(func, decision: Decision, leaves, spec, why=None):
 def _inplace_via_functional(func, leaves, spec):
     """An in-place op whose rules cannot keep the target's layout: compute the
     functional op globally, then box the result into the target's layout."""
-    name = func.overloadpacket.__name__.rstrip("_")
-    functional = getattr(getattr(aten, name), func._overloadname)
+    functional, names = _functional_of(func)
     args, kwargs = unflatten_args(leaves, spec)
     target = args[0]
-    result = functional(*args, **kwargs)
+    result = functional(**dict(zip(names, args)), **kwargs)   # (by name: the order may differ)
     if not isinstance(result, GlobalTensor):
         raise RuntimeError(f"{func}: unexpected functional result {type(result).__name__}")
     if not isinstance(target, GlobalTensor):   # a plain one-element target: the whole value
@@ -373,6 +373,24 @@ def _inplace_via_functional(func, leaves, spec):
     if _copied_views:
         copied_views.write_back(target)
     return target
+
+
+@functools.lru_cache(maxsize=None)
+def _functional_of(func):
+    """The functional overload of in-place ``func``, and the names of ``func``'s
+    positional arguments: found by the arguments' names and types, as overload names
+    differ (``pow_.Scalar`` is ``pow.Tensor_Scalar``) and so may the order
+    (``polygamma_(self, n)``, ``polygamma(n, self)``)."""
+    def arguments(op):
+        return [(a.name, str(a.type)) for a in op._schema.arguments if not a.kwarg_only]
+    packet = getattr(aten, func.overloadpacket.__name__.rstrip("_"))
+    want = arguments(func)
+    for name in [func._overloadname] + sorted(packet.overloads()):
+        op = getattr(packet, name, None)
+        if op is not None and sorted(arguments(op)) == sorted(want) and not any(
+                a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments):
+            return op, tuple(name for name, _ in want)
+    raise NotImplementedError(f"{func}: no functional overload of {packet} takes its arguments")
 
 
 explicit_mode.Region.check = _explicit_check

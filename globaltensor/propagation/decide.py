@@ -219,11 +219,12 @@ def _signatures(call: Call, rule, meta: _MetaRun, gidx: tuple, inplace: bool,
     placement = leaves[gidx[0]].placement
     current = [leaves[i]._layout for i in gidx]
     check = lookup_check(call.func)
-    # An in-place op keeps its target's layout; a plain (one-element) target holds the
-    # whole value on every rank, as broadcast does.
+    # An in-place op keeps its target's layout, and takes the target as it is (boxed,
+    # the op would write a copy); a plain (one-element) target holds the whole value on
+    # every rank, as broadcast does.
     kept = current[0].sbp if gidx[0] == 0 else (broadcast,) * placement.ndim
     for ins, outs in _combinations(call, rule, len(gidx), len(meta.out_tensors), strided_ok):
-        if inplace and outs[0] != kept:
+        if inplace and (outs[0] != kept or (gidx[0] == 0 and ins[0] != kept)):
             continue
         try:
             targets = tuple(Layout.make(cur.shape, placement, s) for cur, s in zip(current, ins))

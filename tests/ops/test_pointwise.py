@@ -7,7 +7,7 @@ from __future__ import annotations
 import ops_battery as battery
 import torch
 import torch.nn.functional as F
-from ops_battery import F64, P, S, battery_tests, case, checked, expect, placements, randn
+from ops_battery import F64, B, P, S, battery_tests, case, checked, expect, placements, randn
 
 import globaltensor as gt
 
@@ -130,5 +130,37 @@ def check_plain_one_element_targets_of_in_place_ops():
                     expect(float(target) == want, f"{where}: {float(target)} != {want}")
 
 
-CHECKS = ["check_pointwise", "check_plain_one_element_targets_of_in_place_ops"]
+@checked
+def check_in_place_ops_write_their_partial_target():
+    # A partial target multiplied in place by a partial operand: one of the two is reduced
+    # first. Where the operand weighed more (a leaf that requires grad, or wider
+    # elements) the target was the one reduced, into a copy that the op then wrote, the
+    # target left as it was. In-place ops that run as their functional op on the whole
+    # value (a partial target of a non-linear op) raised where the two overloads' names
+    # or argument orders differ (pow_, square_, floor_divide_, ldexp_, polygamma_).
+    gen = torch.Generator().manual_seed(5)
+    a, b = torch.randn(5, 3, generator=gen, dtype=F64), torch.randn(5, 3, generator=gen, dtype=F64) + 3
+    places = [battery.line()] + ([battery.mesh()] if gt.get_world_size() == 4 else [])
+    for placement in places:
+        sx, sy = ((P,), (P,)) if placement.ndim == 1 else ((S(0), P), (B, P))
+        ops = {"mul_ by a leaf that requires grad": (lambda x, y: x.mul_(y), a * b, True, F64),
+               "mul_ by a wider dtype": (lambda x, y: x.mul_(y), a * b, False, torch.float32),
+               "div_": (lambda x, y: x.div_(y), a / b, False, F64),
+               "pow_(2)": (lambda x, y: x.pow_(2), a ** 2, False, F64),
+               "square_": (lambda x, y: x.square_(), a ** 2, False, F64),
+               "floor_divide_": (lambda x, y: x.floor_divide_(y), torch.floor_divide(a, b), False, F64),
+               "ldexp_": (lambda x, y: x.ldexp_(y.round()), torch.ldexp(a, b.round()), False, F64),
+               "polygamma_(1)": (lambda x, y: x.abs_().polygamma_(1), torch.polygamma(1, a.abs()), False, F64)}
+        for name, (op, want, leaf, dtype) in ops.items():
+            x = battery.make_global(a.to(dtype), placement, sx) * 1   # (not a leaf: writable)
+            y = battery.make_global(b, placement, sy, requires_grad=leaf)
+            out = op(x, y)
+            where = f"{name} of {x.sbp} by {y.sbp} on {placement.ranks}"
+            expect(out is x and x.sbp == sx, f"{where}: returned {type(out).__name__} {out.sbp}")
+            got = x.full().double()
+            expect(torch.allclose(got, want.to(dtype).double(), rtol=1e-5, atol=1e-5), f"{where}: {got} != {want}")
+
+
+CHECKS = ["check_pointwise", "check_plain_one_element_targets_of_in_place_ops",
+          "check_in_place_ops_write_their_partial_target"]
 test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)
