@@ -13,11 +13,15 @@ exception: a clear one is fine), and the ops that fell back (no sbp rule).
     python tests/opinfo_sweep.py --ranks 4 --mesh --grad --samples 8
     python tests/opinfo_sweep.py --ops nn.functional.conv1d,matmul --ranks 4 --mesh
     python tests/opinfo_sweep.py --inplace --ranks 3      # x.add_(y) and the like
+    python tests/opinfo_sweep.py --out --ranks 3          # torch.add(x, y, out=z)
 
 Known reports that are not bugs: samples whose reference run changes an input in place
 before the global run sees it (batch norm's running statistics), ``as_strided`` of a
 view reading storage outside it, internal ops' outputs that torch leaves empty
-(``native_batch_norm``'s statistics in eval), and random samples built inside an op.
+(``native_batch_norm``'s statistics in eval), and random samples built inside an op;
+with ``--out``, ``fft.ihfftn``/``ihfft2`` samples whose out= result differs from the
+functional one in plain torch too, and ``linalg.matrix_rank``, whose out= overload
+returns a new tensor for any tensor subclass (torch's own path for them; DTensor alike).
 """
 from __future__ import annotations
 
@@ -119,7 +123,13 @@ def compare_grads(op, sample, got, global_args, placement, what: str) -> None:
         compare(a, b, f"{what} gradient {k}")
 
 
-def run_cases(op, cases: list, mesh: bool, grad: bool, inplace: bool = False) -> list:
+def _out_layouts(want: torch.Tensor, placement) -> list:
+    """Layouts of an out= tensor to try: broadcast, and a split of its first dim."""
+    nd = placement.ndim
+    return [(B,) * nd] + ([(S(0),) + (B,) * (nd - 1)] if want.dim() else [])
+
+
+def run_cases(op, cases: list, mesh: bool, grad: bool, inplace: bool = False, out: bool = False) -> list:
     """On every rank of the world: each case's result ("ok" / "MISMATCH" / "error")."""
     n = gt.get_world_size()
     placement = gt.placement("cpu", [[0, 1], [2, 3]] if mesh else list(range(n)))
@@ -137,6 +147,13 @@ def run_cases(op, cases: list, mesh: bool, grad: bool, inplace: bool = False) ->
                 if inplace:   # what is compared is the written input (a copy, for gradients)
                     got = args[0].clone() if grad else args[0]
                     op.inplace_variant(got, *args[1], **args[2])
+                elif out:     # what is compared is the out= tensor, in each of its layouts
+                    for sbp in _out_layouts(want, placement):
+                        got = gt.tensor(torch.zeros_like(want), placement=placement, sbp=sbp)
+                        returned = op.op(args[0], *args[1], **args[2], out=got)
+                        if returned is not got:
+                            raise AssertionError(f"{name}: out= {sbp}: returned another tensor")
+                        compare(got, want, f"{name} out= {sbp}")
                 else:
                     got = op.op(args[0], *args[1], **args[2])
                 compare(got, want, name)
@@ -152,8 +169,8 @@ def run_cases(op, cases: list, mesh: bool, grad: bool, inplace: bool = False) ->
     return results
 
 
-def cases_of(op, samples: int, mesh: bool, grad: bool, inplace: bool = False) -> list:
-    out = []
+def cases_of(op, samples: int, mesh: bool, grad: bool, inplace: bool = False, out: bool = False) -> list:
+    cases = []
     for s in list(op.sample_inputs("cpu", torch.float32, requires_grad=grad))[:samples]:
         if s.kwargs.get("dropout_p", 0) or (s.kwargs.get("training") and "attention" in op.name):
             continue
@@ -165,9 +182,11 @@ def cases_of(op, samples: int, mesh: bool, grad: bool, inplace: bool = False) ->
                 want = op.op(s.input, *s.args, **s.kwargs)
         except Exception:
             continue
+        if out and not isinstance(want, torch.Tensor):
+            continue
         shapes = [tuple(t.shape) for t in tree_flatten((s.input, s.args))[0] if isinstance(t, torch.Tensor)]
-        out += [(s, want, f"{name} {shapes} {list(s.kwargs)}", sbps) for name, sbps in variants(s, mesh)]
-    return out
+        cases += [(s, want, f"{name} {shapes} {list(s.kwargs)}", sbps) for name, sbps in variants(s, mesh)]
+    return cases
 
 
 def main() -> None:
@@ -180,6 +199,8 @@ def main() -> None:
     parser.add_argument("--inplace", action="store_true",
                         help="the ops' in-place variants (x.add_(y)), comparing the written input "
                              "(with --grad, written on a copy of it)")
+    parser.add_argument("--out", action="store_true",
+                        help="the ops' out= variants, into a broadcast and a split out= tensor")
     opts = parser.parse_args()
     if opts.mesh and opts.ranks != 4:
         parser.error("--mesh needs --ranks 4")
@@ -188,14 +209,15 @@ def main() -> None:
     for op in op_db:
         if (only and op.name not in only) or (not only and any(w in op.name for w in RANDOM)) \
                 or torch.float32 not in op.supported_dtypes("cpu") \
-                or (opts.inplace and op.inplace_variant is None):
+                or (opts.inplace and op.inplace_variant is None) or (opts.out and not op.supports_out):
             continue
         start = time.time()
-        cases = cases_of(op, opts.samples, opts.mesh, opts.grad, opts.inplace)
+        cases = cases_of(op, opts.samples, opts.mesh, opts.grad, opts.inplace, opts.out)
         if not cases:
             continue
         try:
-            results = world(run_cases, op, cases, opts.mesh, opts.grad, opts.inplace)[0]
+            results = world(run_cases, op, cases, opts.mesh, opts.grad and not opts.out, opts.inplace,
+                            opts.out)[0]
         except BaseException as e:   # a rank stuck or failed outside a case: a bug too
             print(f"{op.name} {op.variant_test_name}: WORLD {type(e).__name__}: {str(e)[:600]}", flush=True)
             continue

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten
 from .. import comm
 from ..advice import dtensor_operand_error, is_dtensor
 from ..boxing.plan import pair_cost
-from ..cost import PARAMETER_WEIGHT, returns_view, ring_seconds
+from ..cost import PARAMETER_WEIGHT, returns_view, ring_seconds, writes_nothing
 from ..layout import Layout
 from ..placement import Placement
 from ..rules.registry import FallbackWarning, lookup, lookup_check
@@ -379,7 +379,8 @@ def _finish(call: Call, meta: _MetaRun, local, gidx: tuple, targets: tuple,
         direct=runner(func, local, ctx) if direct else None,
         wraps=wraps_of(meta.out_leaves, out_layouts, strides) if direct else (),
         multi=multi if direct else None,
-        view=not inplace and returns_view(func),
+        # (``_unsafe_view`` too: composite out= ops write through it, as kron's does)
+        view=not inplace and writes_nothing(func),
         out_consts=_out_consts(meta.out_leaves),
         by_value=any(v.__class__ is float for v in leaves) and (  # floats to key by
             local is not None or read_floats),

@@ -149,6 +149,15 @@ def check_writes_through_copied_views():
     conv = gt.empty(4, 4, 3, 3, placement=p, sbp=split(0))
     torch.nn.init.dirac_(conv)
     torch.testing.assert_close(conv.full(), torch.nn.init.dirac_(torch.empty(4, 4, 3, 3)))
+    # composite out= ops that write their result through a view of out: kron's
+    # _unsafe_view of a split out, whose copy was written and the out left zeros
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.randn(5, 5, generator=gen), torch.randn(2, 4, generator=gen)
+    for sbp in (split(0), split(1), gt.sbp.broadcast):
+        out = gt.zeros(10, 20, placement=p, sbp=sbp)
+        assert torch.kron(gt.tensor(a, placement=p, sbp=split(0)), gt.tensor(b, placement=p, sbp=split(1)),
+                          out=out) is out
+        torch.testing.assert_close(out.full(), torch.kron(a, b), msg=lambda m: f"kron out= {sbp}: {m}")
 
 
 CHECKS = ["check_views", "check_writes_through_copied_views"]
