@@ -2,7 +2,7 @@
 silent wrong values, not part of the suite (minutes per run; needs ``pip install
 expecttest`` for torch's testing modules).
 
-Every op of ``op_db`` but the random ones, on its first float32 samples, runs with its
+Every op of ``op_db`` but the random ones, on its first float32 (``--dtype``) samples, runs with its
 tensor arguments made global in several layouts (the input split on its first or last
 dim, or partial; every tensor split, or partial; on a 2x2 mesh, pairs of those), and is
 compared with plain torch: values, and with ``--grad`` the gradients of a weighted sum
@@ -37,6 +37,7 @@ import globaltensor as gt
 from globaltensor.rules.registry import FallbackWarning
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
+DTYPE = torch.float32
 RANDOM = ("rand", "normal", "bernoulli", "dropout", "multinomial", "empty", "uniform",
           "exponential", "geometric", "cauchy", "poisson", "nondeterministic", "sparse",
           "lowrank", "jiterator", "item", "equal", "tolist", "histogramdd", "resize_",
@@ -51,11 +52,11 @@ def variants(sample, mesh: bool) -> list:
     out = [("in S0", {id(inp): S(0)})]
     if inp.dim() > 1:
         out.append(("in S-1", {id(inp): S(inp.dim() - 1)}))
-    if inp.is_floating_point() or inp.is_complex():
+    if inp.dtype != torch.bool:
         out.append(("in P", {id(inp): P}))
     leaves = [t for t in tree_flatten((sample.input, sample.args, sample.kwargs))[0]
               if isinstance(t, torch.Tensor) and t.dim() > 0]
-    floats = [t for t in leaves if t.is_floating_point() or t.is_complex()]
+    floats = [t for t in leaves if t.dtype != torch.bool]   # (partial sums of integers too)
     if len(floats) > 1:
         out.append(("all P", {id(t): P for t in floats}))
         out.append(("in S0 others P", {id(t): S(0) if t is inp else P for t in floats}))
@@ -171,7 +172,7 @@ def run_cases(op, cases: list, mesh: bool, grad: bool, inplace: bool = False, ou
 
 def cases_of(op, samples: int, mesh: bool, grad: bool, inplace: bool = False, out: bool = False) -> list:
     cases = []
-    for s in list(op.sample_inputs("cpu", torch.float32, requires_grad=grad))[:samples]:
+    for s in list(op.sample_inputs("cpu", DTYPE, requires_grad=grad))[:samples]:
         if s.kwargs.get("dropout_p", 0) or (s.kwargs.get("training") and "attention" in op.name):
             continue
         try:
@@ -201,14 +202,19 @@ def main() -> None:
                              "(with --grad, written on a copy of it)")
     parser.add_argument("--out", action="store_true",
                         help="the ops' out= variants, into a broadcast and a split out= tensor")
+    parser.add_argument("--dtype", default="float32", help="the samples' dtype (int64, bfloat16, ...)")
     opts = parser.parse_args()
+    global DTYPE
+    DTYPE = getattr(torch, opts.dtype)
+    if opts.grad and not DTYPE.is_floating_point:
+        parser.error("--grad needs a floating --dtype")
     if opts.mesh and opts.ranks != 4:
         parser.error("--mesh needs --ranks 4")
     only = set(opts.ops.split(",")) if opts.ops else None
     world = gt.testing.simulated_world(opts.ranks, timeout=60)
     for op in op_db:
         if (only and op.name not in only) or (not only and any(w in op.name for w in RANDOM)) \
-                or torch.float32 not in op.supported_dtypes("cpu") \
+                or DTYPE not in op.supported_dtypes("cpu") \
                 or (opts.inplace and op.inplace_variant is None) or (opts.out and not op.supports_out):
             continue
         start = time.time()

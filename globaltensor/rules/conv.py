@@ -89,8 +89,9 @@ _ADAPTIVE_MAX = (aten.adaptive_max_pool2d, aten.adaptive_max_pool3d)
 def pool_rule(call):
     n_out = len(call.out_shapes)
     cands = [((s,), (s,) * n_out) for s in _per_sample(call, _spatial(call))]
-    if call.func.overloadpacket not in _ADAPTIVE_MAX:   # average pooling is linear
-        cands.append(((P,), (P,)))
+    x = call.inputs[0]
+    if call.func.overloadpacket not in _ADAPTIVE_MAX and (x.is_floating_point() or x.is_complex()):
+        cands.append(((P,), (P,)))   # average pooling is linear (of integers it rounds)
     return cands
 
 

@@ -87,6 +87,11 @@ def check_norm_conv_pool():
                      ("max_pool2d(3,2,1)", lambda x: F.max_pool2d(x, 3, stride=2, padding=1)),
                      ("avg_pool2d(2)", lambda x: F.avg_pool2d(x, 2))):
         case(name, op, [img], choices=[[B, S(0), S(1), P]], places=placements(4, 0, 3))
+    # average pooling of integers rounds each window's mean: not linear, so a split of a
+    # pooled dim is not made partial (addends pooled apart were each rounded)
+    ints = torch.randint(-9, 10, (1, 3, 9, 9), generator=torch.Generator().manual_seed(4))
+    case("avg_pool2d(2) of integers", lambda x: F.avg_pool2d(x, 2), [ints], grad=False,
+         choices=[[S(3), S(2)]], places=placements(2, 0, 2))
     case("max_pool2d batch 2", lambda x: F.max_pool2d(x, 2), [small],
          choices=[[B, S(0)]], places=placements(2, 0, 2))
     # an unbatched (C, H, W) input pools its dims 1 and 2: only a channel split stays (a
