@@ -83,7 +83,9 @@ def compare(got, want, what: str) -> None:
             if not isinstance(g, torch.Tensor) or g.shape != w.shape or g.dtype != w.dtype:
                 raise AssertionError(f"{what}: {getattr(g, 'shape', g)} {getattr(g, 'dtype', '')}, "
                                      f"torch gives {w.shape} {w.dtype}")
-            torch.testing.assert_close(g.detach(), w.detach(), equal_nan=True, rtol=1e-4, atol=1e-4,
+            # (half types: sums over ranks round in another order, a few of their ulps)
+            tol = 5e-2 if w.dtype in (torch.bfloat16, torch.float16) else 1e-4
+            torch.testing.assert_close(g.detach(), w.detach(), equal_nan=True, rtol=tol, atol=tol,
                                        msg=lambda m: f"{what}: {m[:300]}")
         elif g != w and w == w:
             raise AssertionError(f"{what}: {g!r}, torch gives {w!r}")

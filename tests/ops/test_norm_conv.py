@@ -229,5 +229,35 @@ def check_batch_norm_running_stats():
     _bn_eval_saved_parts(placements()[0][0])
 
 
-CHECKS = ["check_norm_conv_pool", "check_batch_norm_running_stats"]
+@checked
+def check_half_precision_norms_with_an_empty_part():
+    # In bfloat16 the norms' CPU kernels keep mean and rstd in bfloat16, where the meta
+    # kernels say float32: a rank holding no row (or channel) made float32 statistics,
+    # the others bfloat16, and boxing them diverged.
+    placement = gt.placement.all("cpu")
+    n = gt.get_world_size()
+    gen = torch.Generator().manual_seed(6)
+    x, w = torch.randn(n - 1, 4, generator=gen).bfloat16(), torch.rand(4, generator=gen).bfloat16() + 0.5
+    xs = gt.tensor(x, placement=placement, sbp=S(0), requires_grad=True)
+    ws = gt.tensor(w, placement=placement, sbp=B, requires_grad=True)
+    out = torch.native_layer_norm(xs, [4], ws, ws, 1e-5)
+    want = torch.native_layer_norm(x, [4], w, w, 1e-5)
+    for k, (o, r) in enumerate(zip(out, want)):
+        what = f"bfloat16 layer norm of {n - 1} rows, output {k}"
+        expect(o.dtype == r.dtype, f"{what}: {o.dtype}, torch gives {r.dtype}")
+        expect(torch.allclose(o.full().float(), r.float(), atol=2e-2), f"{what}: {o.full()} != {r}")
+    out[0].float().sum().backward()
+    expect(xs.grad.dtype == torch.bfloat16 and xs.grad.full().shape == x.shape, f"layer norm gradient {xs.grad}")
+    images = torch.randn(2, n - 1, 3, generator=gen).bfloat16()
+    stats = [torch.zeros(n - 1, dtype=torch.bfloat16), torch.ones(n - 1, dtype=torch.bfloat16)]
+    got = torch.native_batch_norm(gt.tensor(images, placement=placement, sbp=S(1)), None, None,
+                                  *[gt.tensor(t, placement=placement, sbp=S(0)) for t in stats], True, 0.1, 1e-5)
+    for k, (o, r) in enumerate(zip(got, torch.native_batch_norm(images, None, None, *stats, True, 0.1, 1e-5))):
+        what = f"bfloat16 batch norm of {n - 1} channels, output {k}"
+        expect(o.dtype == r.dtype, f"{what}: {o.dtype}, torch gives {r.dtype}")
+        expect(torch.allclose(o.full().float(), r.float(), atol=2e-2), f"{what}: {o.full()} != {r}")
+
+
+CHECKS = ["check_norm_conv_pool", "check_batch_norm_running_stats",
+          "check_half_precision_norms_with_an_empty_part"]
 test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)
