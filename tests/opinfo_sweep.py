@@ -21,7 +21,10 @@ view reading storage outside it, internal ops' outputs that torch leaves empty
 (``native_batch_norm``'s statistics in eval), and random samples built inside an op;
 with ``--out``, ``fft.ihfftn``/``ihfft2`` samples whose out= result differs from the
 functional one in plain torch too, and ``linalg.matrix_rank``, whose out= overload
-returns a new tensor for any tensor subclass (torch's own path for them; DTensor alike).
+returns a new tensor for any tensor subclass (torch's own path for them; DTensor alike);
+with ``--dtype bfloat16``, products over a split contracted dim (``bmm``, ``matmul``,
+``embedding_bag``'s weighted sums), whose parts are each rounded to bfloat16 before
+their sum (as DTensor's and Megatron's are), past the tolerance where values cancel.
 """
 from __future__ import annotations
 
