@@ -20,9 +20,9 @@ B, P = broadcast, partial_sum
 
 
 # The norms' CPU kernels keep a half-precision input's statistics (mean, rstd, the new
-# running ones) in its dtype where their meta kernels (CUDA's convention) give float32. A GlobalTensor must
-# say what its parts are: a rank holding an empty part makes its part from the
-# wrapper's dtype, and boxing meets on the parts' (the ranks diverged there).
+# running ones) in its dtype where their meta kernels (CUDA's convention) give float32.
+# A GlobalTensor must say what its parts are: a rank holding an empty part makes its
+# part from the wrapper's dtype, and boxing meets on the parts' (the ranks diverged).
 HALF_STATISTICS_ON_CPU = {aten.native_layer_norm, aten.native_batch_norm, aten._native_batch_norm_legit,
                           aten._native_batch_norm_legit_functional, aten._native_batch_norm_legit_no_training,
                           aten._batch_norm_with_update}
