@@ -208,7 +208,7 @@ def from_local(t: torch.Tensor, placement: Placement = None, sbp=None, shape=Non
         if not inside:
             # A rank outside holds nothing: its argument is a placeholder, and the
             # tensor takes the members' dtype (learnt from the exchange) on every rank.
-            t = t.flatten()[:0].to(dtype) if t.requires_grad else t.new_empty((0,), dtype=dtype)
+            t = t.flatten()[:0].to(dtype)   # (cut from t: a part that requires grad still does)
     layout = _layout(_size((shape,)), placement, sbp)
     if inside:
         if given:
