@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from .. import comm
 from ..advice import dtensor_operand_error, is_dtensor
@@ -29,8 +29,7 @@ from ..boxing.plan import pair_cost
 from ..cost import PARAMETER_WEIGHT, returns_view, ring_seconds, writes_nothing
 from ..layout import Layout
 from ..placement import Placement
-from ..rules import norm as norm_rules
-from ..rules.registry import FallbackWarning, lookup, lookup_check
+from ..rules.registry import FallbackWarning, lookup, lookup_check, lookup_meta
 from ..sbp import Partial, Split, StridedSplit, broadcast
 from ..tensor import GlobalTensor
 from .call import Call, LocalCtx, unflatten_args
@@ -177,14 +176,16 @@ def _meta_run(func, leaves: list, spec) -> _MetaRun:
     args, kwargs = unflatten_args(meta_leaves, spec)
     if kwargs.get("device") is not None:
         kwargs = dict(kwargs, device="meta")  # shape inference stays on meta
+    meta = lookup_meta(func)
     try:
-        out = func(*args, **kwargs)
+        if meta is None:
+            out = func(*args, **kwargs)
+        else:
+            placement = next(x for x in leaves if isinstance(x, GlobalTensor)).placement
+            out = meta(func, placement, *args, **kwargs)
     except NotImplementedError as e:
         raise NoMetaKernel(func) from e
     out_leaves, out_spec = tree_flatten(out)
-    if func.overloadpacket in norm_rules.HALF_STATISTICS_ON_CPU:
-        out_leaves = norm_rules.statistics_as_cpu_keeps_them(leaves, out_leaves)
-        out = tree_unflatten(out_leaves, out_spec)
     return _MetaRun(meta_leaves, out, out_leaves, out_spec,
                     [i for i, o in enumerate(out_leaves) if isinstance(o, torch.Tensor)])
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..sbp import Split, broadcast, partial_sum
-from ..tensor import GlobalTensor, to_layout
-from .registry import register
+from ..tensor import to_layout
+from .registry import register, register_meta
 
 aten = torch.ops.aten
 B, P = broadcast, partial_sum
@@ -23,19 +23,16 @@ B, P = broadcast, partial_sum
 # running ones) in its dtype where their meta kernels (CUDA's convention) give float32.
 # A GlobalTensor must say what its parts are: a rank holding an empty part makes its
 # part from the wrapper's dtype, and boxing meets on the parts' (the ranks diverged).
-HALF_STATISTICS_ON_CPU = {aten.native_layer_norm, aten.native_batch_norm, aten._native_batch_norm_legit,
-                          aten._native_batch_norm_legit_functional, aten._native_batch_norm_legit_no_training,
-                          aten._batch_norm_with_update}
-
-
-def statistics_as_cpu_keeps_them(leaves: list, out_leaves: list) -> list:
-    """The meta outputs of one of ``HALF_STATISTICS_ON_CPU``, the statistics (every
-    float32 output after the first) in the input's dtype where the CPU kernel keeps them so."""
-    x = leaves[0]
-    placement = next(t for t in leaves if isinstance(t, GlobalTensor)).placement
+@register_meta(aten.native_layer_norm, aten.native_batch_norm, aten._native_batch_norm_legit,
+               aten._native_batch_norm_legit_functional, aten._native_batch_norm_legit_no_training,
+               aten._batch_norm_with_update)
+def statistics_as_cpu_keeps_them(func, placement, x, *args, **kwargs):
+    """The meta outputs, the statistics (every float32 output after the first) in the
+    input's dtype where the CPU kernel keeps them so."""
+    outs = func(x, *args, **kwargs)
     if placement.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
-        return out_leaves
-    return [o.to(x.dtype) if k and o.dtype == torch.float32 else o for k, o in enumerate(out_leaves)]
+        return outs
+    return tuple(o.to(x.dtype) if k and o.dtype == torch.float32 else o for k, o in enumerate(outs))
 
 
 @register(aten.native_layer_norm)

@@ -53,6 +53,7 @@ _LOCAL: dict = {}
 _CHECKS: dict = {}
 _DECOMPOSITIONS: dict = {}
 _FAMILIES: list = []  # (predicate, factory) in registration order
+_META: dict = {}
 
 
 def register(*funcs, local=None, check=None, decompose: bool = False, per_axis: bool = False):
@@ -105,6 +106,22 @@ def register_family(predicate: Callable[[object], bool]):
     return wrap
 
 
+def register_meta(*funcs):
+    """Decorator: ``meta(func, placement, *args, **kwargs)`` gives the outputs of
+    ``funcs`` on meta tensors in place of torch's meta kernel, where that kernel (written
+    to CUDA's conventions) refuses what the placement's device kernel takes, or gives
+    other dtypes. The dispatcher reads output shapes and dtypes from it.
+
+    >>> @register_meta(aten._grouped_mm)               # doctest: +SKIP
+    ... def grouped_mm_meta(func, placement, mat_a, mat_b, offs=None, ...): ...
+    """
+    def wrap(fn):
+        for f in funcs:
+            _META[f] = fn
+        return fn
+    return wrap
+
+
 def with_direct(make: Callable):
     """Decorator of a local implementation ``local(ctx, *args, **kwargs)``:
     ``make(ctx)`` gives what a decision that runs directly calls instead,
@@ -148,6 +165,11 @@ def lookup(func):
     if rule is None and torch.Tag.pointwise in func.tags:
         rule = _RULES.get(torch.Tag.pointwise)
     return rule, _get(_LOCAL, func)
+
+
+def lookup_meta(func):
+    """The meta implementation ``register_meta`` gave an op, or None (torch's)."""
+    return _get(_META, func)
 
 
 def lookup_check(func):

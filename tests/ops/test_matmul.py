@@ -1,5 +1,5 @@
 """The matmul family: @, mm, bmm, batched matmul, F.linear, addmm, baddbmm,
-matrix-vector; and the output sbp of x @ w before any boxing (docs/DESIGN.md's matmul
+matrix-vector, F.grouped_mm (a mixture of experts' products); and the output sbp of x @ w before any boxing (docs/DESIGN.md's matmul
 signatures). torch.einsum is in test_einsum.py.
 
 Run in the shared worlds of tests/ops/ops_battery.py (2, 4, and 3 with bystanders)."""
@@ -82,5 +82,31 @@ def check_matmul():
         expect(out.sbp == (so,), f"cdist of {sa}, {sb}: {out.sbp}, expected {so}")
 
 
-CHECKS = ["check_matmul"]
+@checked
+def check_grouped_mm():
+    # float32 (torch's CPU kernel takes no float64) of 16-byte rows, as the kernel needs;
+    # uneven parts of a split lose that alignment and run group by group
+    f32 = dict(rtol=1e-5, atol=1e-5)
+    tokens, experts = randn((8, 4), "gma", torch.float32), randn((3, 4, 8), "gmb", torch.float32)
+    offs = torch.tensor([2, 2, 8], dtype=torch.int32)    # an expert without tokens too
+    grouped = lambda a, b, o: F.grouped_mm(a, b, offs=o)  # noqa: E731
+    case("grouped_mm (8,4) x (3,4,8)", grouped, [tokens, experts, offs],
+         choices=[[B, S(0), S(1), P], [B, S(0), S(1), S(2), P], [B, S(0)]],
+         must=[(S(1), S(1), B), (B, S(2), B), (S(0), B, B), (P, B, B)], places=placements(10, 1, 4), **f32)
+    # the weight gradient's form: (k, tokens) x (tokens, n), tokens cut into groups
+    case("grouped_mm (4,8) x (8,8)", grouped,
+         [tokens.t().contiguous(), randn((8, 8), "gmc", torch.float32), offs],
+         choices=[[B, S(0), S(1)], [B, S(0), S(1)], [B]], must=[(S(0), B, B), (B, S(1), B)],
+         places=placements(6, 1, 3), **f32)
+    case("grouped_mm (3,5,4) x (3,4,8)", lambda a, b: F.grouped_mm(a, b),
+         [randn((3, 5, 4), "gmd", torch.float32), experts], must=[(S(0), S(0)), (S(2), S(1))],
+         places=placements(6, 1, 3), **f32)
+    p = line()
+    with gt.debug.comm_stats() as stats:
+        out = F.grouped_mm(gt.tensor(tokens, placement=p, sbp=B), gt.tensor(experts, placement=p, sbp=S(2)),
+                           offs=gt.tensor(offs, placement=p, sbp=B))
+    expect(out.sbp == (S(1),) and stats.total_bytes == 0, f"grouped_mm of columns split: {out.sbp}, sent {stats}")
+
+
+CHECKS = ["check_matmul", "check_grouped_mm"]
 test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)
