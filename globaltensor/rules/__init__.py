@@ -22,6 +22,7 @@ from . import (  # noqa: F401
                embedding,
                foreach,
                functional,
+               indexing,
                like,
                linalg,
                losses,

@@ -17,6 +17,7 @@ import torch
 
 from ..sbp import Split, broadcast, partial_sum
 from ._dims import normalize_dim
+from .indices import check_split_indices
 from .registry import register
 
 aten = torch.ops.aten
@@ -116,6 +117,19 @@ def index_select_rule(call):
     if len(call.in_shapes[1]) == 1:
         cands.append(((B, Split(0)), (Split(dim),)))
     return cands
+
+
+def _checks_index(what: str):
+    """A decomposition that checks a split index on every rank (a rank holding a bad
+    index would raise alone), then lets the op take its rule."""
+    def check(x, dim, index, *rest, **kwargs):
+        check_split_indices([index], [x.shape[dim] if x.dim() else 1], what, negative=False)
+        return NotImplemented
+    return check
+
+
+register(aten.index_select, decompose=True)(_checks_index("index_select"))
+register(aten.index_add, aten.index_add_, decompose=True)(_checks_index("index_add"))
 
 
 @register(aten.index_add, aten.index_add_)

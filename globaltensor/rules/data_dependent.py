@@ -16,7 +16,7 @@ placement leaves some out. Gradients come from torch's own formulas (``index_put
 ``masked_scatter``), which dispatch runs like any op.
 
 ``x[mask] = v`` with a scalar ``v`` and ``mask`` covering ``x``'s leading dims keeps
-``x``'s split (each rank sets its own elements); other assignments gather.
+``x``'s split (each rank sets its own elements; ``indexing.py``); other assignments gather.
 """
 from __future__ import annotations
 
@@ -29,15 +29,12 @@ from ..factory import members_metadata
 from ..layout import Layout
 from ..local_parts import device_of, empty_local
 from ..placement import common_placement
-from ..sbp import Split, broadcast
+from ..sbp import broadcast
 from ..tensor import GlobalTensor, hidden_from_dynamo, to_layout, wrap_part
 from .random import watch_leaves
 from .registry import register
 
 aten = torch.ops.aten
-
-_MASK_DTYPES = (torch.bool, torch.uint8)
-
 
 @hidden_from_dynamo
 def run_on_whole_values(func, args, kwargs):
@@ -106,43 +103,8 @@ for _op in (aten.nonzero.default, aten.masked_select.default, aten._unique2.defa
     register(_op, decompose=True)(_whole(_op))
 
 
-def _has_mask(indices) -> bool:
-    return any(isinstance(i, torch.Tensor) and i.dtype in _MASK_DTYPES for i in indices)
-
-
-@register(aten.index.Tensor, decompose=True)
-def index_with_mask(x, indices):
-    """``x[mask]`` (a boolean index among the indices); integer indices take the rule
-    path."""
-    if not _has_mask(indices):
-        return NotImplemented
-    return run_on_whole_values(aten.index.Tensor, (x, indices), {})
-
-
 @register(aten.masked_scatter)
 def masked_scatter_rule(call):
     """The backward of ``masked_select``: its source's elements go to the mask's places in
     order, so which element lands where depends on the whole mask: broadcast only."""
     return [((broadcast,) * len(call.inputs), (broadcast,))]
-
-
-@register(aten.index_put, aten.index_put_, aten._index_put_impl_)
-def index_put_rule(call):
-    """``x[mask] = v``: broadcast; and, for one mask over ``x``'s leading dims and a
-    scalar ``v``, any split of ``x`` (the mask split alike over the dims it covers)."""
-    cands = [((broadcast,) * len(call.inputs), (broadcast,))]
-    indices, values = call.arg("indices"), call.arg("values")
-    masks = [i for i in indices if i is not None]
-    x_shape = call.in_shapes[0]
-    if len(masks) != 1 or indices[0] is None or masks[0].dtype not in _MASK_DTYPES \
-            or values.numel() != 1 or tuple(masks[0].shape) != x_shape[:masks[0].dim()]:
-        return cands
-    covered = masks[0].dim()
-    value_sbp = (broadcast,) if isinstance(values, GlobalTensor) else ()
-    for d in range(len(x_shape)):
-        mask_sbp = Split(d) if d < covered else broadcast
-        if isinstance(masks[0], GlobalTensor):
-            cands.append(((Split(d), mask_sbp) + value_sbp, (Split(d),)))
-        else:
-            cands.append(((Split(d),) + value_sbp, (Split(d),)))
-    return cands
