@@ -1,4 +1,5 @@
-"""Reductions: sum, mean, amax/amin, max/min, var/std, argmax/argmin, any/all, norms.
+"""Reductions: sum, mean, amax/amin, max/min, var/std, argmax/argmin, any/all, norms,
+histc (counts in fixed bins: each rank counts its part, a partial sum).
 
 A dim that is not reduced keeps its split (shifted when the dim disappears). Reducing a
 split dim gives a partial: ``sum``/``mean`` -> partial_sum, ``amax``/``max`` ->
@@ -130,3 +131,14 @@ def _flag_maximum(is_all: bool):
 
 register(aten.any, decompose=True)(_flag_maximum(is_all=False))
 register(aten.all, decompose=True)(_flag_maximum(is_all=True))
+
+
+@register(aten.histc)
+def histc_rule(call):
+    """(input) -> counts (bins,): over a fixed range (``min < max``) any split counts
+    its part into a partial sum (Hugging Face's mixtures of experts count tokens per
+    expert so); the default range is the data's own, which needs it whole."""
+    cands = [((broadcast,), (broadcast,))]
+    if call.arg("min", 0) < call.arg("max", 0):
+        cands += [((Split(d),), (partial_sum,)) for d in range(len(call.in_shapes[0]))]
+    return cands

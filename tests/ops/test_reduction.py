@@ -59,6 +59,14 @@ def check_reductions():
                      ("cat(plain 1, x.view(-1)[:-1])",
                       lambda x: torch.cat([torch.ones(1, dtype=x.dtype), x.reshape(-1)[:-1]]))):
         case(name, op, [x], places=placements(4, 1, 3))
+    # counts in fixed bins (tokens per expert): a split counts into a partial sum
+    ids = torch.tensor([[3.0, 0.0, 1.0], [3.0, 2.0, 9.0], [0.0, 3.0, 3.0]], dtype=torch.float64)
+    case("histc(bins=4, min=0, max=3)", lambda t: torch.histc(t, bins=4, min=0, max=3), [ids],
+         choices=[[gt.sbp.broadcast, S(0), S(1)]], grad=False, places=placements(3, 1, 3))
+    case("histc() over the data's range", lambda t: torch.histc(t, bins=3), [ids],
+         choices=[[gt.sbp.broadcast, S(0), S(1)]], grad=False, places=placements(3, 1, 3))
+    counted = torch.histc(gt.tensor(ids, placement=line(), sbp=S(0)), bins=4, min=0, max=3)
+    expect(counted.sbp == (P,), f"histc of split(0): {counted.sbp}")
     x3 = randn((2, 5, 3), "rx3")
     case("sum(1) 3-D", lambda x: x.sum(1), [x3], places=placements(5, 0, 3))
     case("mean((0,2)) 3-D", lambda x: x.mean((0, 2)), [x3], places=placements(5, 0, 3))
