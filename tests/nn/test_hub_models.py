@@ -6,8 +6,9 @@ parallel, Megatron tensor parallel and fully_shard layouts to the parameters of 
 plain process (1e-5); a submodule called on its own works too; the scope of the
 implicit broadcast ends with the forward (also when it raises); the check mode catches
 a plain tensor that differs between ranks. The real ``transformers`` models (a test
-dependency) train the same way and save with ``save_pretrained`` through
-``gt.nn.full_state_dict``. World 4 runs the Llama model only (its cost)."""
+dependency; GPT-2, Llama, BERT and Mixtral, a mixture of experts) train the same way
+and save with ``save_pretrained`` through ``gt.nn.full_state_dict``. World 4 runs the
+Llama model only (its cost)."""
 from __future__ import annotations
 
 import copy
@@ -163,7 +164,11 @@ def _hf_megatron(model) -> dict:
     conv1d = type(model).__name__.startswith("GPT2")
     layout = {}
     for name, t in model.named_parameters():
-        if re.search(_HF_COLUMN, name):
+        if name.endswith("experts.gate_up_proj"):    # (experts, out, in): a mixture's experts
+            layout[name] = S(1)                       # column- and row-parallel, as F.grouped_mm
+        elif name.endswith("experts.down_proj"):      # runs them (the experts' dim stays whole)
+            layout[name] = S(2)
+        elif re.search(_HF_COLUMN, name):
             layout[name] = S(1) if conv1d and t.dim() == 2 else S(0)
         elif re.search(_HF_ROW, name):
             layout[name] = S(0) if conv1d else S(1)
@@ -182,6 +187,12 @@ def _hf_models():
     yield tf.BertForMaskedLM(tf.BertConfig(hidden_size=16, num_hidden_layers=2,
                                            num_attention_heads=4, intermediate_size=32,
                                            max_position_embeddings=T, **tiny))
+    # a mixture of experts (transformers runs its experts as F.grouped_mm over token
+    # groups, its router as topk, sort, histc and integer indexing)
+    yield tf.MixtralForCausalLM(tf.MixtralConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=T, **tiny))
 
 
 def _hf_loss(model, ids):

@@ -1,6 +1,6 @@
 """The matmul family: @, mm, bmm, batched matmul, F.linear, addmm, baddbmm,
-matrix-vector, F.grouped_mm (a mixture of experts' products); and the output sbp of x @ w before any boxing (docs/DESIGN.md's matmul
-signatures). torch.einsum is in test_einsum.py.
+matrix-vector, F.grouped_mm (a mixture of experts' products); and the output sbp of
+x @ w before any boxing (docs/DESIGN.md's matmul signatures). torch.einsum is in test_einsum.py.
 
 Run in the shared worlds of tests/ops/ops_battery.py (2, 4, and 3 with bystanders)."""
 from __future__ import annotations
