@@ -68,7 +68,13 @@ def trace_begins(trace: int) -> None:
 def retrace(traces: set) -> None:
     """Make the compiled graphs of these recorded traces fail their guard once (and so
     be traced again) at their next call."""
+    global current
     _stale.update(traces)
+    # A stale mark is handed out no more: a frame compiled next without a trace of its
+    # own (a resume function after a graph break whose graph runs no op) would save it
+    # in its guard, which dynamo checks as it builds it (and raises on failing).
+    if current.trace in _stale:
+        current = Mark()
 
 
 def at_next_guard(fn: Callable[[], None]) -> None:

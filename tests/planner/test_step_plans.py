@@ -631,6 +631,37 @@ def check_a_variant_compiled_later_plans_its_own_graph():
     step.clear()
 
 
+def check_a_frame_compiled_after_planning_keeps_its_guard():
+    # A graph recorded, then planned (at another graph's guard check) and marked to trace
+    # again; a frame compiled next whose graph runs no op on GlobalTensors (a resume
+    # function after a graph break, as Hugging Face's Llama under fully_shard makes) has
+    # no trace of its own to mark its guard with. It took the planned graph's mark, which
+    # dynamo's check of the new guard then failed ("Guard failed on the same frame it
+    # was created")
+    import torch
+
+    import globaltensor as gt
+    from globaltensor.planner import record as step
+
+    P, plain, model = _fresh()
+    loss_of = _compiled_loss([])
+    doubled = torch.compile(lambda x: (x * 2).sum(), backend="aot_eager", fullgraph=True)
+    passed = torch.compile(lambda x, t: (x, t * 2), backend="aot_eager", fullgraph=True)
+    x = gt.to_global(torch.randn(B, T, C, generator=torch.Generator().manual_seed(9)), P,
+                     gt.sbp.broadcast)
+    doubled(x)
+    with gt.implicit_broadcast():
+        loss_of(model, x).backward()      # recorded; its plan gains (Megatron's)
+    doubled(x)                             # a guard check: the records are planned
+    same, twice = passed(x, torch.ones(3))
+    assert same is x and twice.tolist() == [2.0] * 3
+    with gt.implicit_broadcast():
+        loss = loss_of(model, x)          # traced again, following its plan
+    torch.testing.assert_close(loss.full(), plain(x.full()).square().mean().detach(), rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()
+    step.clear()
+
+
 CHECKS = ["check_head_reshapes_stay_local", "check_planned_steps_replay_and_train_equal",
           "check_functional_steps_are_planned_too",
           "check_tied_gpt_plans_megatrons_collectives",
@@ -645,5 +676,6 @@ test_world2, test_world4 = checks_in_worlds(
     in_processes=["check_explain_step_reports_choices"])
 # compiling twice on 4 oversubscribed ranks costs 7 s; 2 ranks show the same
 COMPILED = ["check_compiled_graphs_follow_the_eager_plan", "check_compiled_graphs_plan_their_own_trace",
-            "check_a_variant_compiled_later_plans_its_own_graph"]
+            "check_a_variant_compiled_later_plans_its_own_graph",
+            "check_a_frame_compiled_after_planning_keeps_its_guard"]
 test_compiled_world2 = world_test(__name__, 2, COMPILED, in_processes=COMPILED)
