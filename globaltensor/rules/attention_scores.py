@@ -71,10 +71,13 @@ def deferred_scores(a, b):
     if type(a) is not GlobalTensor or type(b) is not GlobalTensor \
             or not _rows_by_columns(a, b) or getattr(_computing, "on", False) \
             or (modes.active is not None and modes.active.fakes) or comm.tracing() \
-            or explicit_mode.active() or torch._C._current_graph_task_id() != -1 \
-            or torch.is_inference_mode_enabled():
+            or explicit_mode.active() or torch.is_inference_mode_enabled() \
+            or (torch._C._current_graph_task_id() != -1 and not torch.is_grad_enabled()):
         # (cheapest first: every bmm asks. Not under inference_mode, where torch.matmul
-        # arrives at dispatch whole and runs as its pieces there: computed, as before.)
+        # arrives at dispatch whole and runs as its pieces there: computed, as before.
+        # Not in backward's gradient formulas; but a forward recomputed in backward
+        # (activation checkpointing, with grad enabled) defers as its forward did: it
+        # must save the same tensors.)
         return NotImplemented
     return AttentionScores.of(a, b, tuple(a.shape[:2]) + (b.shape[2],))
 

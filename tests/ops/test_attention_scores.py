@@ -181,9 +181,22 @@ def check_a_model_with_written_out_attention_trains_equal():
         _close(b, a.detach(), name, **TOL)
 
 
+def check_checkpointed_attention_recomputes_as_its_forward():
+    """Attention written out inside ``torch.utils.checkpoint`` (non-reentrant and
+    reentrant): the recompute in backward runs the ring as the forward did (computing the
+    scores there instead saved other tensors: torch's CheckpointError)."""
+    from torch.utils.checkpoint import checkpoint
+    for reentrant in (False, True):
+        def form(q, k, v, keep, reentrant=reentrant):
+            return checkpoint(_hugging_face, q, k, v, keep, use_reentrant=reentrant)
+        _against_one_process(form, (2, 2, 4 * gt.get_world_size(), 8), _line(), S(2),
+                             f"checkpointed, use_reentrant={reentrant}")
+
+
 CHECKS = ["check_written_out_attention_runs_as_the_ring",
           "check_other_uses_compute_the_scores",
-          "check_a_model_with_written_out_attention_trains_equal"]
+          "check_a_model_with_written_out_attention_trains_equal",
+          "check_checkpointed_attention_recomputes_as_its_forward"]
 test_world2, test_world4 = checks_in_worlds(
     __name__, CHECKS, only_in_4=["check_written_out_attention_on_a_2d_placement"])
 
