@@ -24,10 +24,13 @@ B, P = broadcast, partial_sum
 
 @register(aten.embedding)
 def embedding_rule(call):
-    """(weight, indices) -> out (indices.shape + (dim,))."""
-    idx_ndim = len(call.in_shapes[1])
+    """(weight, indices) -> out (indices.shape + (dim,)). Indices may be a plain tensor
+    of one element (T5's relative position bucket of one query and one key)."""
+    idx_ndim = call.arg("indices").dim()
     cands = [((B, B), (B,)), ((Split(0), B), (P,)), ((Split(1), B), (Split(idx_ndim),)),
              ((P, B), (P,))]
+    if len(call.inputs) == 1:
+        return [((w,), out) for (w, _), out in cands]
     cands += [((B, Split(d)), (Split(d),)) for d in range(idx_ndim)]
     return cands
 
@@ -84,12 +87,15 @@ def embedding_checks_indices(weight, indices, padding_idx=-1, scale_grad_by_freq
 
 @register(aten.embedding_dense_backward)
 def embedding_backward_rule(call):
-    """(grad, indices) -> grad_weight (num_weights, dim)."""
-    idx_ndim = len(call.in_shapes[1])
+    """(grad, indices) -> grad_weight (num_weights, dim); indices plain as the
+    lookup's may be."""
+    idx_ndim = call.arg("indices").dim()
     cands = [((B, B), (B,)), ((Split(idx_ndim), B), (Split(1),)), ((P, B), (P,))]
     if not call.arg("scale_grad_by_freq"):  # frequencies would need global counts
         cands.append(((B, B), (Split(0),)))
         cands += [((Split(d), Split(d)), (P,)) for d in range(idx_ndim)]
+    if len(call.inputs) == 1:
+        return [((g,), out) for (g, i), out in cands if i == B]
     return cands
 
 

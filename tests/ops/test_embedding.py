@@ -25,6 +25,9 @@ def check_embedding():
          [idx0, weight], choices=[[B, S(0)], [B, S(0)]], places=placements(4, 0, 3))
     case("embedding then sum", lambda i, w: F.embedding(i, w).sum(1), [idx, weight],
          choices=[[B, S(0)], [B, S(0)]], places=placements(4, 0, 2))
+    # a plain index of one element (T5's relative position bucket for one query, one key)
+    case("embedding of a plain one-element index", lambda w: F.embedding(torch.tensor([[5]]), w),
+         [weight], choices=[[B, S(0), S(1), P]], places=placements(4, 1, 3))
     table = gt.tensor(weight, placement=line(), sbp=S(0)).requires_grad_()
     split_idx = gt.tensor(idx, placement=line(), sbp=S(0))
     raises("embedding sparse=True with a gradient", lambda: F.embedding(
