@@ -14,6 +14,7 @@ exception: a clear one is fine), and the ops that fell back (no sbp rule).
     python tests/opinfo_sweep.py --ops nn.functional.conv1d,matmul --ranks 4 --mesh
     python tests/opinfo_sweep.py --inplace --ranks 3      # x.add_(y) and the like
     python tests/opinfo_sweep.py --out --ranks 3          # torch.add(x, y, out=z)
+    python tests/opinfo_sweep.py --plain-one --ranks 3    # one-element arguments plain
 
 Known reports that are not bugs: samples whose reference run changes an input in place
 before the global run sees it (batch norm's running statistics), ``as_strided`` of a
@@ -41,6 +42,7 @@ from globaltensor.rules.registry import FallbackWarning
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 DTYPE = torch.float32
+PLAIN_ONE = False   # --plain-one: one-element tensor arguments (not the input) stay plain
 RANDOM = ("rand", "normal", "bernoulli", "dropout", "multinomial", "empty", "uniform",
           "exponential", "geometric", "cauchy", "poisson", "nondeterministic", "sparse",
           "lowrank", "jiterator", "item", "equal", "tolist", "histogramdd", "resize_",
@@ -144,6 +146,8 @@ def run_cases(op, cases: list, mesh: bool, grad: bool, inplace: bool = False, ou
         def to_global(t):
             if not isinstance(t, torch.Tensor):
                 return t
+            if PLAIN_ONE and t is not sample.input and t.numel() == 1:   # (a copy: the reference
+                return t.detach().clone().requires_grad_(grad and t.requires_grad)   # wrote some)
             g = gt.tensor(t.detach(), placement=placement, sbp=sbps.get(id(t), (B,) * placement.ndim))
             return g.requires_grad_() if grad and t.requires_grad else g
         try:
@@ -190,6 +194,9 @@ def cases_of(op, samples: int, mesh: bool, grad: bool, inplace: bool = False, ou
             continue
         if out and not isinstance(want, torch.Tensor):
             continue
+        if PLAIN_ONE and not any(isinstance(t, torch.Tensor) and t.numel() == 1
+                                 for t in tree_flatten((s.args, s.kwargs))[0]):
+            continue
         shapes = [tuple(t.shape) for t in tree_flatten((s.input, s.args))[0] if isinstance(t, torch.Tensor)]
         cases += [(s, want, f"{name} {shapes} {list(s.kwargs)}", sbps) for name, sbps in variants(s, mesh)]
     return cases
@@ -208,9 +215,12 @@ def main() -> None:
     parser.add_argument("--out", action="store_true",
                         help="the ops' out= variants, into a broadcast and a split out= tensor")
     parser.add_argument("--dtype", default="float32", help="the samples' dtype (int64, bfloat16, ...)")
+    parser.add_argument("--plain-one", action="store_true",
+                        help="keep one-element tensor arguments (but the input) plain, as a program's "
+                             "scalar tensors are; only samples that have one")
     opts = parser.parse_args()
-    global DTYPE
-    DTYPE = getattr(torch, opts.dtype)
+    global DTYPE, PLAIN_ONE
+    DTYPE, PLAIN_ONE = getattr(torch, opts.dtype), opts.plain_one
     if opts.grad and not DTYPE.is_floating_point:
         parser.error("--grad needs a floating --dtype")
     if opts.mesh and opts.ranks != 4:

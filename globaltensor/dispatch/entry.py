@@ -121,10 +121,10 @@ def _take_leaves(func, leaves: list, args: tuple) -> tuple:
             plain.watch_gradient(x)
             if x._base is not None:   # (and the parameter: a recompute makes a new view)
                 plain.watch_gradient(x._base)
-            if x.numel() > 1 and (modes.implicit or comm.tracing()):
+            if x.numel() > 1 and (modes.implicit or comm.tracing()) or _one_element_operand(x, func):
                 taken.append(i)
-        elif isinstance(x, torch.Tensor) and x.numel() > 1 and (
-                modes.implicit or _in_backward() or comm.tracing()):
+        elif isinstance(x, torch.Tensor) and (x.numel() > 1 and (
+                modes.implicit or _in_backward() or comm.tracing()) or _one_element_operand(x, func)):
             # While torch.compile traces, converted modules' scopes are skipped (dynamo
             # would apply the counter's change after the trace that reads it): a plain
             # tensor the traced code built (positions, masks, rotary tables) is taken
@@ -133,6 +133,15 @@ def _take_leaves(func, leaves: list, args: tuple) -> tuple:
     for i in taken:
         leaves[i] = plain.as_broadcast(leaves[i], leaves, func)
     return fake, None
+
+
+def _one_element_operand(x: torch.Tensor, func) -> bool:
+    """A plain operand of one element in a dim (an index ``(1,)``, ``nn.PReLU``'s weight)
+    of an op outside the pointwise family: taken as broadcast, as its value is whole on
+    every rank, so that the op's rule sees every tensor operand it was written for (a
+    rule that met it plain misread which sbp was whose). A 0-d one stays plain: the
+    scalars of pointwise ops and of the optimizers' kernels, which their rules take."""
+    return x.numel() == 1 and x.dim() > 0 and torch.Tag.pointwise not in func.tags
 
 
 class PlainPath(modes.Mode):

@@ -114,9 +114,10 @@ def _whole(ctx, logits: int = 0) -> bool:
     """Whether this rank holds the whole logits and targets (the ``logits``-th input
     and the next; one rank, or broadcast): outside a trace, torch's kernel then
     computes exactly plain torch's values, and checks the targets. (A traced graph
-    keeps the ops below, as before: the kernel's two outputs would add getitem nodes.)"""
-    return all(ctx.in_layouts[i].local_shape(ctx.rank) == tuple(ctx.call.in_shapes[i])
-               for i in (logits, logits + 1))
+    keeps the ops below, as before: the kernel's two outputs would add getitem nodes.)
+    A plain target (a 0-d class of unbatched logits) is whole on every rank."""
+    held = (logits, logits + 1) if isinstance(ctx.call.arg("target"), GlobalTensor) else (logits,)
+    return all(ctx.in_layouts[i].local_shape(ctx.rank) == tuple(ctx.call.in_shapes[i]) for i in held)
 
 
 def _kernel_if_whole(logits: int):

@@ -8,6 +8,7 @@ Run in the shared worlds of tests/ops/ops_battery.py (2, 4, and 3 with bystander
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from ops_battery import B, P, S, battery_tests, case, checked, expect, placements, randn
 
 import globaltensor as gt
@@ -97,5 +98,34 @@ def check_indexing_stays_where_it_is():
             except (IndexError, RuntimeError) as e:
                 expect("out of" in str(e), f"{name} of {x_sbp} at {i_sbp}: {e}")
 
-CHECKS = ["check_integer_indexing", "check_index_put", "check_indexing_stays_where_it_is"]
+@checked
+def check_one_element_plain_operands():
+    # A plain operand of one element in a dim, of an op outside the pointwise family (an
+    # index (1,), nn.PReLU's weight, a conv's bias of one channel), and a 0-d plain
+    # target of unbatched logits: whole on every rank. The rules misread them: index_copy
+    # of a partial target copied the plain source into every addend (n times its value),
+    # the others raised IndexError.
+    one = torch.tensor([2])
+    x = randn((4, 3), "opx")
+    case("index_copy, plain index and source", lambda v: v.index_copy(0, one, torch.full((1,), 7.0,
+         dtype=v.dtype)), [randn((4,), "opv")], choices=[[B, S(0), P]], places=placements(3, 1, 3))
+    case("index_select, plain index", lambda x: x.index_select(1, one), [x], choices=[FLOAT],
+         places=placements(4, 1, 3))
+    case("index_add, plain index", lambda x, y: x.index_add(0, one, y), [x, randn((1, 3), "opy")],
+         choices=[FLOAT, FLOAT], places=placements(6, 1, 3))
+    case("index_fill, plain index", lambda x: x.index_fill(1, one, -1.0), [x], choices=[FLOAT],
+         places=placements(4, 1, 3))
+    weight = torch.tensor([0.25], dtype=torch.float64)
+    case("prelu, a plain weight of one", lambda x: F.prelu(x, weight), [x], choices=[FLOAT],
+         places=placements(4, 1, 3))
+    bias = torch.tensor([0.5], dtype=torch.float64)
+    case("conv1d, a plain bias of one channel", lambda x, w: F.conv1d(x, w, bias),
+         [randn((2, 3, 5), "opc"), randn((1, 3, 2), "opw")], choices=[[B, S(0), S(1)], [B, S(1), P]],
+         places=placements(6, 1, 3))
+    case("cross_entropy, unbatched, a plain 0-d target", lambda x: F.cross_entropy(x, torch.tensor(1)),
+         [randn((4,), "opl")], choices=[[B, S(0), P]], places=placements(3, 1, 3))
+
+
+CHECKS = ["check_integer_indexing", "check_index_put", "check_indexing_stays_where_it_is",
+          "check_one_element_plain_operands"]
 test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)
