@@ -25,7 +25,10 @@ functional one in plain torch too, and ``linalg.matrix_rank``, whose out= overlo
 returns a new tensor for any tensor subclass (torch's own path for them; DTensor alike);
 with ``--dtype bfloat16``, products over a split contracted dim (``bmm``, ``matmul``,
 ``embedding_bag``'s weighted sums), whose parts are each rounded to bfloat16 before
-their sum (as DTensor's and Megatron's are), past the tolerance where values cancel.
+their sum (as DTensor's and Megatron's are), past the tolerance where values cancel;
+with ``--plain-one``, ops that return a plain operand expanded (``broadcast_tensors``,
+``meshgrid``), whose plain outputs the sweep's weighted sum mixes with global ones, and
+batch norm's samples of one channel (the reference run wrote their running statistics).
 """
 from __future__ import annotations
 
