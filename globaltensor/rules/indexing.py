@@ -15,9 +15,10 @@ are not (torch's rule). Per placement axis:
   takes a partial target with partial values, and, accumulating, adds each rank's
   split indices and values into a partial target (the backward of a split lookup).
 
-A split of an indexed dim is boxed first (a lookup across ranks would need each index's
-owner). An index out of range raises torch's IndexError on every rank (an error on one
-rank reaches the others at their next exchange).
+A split of an indexed dim is boxed first (to a partial sum of each rank's rows where
+that costs less than gathering them). An index out of range raises IndexError on every
+rank: a split index's range is checked first (one number reduced), as a rank holding a
+bad index would raise alone while the others went on.
 
 >>> x[i].sbp     # x split(1) of shape (6, 4), i broadcast of shape (3,)   # doctest: +SKIP
 (split(dim=1),)
