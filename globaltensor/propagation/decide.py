@@ -160,7 +160,8 @@ def _check_inputs(func, leaves: list, gidx: tuple) -> Placement:
                 f"{func}: mixes a GlobalTensor with a plain tensor of shape {tuple(x.shape)}; "
                 f"only one-element plain tensors are allowed: make it global (gt.tensor / "
                 f"gt.to_global), or run the op inside gt.implicit_broadcast() to take plain "
-                f"operands as broadcast")
+                f"operands as broadcast (also where torch builds the plain tensor itself, "
+                f"as torch.combinations and torch.unravel_index do)")
     return placement
 
 

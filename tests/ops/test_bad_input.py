@@ -39,6 +39,18 @@ def check_bad_input():
     got = guard(where, lambda: (x + torch.ones(1, dtype=F64)) * torch.tensor(2.0, dtype=F64))
     if got is not None:
         close(got.full(), (v + 1) * 2, where)
+    # torch's own functions that build plain tensors inside: the error names them,
+    # and under implicit_broadcast they compute the plain value
+    r = gt.tensor(torch.arange(4, dtype=F64), placement=p, sbp=S(0))
+    raises("torch.combinations(x split)", lambda: torch.combinations(r), ValueError, "torch.combinations")
+    with gt.implicit_broadcast():
+        got = guard(f"[world {n}] combinations under implicit_broadcast", lambda: torch.combinations(r))
+        flat = guard(f"[world {n}] unravel_index under implicit_broadcast",
+                     lambda: torch.unravel_index(gt.tensor(torch.tensor([5, 7]), placement=p, sbp=S(0)), (3, 4)))
+    if got is not None and flat is not None:
+        close(got.full(), torch.combinations(torch.arange(4, dtype=F64)), f"[world {n}] combinations")
+        for g, w in zip(flat, torch.unravel_index(torch.tensor([5, 7]), (3, 4))):
+            close(g.full(), w, f"[world {n}] unravel_index")
     # one sbp for a whole module that a tensor cannot take names that tensor
     raises("to_global(BatchNorm1d, split(0))", lambda: gt.nn.to_global(torch.nn.BatchNorm1d(4), p, S(0)),
            ValueError, "buffer 'num_batches_tracked' of shape ()")
