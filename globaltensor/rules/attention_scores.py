@@ -130,7 +130,14 @@ class AttentionScores(GlobalTensor):
         with torch._C.DisableTorchFunctionSubclass():
             q = self.q.reshape(lead + (m, d))
             k = self.kt.transpose(1, 2).reshape(lead + (n, d))
+            if tuple(v.shape[:-2]) != tuple(batch):   # (fewer heads, broadcast by matmul: multi-query)
+                v = v.expand(tuple(batch) + tuple(v.shape[-2:]))
             values = v.reshape(lead + tuple(v.shape[-2:]))
+            # torch's fused CPU kernel needs each row whole in memory (else its math form,
+            # whose products would gather the keys): matmul copied broadcast keys into
+            # kt's order (multi-query), and an expanded v repeats its rows
+            q, k, values = (t if t.stride(-1) == 1 and 0 not in t.stride() else t.contiguous()
+                            for t in (q, k, values))
             scale, mask = 1.0, None
             for step in self.steps[:-1]:
                 if step[0] == "scale":
@@ -256,7 +263,8 @@ def _next_step(func, args: tuple, kwargs: dict):
     if softmaxed:
         if func in _MATMUL and len(rest) == 1 and isinstance(rest[0], GlobalTensor) \
                 and type(rest[0]) is not AttentionScores and rest[0].dim() == x.dim() \
-                and rest[0].shape[-2] == x.shape[-1] and rest[0].dtype == x.dtype:
+                and rest[0].shape[-2] == x.shape[-1] and rest[0].dtype == x.dtype \
+                and all(a in (1, b) for a, b in zip(rest[0].shape[:-2], x.shape[:-2])):
             return x.attend(rest[0])
         if func is F.dropout and not kwargs.get("inplace", False) and (
                 not _arg(rest, kwargs, 1, "training", True) or _arg(rest, kwargs, 0, "p", 0.5) == 0):

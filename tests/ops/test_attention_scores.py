@@ -60,8 +60,15 @@ def _three_dims(q, k, v, keep):
     return out.reshape(b, h, t, d)
 
 
+def _multi_query(q, k, v, keep):
+    # one key and value head for every query head, broadcast by matmul (Falcon's eager
+    # attention; grouped heads alike)
+    return _hugging_face(q, k[:, :1], v[:, :1], keep)
+
+
 FORMS = {"nanoGPT": _nanogpt, "Hugging Face eager": _hugging_face, "GPT-2 eager": _gpt2_eager,
-         "BERT (a padding mask)": _bert, "unmasked": _unmasked, "3-D bmm": _three_dims}
+         "BERT (a padding mask)": _bert, "unmasked": _unmasked, "3-D bmm": _three_dims,
+         "multi-query": _multi_query}
 
 
 def _against_one_process(form, shape, placement, sbp, what, ring=True, plain_mask=False):
