@@ -72,7 +72,7 @@ def build(name: str, attn: str | None, checkpointing: bool) -> torch.nn.Module:
     kwargs.update(next((o for prefix, o in OVERRIDES.items() if name.startswith(prefix)), {}))
     config = cls.config_class(**kwargs)
     for k, v in config.to_dict().items():
-        if "dropout" in k and isinstance(v, float):
+        if "drop" in k and isinstance(v, float):   # (GPT-2's resid_pdrop, Swin's drop_path_rate too)
             setattr(config, k, 0.0)
     config.num_labels = 5
     if getattr(config, "decoder_start_token_id", None) is None:   # (T5's config lacks one)
@@ -166,6 +166,8 @@ def main() -> None:
     for name in opts.models.split(","):
         for layout in opts.layouts.split(","):
             if layout == "seq" and "input_ids" not in inputs(name):
+                continue
+            if opts.checkpointing and not getattr(transformers, name).supports_gradient_checkpointing:
                 continue
             start = time.time()
             try:
