@@ -15,6 +15,7 @@ bug) or ERR (an exception).
     python tests/hub_sweep.py --models LlamaForCausalLM,MixtralForCausalLM --layouts seq
     python tests/hub_sweep.py --attn eager --checkpointing    # attention written out, recomputed
     python tests/hub_sweep.py --autocast                      # bfloat16 autocast (looser tolerance)
+    python tests/hub_sweep.py --generate                      # greedy generate with the cache, tokens compared
 
 Known reports that are not bugs: with ``--autocast``, gradients past the tolerance in
 split layouts where products over a split dim are rounded per part (T5).
@@ -150,6 +151,25 @@ def compare(name: str, layout: str, opts) -> str:
     return "OK" if not bad else "WRONG " + "; ".join(bad[:3]) + (f" (+{len(bad) - 3})" if len(bad) > 3 else "")
 
 
+def generated(name: str, layout: str, opts) -> str:
+    """``model.generate`` (greedy, a few new tokens, the key-value cache on) of the global
+    model against one process's: the same tokens."""
+    reference = build(name, opts.attn, False)
+    prompt = TOKENS[:, :5]
+    want = reference.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+
+    def rank():
+        model = make_global(copy.deepcopy(reference), layout, opts.ranks)
+        p = gt.placement.all("cpu")
+        got = model.generate(gt.tensor(prompt, placement=p, sbp=batch_sbp(layout, "input_ids")),
+                             max_new_tokens=4, do_sample=False, pad_token_id=0)
+        got = got.full() if gt.is_global(got) else got
+        return None if torch.equal(got, want) else f"tokens {got.tolist()} vs {want.tolist()}"
+
+    bad = gt.testing.simulated_world(opts.ranks, timeout=120)(rank)[0]
+    return "OK" if bad is None else "WRONG " + bad[:300]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=MODELS, help="comma-separated transformers classes")
@@ -159,6 +179,8 @@ def main() -> None:
                         help="attn_implementation (eager, sdpa; default: transformers' choice)")
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing (non-reentrant)")
     parser.add_argument("--autocast", action="store_true", help="bfloat16 autocast")
+    parser.add_argument("--generate", action="store_true",
+                        help="greedy generate (key-value cache) instead of a training step; generative models only")
     opts = parser.parse_args()
     import transformers
     transformers.logging.set_verbosity_error()
@@ -169,9 +191,11 @@ def main() -> None:
                 continue
             if opts.checkpointing and not getattr(transformers, name).supports_gradient_checkpointing:
                 continue
+            if opts.generate and not getattr(transformers, name).can_generate():
+                continue
             start = time.time()
             try:
-                result = compare(name, layout, opts)
+                result = (generated if opts.generate else compare)(name, layout, opts)
             except Exception as e:  # noqa: BLE001  (a tool: every failure is a line)
                 lines = "".join(traceback.format_exception_only(type(e), e)).strip().splitlines()
                 result = "ERR " + " | ".join(lines[:4])[:500]

@@ -7,10 +7,12 @@ values: each rank allocates only its part, and ``reset_parameters()`` or
 ``torch.nn.init.*_`` then fill it (random values are generated locally). A tensor held
 by several modules (tied weights) becomes one GlobalTensor held by all of them.
 Every converted module runs its forward inside ``gt.implicit_broadcast()``, so the plain
-tensors a forward builds (position ids, masks) count as broadcast.
+tensors a forward builds (position ids, masks) count as broadcast; so does a model's own
+``generate`` (Hugging Face's), which appends plain tokens to the global ones.
 """
 from __future__ import annotations
 
+import types
 from typing import Callable, Iterator, Union
 
 import torch
@@ -52,8 +54,9 @@ def to_global(module: torch.nn.Module, placement: Placement, sbp: SbpChoice) -> 
     all, or a callable ``(qualified name, tensor) -> sbp``. Tied tensors stay one
     tensor. Its forward (and
     that of every submodule) then takes the plain tensors it builds, e.g.
-    ``torch.arange`` position ids or masks, as broadcast (``gt.implicit_broadcast()``).
-    Returns ``module``.
+    ``torch.arange`` position ids or masks, as broadcast (``gt.implicit_broadcast()``),
+    and so does its ``generate`` where it has one (a Hugging Face model's: the tokens
+    and flags it builds). Returns ``module``.
 
     >>> gt.nn.to_global(model, p, lambda name, t: gt.sbp.split(0) if name == "0.weight"
     ...                 else gt.sbp.broadcast)                          # doctest: +SKIP
@@ -89,7 +92,21 @@ def to_global(module: torch.nn.Module, placement: Placement, sbp: SbpChoice) -> 
     drop_initialised_marks(slots)
     for sub in module.modules():
         forward_in_implicit_broadcast(sub)
+        if callable(getattr(type(sub), "generate", None)) and "generate" not in vars(sub):
+            # (bound to the instance: a deep copy binds it to the copy)
+            sub.generate = types.MethodType(_generate_in_implicit_broadcast, sub)
     return module
+
+
+def _generate_in_implicit_broadcast(self, *args, **kwargs):
+    """The model's class's ``generate`` inside ``gt.implicit_broadcast()``: the loop around
+    the forwards mixes the plain tensors it builds (appended tokens, stopping flags,
+    cache positions) with the global logits, the same on every rank."""
+    with implicit_broadcast():
+        return type(self).generate(self, *args, **kwargs)
+
+
+_generate_in_implicit_broadcast.__name__ = "generate"   # (pickle finds a bound method by name)
 
 
 def forward_in_implicit_broadcast(module: torch.nn.Module) -> None:

@@ -225,23 +225,23 @@ def check_transformers_models_train_unchanged():
                                                rtol=1e-5, atol=1e-5)
 
 
-def check_transformers_generate_inside_implicit_broadcast():
+def check_transformers_generate_gives_one_process_tokens():
     # generate() builds plain tensors outside the model's forward (the tokens it appends,
-    # its stopping flags) and mixes them with the global logits: inside
-    # gt.implicit_broadcast() it runs, greedily, to one process's tokens
+    # its stopping flags) and mixes them with the global logits: a converted model's
+    # generate runs inside gt.implicit_broadcast() as its forward does, greedily to one
+    # process's tokens, with no context manager (it raised a ValueError), and so does a
+    # deep copy's (the copy's own, not the original's)
     prompt = _tokens()[:, :4]
     for reference in list(_hf_models())[:2]:      # GPT-2, Llama
         reference.eval()
         want = reference.generate(prompt, max_new_tokens=3, do_sample=False, pad_token_id=0)
         for layout in ("data_parallel", "tensor_parallel"):
             model = make_global(copy.deepcopy(reference), layout, split=_hf_megatron)
-            with pytest.raises(ValueError, match="implicit_broadcast"):
-                model.generate(_batch(prompt, layout), max_new_tokens=3, do_sample=False,
-                               pad_token_id=0)
-            with gt.implicit_broadcast():
-                got = model.generate(_batch(prompt, layout), max_new_tokens=3,
-                                     do_sample=False, pad_token_id=0)
-            assert torch.equal(got.full(), want), (type(model).__name__, layout)
+            for which in (model, copy.deepcopy(model)):
+                assert which.generate.__self__ is which
+                got = which.generate(_batch(prompt, layout), max_new_tokens=3, do_sample=False,
+                                     pad_token_id=0)
+                assert torch.equal(got.full(), want), (type(model).__name__, layout)
 
 
 def check_transformers_init_weights_after_meta_init():
@@ -272,5 +272,5 @@ def check_transformers_init_weights_after_meta_init():
 # the session's world of 2 (transformers is in the test extra: CI runs them).
 test_transformers_models_train_unchanged = world_test(
     __name__, 2, ["check_transformers_models_train_unchanged",
-                  "check_transformers_generate_inside_implicit_broadcast",
+                  "check_transformers_generate_gives_one_process_tokens",
                   "check_transformers_init_weights_after_meta_init"])
