@@ -106,9 +106,6 @@ def _generate_in_implicit_broadcast(self, *args, **kwargs):
         return type(self).generate(self, *args, **kwargs)
 
 
-_generate_in_implicit_broadcast.__name__ = "generate"   # (pickle finds a bound method by name)
-
-
 def forward_in_implicit_broadcast(module: torch.nn.Module) -> None:
     """Run ``module``'s forward inside ``gt.implicit_broadcast()`` (hooks registered once;
     the scope closes when forward returns or raises). SPMD code builds the same plain
