@@ -8,7 +8,9 @@ values: each rank allocates only its part, and ``reset_parameters()`` or
 by several modules (tied weights) becomes one GlobalTensor held by all of them.
 Every converted module runs its forward inside ``gt.implicit_broadcast()``, so the plain
 tensors a forward builds (position ids, masks) count as broadcast; so does a model's own
-``generate`` (Hugging Face's), which appends plain tokens to the global ones.
+``generate`` (Hugging Face's), which appends plain tokens to the global ones. torch's
+recurrent layers and cells run on each rank's samples where the batch is split
+(``recurrent.py``).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from ..planner.record import step_boundary
 from ..sbp import broadcast
 from ..tensor import GlobalTensor, to_layout
 from .meta import check_meta_buffers, drop_initialised_marks
+from .recurrent import forward_on_parts, runs_on_parts
 
 SbpChoice = Union[object, Callable[[str, torch.Tensor], object]]
 
@@ -95,6 +98,8 @@ def to_global(module: torch.nn.Module, placement: Placement, sbp: SbpChoice) -> 
         if callable(getattr(type(sub), "generate", None)) and "generate" not in vars(sub):
             # (bound to the instance: a deep copy binds it to the copy)
             sub.generate = types.MethodType(_generate_in_implicit_broadcast, sub)
+        if runs_on_parts(sub) and "forward" not in vars(sub):
+            sub.forward = types.MethodType(forward_on_parts, sub)
     return module
 
 
