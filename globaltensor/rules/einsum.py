@@ -21,6 +21,8 @@ The gradient of a pair's einsum with respect to one operand is an einsum of the
 output's gradient with the other, so backward runs the same op and rule (and double
 backward works). torch's decomposition still takes one operand (a permute or a sum,
 one op already), a letter repeated in an operand (a diagonal) and the sublist form.
+``nn.Bilinear``'s ``aten._trilinear``, an einsum of three operands, takes the same
+signatures (``signatures``).
 
 >>> torch.einsum("bhqd,bhkd->bhqk", q, k).sbp    # q, k split(1)      # doctest: +SKIP
 (split(dim=1),)
@@ -121,12 +123,19 @@ def pair_signatures(equation: str, shapes: tuple) -> tuple:
     holds (a product's rows, then its columns); of each summed letter; one operand
     partial; a split of each output letter both operands hold (a batch). The matmul
     rules take theirs from here (``matmul.py``), and dispatch breaks cost ties by this
-    order, so an einsum and the product it spells choose alike.
+    order, so an einsum and the product it spells choose alike. (``signatures``: the
+    same for any number of operands.)
 
     >>> pair_signatures("mk,kn->mn", ((4, 3), (3, 2)))[:4]   # doctest: +NORMALIZE_WHITESPACE
     ((broadcast, broadcast, broadcast), (split(dim=0), broadcast, split(dim=0)),
      (broadcast, split(dim=1), split(dim=1)), (split(dim=1), split(dim=0), partial_sum))
     """
+    return signatures(equation, shapes)
+
+
+def signatures(equation: str, shapes: tuple) -> tuple:
+    """``pair_signatures`` for any number of operands: (each operand's sbp, the
+    output's) per signature."""
     eq = _parsed(equation)
     free, summed, batch = [], [], []
     for c, size in _letter_sizes(eq.inputs, shapes).items():
@@ -137,18 +146,44 @@ def pair_signatures(equation: str, shapes: tuple) -> tuple:
             summed.append((*ins, P))
         else:
             (free if B in ins else batch).append((*ins, Split(eq.output.index(c))))
-    return ((B, B, B), *free, *summed, (P, B, P), (B, P, P), *batch)
+    n = len(eq.inputs)
+    partial = [(*(P if k == j else B for k in range(n)), P) for j in range(n)]
+    return ((B,) * (n + 1), *free, *summed, *partial, *batch)
 
 
 def pair_rule(equation: str, left, right) -> list:
     """The rule's ``(input sbps, output sbps)`` for the einsum of ``left`` and
     ``right``: ``pair_signatures``, with an sbp for each GlobalTensor operand only (a
     plain operand, of one element, is whole on every rank: it cannot be partial)."""
-    operands = (left, right)
-    cands = pair_signatures(equation, tuple(tuple(t.shape) for t in operands))
+    return operands_rule(equation, (left, right))
+
+
+def operands_rule(equation: str, operands: tuple) -> list:
+    """``pair_rule`` for any number of operands."""
+    shapes = tuple(tuple(t.shape) for t in operands)
+    cands = pair_signatures(equation, shapes) if len(operands) == 2 else signatures(equation, shapes)
     held = [k for k, t in enumerate(operands) if isinstance(t, GlobalTensor)]
-    return [(tuple(c[k] for k in held), (c[2],)) for c in cands
-            if all(c[k] != P or k in held for k in range(2))]
+    return [(tuple(c[k] for k in held), (c[-1],)) for c in cands
+            if all(c[k] != P or k in held for k in range(len(operands)))]
+
+
+@register(aten._trilinear.default)
+def trilinear_rule(call):
+    """``nn.Bilinear``'s op: the three operands, each unsqueezed at its ``expand`` dims,
+    multiplied and summed over ``sumdim``: an einsum of three, ruled as one."""
+    operands = tuple(call.arg(f"i{k}") for k in (1, 2, 3))
+    expands = tuple(tuple(call.arg(f"expand{k}")) for k in (1, 2, 3))
+    return operands_rule(_trilinear_equation(operands[0].dim() + len(expands[0]), expands,
+                                             tuple(call.arg("sumdim"))), operands)
+
+
+@functools.lru_cache(maxsize=256)
+def _trilinear_equation(total: int, expands: tuple, sumdim: tuple) -> str:
+    letters = string.ascii_letters[:total]
+    expands = tuple({d % total for d in e} for e in expands)
+    summed = {d % total for d in sumdim}
+    inputs = ("".join(c for d, c in enumerate(letters) if d not in e) for e in expands)
+    return ",".join(inputs) + "->" + "".join(c for d, c in enumerate(letters) if d not in summed)
 
 
 @register(einsum_pair)

@@ -6,6 +6,7 @@ Run in the shared worlds of tests/ops/ops_battery.py (2, 4, and 3 with bystander
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from ops_battery import F64, B, P, S, battery_tests, case, checked, close, expect, line, nd, placements, raises, randn
 
 import globaltensor as gt
@@ -136,6 +137,27 @@ def check_einsum_moves_what_matmul_would():
            ValueError, "different placements")
 
 
+@checked
+def check_bilinear_keeps_splits():
+    # nn.Bilinear's aten._trilinear, an einsum of three operands: a split batch (data
+    # parallel) or split output features (the weight's dim 0) stay split and a split
+    # contracted dim makes a partial, with no communication, where the op gathered
+    # every operand
+    p = line()
+    x1, x2, w = randn((5, 3), "bl1"), randn((5, 4), "bl2"), randn((6, 3, 4), "blw")
+    case("bilinear", lambda a, b, c: F.bilinear(a, b, c), [x1, x2, w], places=placements(8, 1, 2))
+    plain = [t.clone().requires_grad_() for t in (x1, x2, w)]
+    want_grads = torch.autograd.grad(F.bilinear(*plain).sum(), plain)
+    for sbps, out_sbp in (((S(0), S(0), B), S(0)), ((B, B, S(0)), S(1)), ((S(1), B, S(1)), P)):
+        ins = [gt.tensor(t, placement=p, sbp=nd(s, p)).requires_grad_() for t, s in zip((x1, x2, w), sbps)]
+        out, moved = _moved(lambda: no_fallback(lambda: F.bilinear(*ins), "_trilinear"))
+        expect(out.sbp == nd(out_sbp, p) and not moved,
+               f"bilinear of {sbps}: sbp {out.sbp}, moved {moved}")
+        close(out.full(), F.bilinear(x1, x2, w), f"bilinear of {sbps}")
+        for k, (g, want) in enumerate(zip(torch.autograd.grad(out.sum(), ins), want_grads)):
+            close(g.full(), want, f"bilinear of {sbps}: gradient {k}")
+
+
 CHECKS = ["check_einsum", "check_einsum_moves_what_matmul_would",
-          "check_einsum_under_autocast_computes_as_torchs"]
+          "check_einsum_under_autocast_computes_as_torchs", "check_bilinear_keeps_splits"]
 test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)
