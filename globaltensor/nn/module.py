@@ -53,7 +53,8 @@ def to_global(module: torch.nn.Module, placement: Placement, sbp: SbpChoice) -> 
     uninitialised (each rank allocates only its part; call ``reset_parameters()`` or
     ``torch.nn.init`` next); a meta buffer that no ``reset_parameters()`` fills again
     (a causal mask: anything but batch-norm statistics) raises ValueError naming it:
-    build such modules under ``gt.nn.meta_init()``. ``sbp`` is one sbp (or tuple) for
+    build such modules under ``gt.nn.meta_init()``; so does a lazy module that has not run
+    yet (its parameters have no shape). ``sbp`` is one sbp (or tuple) for
     all, or a callable ``(qualified name, tensor) -> sbp``. Tied tensors stay one
     tensor. Its forward (and
     that of every submodule) then takes the plain tensors it builds, e.g.
@@ -75,6 +76,12 @@ def to_global(module: torch.nn.Module, placement: Placement, sbp: SbpChoice) -> 
     # Check every layout first: bad input raises on every rank before any communication.
     converted: dict = {}   # id(old tensor) -> (old tensor, layout)
     slots = list(tensor_slots(module))
+    for qualified, sub, kind, _, t in slots:
+        if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+            what = "parameter" if kind == "_parameters" else "buffer"
+            raise ValueError(f"to_global: {what} {qualified!r} of {type(sub).__name__} has no shape "
+                             f"yet (a lazy module takes its sizes from its first input): run the "
+                             f"model once on a plain input first, or build it with the sizes")
     check_meta_buffers(module, slots)
     for qualified, _, kind, _, t in slots:
         if id(t) not in converted:

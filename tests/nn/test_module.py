@@ -265,6 +265,24 @@ def check_meta_buffers_raise_or_come_real():
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
+def check_lazy_modules_are_refused_until_run():
+    # a lazy module's parameters have no shape before its first forward: torch's own
+    # "Can't access the shape of an uninitialized parameter" named neither the module nor
+    # what to do
+    p = gt.placement.all("cpu")
+    lazy = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.ReLU(), torch.nn.LazyLinear(2))
+    for convert in (lambda m: gt.nn.to_global(m, p, B), lambda m: gt.nn.fully_shard(m, p)):
+        with gt.debug.comm_stats() as stats, pytest.raises(ValueError) as err:
+            convert(lazy)
+        message = str(err.value)
+        assert "'0.weight' of LazyLinear has no shape yet" in message and "run the model once" in message
+        assert stats.total_calls == 0
+    x = torch.randn(6, 3)
+    want = lazy(x)
+    gt.nn.to_global(lazy, p, B)
+    torch.testing.assert_close(lazy(gt.tensor(x, placement=p, sbp=S(0))).full(), want)
+
+
 def check_casting_a_converted_module_then_training():
     """``model.cpu()`` / ``.to("cpu")`` and ``model.bfloat16()`` / ``.double()`` /
     ``.to(dtype)`` of a global module before its first forward, data-parallel training,
@@ -301,6 +319,7 @@ def check_casting_a_converted_module_then_training():
 
 
 CHECKS = ["check_memory_is_the_part", "check_values_come_from_the_first_rank",
+          "check_lazy_modules_are_refused_until_run",
           "check_tied_parameters_stay_one", "check_meta_modules_allocate_parts_and_init_in_place",
           "check_full_state_dict_on_the_ranks_asked", "check_saving_for_other_tools",
           "check_meta_buffers_raise_or_come_real", "check_casting_a_converted_module_then_training"]
