@@ -1,7 +1,8 @@
 """Ops whose output shape depends on the values: boolean-mask indexing ``x[mask]``,
 ``nonzero`` (and ``argwhere``, ``where(cond)``, ``nonzero(as_tuple=True)``, which reach
 it), ``masked_select``, ``unique`` / ``unique_consecutive`` (whole or along a dim),
-``bincount``, ``repeat_interleave`` with a tensor of repeats; and mask assignment
+``bincount``, ``repeat_interleave`` with a tensor of repeats, ``pack_padded_sequence``
+(a recurrent layer then runs on the packed whole batch); and mask assignment
 ``x[mask] = v`` (``index_put_`` with a boolean mask), whose shape is known.
 
 Dispatch infers output shapes on meta tensors, which cannot run these ops. They run
@@ -101,6 +102,17 @@ for _op in (aten.nonzero.default, aten.masked_select.default, aten._unique2.defa
             aten.unique_dim_consecutive.default, aten.bincount.default,
             aten.repeat_interleave.Tensor):
     register(_op, decompose=True)(_whole(_op))
+
+
+@register(aten._pack_padded_sequence.default, decompose=True)
+def pack_padded_sequence(input, lengths, batch_first):
+    """``nn.utils.rnn.pack_padded_sequence``'s op: where each row goes depends on the
+    lengths, so it runs on the whole values. Its ``batch_sizes`` stays a plain tensor
+    (the same on every rank): torch's recurrent layers and ``pad_packed_sequence`` read
+    it on the host, which a GlobalTensor's values are not."""
+    data, batch_sizes = run_on_whole_values(aten._pack_padded_sequence.default,
+                                            (input, lengths, batch_first), {})
+    return data, batch_sizes.local_part
 
 
 @register(aten.masked_scatter)

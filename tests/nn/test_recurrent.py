@@ -156,6 +156,37 @@ def check_a_sequence_model_trains_equal_to_one_process():
         _close(p, q.detach(), f"{name} after 3 steps")
 
 
+class _Packed(torch.nn.Module):
+    """Sequences of different lengths, packed, as a model's forward packs them."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = torch.nn.LSTM(5, 7, batch_first=True)
+        self.head = torch.nn.Linear(7, 2)
+
+    def forward(self, x, lengths):
+        from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+        packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        return self.head(pad_packed_sequence(self.lstm(packed)[0], batch_first=True)[0])
+
+
+def check_packed_sequences_give_one_process_values():
+    # pack_padded_sequence's op failed on meta lengths ("'lengths' argument should be a
+    # 1D CPU int64 tensor"); it runs on the whole batch now, and the layer after it too
+    P = _line()
+    torch.manual_seed(6)
+    ref = _Packed()
+    model = gt.nn.to_global(copy.deepcopy(ref), P, B)
+    x, lengths = torch.randn(5, 6, 5), torch.tensor([6, 3, 5, 2, 4])
+    want = ref(x, lengths)
+    got = model(gt.tensor(x, placement=P, sbp=S(0)), lengths)
+    _close(got, want.detach(), "packed output")
+    want.square().sum().backward()
+    got.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        _close(p.grad, q.grad, f"gradient of {name}")
+
+
 def check_layouts_left_to_dispatch_give_one_process_values():
     P = _line()
     # weights split (not a batch's layer any more): dispatch, gathering
@@ -182,6 +213,7 @@ def check_a_two_d_placement_runs_on_the_data_axis():
 CHECKS = ["check_recurrent_layers_on_a_split_batch_run_on_each_ranks_samples",
           "check_given_states_and_a_cell_stepped_over_time",
           "check_a_sequence_model_trains_equal_to_one_process",
-          "check_layouts_left_to_dispatch_give_one_process_values"]
+          "check_layouts_left_to_dispatch_give_one_process_values",
+          "check_packed_sequences_give_one_process_values"]
 test_world2, test_world4 = checks_in_worlds(
     __name__, CHECKS, only_in_4=["check_a_two_d_placement_runs_on_the_data_axis"])
