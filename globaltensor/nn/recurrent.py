@@ -8,11 +8,12 @@ workspace has no per-sample layout, and the cells add the input's gates in place
 the product of a hidden state made broadcast (the zeros ``forward`` builds), so the batch
 was gathered on every rank. ``gt.nn.to_global`` gives these modules ``forward_on_parts``:
 their own ``forward`` on the local parts, the weights swapped in as local views for the
-call. Layouts it does not cover take the module's own ``forward`` through dispatch
-(right values, gathered), decided alike on every rank from layouts only: weights not all
-broadcast, an input not split on its batch alone, a hidden state on another placement,
-packed sequences, unbatched inputs, a placement without every rank, dropout between
-layers while training (its mask would come from each rank's torch generator, not the
+call; a rank outside the placement runs it on no samples, so that its outputs have the
+members' layouts. Layouts it does not cover take the module's own ``forward`` through
+dispatch (right values, gathered), decided alike on every rank from layouts only:
+weights not all broadcast, an input not split on its batch alone, a hidden state on
+another placement, packed sequences, unbatched inputs, dropout between layers while
+training (its mask would come from each rank's torch generator, not the
 placement-invariant one) and code being compiled.
 
 >>> lstm = gt.nn.to_global(torch.nn.LSTM(8, 16), p, gt.sbp.broadcast)      # doctest: +SKIP
@@ -54,8 +55,11 @@ def forward_on_parts(self: torch.nn.Module, input, hx=None):
     batch = input.shape[in_dim]
     placement = input.placement
 
+    inside = comm.get_rank() in placement
+
     def local(x: GlobalTensor, dim: int) -> torch.Tensor:
-        return x.to_global(placement, _moved(batch_sbp, in_dim, dim)).to_local()
+        return _stand_in(x.to_global(placement, _moved(batch_sbp, in_dim, dim)).to_local(),
+                         x.shape, dim, inside)
 
     def part(t: torch.Tensor, dim: int) -> GlobalTensor:
         shape = list(t.shape)
@@ -67,7 +71,8 @@ def forward_on_parts(self: torch.nn.Module, input, hx=None):
     # The weights' gradients are each rank's own samples' share: partial sums where the
     # batch is split, which gradient sync reduces as it does a matmul's.
     grad_sbp = tuple(partial_sum if isinstance(s, Split) else broadcast for s in batch_sbp)
-    out = _with_local_weights(self, grad_sbp, lambda: type(self).forward(self, local(input, in_dim), hx))
+    out = _with_local_weights(self, grad_sbp, inside,
+                              lambda: type(self).forward(self, local(input, in_dim), hx))
     if layer:
         output, state = out
         state = tuple(part(h, hx_dim) for h in state) if isinstance(state, tuple) else part(state, hx_dim)
@@ -86,8 +91,6 @@ def _batch_sbp(module: torch.nn.Module, input, hx) -> tuple | None:
     if layer and module.training and module.dropout > 0 and module.num_layers > 1:
         return None
     placement = input.placement
-    if placement.size != comm.get_world_size():
-        return None
     dim = (0 if module.batch_first else 1) if layer else 0
     sbp = input.sbp
     if not any(s == split(dim) for s in sbp) or any(s != split(dim) and not isinstance(s, Broadcast) for s in sbp):
@@ -106,9 +109,23 @@ def _moved(sbp: tuple, dim: int, to: int) -> tuple:
     return tuple(split(to) if s == split(dim) else s for s in sbp)
 
 
-def _with_local_weights(module: torch.nn.Module, grad_sbp: tuple, run):
+def _stand_in(part: torch.Tensor, shape, batch_dim: "int | None", inside: bool) -> torch.Tensor:
+    """``part``, this rank's part; on a rank outside the placement (whose part is an
+    empty placeholder) a tensor of ``shape`` with no samples (``batch_dim`` of size 0;
+    a weight: its shape, expanded from one element, no memory), made from the
+    placeholder: the layer runs there on nothing, and backward as on the members."""
+    if inside:
+        return part
+    if batch_dim is not None:
+        shape = list(shape)
+        shape[batch_dim] = 0
+    return part.sum().expand(shape)
+
+
+def _with_local_weights(module: torch.nn.Module, grad_sbp: tuple, inside: bool, run):
     """``run()`` with ``module``'s parameters replaced by their local parts (views whose
-    gradients come back to the parameters in ``grad_sbp``), put back after."""
+    gradients come back to the parameters in ``grad_sbp``; ``_stand_in`` outside the
+    placement), put back after."""
     params = module._parameters
     saved = dict(params)
     flat = getattr(module, "_flat_weights", None)
@@ -117,7 +134,7 @@ def _with_local_weights(module: torch.nn.Module, grad_sbp: tuple, run):
         if w is not None:
             if w.requires_grad and w.is_leaf:
                 watch(w)   # gradient sync, which dispatch sets up for the leaves it meets
-            params[name] = w.to_local(grad_sbp)
+            params[name] = _stand_in(w.to_local(grad_sbp), w.shape, None, inside)
     if saved_flat is not None:
         # RNNBase runs on its list of flat weights; with the list and its references
         # both swapped, ``forward`` sees no change to re-flatten (a cuDNN copy).

@@ -210,10 +210,39 @@ def check_a_two_d_placement_runs_on_the_data_axis():
     assert got[0].sbp == (S(1), B), got[0].sbp
 
 
+def check_ranks_outside_the_placement_get_the_members_layouts():
+    # every rank calls the layer (as a pipeline's first run of each stage does); ranks
+    # 0 and 3 hold nothing and run it on no samples
+    P = gt.placement("cpu", [1, 2])
+    inside = gt.get_rank() in P
+    for name, make, shape, dim in MODULES:
+        torch.manual_seed(0)
+        ref = make()
+        model = gt.nn.to_global(copy.deepcopy(ref), P, B)
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+        xg = gt.tensor(x, placement=P, sbp=S(dim)).requires_grad_()
+        with gt.debug.comm_stats() as forward:
+            got = _flat(model(xg))
+        assert forward.total_calls == 0, (name, forward)
+        want = _flat(ref(x))
+        for k, (g, w) in enumerate(zip(got, want)):
+            assert g.shape == w.shape and g.sbp[0] in (S(0), S(1)), (name, k, g.shape, g.sbp)
+        sum(g.sum() for g in got).backward()
+        sum(w.sum() for w in want).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert p.grad is not None and p.grad.sbp == (B,), (name, p.grad)
+            if inside:
+                _close(p.grad.to_local(), q.grad, f"{name}: a weight's gradient")
+        if inside:
+            for k, (g, w) in enumerate(zip(got, want)):
+                _close(g.to_global(sbp=B).to_local(), w.detach(), f"{name}: output {k}")
+
+
 CHECKS = ["check_recurrent_layers_on_a_split_batch_run_on_each_ranks_samples",
           "check_given_states_and_a_cell_stepped_over_time",
           "check_a_sequence_model_trains_equal_to_one_process",
           "check_layouts_left_to_dispatch_give_one_process_values",
           "check_packed_sequences_give_one_process_values"]
 test_world2, test_world4 = checks_in_worlds(
-    __name__, CHECKS, only_in_4=["check_a_two_d_placement_runs_on_the_data_axis"])
+    __name__, CHECKS, only_in_4=["check_a_two_d_placement_runs_on_the_data_axis",
+                                 "check_ranks_outside_the_placement_get_the_members_layouts"])
