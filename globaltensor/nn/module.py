@@ -76,12 +76,7 @@ def to_global(module: torch.nn.Module, placement: Placement, sbp: SbpChoice) -> 
     # Check every layout first: bad input raises on every rank before any communication.
     converted: dict = {}   # id(old tensor) -> (old tensor, layout)
     slots = list(tensor_slots(module))
-    for qualified, sub, kind, _, t in slots:
-        if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
-            what = "parameter" if kind == "_parameters" else "buffer"
-            raise ValueError(f"to_global: {what} {qualified!r} of {type(sub).__name__} has no shape "
-                             f"yet (a lazy module takes its sizes from its first input): run the "
-                             f"model once on a plain input first, or build it with the sizes")
+    _check_initialised(slots)
     check_meta_buffers(module, slots)
     for qualified, _, kind, _, t in slots:
         if id(t) not in converted:
@@ -108,6 +103,16 @@ def to_global(module: torch.nn.Module, placement: Placement, sbp: SbpChoice) -> 
         if runs_on_parts(sub) and "forward" not in vars(sub):
             sub.forward = types.MethodType(forward_on_parts, sub)
     return module
+
+
+def _check_initialised(slots: list) -> None:
+    """Raise ValueError naming a tensor of a lazy module that has not run yet."""
+    for qualified, sub, kind, _, t in slots:
+        if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+            what = "parameter" if kind == "_parameters" else "buffer"
+            raise ValueError(f"to_global: {what} {qualified!r} of {type(sub).__name__} has no shape "
+                             f"yet (a lazy module takes its sizes from its first input): run the "
+                             f"model once on a plain input first, or build it with the sizes")
 
 
 def _generate_in_implicit_broadcast(self, *args, **kwargs):
