@@ -54,7 +54,6 @@ def forward_on_parts(self: torch.nn.Module, input, hx=None):
     in_dim, hx_dim = (0 if self.batch_first else 1, 1) if layer else (0, 0)
     batch = input.shape[in_dim]
     placement = input.placement
-
     inside = comm.get_rank() in placement
 
     def local(x: GlobalTensor, dim: int) -> torch.Tensor:
