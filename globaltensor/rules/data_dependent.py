@@ -109,10 +109,15 @@ def pack_padded_sequence(input, lengths, batch_first):
     """``nn.utils.rnn.pack_padded_sequence``'s op: where each row goes depends on the
     lengths, so it runs on the whole values. Its ``batch_sizes`` stays a plain tensor
     (the same on every rank): torch's recurrent layers and ``pad_packed_sequence`` read
-    it on the host, which a GlobalTensor's values are not."""
+    it on the host, which a GlobalTensor's values are not. A rank outside the placement
+    holds no values: it counts the sequences still running at each step from plain
+    lengths (the same on every rank), as the op does."""
     data, batch_sizes = run_on_whole_values(aten._pack_padded_sequence.default,
                                             (input, lengths, batch_first), {})
-    return data, batch_sizes.local_part
+    if comm.get_rank() in data.placement or isinstance(lengths, GlobalTensor):
+        return data, batch_sizes.local_part
+    steps = torch.arange(int(lengths.max()) if lengths.numel() else 0)
+    return data, (lengths.unsqueeze(0) > steps.unsqueeze(1)).sum(1)
 
 
 @register(aten.masked_scatter)

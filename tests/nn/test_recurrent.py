@@ -170,21 +170,30 @@ class _Packed(torch.nn.Module):
         return self.head(pad_packed_sequence(self.lstm(packed)[0], batch_first=True)[0])
 
 
-def check_packed_sequences_give_one_process_values():
-    # pack_padded_sequence's op failed on meta lengths ("'lengths' argument should be a
-    # 1D CPU int64 tensor"); it runs on the whole batch now, and the layer after it too
-    P = _line()
+def _packed_against_one_process(P):
     torch.manual_seed(6)
     ref = _Packed()
     model = gt.nn.to_global(copy.deepcopy(ref), P, B)
     x, lengths = torch.randn(5, 6, 5), torch.tensor([6, 3, 5, 2, 4])
     want = ref(x, lengths)
     got = model(gt.tensor(x, placement=P, sbp=S(0)), lengths)
-    _close(got, want.detach(), "packed output")
     want.square().sum().backward()
     got.square().sum().backward()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        _close(p.grad, q.grad, f"gradient of {name}")
+    if gt.get_rank() in P:
+        _close(got.to_global(sbp=B).to_local(), want.detach(), "packed output")
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            _close(p.grad.to_global(sbp=B).to_local(), q.grad, f"gradient of {name}")
+
+
+def check_packed_sequences_give_one_process_values():
+    # pack_padded_sequence's op failed on meta lengths ("'lengths' argument should be a
+    # 1D CPU int64 tensor"); it runs on the whole batch now, and the layer after it too
+    _packed_against_one_process(_line())
+
+
+def check_packed_sequences_on_part_of_the_world():
+    # ranks 0 and 3 hold nothing: they take the packed batch's sizes from the lengths
+    _packed_against_one_process(gt.placement("cpu", [1, 2]))
 
 
 def check_layouts_left_to_dispatch_give_one_process_values():
@@ -245,4 +254,5 @@ CHECKS = ["check_recurrent_layers_on_a_split_batch_run_on_each_ranks_samples",
           "check_packed_sequences_give_one_process_values"]
 test_world2, test_world4 = checks_in_worlds(
     __name__, CHECKS, only_in_4=["check_a_two_d_placement_runs_on_the_data_axis",
-                                 "check_ranks_outside_the_placement_get_the_members_layouts"])
+                                 "check_ranks_outside_the_placement_get_the_members_layouts",
+                                 "check_packed_sequences_on_part_of_the_world"])
