@@ -57,13 +57,13 @@ def forward_on_parts(self: torch.nn.Module, input, hx=None):
     inside = comm.get_rank() in placement
 
     def local(x: GlobalTensor, dim: int) -> torch.Tensor:
-        return _stand_in(x.to_global(placement, _moved(batch_sbp, in_dim, dim)).to_local(),
+        return _stand_in(x.to_global(placement, _split_moved(batch_sbp, in_dim, dim)).to_local(),
                          x.shape, dim, inside)
 
     def part(t: torch.Tensor, dim: int) -> GlobalTensor:
         shape = list(t.shape)
         shape[dim] = batch
-        return from_local_part(t, Layout.make(shape, placement, _moved(batch_sbp, in_dim, dim)))
+        return from_local_part(t, Layout.make(shape, placement, _split_moved(batch_sbp, in_dim, dim)))
 
     if hx is not None:
         hx = tuple(local(h, hx_dim) for h in hx) if isinstance(hx, tuple) else local(hx, hx_dim)
@@ -104,7 +104,7 @@ def _batch_sbp(module: torch.nn.Module, input, hx) -> tuple | None:
     return sbp
 
 
-def _moved(sbp: tuple, dim: int, to: int) -> tuple:
+def _split_moved(sbp: tuple, dim: int, to: int) -> tuple:
     return tuple(split(to) if s == split(dim) else s for s in sbp)
 
 

@@ -110,14 +110,14 @@ def pack_padded_sequence(input, lengths, batch_first):
     lengths, so it runs on the whole values. Its ``batch_sizes`` stays a plain tensor
     (the same on every rank): torch's recurrent layers and ``pad_packed_sequence`` read
     it on the host, which a GlobalTensor's values are not. A rank outside the placement
-    holds no values: it counts the sequences still running at each step from plain
-    lengths (the same on every rank), as the op does."""
+    holds no values: it runs the op itself on plain lengths (the same on every rank) and
+    an input of one feature (torch refuses an empty one), which has the sizes."""
     data, batch_sizes = run_on_whole_values(aten._pack_padded_sequence.default,
                                             (input, lengths, batch_first), {})
     if comm.get_rank() in data.placement or isinstance(lengths, GlobalTensor):
         return data, batch_sizes.local_part
-    steps = torch.arange(int(lengths.max()) if lengths.numel() else 0)
-    return data, (lengths.unsqueeze(0) > steps.unsqueeze(1)).sum(1)
+    sizes = aten._pack_padded_sequence.default(torch.empty(*input.shape[:2], 1), lengths, batch_first)[1]
+    return data, sizes
 
 
 @register(aten.masked_scatter)
