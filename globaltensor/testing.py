@@ -26,6 +26,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue
+import random
 import socket
 import sys
 import time
@@ -64,8 +65,28 @@ def reset() -> None:
     modes.reset()
 
 
+_PORTS_GIVEN: set = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free TCP port on 127.0.0.1 for a job's store, not given before by this process.
+    Taken below the range the kernel gives outgoing connections (32768-60999 on Linux)
+    and below the launchers' default 29500: a port from that range, free when asked, was
+    at times given to another job's gloo connection before its own job bound it
+    ("--master_port ... is already in use")."""
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(20000, 29000)
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    with socket.socket() as s:   # (all taken: any free one)
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

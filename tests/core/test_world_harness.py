@@ -118,3 +118,12 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_free_ports_are_apart_from_connections_and_from_each_other():
+    # a job's store port taken from the kernel's range for outgoing connections was at
+    # times given to another job's gloo connection before the job bound it
+    from mp import free_port
+    ports = [free_port() for _ in range(20)]
+    assert len(set(ports)) == len(ports), ports
+    assert all(20000 <= p < 29000 for p in ports), ports
