@@ -3,6 +3,7 @@ by module name from any of them (``from mp import checks_in_worlds``), so the te
 root goes on ``sys.path``. pytest puts each test file's own directory there (its
 helpers sit beside it), and the spawned worlds, which import the test modules by name
 (``"module:check"``), start with the parent's ``sys.path``."""
+import os
 import sys
 from pathlib import Path
 
@@ -12,6 +13,11 @@ if _TESTS not in sys.path:
 
 
 import mp  # noqa: E402  (needs the tests/ root on sys.path)
+
+# inductor compiles in a pool of worker processes by default (as many as the cores),
+# each importing torch (3-4 CPU-seconds here): on the suite's two busy cores every
+# process that compiles (this one, the worlds', the launched jobs') compiles in place.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 def pytest_collection_modifyitems(session, config, items):

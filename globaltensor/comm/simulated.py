@@ -47,6 +47,7 @@ class Turns:
         self.n, self.swap_in, self.swap_out, self.timeout = n, swap_in, swap_out, timeout
         self.cond = threading.Condition()
         self.holder: int | None = None
+        self.handed = 0                    # turns handed on so far (``changed_since``)
         self.in_place: int | None = None   # the rank whose state is in place now
         self.stopped: BaseException | None = None
         self.local = threading.local()     # .rank of the thread
@@ -68,7 +69,16 @@ class Turns:
     def give(self, rank: int) -> None:
         with self.cond:
             self.holder = None
+            self.handed += 1
             self.cond.notify_all()
+
+    def changed_since(self, handed: int, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) until a turn was handed on after ``handed``
+        (``self.handed`` read earlier): only a rank holding the turn changes shared
+        state, and it hands the turn on when it waits, so what a waiting rank waits for
+        can only have come by then."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.handed != handed or self.stopped, timeout)
 
     def put_away(self) -> None:
         """Save the state in place as its rank's (by the rank taking the turn, or by
@@ -261,13 +271,22 @@ class WaitingStore:
     def wait(self, keys, timeout: datetime.timedelta | None = None):
         limit = timeout.total_seconds() if timeout is not None else self.store.timeout.total_seconds()
         deadline = time.monotonic() + limit
+        turns = _turns
+        in_rank = turns is not None and getattr(turns.local, "rank", None) is not None
         with _waiting():
-            while not self.store.check(list(keys)):
-                if _turns is not None and _turns.stopped is not None:
-                    raise WorldStopped(f"the world stopped ({_turns.stopped})")
-                if time.monotonic() > deadline:   # as the store's own wait says it
+            while True:
+                handed = turns.handed if in_rank else 0   # (read before the check)
+                if self.store.check(list(keys)):
+                    return
+                if turns is not None and turns.stopped is not None:
+                    raise WorldStopped(f"the world stopped ({turns.stopped})")
+                left = deadline - time.monotonic()
+                if left < 0:   # as the store's own wait says it
                     raise dist.DistStoreError(f"wait timeout after {limit * 1000:.0f}ms, keys: {keys}")
-                time.sleep(0.002)
+                if in_rank:    # the keys come from a rank that holds the turn: wait for it
+                    turns.changed_since(handed, left)   # to hand it on, not a polling nap
+                else:
+                    time.sleep(0.002)
 
     def __getattr__(self, name: str):
         return getattr(self.store, name)
