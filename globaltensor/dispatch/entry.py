@@ -234,7 +234,8 @@ def _direct(decision: Decision, local: list, args, names):
 def _wrapped(decision: Decision, out):
     if decision.multi is None:
         return wrap_as(out, decision.wraps[0])
-    return decision.multi([wrap_as(o, how) for o, how in zip(out, decision.wraps)])
+    # (an undefined tensor out is None, where its meta kernel gave one)
+    return decision.multi([None if o is None else wrap_as(o, how) for o, how in zip(out, decision.wraps)])
 
 
 def _carry_out(func, decision: Decision, leaves, spec, why=None):

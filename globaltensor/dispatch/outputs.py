@@ -45,8 +45,8 @@ def _wrap(decision: Decision, out_leaves: list, layouts, inside: bool, like) -> 
     wrapped = []
     for o, layout, dtype, strides, const in zip(out_leaves, layouts, decision.out_dtypes,
                                                 decision.out_strides, decision.out_consts):
-        if layout is None:
-            wrapped.append(o if inside else const)
+        if layout is None or (inside and o is None):   # (an undefined tensor out: None,
+            wrapped.append(o if inside else const)       # where its meta kernel gave one)
         else:
             wrapped.append(wrap_part(o if inside else empty_local(layout, dtype, like), layout,
                                      strides))

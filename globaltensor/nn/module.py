@@ -10,7 +10,8 @@ Every converted module runs its forward inside ``gt.implicit_broadcast()``, so t
 tensors a forward builds (position ids, masks) count as broadcast; so does a model's own
 ``generate`` (Hugging Face's), which appends plain tokens to the global ones. torch's
 recurrent layers and cells run on each rank's samples where the batch is split
-(``recurrent.py``).
+(``recurrent.py``); ``nn.TransformerEncoder``'s inference fast path keeps to dense
+tensors (its nested ones cannot hold GlobalTensors).
 """
 from __future__ import annotations
 
@@ -96,13 +97,22 @@ def to_global(module: torch.nn.Module, placement: Placement, sbp: SbpChoice) -> 
         getattr(sub, kind)[name] = converted[id(t)][1]
     drop_initialised_marks(slots)
     for sub in module.modules():
-        forward_in_implicit_broadcast(sub)
-        if callable(getattr(type(sub), "generate", None)) and "generate" not in vars(sub):
-            # (bound to the instance: a deep copy binds it to the copy)
-            sub.generate = types.MethodType(_generate_in_implicit_broadcast, sub)
-        if runs_on_parts(sub) and "forward" not in vars(sub):
-            sub.forward = types.MethodType(forward_on_parts, sub)
+        _run_globally(sub)
     return module
+
+
+def _run_globally(sub: torch.nn.Module) -> None:
+    """Make a converted module's own code run on GlobalTensors (module docstring)."""
+    forward_in_implicit_broadcast(sub)
+    if callable(getattr(type(sub), "generate", None)) and "generate" not in vars(sub):
+        # (bound to the instance: a deep copy binds it to the copy)
+        sub.generate = types.MethodType(_generate_in_implicit_broadcast, sub)
+    if runs_on_parts(sub) and "forward" not in vars(sub):
+        sub.forward = types.MethodType(forward_on_parts, sub)
+    if isinstance(sub, torch.nn.TransformerEncoder):
+        # its inference fast path packs a padded batch into a nested tensor, which
+        # cannot hold GlobalTensors; its layers' fused attention runs on the parts
+        sub.use_nested_tensor = False
 
 
 def _check_initialised(slots: list) -> None:

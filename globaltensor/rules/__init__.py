@@ -20,6 +20,7 @@ from . import (  # noqa: F401
                data_dependent,
                einsum,
                embedding,
+               fast_path,
                foreach,
                functional,
                indexing,

@@ -1,7 +1,9 @@
 """The fused attention kernels (rules/attention.py; issue #10 item 15): a batch or
 head split stays local, forward and backward, in worlds of 2 and 4 processes; and, in
 one process on the meta device, the signatures the rule offers the CUDA flash,
-memory-efficient and cuDNN kernels keep batch and head splits.
+memory-efficient and cuDNN kernels keep batch and head splits. torch's inference fast
+path (rules/fast_path.py): nn.MultiheadAttention's and nn.TransformerEncoderLayer's
+fused kernels run on each rank's samples.
 """
 from __future__ import annotations
 
@@ -89,5 +91,67 @@ def test_cuda_attention_kernels_keep_batch_and_head_splits():
                 assert ins[3] == (B if d == 0 else S(1)), (name, d, ins)
 
 
-CHECKS = ["check_attention_kernels_keep_head_split"]
+def _fused_kernels_run(fn) -> tuple:
+    """``fn()``'s result, the fast path's fused kernels it ran, and its communication."""
+    with torch.profiler.profile() as prof, gt.debug.comm_stats() as stats:
+        out = fn()
+    ran = {e.name for e in prof.events() if e.name in (
+        "aten::_native_multi_head_attention", "aten::_transformer_encoder_layer_fwd")}
+    return out, ran, stats
+
+
+def check_inference_fast_paths_run_on_each_ranks_samples():
+    """In eval mode without gradients nn.MultiheadAttention runs one fused kernel
+    (torch's fast path); on a split batch it failed (an undefined weights output) or
+    gathered. Now it runs on the parts, with each kind of mask, communicating nothing;
+    nn.TransformerEncoder's padded fast path (nested tensors) and a direct call of the
+    encoder layer's fused kernel give one process's values too."""
+    import torch.nn as nn
+    gen, p = _gen(11), gt.placement.all("cpu")
+    x = torch.randn(6, 5, 16, generator=gen)
+    pad = torch.zeros(6, 5, dtype=torch.bool)
+    pad[1, 3:], pad[4, 1:] = True, True
+    causal = torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)
+    torch.manual_seed(0)
+    plain = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    attention = gt.nn.to_global(nn.MultiheadAttention(16, 4, batch_first=True).eval(), p, B)
+    attention.load_state_dict(plain.state_dict())
+    X, PAD = _g(x, S(0)), _g(pad, S(0))
+    for masks in ({"key_padding_mask": PAD}, {"attn_mask": causal},
+                  {"key_padding_mask": PAD, "attn_mask": causal}, {}):
+        want = plain(x, x, x, need_weights=False, **{k: pad if k == "key_padding_mask" else v
+                                                      for k, v in masks.items()})[0]
+        with torch.inference_mode():
+            (out, weights), ran, stats = _fused_kernels_run(
+                lambda: attention(X, X, X, need_weights=False, **masks))
+        assert ran == {"aten::_native_multi_head_attention"} and weights is None, ran
+        assert out.sbp == (S(0),) and stats.calls == {}, (masks.keys(), stats)
+        _close(out, want.detach(), f"fused attention {list(masks)}", atol=1e-5, rtol=1e-5)
+    torch.manual_seed(0)
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, batch_first=True),
+                                    2).eval()
+    g = gt.nn.fully_shard(nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(16, 4, 32, batch_first=True), 2).eval(), p)
+    g.load_state_dict(encoder.state_dict())
+    with torch.no_grad():
+        want, got = encoder(x, src_key_padding_mask=pad), g(X, src_key_padding_mask=PAD)
+    keep = ~pad[..., None].expand_as(want)    # (the nested path leaves padding at 0)
+    torch.testing.assert_close(got.full()[keep], want[keep], atol=1e-5, rtol=1e-5)
+    layer = encoder.layers[0]
+    weights = [layer.self_attn.in_proj_weight, layer.self_attn.in_proj_bias,
+               layer.self_attn.out_proj.weight, layer.self_attn.out_proj.bias, True, False,
+               1e-5, layer.norm1.weight, layer.norm1.bias, layer.norm2.weight, layer.norm2.bias,
+               layer.linear1.weight, layer.linear1.bias, layer.linear2.weight, layer.linear2.bias]
+    with torch.no_grad():
+        want = torch._transformer_encoder_layer_fwd(x, 16, 4, *weights, pad, 1)
+        out, ran, stats = _fused_kernels_run(lambda: torch._transformer_encoder_layer_fwd(
+            X, 16, 4, *[_g(w, B) if isinstance(w, torch.Tensor) else w for w in weights], PAD, 1))
+    assert "aten::_transformer_encoder_layer_fwd" in ran and stats.calls == {}, (ran, stats)
+    assert out.sbp == (S(0),)
+    keep = ~pad[..., None].expand_as(want)
+    torch.testing.assert_close(out.full()[keep], want[keep], atol=1e-5, rtol=1e-5)
+
+
+CHECKS = ["check_attention_kernels_keep_head_split",
+          "check_inference_fast_paths_run_on_each_ranks_samples"]
 test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
