@@ -18,6 +18,8 @@ kernels (``functional.py`` computes it with placement-invariant dropout).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..sbp import Split, broadcast, partial_sum
@@ -34,14 +36,27 @@ aten = torch.ops.aten
 B = broadcast
 
 
-def _sbp_of(shape, q_shape, d, right_aligned=False):
-    """Split on q's dim d for a tensor that has q's size there, broadcast for one of
-    size 1 or without that dim, None when it cannot follow the split. Masks align
-    with q from the right (they broadcast); everything else from the left."""
+def _sbp_of(shape, q_shape, d, right_aligned=False, kv_heads=None):
+    """Split on q's dim d for a tensor that has q's size there (or, on the heads dim of
+    grouped-query attention, the keys' ``kv_heads``), broadcast for one of size 1 or
+    without that dim, None when it cannot follow the split. Masks align with q from the
+    right (they broadcast); everything else from the left."""
     k = d - (4 - len(shape)) if right_aligned else (d if len(shape) >= 3 else -1)
     if k < 0 or shape[k] == 1:
         return B
-    return Split(k) if shape[k] == q_shape[d] else None
+    return Split(k) if shape[k] in (q_shape[d], kv_heads) else None
+
+
+def _grouped_heads_align(call, shapes: dict) -> int | None:
+    """The key/value head count of grouped-query attention (``enable_gqa``: query head
+    h reads key head h // (query heads / key heads)) when a head split keeps each
+    rank's query heads with the key heads they read: even parts of both on every
+    placement axis (balanced uneven parts would not line up), or one key head
+    (multi-query: broadcast, read by every part). Else None."""
+    hq, hk, hv = (shapes[n][1] for n in ("query", "key", "value"))
+    if hk != hv or hq % hk or (hk > 1 and hk % math.prod(call.axis_sizes)):
+        return None
+    return hk
 
 
 def _input_names(call) -> list:
@@ -55,12 +70,12 @@ def _input_names(call) -> list:
     return names
 
 
-def _out_sbp(call, shape, q_shape, d):
+def _out_sbp(call, shape, q_shape, d, kv_heads=None):
     # A bias broadcast over the split dim gets its gradient summed over the parts.
     if len(shape) == 4 and shape[d] == 1 and call.func.overloadpacket.__name__.endswith(
             "_backward"):
         return partial_sum
-    return _sbp_of(shape, q_shape, d) or B
+    return _sbp_of(shape, q_shape, d, kv_heads=kv_heads) or B
 
 
 def attention_rule(call):
@@ -76,11 +91,15 @@ def attention_rule(call):
     # the ring gives no attention weights (the CUDA flash kernel's debug mask)
     ring = call.func in _RING and not call.arg("return_debug_mask", False)
     for d in (0, 1, 2) if ring else (0, 1):
+        kv_heads = None
         if len({shapes[n][d] for n in ("query", "key", "value")}) != 1:
-            continue  # grouped-query (heads differ in count) or cross attention (lengths)
-        ins = tuple(_sbp_of(s, q, d, n in ("attn_mask", "attn_bias"))
+            # grouped-query heads split where they line up; cross attention's lengths not
+            kv_heads = _grouped_heads_align(call, shapes) if d == 1 else None
+            if kv_heads is None:
+                continue
+        ins = tuple(_sbp_of(s, q, d, n in ("attn_mask", "attn_bias"), kv_heads)
                     for n, s in zip(names, call.in_shapes))
-        outs = tuple(_out_sbp(call, s, q, d) for s in call.out_shapes)
+        outs = tuple(_out_sbp(call, s, q, d, kv_heads) for s in call.out_shapes)
         if None not in ins:
             cands.append((ins, outs))
     return cands

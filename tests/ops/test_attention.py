@@ -34,6 +34,32 @@ def check_attention_kernels_keep_head_split():
                 _close(x.grad, w.grad, f"attention causal={causal} {sbp} gradient")
 
 
+def check_grouped_query_attention_keeps_a_head_split():
+    """``enable_gqa``: query head h reads key/value head h // (query heads / key heads).
+    A head split of all three stays local where each rank's query heads go with the
+    key heads it holds (even parts), and with one key head (multi-query) held whole;
+    the rule skipped every head split with differing head counts (all-to-alls). Two key
+    heads on 3 or 4 ranks do not line up: right values, with communication."""
+    gen, n = _gen(12), gt.get_world_size()
+    for kv_heads in (n, 1, 2 * n, 2):
+        q = torch.randn(2, 4 * n, 6, 4, generator=gen)
+        k, v = (torch.randn(2, kv_heads, 6, 4, generator=gen) for _ in range(2))
+        want = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = F.scaled_dot_product_attention(*want, is_causal=True, enable_gqa=True)
+        ref.square().sum().backward()
+        kv_sbp = B if kv_heads == 1 else S(1)
+        ins = [_g(q, S(1), grad=True), _g(k, kv_sbp, grad=True), _g(v, kv_sbp, grad=True)]
+        with gt.debug.comm_stats() as stats:
+            out = F.scaled_dot_product_attention(*ins, is_causal=True, enable_gqa=True)
+            out.square().sum().backward()
+        if kv_heads % n == 0 or kv_heads == 1:
+            assert out.sbp == (S(1),), out.sbp
+            assert stats.calls.keys() <= {"all_reduce"}, (kv_heads, stats)   # (the 0-d sum)
+        _close(out, ref.detach(), f"grouped-query attention, {kv_heads} key heads")
+        for x, w in zip(ins, want):
+            _close(x.grad, w.grad, f"grouped-query attention, {kv_heads} key heads, gradient")
+
+
 def _kernel_signatures(func, *args):
     """The rule's signatures for a kernel, its tensors given on the meta device (the
     CUDA kernels have meta implementations, so their output shapes are real)."""
@@ -153,5 +179,6 @@ def check_inference_fast_paths_run_on_each_ranks_samples():
 
 
 CHECKS = ["check_attention_kernels_keep_head_split",
+          "check_grouped_query_attention_keeps_a_head_split",
           "check_inference_fast_paths_run_on_each_ranks_samples"]
 test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
