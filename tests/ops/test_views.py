@@ -95,6 +95,25 @@ def check_views():
          [x, z], places=placements(6, 1, 3))
 
 
+def check_cat_with_an_empty_start_keeps_the_split():
+    """torch's cat skips a 1-D tensor of no elements, as a key-value cache's empty start
+    (``torch.cat([torch.tensor([]), k], dim=-2)``, Hugging Face's cache in every forward
+    with use_cache): the others' split stays, with no communication. The list's empty
+    plain tensor made the output broadcast (an all-gather of keys and values per layer)."""
+    placement = gt.placement.all("cpu")
+    k = torch.arange(2 * 4 * 6 * 3, dtype=torch.float32).view(2, 4, 6, 3)
+    for start in (torch.tensor([]), gt.tensor(torch.tensor([]), placement=placement, sbp=B)):
+        for sbp in (S(0), S(1), S(3)):
+            key = gt.tensor(k, placement=placement, sbp=sbp, requires_grad=True)
+            with gt.implicit_broadcast(), gt.debug.comm_stats() as stats:
+                out = torch.cat([start, key], dim=-2)
+                more = torch.cat([out, start, key], dim=-2)
+            assert out.sbp == (sbp,) and more.sbp == (sbp,) and not stats.calls, (sbp, stats)
+            torch.testing.assert_close(more.full(), torch.cat([k, k], dim=-2))
+            more.square().sum().backward()
+            torch.testing.assert_close(key.grad.full(), 4 * k)
+
+
 def _written(x, write):
     y = x * 1          # (a non-leaf of x's layout, which autograd lets be written)
     write(y)
@@ -160,5 +179,5 @@ def check_writes_through_copied_views():
         torch.testing.assert_close(out.full(), torch.kron(a, b), msg=lambda m: f"kron out= {sbp}: {m}")
 
 
-CHECKS = ["check_views", "check_writes_through_copied_views"]
+CHECKS = ["check_views", "check_writes_through_copied_views", "check_cat_with_an_empty_start_keeps_the_split"]
 test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)
