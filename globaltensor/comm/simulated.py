@@ -271,8 +271,10 @@ class WaitingStore:
     def wait(self, keys, timeout: datetime.timedelta | None = None):
         limit = timeout.total_seconds() if timeout is not None else self.store.timeout.total_seconds()
         deadline = time.monotonic() + limit
+        # a rank holding the turn hands it on here and is woken by the next hand-over
         turns = _turns
-        in_rank = turns is not None and getattr(turns.local, "rank", None) is not None
+        rank = getattr(turns.local, "rank", None) if turns is not None else None
+        in_rank = rank is not None and turns.holder == rank
         with _waiting():
             while True:
                 handed = turns.handed if in_rank else 0   # (read before the check)

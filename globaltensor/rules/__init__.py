@@ -24,6 +24,7 @@ from . import (  # noqa: F401
                foreach,
                functional,
                indexing,
+               join,
                like,
                linalg,
                losses,

@@ -1,6 +1,6 @@
 """Views and shape ops: transpose/permute/t, view/reshape, unsqueeze/squeeze, expand,
-slice/select (and their backward), cat, stack, split/unbind, constant padding; the
-in-place view ops (squeeze_, unsqueeze_, t_, transpose_).
+slice/select (and their backward), split/unbind, constant padding; the in-place view
+ops (squeeze_, unsqueeze_, t_, transpose_). cat and stack: ``join.py``.
 
 A split survives when the split dim keeps its identity (it may move); a dim that is
 sliced, concatenated along, squeezed or expanded cannot stay split. A reshape keeps a
@@ -140,54 +140,6 @@ def slice_rule(call):
     drops = call.func.overloadpacket is aten.select
     moved = {d: d - (drops and d > dim) for d in range(ndim) if d != dim}
     return _same_sbp(1, 1, moved)
-
-
-def _holds_plain(call, n_in: int) -> bool:
-    """Whether cat's or stack's list holds plain (one-element) tensors besides the
-    ``n_in`` GlobalTensors: each rank puts such a one into its part whole, so only a
-    broadcast output holds it once (a partial sum counted it on every rank: the
-    gradient of ``x.prod()`` of a split tensor came out times the ranks). A plain
-    ``(0,)`` tensor adds nothing (torch's cat skips it)."""
-    listed = _args(call)[0][0]
-    return any(not isinstance(t, GlobalTensor) and not (call.func.overloadpacket is aten.cat and _skipped(t.shape))
-               for t in listed)
-
-
-def _skipped(shape) -> bool:
-    """torch's cat skips a 1-D tensor of no elements, whatever the others' rank (the
-    empty start of a key-value cache, ``torch.cat([torch.tensor([]), k], dim=-2)``)."""
-    return tuple(shape) == (0,)
-
-
-@register(aten.cat)
-def cat_rule(call):
-    args, kwargs = _args(call)
-    n_in = len(call.inputs)
-    if _holds_plain(call, n_in):
-        return [((broadcast,) * n_in, (broadcast,))]
-    ndim = len(call.out_shapes[0])
-    dim = normalize_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), ndim)
-    # An empty input makes dispatch take the output for an identity (zeros) when it is
-    # partial, but the other inputs still fill it: no partial signature then.
-    empty = any(math.prod(s) == 0 for s in call.in_shapes)
-    skipped = [_skipped(s) and ndim > 1 for s in call.in_shapes]
-    if any(len(s) != ndim for s, skip in zip(call.in_shapes, skipped) if not skip):
-        return _same_sbp(n_in, 1, {}, partial_ok=not empty, max_ok=not empty)
-    cands = _same_sbp(n_in, 1, {d: d for d in range(ndim) if d != dim},
-                      partial_ok=not empty, max_ok=not empty)
-    # a skipped input holds nothing: broadcast where the others are split
-    return [(tuple(broadcast if skip and isinstance(sbp, Split) else sbp
-                   for sbp, skip in zip(ins, skipped)), outs) for ins, outs in cands]
-
-
-@register(aten.stack)
-def stack_rule(call):
-    args, kwargs = _args(call)
-    if _holds_plain(call, len(call.inputs)):
-        return [((broadcast,) * len(call.inputs), (broadcast,))]
-    ndim = len(call.out_shapes[0])
-    dim = normalize_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), ndim)
-    return _same_sbp(len(call.inputs), 1, {d: d + (d >= dim) for d in range(ndim - 1)})
 
 
 @register(aten.constant_pad_nd)
