@@ -15,6 +15,7 @@ exception: a clear one is fine), and the ops that fell back (no sbp rule).
     python tests/opinfo_sweep.py --inplace --ranks 3      # x.add_(y) and the like
     python tests/opinfo_sweep.py --out --ranks 3          # torch.add(x, y, out=z)
     python tests/opinfo_sweep.py --plain-one --ranks 3    # one-element arguments plain
+    python tests/opinfo_sweep.py --inference --ranks 3   # under torch.inference_mode()
 
 Known reports that are not bugs: samples whose reference run changes an input in place
 before the global run sees it (batch norm's running statistics), ``as_strided`` of a
@@ -46,6 +47,7 @@ from globaltensor.rules.registry import FallbackWarning
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 DTYPE = torch.float32
 PLAIN_ONE = False   # --plain-one: one-element tensor arguments (not the input) stay plain
+INFERENCE = False   # --inference: inputs made and ops run under torch.inference_mode()
 RANDOM = ("rand", "normal", "bernoulli", "dropout", "multinomial", "empty", "uniform",
           "exponential", "geometric", "cauchy", "poisson", "nondeterministic", "sparse",
           "lowrank", "jiterator", "item", "equal", "tolist", "histogramdd", "resize_",
@@ -154,7 +156,8 @@ def run_cases(op, cases: list, mesh: bool, grad: bool, inplace: bool = False, ou
             g = gt.tensor(t.detach(), placement=placement, sbp=sbps.get(id(t), (B,) * placement.ndim))
             return g.requires_grad_() if grad and t.requires_grad else g
         try:
-            with warnings.catch_warnings(record=True) as caught:
+            with warnings.catch_warnings(record=True) as caught, \
+                    torch.inference_mode(INFERENCE):
                 warnings.simplefilter("always")
                 args = tree_map(to_global, (sample.input, sample.args, sample.kwargs))
                 if inplace:   # what is compared is the written input (a copy, for gradients)
@@ -221,9 +224,14 @@ def main() -> None:
     parser.add_argument("--plain-one", action="store_true",
                         help="keep one-element tensor arguments (but the input) plain, as a program's "
                              "scalar tensors are; only samples that have one")
+    parser.add_argument("--inference", action="store_true",
+                        help="make the inputs and run the ops under torch.inference_mode() (an "
+                             "evaluation loop's inference tensors)")
     opts = parser.parse_args()
-    global DTYPE, PLAIN_ONE
-    DTYPE, PLAIN_ONE = getattr(torch, opts.dtype), opts.plain_one
+    global DTYPE, PLAIN_ONE, INFERENCE
+    DTYPE, PLAIN_ONE, INFERENCE = getattr(torch, opts.dtype), opts.plain_one, opts.inference
+    if opts.inference and opts.grad:
+        parser.error("--inference runs without autograd: no --grad")
     if opts.grad and not DTYPE.is_floating_point:
         parser.error("--grad needs a floating --dtype")
     if opts.mesh and opts.ranks != 4:

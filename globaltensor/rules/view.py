@@ -132,7 +132,9 @@ def expand_rule(call):
     return _same_sbp(1, 1, moved)
 
 
-@register(aten.slice, aten.select, aten.narrow)
+# (narrow.Tensor reads its start tensor's value: torch's own definition of it by
+# narrow.default runs, also under inference mode, where it reaches dispatch whole)
+@register(aten.slice, aten.select, aten.narrow.default)
 def slice_rule(call):
     args, kwargs = _args(call)
     ndim = len(call.in_shapes[0])

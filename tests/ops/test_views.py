@@ -114,6 +114,21 @@ def check_cat_with_an_empty_start_keeps_the_split():
             torch.testing.assert_close(key.grad.full(), 4 * k)
 
 
+def check_narrow_by_a_start_tensor_under_inference_mode():
+    """``x.narrow(dim, start, length)`` with a 0-d tensor start reads the start's value
+    (torch defines it by ``narrow`` with an int). Under ``torch.inference_mode()`` it
+    reaches dispatch whole, where narrow's rule sent it to the meta run, which raised
+    (``Tensor.item() cannot be called on meta tensors``)."""
+    placement = gt.placement.all("cpu")
+    x = torch.arange(60.0).view(5, 12)
+    for sbp in (S(0), S(1), B):
+        with torch.inference_mode():
+            g = gt.tensor(x, placement=placement, sbp=sbp)
+            for start in (torch.tensor(1), gt.tensor(torch.tensor(1), placement=placement, sbp=B)):
+                torch.testing.assert_close(g.narrow(1, start, 3).full(), x[:, 1:4])
+                torch.testing.assert_close(g.narrow(0, start, 2).full(), x[1:3])
+
+
 def _written(x, write):
     y = x * 1          # (a non-leaf of x's layout, which autograd lets be written)
     write(y)
@@ -179,5 +194,6 @@ def check_writes_through_copied_views():
         torch.testing.assert_close(out.full(), torch.kron(a, b), msg=lambda m: f"kron out= {sbp}: {m}")
 
 
-CHECKS = ["check_views", "check_writes_through_copied_views", "check_cat_with_an_empty_start_keeps_the_split"]
+CHECKS = ["check_views", "check_writes_through_copied_views", "check_cat_with_an_empty_start_keeps_the_split",
+          "check_narrow_by_a_start_tensor_under_inference_mode"]
 test_world2, test_world4, test_bystanders = battery_tests(__name__, CHECKS)
