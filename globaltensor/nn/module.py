@@ -54,8 +54,8 @@ def to_global(module: torch.nn.Module, placement: Placement, sbp: SbpChoice) -> 
     uninitialised (each rank allocates only its part; call ``reset_parameters()`` or
     ``torch.nn.init`` next); a meta buffer that no ``reset_parameters()`` fills again
     (a causal mask: anything but batch-norm statistics) raises ValueError naming it:
-    build such modules under ``gt.nn.meta_init()``; so does a lazy module that has not run
-    yet (its parameters have no shape). ``sbp`` is one sbp (or tuple) for
+    build such modules under ``gt.nn.meta_init()``. A lazy module that has not run yet
+    (its parameters have no shape) raises ValueError too. ``sbp`` is one sbp (or tuple) for
     all, or a callable ``(qualified name, tensor) -> sbp``. Tied tensors stay one
     tensor. Its forward (and
     that of every submodule) then takes the plain tensors it builds, e.g.

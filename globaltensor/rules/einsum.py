@@ -115,7 +115,6 @@ def _letter_sizes(subscripts, shapes) -> dict:
     return sizes
 
 
-@functools.lru_cache(maxsize=1024)
 def pair_signatures(equation: str, shapes: tuple) -> tuple:
     """The (left sbp, right sbp, output sbp) of one placement axis for the einsum of
     two operands of ``shapes`` (``equation`` written out: no ellipsis, an output), in
@@ -133,6 +132,7 @@ def pair_signatures(equation: str, shapes: tuple) -> tuple:
     return signatures(equation, shapes)
 
 
+@functools.lru_cache(maxsize=1024)
 def signatures(equation: str, shapes: tuple) -> tuple:
     """``pair_signatures`` for any number of operands: (each operand's sbp, the
     output's) per signature."""
@@ -161,7 +161,7 @@ def pair_rule(equation: str, left, right) -> list:
 def operands_rule(equation: str, operands: tuple) -> list:
     """``pair_rule`` for any number of operands."""
     shapes = tuple(tuple(t.shape) for t in operands)
-    cands = pair_signatures(equation, shapes) if len(operands) == 2 else signatures(equation, shapes)
+    cands = signatures(equation, shapes)
     held = [k for k, t in enumerate(operands) if isinstance(t, GlobalTensor)]
     return [(tuple(c[k] for k in held), (c[-1],)) for c in cands
             if all(c[k] != P or k in held for k in range(len(operands)))]

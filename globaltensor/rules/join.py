@@ -13,13 +13,9 @@ from ..sbp import Split, broadcast
 from ..tensor import GlobalTensor
 from ._dims import normalize_dim
 from .registry import register
-from .view import _same_sbp
+from .view import _args, _same_sbp
 
 aten = torch.ops.aten
-
-
-def _args(call):
-    return call.args_kwargs
 
 
 def _holds_plain(call, n_in: int) -> bool:
