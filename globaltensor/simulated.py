@@ -72,6 +72,7 @@ PER_RANK: dict[str, dict[str, Callable]] = {
     "globaltensor.rules.losses": {"_targets_checked": lambda m: False},
     "globaltensor.interop.dtensor": {"_meshes": lambda m: {}},
     "globaltensor.boxing.run": {"_observers": lambda m: []},
+    "globaltensor.boxing.reuse": {"_kept": lambda m: []},
     "globaltensor.retrace": {"_pending": lambda m: None},
     "globaltensor.comm.fingerprint": {"_seq": lambda m: {}, "_pairs": lambda m: {},
                                       "_rank": lambda m: None},

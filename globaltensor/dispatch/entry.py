@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from .. import comm, explicit_mode, gradsync, modes, rules  # noqa: F401  (rules: every family registers)
 from ..boxing.plan import plan_route
+from ..boxing.reuse import box_reusing
 from ..boxing.run import box
 from ..local_parts import traced_from
 from ..planner import pins, record, traced  # noqa: F401  (pins: watches to_global)
@@ -329,11 +330,19 @@ def _run(func, decision: Decision, leaves, spec, why=None):
     gidx = decision.gidx
     inside = rank in leaves[gidx[0]]._layout.placement
     local_leaves = list(leaves)
+    # an op of torch's own that neither writes nor views its inputs (so its outputs share
+    # no memory with them) may take a boxing that a recent op made (``boxing/reuse.py``)
+    reusing = not (decision.inplace or decision.view or decision.local is not None
+                   or comm.tracing() or func._schema.is_mutable)
     for i, target in zip(gidx, decision.targets):
         x = leaves[i]
         layout = x._layout
-        local_leaves[i] = x._local if layout is target or layout == target else \
-            box(x._local, layout, target, why=why or func)
+        if layout is target or layout == target:
+            local_leaves[i] = x._local
+        elif reusing:
+            local_leaves[i] = box_reusing(x, x._local, layout, target, why or func)
+        else:
+            local_leaves[i] = box(x._local, layout, target, why=why or func)
     if not inside:
         out = None
     elif decision.empty_shortcut:

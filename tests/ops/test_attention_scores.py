@@ -126,10 +126,12 @@ def check_other_uses_compute_the_scores():
     assert att.to_local().shape[2] == q.to_local().shape[2]   # this rank's queries
     _close(att.sum(), want.sum(), "a reduction of the scores", **TOL)
     assert "AttentionScores" not in repr(att) and "GlobalTensor" in repr(att)
-    # dropout that drops: computed as written (keys gathered), its draws its own
-    with gt.debug.comm_stats() as stats:
+    # dropout that drops: computed as written (keys gathered, or the gather an op
+    # before made of them reused: boxing/reuse.py), its draws its own
+    with gt.debug.comm_stats() as stats, gt.testing.boxing_log() as log:
         out = F.dropout(F.softmax(att, dim=-1), 0.5, training=True) @ v
-    assert stats.calls["all_gather"] > 0 and out.shape == v.shape, stats
+    gathered = stats.calls["all_gather"] > 0 or any("reuses the boxing" in m for m in log)
+    assert gathered and out.shape == v.shape, (stats, log)
     # in place: noted as the same steps, or refused where the scores cannot follow
     future = torch.ones(length, length).triu(1).bool()
     att = q @ k.transpose(-2, -1)

@@ -1,0 +1,86 @@
+"""An op's input boxing, reused by the next ops that read the same tensor the same way.
+
+One activation is often read by several ops in turn, each needing it in the same other
+layout: the query, key and value projections of one hidden state, a SwiGLU's gate and
+up projections, a recurrent cell's weight at every time step. Decided op by op (the
+first steps of training, before whole-step planning; inference and ``generate()``,
+whose growing key-value cache is never planned), each op boxed it again: a 2-layer
+Llama made Megatron-style gathered each decoded token's hidden state five times per
+layer instead of twice. Here the last few boxings that communicated are kept, and an op
+whose input reads the same values (the same GlobalTensor, or a view alike of all of the
+same one), unchanged since (version counters), boxed between the same layouts, takes
+the kept result instead of communicating. Every rank decides alike (from what all see
+alike), so no rank skips a collective that another runs.
+
+Only ops that neither write nor view their inputs take part (``dispatch/entry.py``),
+and a kept result that something wrote since is not reused: no two values share
+memory that torch would not have shared. ``KEPT`` results at most stay alive past their
+op: memory of that many boxed tensors, for the span of a few ops. Not while tracing for
+``torch.compile`` (the graph is deduplicated by the compiler, and tracing tensors have no
+versions to compare), nor for tensors made under ``torch.inference_mode()`` (no version
+counters either).
+
+>>> local = box_reusing(x, x._local, x._layout, target, why=func)   # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .. import modes
+from ..layout import Layout
+from .plan import plan_route
+from .run import box
+
+KEPT = 2   # boxings kept: consecutive readers (q, k, v; gate, up) sit within two
+
+_log = logging.getLogger("globaltensor")
+_kept: list = []   # newest first: (input, its root, what it reads, layouts, versions, result, its version)
+
+
+def box_reusing(x: torch.Tensor, local: torch.Tensor, src: Layout, dst: Layout,
+                why: object) -> torch.Tensor:
+    """``box(local, src, dst, why=why)`` of the GlobalTensor ``x`` (``local`` its part
+    here), or the result of the same boxing a recent op made of the same, unchanged,
+    values."""
+    if local.is_inference() or not plan_route(src, dst, local.element_size()).sends:
+        return box(local, src, dst, why=why)   # (no version counters; nothing to save)
+    root = x if x._base is None else x._base
+    reads = _reads(x, root)
+    # A write to ``x`` is counted on ``x`` and its views (its part is written below
+    # autograd, where torch counts nothing), one to the part itself (``to_local()``) on
+    # the part.
+    versions = x._version, local._version
+    for source, source_root, source_reads, layouts, seen_versions, result, result_version in _kept:
+        if (source is x or (source_root is root and reads is not None and source_reads == reads)) \
+                and layouts == (src, dst) and seen_versions == versions \
+                and result._version == result_version:
+            if _log.isEnabledFor(logging.DEBUG):
+                _log.debug("%s reuses the boxing of its input from sbp %s to %s that an op "
+                           "before it made", why, src.sbp, dst.sbp)
+            return result
+    out = box(local, src, dst, why=why)
+    _kept.insert(0, (x, root, reads, (src, dst), versions, out, out._version))
+    del _kept[KEPT:]
+    return out
+
+
+def _reads(x: torch.Tensor, root: torch.Tensor) -> tuple | None:
+    """What ``x`` reads of ``root``, told by what every rank sees alike (a part's own
+    memory is no guide: a rank holding none of a view has an empty or a new part, where
+    another's is a view of its root's part, and the ranks must decide alike whether to
+    communicate): a view of all of ``root`` (an op's ``x.view(...)`` of one activation,
+    made anew for each reader), by its shape and strides. None for a view of less (a
+    slice: its offset is not among the global metadata) or of overlapping elements."""
+    if x.numel() != root.numel() or 0 in x.stride():
+        return None
+    return x.shape, x.stride(), x.dtype, x.is_conj(), x.is_neg()
+
+
+def forget() -> None:
+    """Let go of every kept boxing (``gt.testing.reset()``)."""
+    _kept.clear()
+
+
+modes.on_reset(forget)
