@@ -15,7 +15,8 @@ alike), so no rank skips a collective that another runs.
 Only ops that neither write nor view their inputs take part (``dispatch/entry.py``),
 and a kept result that something wrote since is not reused: no two values share
 memory that torch would not have shared. ``KEPT`` results at most stay alive past their
-op: memory of that many boxed tensors, for the span of a few ops. Not while tracing for
+op: memory of that many boxed parts, for the span of a few ops (their inputs are not
+kept alive). Not while tracing for
 ``torch.compile`` (the graph is deduplicated by the compiler, and tracing tensors have no
 versions to compare), nor for tensors made under ``torch.inference_mode()`` (no version
 counters either).
@@ -25,6 +26,7 @@ counters either).
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
@@ -36,7 +38,7 @@ from .run import box
 KEPT = 2   # boxings kept: consecutive readers (q, k, v; gate, up) sit within two
 
 _log = logging.getLogger("globaltensor")
-_kept: list = []   # newest first: (input, its root, what it reads, layouts, versions, result, its version)
+_kept: list = []   # newest first: (input, its root (weak), what it reads, layouts, versions, result, its version)
 
 
 def box_reusing(x: torch.Tensor, local: torch.Tensor, src: Layout, dst: Layout,
@@ -53,7 +55,7 @@ def box_reusing(x: torch.Tensor, local: torch.Tensor, src: Layout, dst: Layout,
     # the part.
     versions = x._version, local._version
     for source, source_root, source_reads, layouts, seen_versions, result, result_version in _kept:
-        if (source is x or (source_root is root and reads is not None and source_reads == reads)) \
+        if (source() is x or (source_root() is root and reads is not None and source_reads == reads)) \
                 and layouts == (src, dst) and seen_versions == versions \
                 and result._version == result_version:
             if _log.isEnabledFor(logging.DEBUG):
@@ -61,7 +63,10 @@ def box_reusing(x: torch.Tensor, local: torch.Tensor, src: Layout, dst: Layout,
                            "before it made", why, src.sbp, dst.sbp)
             return result
     out = box(local, src, dst, why=why)
-    _kept.insert(0, (x, root, reads, (src, dst), versions, out, out._version))
+    # (the inputs by weak reference: a kept GlobalTensor would keep its autograd graph,
+    # a forward's saved activations, alive past the step)
+    _kept.insert(0, (weakref.ref(x), weakref.ref(root), reads, (src, dst), versions, out,
+                     out._version))
     del _kept[KEPT:]
     return out
 
@@ -72,7 +77,8 @@ def _reads(x: torch.Tensor, root: torch.Tensor) -> tuple | None:
     another's is a view of its root's part, and the ranks must decide alike whether to
     communicate): a view of all of ``root`` (an op's ``x.view(...)`` of one activation,
     made anew for each reader), by its shape and strides. None for a view of less (a
-    slice: its offset is not among the global metadata) or of overlapping elements."""
+    slice: its offset is not among the global metadata) or of overlapping elements.
+    While ``root`` lives (its views hold it), no other tensor is given its identity."""
     if x.numel() != root.numel() or 0 in x.stride():
         return None
     return x.shape, x.stride(), x.dtype, x.is_conj(), x.is_neg()

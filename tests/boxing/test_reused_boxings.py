@@ -39,6 +39,23 @@ def check_three_readers_of_one_activation_gather_it_once():
                                        2 * sum(w.sum(0) for w in ws).expand(4, 6))
 
 
+def check_a_kept_boxing_keeps_no_graph_alive():
+    # a forward run with gradients and no backward (an evaluation without no_grad) is
+    # freed with its output: the kept boxing does not hold its input, whose autograd
+    # graph holds every activation saved for backward
+    import gc
+    import weakref
+    x, ws, gx, gws = _projections(4)
+    leaf = gx.detach().requires_grad_()
+    h = leaf * 2
+    out = F.linear(h, gws[0])
+    assert out.grad_fn is not None
+    alive = weakref.ref(h)
+    del h, out
+    gc.collect()
+    assert alive() is None
+
+
 def check_a_write_between_readers_boxes_again():
     x, ws, gx, gws = _projections(1)
     h = gx * 1.0
@@ -90,6 +107,7 @@ def check_ranks_holding_nothing_decide_as_the_others():
 
 test_world2, test_world4 = checks_in_worlds(__name__, [
     "check_three_readers_of_one_activation_gather_it_once",
+    "check_a_kept_boxing_keeps_no_graph_alive",
     "check_a_write_between_readers_boxes_again",
     "check_a_kept_result_is_not_what_a_writing_op_gets",
     "check_ranks_holding_nothing_decide_as_the_others",
