@@ -1,7 +1,8 @@
 """An activation read by several ops in turn, each boxing it the same way (the query,
 key and value projections of one hidden state), is boxed once (``boxing/reuse.py``);
-a write in between, another layout, or an op that writes or views its input boxes
-again, and every value equals one process's."""
+a write in between (through the tensor or its part) and an op that writes its operand
+box anew, ranks holding nothing of a slice decide as the others, a kept boxing keeps
+no autograd graph alive, and every value equals one process's."""
 import torch
 import torch.nn.functional as F
 from mp import checks_in_worlds
