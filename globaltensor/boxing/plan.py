@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 import torch
@@ -59,7 +59,7 @@ class Plan:
         the handle gives its part of ``dst``."""
         return start(self, local, rank, donate)
 
-    @property
+    @cached_property   # (asked per op-input boxing: boxing/reuse.py)
     def sends(self) -> bool:
         """Whether running it sends data between ranks (a local slice or a view does not:
         explicit mode allows those, and they need no meeting)."""

@@ -38,7 +38,7 @@ from .run import box
 KEPT = 2   # boxings kept: consecutive readers (q, k, v; gate, up) sit within two
 
 _log = logging.getLogger("globaltensor")
-_kept: list = []   # newest first: (input, its root (weak), what it reads, layouts, versions, result, its version)
+_kept: list = []   # newest first: (input, its root (weak), what it reads, versions, src, dst, result, its version)
 
 
 def box_reusing(x: torch.Tensor, local: torch.Tensor, src: Layout, dst: Layout,
@@ -48,27 +48,44 @@ def box_reusing(x: torch.Tensor, local: torch.Tensor, src: Layout, dst: Layout,
     values."""
     if local.is_inference() or not plan_route(src, dst, local.element_size()).sends:
         return box(local, src, dst, why=why)   # (no version counters; nothing to save)
-    root = x if x._base is None else x._base
-    reads = _reads(x, root)
+    base = x._base
+    root = x if base is None else base
     # A write to ``x`` is counted on ``x`` and its views (its part is written below
     # autograd, where torch counts nothing), one to the part itself (``to_local()``) on
     # the part.
     versions = x._version, local._version
-    for source, source_root, source_reads, layouts, seen_versions, result, result_version in _kept:
-        if (source() is x or (source_root() is root and reads is not None and source_reads == reads)) \
-                and layouts == (src, dst) and seen_versions == versions \
-                and result._version == result_version:
-            if _log.isEnabledFor(logging.DEBUG):
-                _log.debug("%s reuses the boxing of its input from sbp %s to %s that an op "
-                           "before it made", why, src.sbp, dst.sbp)
-            return result
+    reads = None
+    for source, source_root, source_reads, seen_versions, seen_src, seen_dst, result, \
+            result_version in _kept:
+        if seen_versions != versions or source_root() is not root or seen_src != src \
+                or seen_dst != dst or result._version != result_version:
+            continue
+        kept = source()
+        if kept is not x:   # a view of the root reading what the kept one read
+            if base is None:
+                continue
+            reads = reads or _reads(x, root)
+            if reads is None or reads != _read_alike(kept, source_reads, root):
+                continue
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug("%s reuses the boxing of its input from sbp %s to %s that an op "
+                       "before it made", why, src.sbp, dst.sbp)
+        return result
     out = box(local, src, dst, why=why)
     # (the inputs by weak reference: a kept GlobalTensor would keep its autograd graph,
-    # a forward's saved activations, alive past the step)
-    _kept.insert(0, (weakref.ref(x), weakref.ref(root), reads, (src, dst), versions, out,
-                     out._version))
+    # a forward's saved activations, alive past the step; a root is told by its
+    # identity, a view by what it reads, as each reader makes its own)
+    _kept.insert(0, (weakref.ref(x), weakref.ref(root),
+                     None if base is None else reads or _reads(x, root), versions, src, dst,
+                     out, out._version))
     del _kept[KEPT:]
     return out
+
+
+def _read_alike(kept: torch.Tensor | None, kept_reads: tuple | None, root: torch.Tensor):
+    """What a kept input reads of ``root``: kept with it for a view, told anew for the
+    root itself (a root is kept by identity: most readers pass it as it is)."""
+    return _reads(root, root) if kept is root else kept_reads
 
 
 def _reads(x: torch.Tensor, root: torch.Tensor) -> tuple | None:
@@ -79,9 +96,10 @@ def _reads(x: torch.Tensor, root: torch.Tensor) -> tuple | None:
     made anew for each reader), by its shape and strides. None for a view of less (a
     slice: its offset is not among the global metadata) or of overlapping elements.
     While ``root`` lives (its views hold it), no other tensor is given its identity."""
-    if x.numel() != root.numel() or 0 in x.stride():
+    stride = x.stride()
+    if x.numel() != root.numel() or 0 in stride:
         return None
-    return x.shape, x.stride(), x.dtype, x.is_conj(), x.is_neg()
+    return x.shape, stride, x.dtype, x.is_conj(), x.is_neg()
 
 
 def forget() -> None:

@@ -330,19 +330,20 @@ def _run(func, decision: Decision, leaves, spec, why=None):
     gidx = decision.gidx
     inside = rank in leaves[gidx[0]]._layout.placement
     local_leaves = list(leaves)
-    # an op of torch's own that neither writes nor views its inputs (so its outputs share
-    # no memory with them) may take a boxing that a recent op made (``boxing/reuse.py``)
-    reusing = not (decision.inplace or decision.view or decision.local is not None
-                   or comm.tracing() or func._schema.is_mutable)
+    reusing = None
     for i, target in zip(gidx, decision.targets):
         x = leaves[i]
         layout = x._layout
         if layout is target or layout == target:
             local_leaves[i] = x._local
-        elif reusing:
-            local_leaves[i] = box_reusing(x, x._local, layout, target, why or func)
-        else:
-            local_leaves[i] = box(x._local, layout, target, why=why or func)
+            continue
+        if reusing is None:
+            # an op of torch's own that neither writes nor views its inputs (its outputs
+            # share no memory with them) may take a boxing a recent op made (boxing/reuse.py)
+            reusing = not (decision.inplace or decision.view or decision.local is not None
+                           or comm.tracing() or func._schema.is_mutable)
+        local_leaves[i] = box_reusing(x, x._local, layout, target, why or func) if reusing \
+            else box(x._local, layout, target, why=why or func)
     if not inside:
         out = None
     elif decision.empty_shortcut:
