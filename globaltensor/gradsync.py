@@ -263,11 +263,13 @@ def _after_accumulate(leaf: GlobalTensor) -> None:
         # lacks: the gradient is boxed right away instead.
         return _box_now(leaf)
     grad = leaf.grad   # (fields read directly: this runs for every parameter)
-    if not isinstance(grad, GlobalTensor) or not _sync or grad._layout == leaf._layout:
+    if not isinstance(grad, GlobalTensor) or not _sync:
         return
     src, dst = grad._layout, leaf._layout
-    if _grad_arrived is not None:
+    if _grad_arrived is not None:   # (also in the leaf's layout: a plan may differ)
         _grad_arrived(grad, dst)
+    if src == dst:
+        return
     if src.same_parts(dst):
         # differs only on axes of one rank (a world of one): nothing to reduce or move
         _settle(leaf, grad, wrap_part(grad._local, dst))

@@ -41,7 +41,7 @@ from ..gradsync import has_other_hooks, keep_partial
 from ..layout import Layout
 from ..placement import Placement
 from ..sbp import Broadcast, partial_sum
-from ..tensor import GlobalTensor
+from ..tensor import GlobalTensor, to_layout
 
 
 def runs_locally(module: torch.nn.Module, placement: Placement, rank: int) -> bool:
@@ -126,8 +126,10 @@ class PlainStage:
             part = GlobalTensor(g, Layout.make(p.shape, p.placement, sbp))
             if p.grad is None:
                 p.grad = part
-            else:  # a kept .grad stays .grad once reduced, as in torch
-                keep_partial(p, p.grad + part)
+            else:  # a kept .grad stays .grad once reduced, as in torch; made partial
+                # first (no communication), so the sum stays partial whatever per-op
+                # choice would make of adding a partial to a broadcast tensor
+                keep_partial(p, to_layout(p.grad, part._layout) + part)
 
 
 def agrees(fn, args: tuple, expected: torch.Tensor) -> bool:

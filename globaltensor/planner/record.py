@@ -410,14 +410,16 @@ def recorded_origin(t: GlobalTensor, record: list, serial: int):
 
 
 def grad_arrived(grad: GlobalTensor, layout) -> None:
-    """A gradient that a recorded call made reached its leaf's ``.grad`` in another
-    layout (``gradsync`` will box it there, with other gradients in a bucket): the plan
-    prices that boxing too."""
+    """A gradient that a recorded call made reached its leaf's ``.grad`` (of ``layout``):
+    the plan prices boxing it there for each option of that call (``gradsync`` reduces
+    partial ones in a bucket), also where it arrived in ``layout`` op by op."""
     if state.mode != "recording":
         return
     origin = recorded_origin(grad, state.record, state.serial)
     if origin is not None and len(origin) == 3:
         state.sinks.append((origin[1], origin[2], layout, grad.element_size(), "gradient"))
+        if grad._layout == layout:   # its readers (the optimizer) read it in ``layout``
+            grad._origin = None        # whatever the plan makes, as gradsync's result
 
 
 gradsync.install_grad_watch(grad_arrived)

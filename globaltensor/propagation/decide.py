@@ -2,8 +2,8 @@
 
 The op runs once on meta tensors for its output metadata; its rule's per-axis
 signatures are combined over the placement's axes and each combination is priced (the
-boxing of its inputs, parameters weighing more, an output padded to partial charged its
-later reduction); the cheapest wins. Without a valid signature every input is gathered
+boxing of its inputs, parameters weighing more, and what the choice leaves for later
+calls: ``later.py``); the cheapest wins. Without a valid signature every input is gathered
 to broadcast (warned once per op). The decision also records the shortcuts the run
 step may take: a direct local op, the identity output of a rank holding an empty part,
 0-d partial outputs to reduce at once.
@@ -14,7 +14,6 @@ Decision(targets=(...), out_layouts=(...), ...)
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import warnings
 from dataclasses import dataclass
@@ -30,10 +29,11 @@ from ..cost import PARAMETER_WEIGHT, returns_view, ring_seconds, writes_nothing
 from ..layout import Layout
 from ..placement import Placement
 from ..rules.registry import FallbackWarning, lookup, lookup_check, lookup_meta
-from ..sbp import Partial, Split, StridedSplit, broadcast
+from ..sbp import Split, StridedSplit, broadcast
 from ..tensor import GlobalTensor
 from .call import Call, LocalCtx, unflatten_args
 from .direct import flat_outputs, runner, wraps_of
+from .later import padded_partial_cost, return_cost, stream_layouts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,12 +207,15 @@ def _cheapest(call: Call, rule, meta: _MetaRun, gidx: tuple, inplace: bool,
     weights = [PARAMETER_WEIGHT if _is_parameter(leaves[i]) else 1.0 for i in gidx]
     sizes = [leaves[i].element_size() for i in gidx]
     out_metas = [meta.out_leaves[k] for k in meta.out_tensors]
+    streams = stream_layouts(current, [_is_parameter(leaves[i]) for i in gidx])
     best, best_cost = None, None
     for targets, outs in _signatures(call, rule, meta, gidx, inplace, strided_ok):
         cost = _boxing_cost(current, targets, sizes, weights) + ring_seconds(
             call.func, targets, sizes[0])
         for out, sbp in zip(out_metas, outs):
-            cost += _padded_partial_cost(out, placement, sbp, current, targets)
+            cost += padded_partial_cost(out, placement, sbp, current, targets)
+            if streams:
+                cost += return_cost(out, placement, sbp, streams)
         if best is None or cost < best_cost:
             best, best_cost = (targets, outs), cost
     return best
@@ -286,49 +289,6 @@ def _is_parameter(x: GlobalTensor) -> bool:
     """A leaf that requires grad, or a view of one (``w.t()`` inside F.linear)."""
     base = x._base if x._base is not None else x
     return base.requires_grad and base.is_leaf
-
-
-def _padded_partial_cost(out, placement: Placement, sbp: tuple, current: list,
-                         targets: tuple) -> float:
-    """What a partial output costs later when the signature makes an input partial
-    (a split or broadcast input boxed to a partial addend, for free): the cheapest
-    reduction out of it. Without it, greedy choice per op pads a batch-split activation
-    into a full-size partial (no communication now, duplicated work) and gathers the
-    weight instead of the activation, leaving a large reduction behind. Partials an op
-    makes itself (a sum over a split dim) or passes on are not charged."""
-    axes = [a for a, s in enumerate(sbp) if isinstance(s, Partial)
-            and any(isinstance(t.sbp[a], Partial) and not isinstance(c.sbp[a], Partial)
-                    for c, t in zip(current, targets))]
-    if not axes:
-        return 0.0
-    shape = tuple(out.shape)
-    # (a traced dynamic size is a SymInt, which no cache can key on)
-    price = _cheapest_reductions if all(type(n) is int for n in shape) \
-        else _cheapest_reductions.__wrapped__
-    return price(shape, placement, tuple(sbp), tuple(axes), out.element_size())
-
-
-@functools.lru_cache(maxsize=8192)
-def _cheapest_reductions(shape: tuple, placement: Placement, sbp: tuple, axes: tuple,
-                         size: int) -> float:
-    """The cheapest reduction out of each partial axis of ``axes``, summed. Cached: a
-    2-D placement's signatures ask about the same few outputs thousands of times in a
-    first step (two thirds of it, priced afresh)."""
-    src = Layout.make(shape, placement, sbp)
-    cost = 0.0
-    for a in axes:
-        ends = [broadcast] + [Split(d) for d in range(len(shape))
-                              if shape[d] >= placement.shape[a]]
-        found = []
-        for e in ends:
-            try:
-                found.append(pair_cost(src, Layout.make(shape, placement,
-                                                        sbp[:a] + (e,) + sbp[a + 1:]),
-                                       size))
-            except ValueError:   # a split of a dim another axis splits strided
-                continue
-        cost += min(found)
-    return cost
 
 
 def _fallback(func, leaves: list, gidx: tuple, placement: Placement, n_out: int) -> tuple:

@@ -2,7 +2,8 @@
 sorts and selections (sort, argsort, topk, kthvalue, median/mode over a dim), flip and
 roll, rot90, gather and scatter, index_select, index_add, index_copy and index_fill,
 the FFTs, ``F.glu`` (halves of its dim), renorm (each slice along its dim on its own);
-bucketize / searchsorted against whole boundaries (each element on its own); and
+bucketize / searchsorted against whole boundaries and isin against whole test
+elements (each element on its own); and
 tril/triu, which mask by position.
 
 Each treats the slices across its dim independently, so a split on any other dim stays
@@ -75,6 +76,17 @@ def bucketize_rule(call):
     order = (lambda s: (s, B)) if at == 0 else (lambda s: (B, s))
     return [((B, B), (B,))] + [(order(Split(d)), (Split(d),))
                                for d in range(len(call.in_shapes[at]))]
+
+
+@register(aten.isin.Tensor_Tensor, aten.isin.Tensor_Scalar, aten.isin.Scalar_Tensor)
+def isin_rule(call):
+    """Each element looked up among test elements given whole (``generate()``'s check
+    of the new tokens against the stop tokens): the elements' splits stay."""
+    if call.func is aten.isin.Scalar_Tensor:
+        return [((B,), (B,))]
+    rest = (B,) * (len(call.inputs) - 1)
+    return [((B,) + rest, (B,))] + [((Split(d),) + rest, (Split(d),))
+                                    for d in range(len(call.in_shapes[0]))]
 
 
 @register(aten.flip)

@@ -230,7 +230,10 @@ def check_transformers_generate_gives_one_process_tokens():
     # its stopping flags) and mixes them with the global logits: a converted model's
     # generate runs inside gt.implicit_broadcast() as its forward does, greedily to one
     # process's tokens, with no context manager (it raised a ValueError), and so does a
-    # deep copy's (the copy's own, not the original's)
+    # deep copy's (the copy's own, not the original's). Llama made Megatron-style
+    # all-reduces each layer's two row-parallel outputs per token and sends nothing
+    # else, as Megatron does (each token is decided op by op: it reduce-scattered them,
+    # and the next projections gathered them again)
     prompt = _tokens()[:, :4]
     for reference in list(_hf_models())[:2]:      # GPT-2, Llama
         reference.eval()
@@ -239,9 +242,12 @@ def check_transformers_generate_gives_one_process_tokens():
             model = make_global(copy.deepcopy(reference), layout, split=_hf_megatron)
             for which in (model, copy.deepcopy(model)):
                 assert which.generate.__self__ is which
-                got = which.generate(_batch(prompt, layout), max_new_tokens=3, do_sample=False,
-                                     pad_token_id=0)
+                with gt.debug.comm_stats() as sent:
+                    got = which.generate(_batch(prompt, layout), max_new_tokens=3,
+                                         do_sample=False, pad_token_id=0)
                 assert torch.equal(got.full(), want), (type(model).__name__, layout)
+                if layout == "tensor_parallel" and type(model).__name__.startswith("Llama"):
+                    assert dict(sent.calls) == {"all_reduce": 2 * 2 * 3}, sent
 
 
 def check_transformers_init_weights_after_meta_init():

@@ -73,6 +73,14 @@ def check_along_dim_and_attention():
                                sorter=gt.tensor(shuffled.argsort(), placement=split.placement, sbp=B))
     expect(torch.equal(found.full(), torch.searchsorted(shuffled, x3, sorter=shuffled.argsort())),
            "searchsorted with a sorter")
+    tokens = torch.tensor([[1, 5, 3], [0, 2, 7], [5, 5, 1], [9, 0, 3]])
+    stops = gt.tensor(torch.tensor([5, 3]), placement=split.placement, sbp=B)
+    for sbp in (S(0), S(1), B):    # (isin gathered: generate()'s check for stop tokens)
+        held = gt.tensor(tokens, placement=split.placement, sbp=sbp)
+        for name, found, want in (("isin", torch.isin(held, stops), torch.isin(tokens, stops.full())),
+                                  ("isin scalar", torch.isin(held, 5), torch.isin(tokens, 5))):
+            expect(found.sbp == (sbp,) and torch.equal(found.full(), want), f"{name} of {sbp}: {found.sbp}")
+    expect(torch.equal(torch.isin(3, stops).full(), torch.tensor(True)), "isin of a scalar")
     case("bucketize", lambda x, b: torch.bucketize(x, b), [x3, bounds], grad=False,
          choices=[[B, S(0), S(1), S(2)], [B]], places=placements(4, 1, 3))
     case("searchsorted", lambda x, b: torch.searchsorted(b, x), [x3, bounds], grad=False,
