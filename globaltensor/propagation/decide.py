@@ -272,6 +272,8 @@ def _with_strided(call: Call, axis: int, cands: list) -> list:
     for k in blocks:
         for ins, outs in cands:
             sbps = list(ins) + list(outs)
+            if any(isinstance(s, StridedSplit) for s in sbps):
+                continue   # the rule's own blocks (cat's): other counts would not hold
             lengths = {shapes[i][s.dim] for i, s in enumerate(sbps) if isinstance(s, Split)}
             if len(lengths) == 1 and lengths.pop() % k == 0:
                 made = [StridedSplit(s.dim, k) if isinstance(s, Split) else s for s in sbps]

@@ -1,6 +1,6 @@
 """Views and shape ops: transpose/permute/t, view/reshape, unsqueeze/squeeze, expand,
-slice/select (and their backward), split/unbind, constant padding; the in-place view
-ops (squeeze_, unsqueeze_, t_, transpose_). cat and stack: ``join.py``.
+slice/select (and their backward), constant padding; the in-place view ops (squeeze_,
+unsqueeze_, t_, transpose_). cat and stack, split and unbind: ``join.py``.
 
 A split survives when the split dim keeps its identity (it may move); a dim that is
 sliced, concatenated along, squeezed or expanded cannot stay split. A reshape keeps a
@@ -200,21 +200,6 @@ def diag_embed_rule(call):
     pair = {normalize_dim(call.arg("dim1", -2), ndim), normalize_dim(call.arg("dim2", -1), ndim)}
     rest = [d for d in range(ndim) if d not in pair]
     return _same_sbp(1, 1, dict(enumerate(rest)), partial_ok=True, max_ok=False)
-
-
-@register(aten.split, aten.split_with_sizes, aten.unbind, aten.unsafe_split,
-          aten.unsafe_split_with_sizes)   # (unsafe_: GRU and LSTM cells' gates)
-def split_rule(call):
-    args, kwargs = _args(call)
-    ndim = len(call.in_shapes[0])
-    n_out = len(call.out_shapes)
-    if call.func.overloadpacket is aten.unbind:
-        dim = normalize_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), ndim)
-        moved = {d: d - (d > dim) for d in range(ndim) if d != dim}
-    else:
-        dim = normalize_dim(args[2] if len(args) > 2 else kwargs.get("dim", 0), ndim)
-        moved = {d: d for d in range(ndim) if d != dim}
-    return _same_sbp(1, n_out, moved)
 
 
 def _view_check(call, in_layouts, out_layouts) -> bool:

@@ -159,7 +159,8 @@ _HF_ROW = r"(c_proj|o_proj|down_proj|attention\.output\.dense|[0-9]\.output\.den
 
 def _hf_megatron(model) -> dict:
     """Megatron sbps of a transformers model by parameter name (GPT-2's Conv1D weights
-    are (in, out))."""
+    are (in, out); its fused query-key-value ``c_attn`` split in 3 blocks, each rank
+    holding its heads of each)."""
     import re
     conv1d = type(model).__name__.startswith("GPT2")
     layout = {}
@@ -169,7 +170,8 @@ def _hf_megatron(model) -> dict:
         elif name.endswith("experts.down_proj"):      # runs them (the experts' dim stays whole)
             layout[name] = S(2)
         elif re.search(_HF_COLUMN, name):
-            layout[name] = S(1) if conv1d and t.dim() == 2 else S(0)
+            blocks = 3 if "c_attn" in name else 1
+            layout[name] = S(1 if conv1d and t.dim() == 2 else 0, blocks=blocks)
         elif re.search(_HF_ROW, name):
             layout[name] = S(0) if conv1d else S(1)
     return layout
@@ -230,10 +232,11 @@ def check_transformers_generate_gives_one_process_tokens():
     # its stopping flags) and mixes them with the global logits: a converted model's
     # generate runs inside gt.implicit_broadcast() as its forward does, greedily to one
     # process's tokens, with no context manager (it raised a ValueError), and so does a
-    # deep copy's (the copy's own, not the original's). Llama made Megatron-style
+    # deep copy's (the copy's own, not the original's). Made Megatron-style, each
     # all-reduces each layer's two row-parallel outputs per token and sends nothing
     # else, as Megatron does (each token is decided op by op: it reduce-scattered them,
-    # and the next projections gathered them again)
+    # and the next projections gathered them again; GPT-2's fused projection, split in
+    # three blocks, parts locally)
     prompt = _tokens()[:, :4]
     for reference in list(_hf_models())[:2]:      # GPT-2, Llama
         reference.eval()
@@ -246,7 +249,7 @@ def check_transformers_generate_gives_one_process_tokens():
                     got = which.generate(_batch(prompt, layout), max_new_tokens=3,
                                          do_sample=False, pad_token_id=0)
                 assert torch.equal(got.full(), want), (type(model).__name__, layout)
-                if layout == "tensor_parallel" and type(model).__name__.startswith("Llama"):
+                if layout == "tensor_parallel":
                     assert dict(sent.calls) == {"all_reduce": 2 * 2 * 3}, sent
 
 
