@@ -204,10 +204,11 @@ def _cheapest(call: Call, rule, meta: _MetaRun, gidx: tuple, inplace: bool,
     leaves = call.leaves
     placement = leaves[gidx[0]].placement
     current = [leaves[i]._layout for i in gidx]
-    weights = [PARAMETER_WEIGHT if _is_parameter(leaves[i]) else 1.0 for i in gidx]
+    parameters = [_is_parameter(leaves[i]) for i in gidx]
+    weights = [PARAMETER_WEIGHT if p else 1.0 for p in parameters]
     sizes = [leaves[i].element_size() for i in gidx]
     out_metas = [meta.out_leaves[k] for k in meta.out_tensors]
-    streams = stream_layouts(current, [_is_parameter(leaves[i]) for i in gidx])
+    streams = stream_layouts(current, parameters)
     best, best_cost = None, None
     for targets, outs in _signatures(call, rule, meta, gidx, inplace, strided_ok):
         cost = _boxing_cost(current, targets, sizes, weights) + ring_seconds(
