@@ -16,21 +16,31 @@ def check_a_megatron_block_op_by_op_all_reduces_once_per_projection():
     and gradients equal one process."""
     import torch
 
-    import globaltensor as gt
     P, plain, model = _fresh()
     data = torch.randn(B, T, C, generator=torch.Generator().manual_seed(1))
+    forward, backward = step_counted(model, plain, data, P)
+    assert dict(forward.calls) == {"all_reduce": 2}, forward
+    assert backward.calls["all_gather"] == 0, backward
+
+
+def step_counted(model, plain, data, P) -> tuple:
+    """The global ``model``'s forward and backward (of its output's mean square) on
+    ``data`` broadcast, and ``plain``'s: values and gradients checked equal; what the
+    forward and the backward sent (``CommCounter`` each)."""
+    import torch
+
+    import globaltensor as gt
     x = gt.to_global(data, P, gt.sbp.broadcast)
     with gt.debug.comm_stats() as forward:
         y = model(x)
     with gt.debug.comm_stats() as backward:
         y.square().mean().backward()
-    assert dict(forward.calls) == {"all_reduce": 2}, forward
-    assert backward.calls["all_gather"] == 0, backward
     want = plain(data)
     want.square().mean().backward()
     torch.testing.assert_close(y.full(), want.detach(), rtol=1e-5, atol=1e-6)
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad.full(), q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    return forward, backward
 
 
 def _rms_mlp_net():
