@@ -69,6 +69,15 @@ class Call:
     # them; a schema walk per lookup would cost more than the op.
     _named: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
+    def strided_counts(self, axis: "int | None" = None, dim: "int | None" = None) -> set:
+        """The block counts of the strided splits the inputs hold (on placement axis
+        ``axis``, of tensor dim ``dim``; None: any) and of those a plan offers
+        (``strided_blocks``): what a rule or ``decide`` tries strided signatures with."""
+        held = {s.blocks for x in self.inputs for a, s in enumerate(x._layout.sbp)
+                if getattr(s, "blocks", None) and axis in (None, a)   # (StridedSplit's)
+                and dim in (None, s.dim)}
+        return held | set(self.strided_blocks)
+
     @property
     def mesh(self) -> tuple:
         """Deprecated name of ``axis_sizes`` (it held no mesh, only its shape); kept for

@@ -264,8 +264,7 @@ def _with_strided(call: Call, axis: int, cands: list) -> list:
     are (no local implementation reading offsets): such an op pairs element i of one
     operand's split dim with element i of the others', and a strided split of equal
     lengths puts equal indices on one rank in one order, as a plain split does."""
-    blocks = {s.blocks for x in call.inputs for s in (x._layout.sbp[axis],)
-              if isinstance(s, StridedSplit)} | set(call.strided_blocks)
+    blocks = call.strided_counts(axis=axis)
     if not blocks:
         return cands
     shapes = list(call.in_shapes) + list(call.out_shapes)

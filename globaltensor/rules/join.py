@@ -66,11 +66,8 @@ def cat_rule(call):
 
 
 def _blocks_of(call, dim: int) -> set:
-    """The block counts of strided splits of ``dim`` that the inputs hold or a plan
-    offers (``Call.strided_blocks``), and 1 (a plain split)."""
-    held = {s.blocks for x in call.inputs for s in x._layout.sbp
-            if isinstance(s, StridedSplit) and s.dim == dim}
-    return held | set(call.strided_blocks) | {1}
+    """``Call.strided_counts`` of ``dim``, and 1 (a plain split)."""
+    return call.strided_counts(dim=dim) | {1}
 
 
 def _joined_blocks(call, dim: int) -> list:
