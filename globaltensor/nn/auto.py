@@ -2,25 +2,23 @@
 
 Candidates are whole-model layouts, each a plan {parameter name: sbp} plus the sbp of
 the batch inputs: data parallel (parameters broadcast, inputs split on the batch),
-Megatron tensor parallel (consecutive Linear layers of a module split column then row,
-the rest broadcast, inputs broadcast), and fully sharded (parameters split(0), gathered
-where used, so ZeRO-3; inputs split on the batch); on a 2-D placement data parallel and
-fully sharded span both axes, and two hybrids take the outer axis for the batch (data x
-tensor parallel) or for ZeRO-3 (fully sharded x tensor parallel) and the inner axis for
-Megatron's layout. A sequence model (an attention module, or token ids for inputs) also
-gets the sequence split on the (inner) axis, parameters broadcast: context parallel
-(data x context on 2-D; attention then runs as ring attention); a model with
-``gt.nn.MoE`` layers gets expert parallel (data parallel with the experts split; data x
-expert on 2-D). Each
-candidate that
-fits the memory
-budget (parameters, gradients and two optimizer moments per rank) runs a few training
-steps on the example inputs, whose activation layouts the whole-step planner chooses
-(planner/record.py); the timed ones in turns with the others and with the ranks meeting
-before each step; candidates within 10 % of the fastest take more turns. The fastest
-(the slowest rank's median step) wins, and every rank agrees on it. A candidate whose
-warm-up steps raise on every rank is skipped with a warning naming it and the error.
-The plan is returned editable, and can be saved and loaded.
+Megatron tensor parallel (consecutive Linear layers of a module split column then row, a
+fused query-key-value projection in 3 blocks, the rest broadcast, inputs broadcast), and
+fully sharded (parameters split(0), gathered where used, so ZeRO-3; inputs split on the
+batch); on a 2-D placement data parallel and fully sharded span both axes, and two
+hybrids take the outer axis for the batch (data x tensor parallel) or for ZeRO-3 (fully
+sharded x tensor parallel) and the inner axis for Megatron's layout. A sequence model
+(an attention module, or token ids for inputs) also gets the sequence split on the
+(inner) axis, parameters broadcast: context parallel (data x context on 2-D; attention
+then runs as ring attention); a model with ``gt.nn.MoE`` layers gets expert parallel
+(data parallel with the experts split; data x expert on 2-D). Each candidate that fits
+the memory budget (parameters, gradients and two optimizer moments per rank) runs a few
+training steps on the example inputs, whose activation layouts the whole-step planner
+chooses (planner/record.py); the timed ones in turns with the others and with the ranks
+meeting before each step; candidates within 10 % of the fastest take more turns. The
+fastest (the slowest rank's median step) wins, and every rank agrees on it. A candidate
+whose warm-up steps raise on every rank is skipped with a warning naming it and the
+error. The plan is returned editable, and can be saved and loaded.
 
 >>> plan = gt.nn.auto_parallel(model, P, (ids, targets))      # doctest: +SKIP
 >>> print(plan); plan.save("plan.json")

@@ -69,7 +69,7 @@ def candidate_layouts(model, placement: Placement, inputs: tuple) -> dict:
     return plans
 
 
-def _per_axis(kind: str, size: int, experts: set, rows: set, cols: set):
+def _per_axis(kind: str, size: int, experts: set, rows: dict, cols: dict):
     """(parameter sbp of name and tensor, batch input sbp) for one placement axis of
     ``kind`` ("data", "tensor", "sharded", "expert", "context", "replicated")."""
     def param(name, t):
@@ -79,11 +79,12 @@ def _per_axis(kind: str, size: int, experts: set, rows: set, cols: set):
             return split(0) if isinstance(t, torch.nn.Parameter) and t.dim() \
                 and t.shape[0] >= size else broadcast
         if kind == "tensor":
-            module = name.rsplit(".", 1)[0]
-            if module in cols and t.dim() >= 1:
-                return split(0)
-            if module in rows and name.endswith("weight"):
-                return split(1)
+            module, what = name.rsplit(".", 1) if "." in name else ("", name)
+            if module in cols and t.dim() >= 1:   # the output features (bias: dim 0)
+                out_dim, blocks = cols[module]
+                return split(out_dim if what == "weight" else 0, blocks=blocks)
+            if module in rows and what == "weight":   # the input features
+                return split(rows[module])
         return broadcast
     if kind == "context":   # the sequence (dim 1 of a batch input) split
         return param, lambda x: split(1) if x.dim() >= 2 else broadcast
@@ -129,31 +130,75 @@ def _sequence_model(model, inputs: tuple, ranks: int) -> bool:
         "attention" in type(m).__name__.lower() for m in model.modules())
 
 
-def _megatron_pairs(model) -> tuple[set, set]:
-    """Linear layers in Megatron's pattern. In a ``Sequential`` the Linears chain: each
-    pair in turn whose widths meet (fc1 -> fc2) is column then row. In another module,
-    the last Linear is row-parallel when earlier ones with one input width feed it (q,
-    k, v into proj), and those are column-parallel."""
-    rows, cols = set(), set()
+# A fused projection's output holds this many equal blocks at most (query-key-value: 3;
+# gate-up: 2): each block is split on its own, so that the parts the forward cuts it
+# into (``qkv.split(C, -1)``, ``.view(b, t, 3, heads, hd)``) stay split where they lie.
+MAX_FUSED_BLOCKS = 3
+# Grouped-query attention's keys and values have up to 8 times fewer heads than its
+# queries (Llama 3 70B: 64 and 8): column-parallel too, each rank holding its key heads.
+MAX_KV_FRACTION = 8
+
+
+def _projection(module) -> "tuple[int, int, int] | None":
+    """(input features, output features, the weight's output dim) of a projection:
+    ``nn.Linear`` (weight (out, in)) or Hugging Face's ``Conv1D`` (GPT-2's, weight
+    (in, out)); None for another module."""
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features, module.out_features, 0
+    weight = getattr(module, "weight", None)
+    if type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) \
+            and weight.dim() == 2 and getattr(module, "nf", None) == weight.shape[1]:
+        return weight.shape[0], weight.shape[1], 1
+    return None
+
+
+def _megatron_pairs(model) -> tuple[dict, dict]:
+    """Projections (``_projection``) in Megatron's pattern: (row-parallel {name: the
+    weight's input-features dim}, column-parallel {name: (the weight's output-features
+    dim, blocks)}). In a ``Sequential`` the projections chain: each pair in turn whose
+    widths meet (fc1 -> fc2) is column then row. In another module, the last one is
+    row-parallel when earlier ones with one input width feed it (q, k, v into proj;
+    grouped-query attention's k and v narrower), and those are column-parallel; one
+    whose output is 2 or 3 times the last's input is a fused projection (GPT-2's
+    query-key-value ``c_attn``, a fused gate-up), split in that many blocks
+    (``split(dim, blocks=k)``: each rank holds its heads of each).
+
+    >>> _megatron_pairs(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)))  # doctest: +SKIP
+    ({'1': 1}, {'0': (0, 1)})
+    """
+    rows, cols = {}, {}
     for prefix, module in model.named_modules():
-        linears = [(f"{prefix}.{name}".lstrip("."), m) for name, m in module.named_children()
-                   if isinstance(m, torch.nn.Linear)]
-        if len(linears) < 2:
+        layers = [(f"{prefix}.{name}".lstrip("."), shape) for name, m in module.named_children()
+                  for shape in [_projection(m)] if shape is not None]
+        if len(layers) < 2:
             continue
         if isinstance(module, torch.nn.Sequential):
             k = 0
-            while k + 1 < len(linears):
-                (a, fa), (b, fb) = linears[k], linears[k + 1]
-                if fa.out_features == fb.in_features:
-                    cols.add(a)
-                    rows.add(b)
+            while k + 1 < len(layers):
+                (a, fa), (b, fb) = layers[k], layers[k + 1]
+                if fa[1] == fb[0]:
+                    cols[a], rows[b] = (fa[2], 1), 1 - fb[2]
                     k += 2
                 else:
                     k += 1
             continue
-        last_name, last = linears[-1]
-        feeds = [(c, m) for c, m in linears[:-1] if m.out_features == last.in_features]
-        if feeds and len({m.in_features for _, m in feeds}) == 1:
-            rows.add(last_name)
-            cols.update(c for c, _ in feeds)
+        last_name, last = layers[-1]
+        feeds = {name: (shape[2], _blocks(shape[1], last[0])) for name, shape in layers[:-1]
+                 if _blocks(shape[1], last[0])}
+        if feeds and len({shape[0] for name, shape in layers[:-1] if name in feeds}) == 1:
+            rows[last_name] = 1 - last[2]
+            cols.update(feeds)
     return rows, cols
+
+
+def _blocks(out_features: int, row_in: int) -> int:
+    """How many blocks a column-parallel projection of ``out_features`` that feeds a
+    row-parallel one of ``row_in`` input features is split in: 1 where the widths meet
+    or the output is a whole fraction of it, at most ``MAX_KV_FRACTION`` (the keys and
+    values of grouped-query attention: fewer heads than the queries); k for a fused
+    projection (``MAX_FUSED_BLOCKS``); 0 where it does not feed it."""
+    if out_features % row_in == 0 and out_features // row_in <= MAX_FUSED_BLOCKS:
+        return out_features // row_in
+    if row_in % out_features == 0 and row_in // out_features <= MAX_KV_FRACTION:
+        return 1
+    return 0

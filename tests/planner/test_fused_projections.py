@@ -51,6 +51,10 @@ def check_a_fused_projection_split_in_blocks_parts_locally():
     model = gt.nn.to_global(copy.deepcopy(plain), P, megatron)
     data = torch.randn(B, T, C, generator=torch.Generator().manual_seed(1))
     x = gt.to_global(data, P, gt.sbp.broadcast)
+    # auto_parallel's tensor-parallel candidate is this layout
+    from globaltensor.nn.auto_candidates import candidate_layouts
+    proposed, _ = candidate_layouts(plain, P, (x,))["tensor parallel"]
+    assert proposed == {n: (megatron(n, t),) for n, t in plain.named_parameters()}, proposed
     fused = model.qkv(x)
     assert fused.sbp == (StridedSplit(2, 3),), fused.sbp
     assert all(t.sbp == (gt.sbp.split(2),) for t in fused.split(C, dim=2))
