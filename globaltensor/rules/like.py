@@ -111,14 +111,16 @@ def _broadcast_copy_cands(call):
 
 @register(aten._to_copy)
 def to_copy_rule(call):
-    # A cast keeps partial sums only between floating types (rounding to integers or
-    # bool does not distribute over the sum); partial maxima survive any monotone cast.
+    # A cast keeps partial sums only between floating or complex types (rounding to
+    # integers or bool does not distribute over the sum; real to complex and complex's
+    # real part do); partial maxima survive any monotone cast between real types
+    # (complex numbers have no maximum).
     src = call.inputs[0].dtype
     dst = call.arg("dtype") or src
     cands = _same_layout_cands(call, partials=False)[:len(call.in_shapes[0]) + 1]
-    if src.is_floating_point and dst.is_floating_point:
+    if all(t.is_floating_point or t.is_complex for t in (src, dst)):
         cands.append(((partial_sum,), (partial_sum,)))
-    if dst != torch.bool:
+    if dst != torch.bool and not (src.is_complex or dst.is_complex):
         cands.append(((partial_max,), (partial_max,)))
     return cands
 

@@ -63,6 +63,23 @@ def check_likes_and_casts():
     for name, op in casts.items():
         case(name, op, [x32], places=placements(4, 1, 3), rtol=1e-6, atol=1e-6)
     case("float()", lambda t: t.float(), [x], places=placements(4, 1, 3), rtol=1e-6, atol=1e-6)
+    # to complex and back to its real part: sums stay partial, maxima cannot (complex
+    # numbers have none)
+    case("to(complex64)", lambda t: t.to(torch.complex64), [x32], grad=False,
+         places=placements(4, 1, 3), rtol=1e-6, atol=1e-6)
+    case("to(complex64).real", lambda t: (t.to(torch.complex64) * 1j).imag, [x32],
+         places=placements(4, 1, 3), rtol=1e-6, atol=1e-6)
+    whole = gt.placement.all("cpu")
+    for kind in (gt.sbp.partial_sum, gt.sbp.partial_max):
+        def to_complex():
+            g = gt.tensor(x32, placement=whole, sbp=gt.sbp.broadcast).to_global(sbp=kind)
+            with gt.debug.comm_stats() as stats:
+                c = g.to(torch.complex64)
+            kept = kind == gt.sbp.partial_sum     # a sum stays, no complex maximum
+            expect((c.sbp == (kind,)) == kept and (stats.total_bytes == 0) == kept,
+                   f"{kind} to complex64: {c.sbp}, sent {stats}")
+            close(c.full(), x32.to(torch.complex64), f"{kind} to complex64")
+        guard(f"{kind} to complex64", to_complex)
     case("long()", lambda t: (t * 3).long(), [x], grad=False, places=placements(4, 0, 3))
     case("detach()+y", lambda t, u: t.detach() * u, [x, randn((5, 3), "ly")],
          places=placements(4, 0, 2))
