@@ -3,7 +3,7 @@ adds to the boxing the choice costs now: choosing one call at a time, without th
 prices, takes what is cheapest now and pays more later (a partial output reduced by
 a later call, a value that its next readers each box back).
 
->>> return_cost(out_meta, placement, (split(0),), (broadcast_layout,))   # doctest: +SKIP
+>>> return_cost(out_meta, placement, (split(0),), ((broadcast_layout,), ()))  # doctest: +SKIP
 0.00028   # the all-gather back to the residual stream's layout
 """
 from __future__ import annotations
@@ -18,26 +18,43 @@ from ..sbp import Partial, Split, broadcast
 
 def stream_layouts(current: list, parameters: list) -> tuple:
     """Where a call reduces a partial input (a row-parallel projection's output added
-    to the residual stream), the layouts of its settled activation inputs (no partial
-    axis, not a parameter: ``parameters``, per input): the layouts the value it makes
-    is likely read in next. Empty where no input is partial (most calls)."""
-    if not any(isinstance(s, Partial) for c in current for s in c.sbp):
+    to the residual stream), the layouts the value it makes is likely read in next:
+    (its settled activation inputs' layouts (no partial axis, not a parameter:
+    ``parameters``, per input), each partial input's layout with its partial axes
+    broadcast). The second is for a value that joins no settled input of its shape (a
+    post-norm's ``pow`` of the projection's output, a norm's variance summed over a
+    split dim plus ``eps``): it is read next against whole or differently split values
+    (the norm's ``x * rsqrt(variance)``), so a reduce-scatter now is an all-gather
+    later, where Megatron all-reduces once. Empty where no input is partial (most
+    calls)."""
+    partial = [bool(c.partial_axes) for c in current]
+    if not any(partial):
         return ()
-    return tuple(c for c, parameter in zip(current, parameters)
-                 if not parameter and not any(isinstance(s, Partial) for s in c.sbp))
+    return (tuple(c for c, parameter, p in zip(current, parameters, partial)
+                  if not parameter and not p),
+            tuple(c.with_sbp(tuple(broadcast if isinstance(s, Partial) else s for s in c.sbp))
+                  for c, p in zip(current, partial) if p))
 
 
 def return_cost(out, placement: Placement, sbp: tuple, streams: tuple) -> float:
     """What an output of the shape of a settled input costs to bring back to that
-    input's layout (the cheapest of them). Choosing op by op, the reduction of
-    ``residual + partial`` priced alone takes the reduce-scatter (half an all-reduce's
-    bytes) and the next projections each gather its output again: two collectives
-    where Megatron runs one all-reduce, in every step the whole-step plan does not
-    cover (the first ones, ``generate()``'s tokens). Charging the way back makes the
-    reduction that keeps the stream's layout win unless another is cheaper even so."""
+    input's layout (the cheapest of them); one that reduced a partial input and joins
+    no settled input of its shape, to that input's layout reduced (``stream_layouts``).
+    Choosing op by op, the reduction of ``residual + partial`` priced alone takes the
+    reduce-scatter (half an all-reduce's bytes) and the next projections each gather its
+    output again: two collectives where Megatron runs one all-reduce, in every step the
+    whole-step plan does not cover (the first ones, ``generate()``'s tokens). Charging
+    the way back makes the reduction that keeps the stream's layout win unless another
+    is cheaper even so. An output left partial is charged only against a settled input
+    (its reduction is charged where it happens)."""
     shape = tuple(out.shape)
-    found = [c for c in streams if c.shape == shape]
-    if not found or not all(type(n) is int for n in shape):
+    if not all(type(n) is int for n in shape):
+        return 0.0
+    settled, reduced = streams
+    found = [c for c in settled if c.shape == shape]
+    if not found and not any(isinstance(s, Partial) for s in sbp):
+        found = [c for c in reduced if c.shape == shape]
+    if not found:
         return 0.0
     made = Layout.make(shape, placement, tuple(sbp))
     return min(0.0 if made == c else pair_cost(made, c, out.element_size()) for c in found)

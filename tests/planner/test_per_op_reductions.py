@@ -114,6 +114,59 @@ def check_a_plan_from_such_steps_buckets_a_gradient_that_arrived_whole():
     step.clear()
 
 
+def _norms_of_split_values():
+    """Olmo 2's block: norms of the whole query and key projections (their outputs
+    column-split: the variance sums over the split dim), and post-norms (the norm of
+    the row-parallel output, partial, before its residual add)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    def rms(x, weight):
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v, self.proj = (nn.Linear(C, C) for _ in range(4))
+            self.fc1, self.fc2 = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+            self.q_norm, self.k_norm, self.post_attn, self.post_mlp = (
+                nn.Parameter(torch.rand(C) + 0.5) for _ in range(4))
+
+        def forward(self, x):
+            q, k = rms(self.q(x), self.q_norm), rms(self.k(x), self.k_norm)
+            q, k, v = (t.view(B, T, 4, C // 4).transpose(1, 2) for t in (q, k, self.v(x)))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + rms(self.proj(y.transpose(1, 2).reshape(B, T, C)), self.post_attn)
+            return x + rms(self.fc2(F.gelu(self.fc1(x))), self.post_mlp)
+
+    torch.manual_seed(5)
+    return Block()
+
+
+def check_norms_of_split_values_op_by_op_all_reduce():
+    """Olmo 2's block op by op, Megatron's layout: the query and key norms' variances
+    (partial sums over the split dim) and the post-norms' inputs (row-parallel outputs)
+    are all-reduced, and nothing else is sent in the forward. Reduce-scattering them,
+    cheapest priced alone, left each for an all-gather by the next reader (the norm's
+    product with the split projection, the next layer): 8 all-to-alls (gloo's
+    reduce-scatter) and 8 all-gathers in a 2-layer Olmo 2's first forward."""
+    import copy
+
+    import torch
+
+    import globaltensor as gt
+    P = gt.placement.all("cpu")
+    plain = _norms_of_split_values()
+    model = gt.nn.to_global(copy.deepcopy(plain), P, _megatron)
+    data = torch.randn(B, T, C, generator=torch.Generator().manual_seed(6))
+    forward, _ = step_counted(model, plain, data, P)
+    # 2 variances, and each post-norm's input twice: its pow reads it whole, and the
+    # (partial) normed value is reduced again at the residual add (Megatron: once)
+    assert dict(forward.calls) == {"all_reduce": 6}, forward
+
+
 CHECKS = ["check_a_megatron_block_op_by_op_all_reduces_once_per_projection",
+          "check_norms_of_split_values_op_by_op_all_reduce",
           "check_a_plan_from_such_steps_buckets_a_gradient_that_arrived_whole"]
 test_world2, test_world4 = checks_in_worlds(__name__, CHECKS)
