@@ -113,16 +113,32 @@ def _broadcast_copy_cands(call):
 def to_copy_rule(call):
     # A cast keeps partial sums only between floating or complex types (rounding to
     # integers or bool does not distribute over the sum; real to complex and complex's
-    # real part do); partial maxima survive any monotone cast between real types
-    # (complex numbers have no maximum).
+    # real part do); partial maxima survive a cast that keeps the order of every value
+    # (``_keeps_order``).
     src = call.inputs[0].dtype
     dst = call.arg("dtype") or src
     cands = _same_layout_cands(call, partials=False)[:len(call.in_shapes[0]) + 1]
     if all(t.is_floating_point or t.is_complex for t in (src, dst)):
         cands.append(((partial_sum,), (partial_sum,)))
-    if dst != torch.bool and not (src.is_complex or dst.is_complex):
+    if _keeps_order(src, dst):
         cands.append(((partial_max,), (partial_max,)))
     return cands
+
+
+def _keeps_order(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether casting ``src`` to ``dst`` keeps the order of every value, the lowest
+    too: a partial maximum's addends hold it where a rank has nothing (``-inf``, an
+    integer type's minimum), and ``-inf`` cast to int8 is 0. To a floating type from
+    any real one, and between integer types where ``dst`` holds all of ``src``'s range;
+    not to bool, nor to or from complex (which has no order)."""
+    if dst == torch.bool or src.is_complex or dst.is_complex:
+        return False
+    if dst.is_floating_point:
+        return True
+    if src.is_floating_point:
+        return False
+    low, high = (0, 1) if src == torch.bool else (torch.iinfo(src).min, torch.iinfo(src).max)
+    return torch.iinfo(dst).min <= low and high <= torch.iinfo(dst).max
 
 
 @register(aten.copy_.default, decompose=True)
