@@ -137,8 +137,11 @@ def _keeps_order(src: torch.dtype, dst: torch.dtype) -> bool:
         return True
     if src.is_floating_point:
         return False
-    low, high = (0, 1) if src == torch.bool else (torch.iinfo(src).min, torch.iinfo(src).max)
-    return torch.iinfo(dst).min <= low and high <= torch.iinfo(dst).max
+    try:
+        low, high = (0, 1) if src == torch.bool else (torch.iinfo(src).min, torch.iinfo(src).max)
+        return torch.iinfo(dst).min <= low and high <= torch.iinfo(dst).max
+    except TypeError:   # (a quantized type: no iinfo)
+        return False
 
 
 @register(aten.copy_.default, decompose=True)
