@@ -1,5 +1,5 @@
 """Reductions: sum, mean, amax/amin, max/min, var/std, argmax/argmin, any/all, norms,
-histc (counts in fixed bins: each rank counts its part, a partial sum).
+histc (counts in fixed bins: each rank counts its part, a partial sum), trace.
 
 A dim that is not reduced keeps its split (shifted when the dim disappears). Reducing a
 split dim gives a partial: ``sum``/``mean`` -> partial_sum, ``amax``/``max`` ->
@@ -142,3 +142,22 @@ def histc_rule(call):
     if call.arg("min", 0) < call.arg("max", 0):
         cands += [((Split(d),), (partial_sum,)) for d in range(len(call.in_shapes[0]))]
     return cands
+
+
+@register(aten.trace)
+def trace_rule(call):
+    """The sum of a matrix's diagonal: a part split on either dim sums the stretch of
+    the diagonal it holds (``_trace_local``), into a partial sum; linear."""
+    return [((broadcast,), (broadcast,)), ((partial_sum,), (partial_sum,)),
+            ((Split(0),), (partial_sum,)), ((Split(1),), (partial_sum,))]
+
+
+def _trace_local(ctx, x):
+    # Element (i, j) of a part is (i + row offset, j + column offset) of the whole: the
+    # whole's diagonal runs along the part's diagonal shifted by their difference (an
+    # offset past the part's edge is an empty diagonal, summing to 0).
+    rows, cols = ctx.region(0).offsets
+    return x.diagonal(rows - cols).sum()
+
+
+register(aten.trace, local=_trace_local)(trace_rule)

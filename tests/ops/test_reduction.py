@@ -37,6 +37,7 @@ def check_reductions():
         "vector_norm(dim=1)": lambda x: torch.linalg.vector_norm(x, dim=1),
         "vector_norm(ord=1,dim=0)": lambda x: torch.linalg.vector_norm(x, ord=1, dim=0),
         "x.norm()": lambda x: x.norm(), "x.norm(dim=0)": lambda x: x.norm(dim=0),
+        "trace()": torch.trace,
         "amin()": lambda x: x.amin(), "min()": lambda x: torch.min(x),
         "amin((0,1),keepdim)": lambda x: x.amin((0, 1), keepdim=True),
         "any()": lambda x: (x > 1).any(), "all()": lambda x: (x > -1).all(),
@@ -68,6 +69,12 @@ def check_reductions():
     counted = torch.histc(gt.tensor(ids, placement=line(), sbp=S(0)), bins=4, min=0, max=3)
     expect(counted.sbp == (P,), f"histc of split(0): {counted.sbp}")
     x3 = randn((2, 5, 3), "rx3")
+    # a split part sums its stretch of the diagonal (no gather; the 0-d result reduced)
+    with gt.debug.comm_stats() as stats:
+        traced = torch.trace(gt.tensor(x, placement=line(), sbp=S(1)))
+    expect(traced.sbp == (gt.sbp.broadcast,) and (set(stats.calls) == {"all_reduce"}
+                                                   or gt.get_rank() not in line()),
+           f"trace of split(1): {traced.sbp}, sent {stats}")
     case("sum(1) 3-D", lambda x: x.sum(1), [x3], places=placements(5, 0, 3))
     case("mean((0,2)) 3-D", lambda x: x.mean((0, 2)), [x3], places=placements(5, 0, 3))
     # DESIGN: reducing a split dim gives a partial; a scalar result is then reduced at
