@@ -1,9 +1,9 @@
 """Choosing op by op (the steps before a plan, inference, ``generate()``), a reduction
 keeps the layout of the stream it joins: a row-parallel projection's partial output
 added to a broadcast residual is all-reduced once (Megatron's collective), not
-reduce-scattered and gathered again by each reader; and a plan recorded from such
-steps still reduces a gradient that arrives in its parameter's layout with the
-others, in the bucket."""
+reduce-scattered and gathered again by each reader (so too a norm's variance over a
+split dim); and a plan recorded from such steps still reduces a gradient that arrives
+in its parameter's layout with the others, in the bucket."""
 from mp import checks_in_worlds
 from test_step_plans import B, C, T, _fresh, _megatron
 
