@@ -161,12 +161,14 @@ def _megatron_pairs(model) -> tuple[dict, dict]:
     grouped-query attention's k and v narrower), and those are column-parallel; one
     whose output is 2 or 3 times the last's input is a fused projection (GPT-2's
     query-key-value ``c_attn``, a fused gate-up), split in that many blocks
-    (``split(dim, blocks=k)``: each rank holds its heads of each).
+    (``split(dim, blocks=k)``: each rank holds its heads of each). Where the pattern
+    spans modules (Bert's: query, key and value in one, the output projection in the
+    next; the MLP's two projections in one module each), ``_across_modules`` pairs them.
 
     >>> _megatron_pairs(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)))  # doctest: +SKIP
     ({'1': 1}, {'0': (0, 1)})
     """
-    rows, cols = {}, {}
+    rows, cols, waiting = {}, {}, []
     for prefix, module in model.named_modules():
         layers = [(f"{prefix}.{name}".lstrip("."), shape) for name, m in module.named_children()
                   for shape in [_projection(m)] if shape is not None]
@@ -182,13 +184,42 @@ def _megatron_pairs(model) -> tuple[dict, dict]:
                 else:
                     k += 1
             continue
+        if len(layers) == 3 and len({shape[:2] for _, shape in layers}) == 1 \
+                and layers[0][1][0] == layers[0][1][1]:
+            # three alike, square, and nothing after them here: a query, key and value
+            # whose output projection is in another module (not the value fed by the
+            # query and key)
+            cols.update({name: (shape[2], 1) for name, shape in layers})
+            waiting.append((layers[-1][0], layers[0][1][1]))
+            continue
         last_name, last = layers[-1]
         feeds = {name: (shape[2], _blocks(shape[1], last[0])) for name, shape in layers[:-1]
                  if _blocks(shape[1], last[0])}
         if feeds and len({shape[0] for name, shape in layers[:-1] if name in feeds}) == 1:
             rows[last_name] = 1 - last[2]
             cols.update(feeds)
+    _across_modules(model, rows, cols, waiting)
     return rows, cols
+
+
+def _across_modules(model, rows: dict, cols: dict, waiting: list) -> None:
+    """The pattern where it spans modules, among the projections not laid out yet in
+    the modules' order: a query-key-value group's (``waiting``: (its last member, its
+    width)) row-parallel projection is the next one taking its width; and a projection
+    that widens followed by one that narrows back (Bert's intermediate and output
+    ``dense``) are column then row."""
+    order = [(name, shape) for name, m in model.named_modules()
+             for shape in [_projection(m)] if shape is not None]
+    at = {name: k for k, (name, _) in enumerate(order)}
+    for last, width in waiting:
+        for name, shape in order[at[last] + 1:]:
+            if name not in rows and name not in cols and shape[0] == width:
+                rows[name] = 1 - shape[2]
+                break
+    free = [(name, shape) for name, shape in order if name not in rows and name not in cols]
+    for (a, fa), (b, fb) in zip(free, free[1:]):
+        if a not in rows and fa[1] == fb[0] and fa[1] > fa[0] and fb[1] == fa[0]:
+            cols[a], rows[b] = (fa[2], 1), 1 - fb[2]
 
 
 def _blocks(out_features: int, row_in: int) -> int:

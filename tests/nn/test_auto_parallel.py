@@ -339,66 +339,6 @@ def check_close_candidates_take_more_turns_and_every_step_starts_together():
         + [(("fast", "near"), auto.TIMED_STEPS, True)] * extra, turns
 
 
-def test_megatron_pairs_in_sequentials_chain_and_in_modules_fan_in():
-    from torch import nn
-
-    from globaltensor.nn.auto_candidates import _megatron_pairs
-    flat = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(8, 8), nn.ReLU())][:-1])
-    assert _megatron_pairs(flat) == ({"2": 1, "6": 1}, {"0": (0, 1), "4": (0, 1)})
-
-    class Attention(nn.Module):
-        def __init__(self, q=8, kv=8, fused=0):
-            super().__init__()
-            if fused:
-                self.qkv = nn.Linear(8, fused)
-            else:
-                self.q, self.k, self.v = nn.Linear(8, q), nn.Linear(8, kv), nn.Linear(8, kv)
-            self.proj = nn.Linear(8, 8)
-    assert _megatron_pairs(Attention()) == ({"proj": 1}, {"q": (0, 1), "k": (0, 1), "v": (0, 1)})
-    # grouped-query attention: keys and values with fewer heads are column-parallel too
-    assert _megatron_pairs(Attention(kv=2)) == ({"proj": 1}, {"q": (0, 1), "k": (0, 1), "v": (0, 1)})
-    # a fused query-key-value projection splits in 3 blocks (each rank its heads of each)
-    assert _megatron_pairs(Attention(fused=24)) == ({"proj": 1}, {"qkv": (0, 3)})
-    assert _megatron_pairs(Attention(fused=40)) == ({}, {})   # 5 x: not a fused projection
-    assert _megatron_pairs(nn.Sequential(nn.Linear(4, 8), nn.Linear(6, 2))) == ({}, {})
-
-
-def test_tensor_parallel_candidates_of_hub_models_are_megatrons():
-    """Hugging Face GPT-2 (``Conv1D`` weights (in, out), a fused ``c_attn``) and Llama
-    (grouped-query attention, a gated MLP): the tensor-parallel candidate lays every
-    projection out as Megatron does, each of GPT-2's query, key and value split by heads
-    (``split(1, blocks=3)``); the rest broadcast."""
-    import transformers as tf
-
-    import globaltensor as gt
-    from globaltensor.nn.auto_candidates import candidate_layouts
-    S, B = gt.sbp.split, gt.sbp.broadcast
-    tiny = dict(vocab_size=32, num_hidden_layers=1)
-    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=16, n_head=4, n_positions=8, n_layer=1,
-                                            vocab_size=32, bos_token_id=0, eos_token_id=0))
-    llama = tf.LlamaForCausalLM(tf.LlamaConfig(hidden_size=16, intermediate_size=32,
-                                               num_attention_heads=4, num_key_value_heads=2,
-                                               **tiny))
-    expected = {gpt2: {"attn.c_attn.weight": S(1, blocks=3), "attn.c_attn.bias": S(0, blocks=3),
-                       "attn.c_proj.weight": S(0), "mlp.c_fc.weight": S(1),
-                       "mlp.c_fc.bias": S(0), "mlp.c_proj.weight": S(0)},
-                llama: {f"{m}.weight": S(0) for m in ("self_attn.q_proj", "self_attn.k_proj",
-                                                      "self_attn.v_proj", "mlp.gate_proj",
-                                                      "mlp.up_proj")}
-                | {"self_attn.o_proj.weight": S(1), "mlp.down_proj.weight": S(1)}}
-    for model, layer in expected.items():
-        layouts, _ = candidate_layouts(model, gt.placement("cpu", [0, 1]),
-                                       (_ids(),))["tensor parallel"]
-        split = {name.split(".0.", 1)[1]: sbp[0] for name, sbp in layouts.items()
-                 if sbp != (B,)}
-        assert split == layer, (type(model).__name__, split)
-
-
-def _ids():
-    import torch
-    return torch.zeros(2, 8, dtype=torch.long)
-
-
 CHECKS = ["check_auto_parallel_chooses_measured_layouts_and_trains_equal",
           "check_a_candidate_that_fails_is_skipped_with_a_warning_naming_it",
           "check_memory_budget_rules_out_data_parallel_or_raises",
