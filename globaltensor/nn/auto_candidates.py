@@ -156,14 +156,15 @@ def _megatron_pairs(model) -> tuple[dict, dict]:
     """Projections (``_projection``) in Megatron's pattern: (row-parallel {name: the
     weight's input-features dim}, column-parallel {name: (the weight's output-features
     dim, blocks)}). In a ``Sequential`` the projections chain: each pair in turn whose
-    widths meet (fc1 -> fc2) is column then row. In another module, the last one is
-    row-parallel when earlier ones with one input width feed it (q, k, v into proj;
-    grouped-query attention's k and v narrower), and those are column-parallel; one
-    whose output is 2 or 3 times the last's input is a fused projection (GPT-2's
-    query-key-value ``c_attn``, a fused gate-up), split in that many blocks
-    (``split(dim, blocks=k)``: each rank holds its heads of each). Where the pattern
-    spans modules (Bert's: query, key and value in one, the output projection in the
-    next; the MLP's two projections in one module each), ``_across_modules`` pairs them.
+    widths meet (fc1 -> fc2) is column then row. In another module, the last one that
+    the others with one input width feed, and no wider than they, is row-parallel (q, k,
+    v into proj; grouped-query attention's k and v narrower), and those are
+    column-parallel; one whose output is 2 or 3 times the last's input is a fused
+    projection (GPT-2's query-key-value ``c_attn``, a fused gate-up), split in that many
+    blocks (``split(dim, blocks=k)``: each rank holds its heads of each). Where the
+    pattern spans modules (Bert's: query, key and value in one, the output projection in
+    the next; the MLP's two projections in one module each), ``_across_modules`` pairs
+    them.
 
     >>> _megatron_pairs(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)))  # doctest: +SKIP
     ({'1': 1}, {'0': (0, 1)})
@@ -192,12 +193,16 @@ def _megatron_pairs(model) -> tuple[dict, dict]:
             cols.update({name: (shape[2], 1) for name, shape in layers})
             waiting.append((layers[-1][0], layers[0][1][1]))
             continue
-        last_name, last = layers[-1]
-        feeds = {name: (shape[2], _blocks(shape[1], last[0])) for name, shape in layers[:-1]
-                 if _blocks(shape[1], last[0])}
-        if feeds and len({shape[0] for name, shape in layers[:-1] if name in feeds}) == 1:
-            rows[last_name] = 1 - last[2]
-            cols.update(feeds)
+        for row_name, row in reversed(layers):   # the last that the others feed
+            feeds = {name: (shape, _blocks(shape[1], row[0])) for name, shape in layers
+                     if name != row_name and _blocks(shape[1], row[0])}
+            # (no wider than what feeds it: Phi-3 defines its output projection before
+            # its fused query-key-value one, which the output projection does not feed)
+            if feeds and len({shape[0] for shape, _ in feeds.values()}) == 1 \
+                    and row[1] <= max(shape[1] for shape, _ in feeds.values()):
+                rows[row_name] = 1 - row[2]
+                cols.update({name: (shape[2], k) for name, (shape, k) in feeds.items()})
+                break
     _across_modules(model, rows, cols, waiting)
     return rows, cols
 

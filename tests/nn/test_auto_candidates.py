@@ -1,6 +1,7 @@
 """auto_parallel's candidates read from a model's structure: Megatron's pattern of
 projections (``nn/auto_candidates.py``), checked on small modules and on Hugging Face
-models against the hand-written layouts that ``test_hub_models`` trains."""
+models against Megatron's layouts written by hand (GPT-2's, Llama's and Bert's are those
+that ``test_hub_models`` trains)."""
 
 
 def test_megatron_pairs_in_sequentials_chain_and_in_modules_fan_in():
@@ -29,7 +30,8 @@ def test_megatron_pairs_in_sequentials_chain_and_in_modules_fan_in():
 
 def test_tensor_parallel_candidates_of_hub_models_are_megatrons():
     """Hugging Face GPT-2 (``Conv1D`` weights (in, out), a fused ``c_attn``), Llama
-    (grouped-query attention, a gated MLP) and Bert (its pattern across modules): the
+    (grouped-query attention, a gated MLP), Bert (its pattern across modules) and Phi-3
+    (fused query-key-value and gate-up projections, in 3 and 2 blocks): the
     tensor-parallel candidate lays every projection out as Megatron does, each of
     GPT-2's query, key and value split by heads (``split(1, blocks=3)``); the rest
     broadcast."""
@@ -46,6 +48,10 @@ def test_tensor_parallel_candidates_of_hub_models_are_megatrons():
                                                **tiny))
     bert = tf.BertForMaskedLM(tf.BertConfig(hidden_size=16, num_attention_heads=4,
                                             intermediate_size=32, **tiny))
+    # (Phi-3 defines its output projection before its fused query-key-value one)
+    phi3 = tf.Phi3ForCausalLM(tf.Phi3Config(hidden_size=16, intermediate_size=32,
+                                            num_attention_heads=4, num_key_value_heads=4,
+                                            pad_token_id=0, **tiny))
     expected = {gpt2: {"attn.c_attn.weight": S(1, blocks=3), "attn.c_attn.bias": S(0, blocks=3),
                        "attn.c_proj.weight": S(0), "mlp.c_fc.weight": S(1),
                        "mlp.c_fc.bias": S(0), "mlp.c_proj.weight": S(0)},
@@ -58,7 +64,10 @@ def test_tensor_parallel_candidates_of_hub_models_are_megatrons():
                 bert: {f"{m}.{w}": S(0) for m in ("attention.self.query", "attention.self.key",
                                                   "attention.self.value", "intermediate.dense")
                        for w in ("weight", "bias")}
-                | {"attention.output.dense.weight": S(1), "output.dense.weight": S(1)}}
+                | {"attention.output.dense.weight": S(1), "output.dense.weight": S(1)},
+                phi3: {"self_attn.qkv_proj.weight": S(0, blocks=3),
+                       "self_attn.o_proj.weight": S(1),
+                       "mlp.gate_up_proj.weight": S(0, blocks=2), "mlp.down_proj.weight": S(1)}}
     for model, layer in expected.items():
         layouts, _ = candidate_layouts(model, gt.placement("cpu", [0, 1]),
                                        (_ids(),))["tensor parallel"]
