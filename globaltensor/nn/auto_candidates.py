@@ -194,8 +194,8 @@ def _megatron_pairs(model) -> tuple[dict, dict]:
             waiting.append((layers[-1][0], layers[0][1][1]))
             continue
         for row_name, row in reversed(layers):   # the last that the others feed
-            feeds = {name: (shape, _blocks(shape[1], row[0])) for name, shape in layers
-                     if name != row_name and _blocks(shape[1], row[0])}
+            feeds = {name: (shape, k) for name, shape in layers if name != row_name
+                     for k in [_blocks(shape[1], row[0])] if k}
             # (no wider than what feeds it: Phi-3 defines its output projection before
             # its fused query-key-value one, which the output projection does not feed)
             if feeds and len({shape[0] for shape, _ in feeds.values()}) == 1 \

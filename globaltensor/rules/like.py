@@ -130,7 +130,8 @@ def _keeps_order(src: torch.dtype, dst: torch.dtype) -> bool:
     too: a partial maximum's addends hold it where a rank has nothing (``-inf``, an
     integer type's minimum), and ``-inf`` cast to int8 is 0. To a floating type from
     any real one, and between integer types where ``dst`` holds all of ``src``'s range;
-    not to bool, nor to or from complex (which has no order)."""
+    not to bool, nor to or from complex (which has no order). (The lowest value itself:
+    ``partials.identity_value``.)"""
     if dst == torch.bool or src.is_complex or dst.is_complex:
         return False
     if dst.is_floating_point:
